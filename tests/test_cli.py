@@ -1,0 +1,62 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchspeed.cli import main
+
+EXE = [sys.executable, "-m", "torchspeed"]
+
+
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys; from torchspeed.cli import build_parser; build_parser(); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('clean')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    v = subprocess.run(EXE + ["--version"], capture_output=True, text=True, timeout=60)
+    assert v.returncode == 0 and v.stdout.startswith("torchspeed ")
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("demo-data", "bench", "info"):
+        assert cmd in out
+
+
+def test_unknown_subcommand_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_demo_data_bad_count(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo-data", "x", "--images", "-3"])
+    assert e.value.code == 2
+    assert "positive integer" in capsys.readouterr().err
+
+
+def test_demo_data_unwritable_dir_is_one_line_no_traceback(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code = main(["demo-data", str(blocker / "sub"), "--images", "2", "--classes", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot create the demo folder" in err and "Traceback" not in err
+
+
+def test_demo_data_writes_images(tmp_path):
+    assert main(["demo-data", str(tmp_path / "d"), "--images", "4", "--classes", "2", "--seed", "3"]) == 0
+    assert len(os.listdir(tmp_path / "d" / "class_00")) == 2
+
+
+def test_info_writes_json(tmp_path):
+    import json
+
+    assert main(["info", "--json", str(tmp_path / "m.json")]) == 0
+    info = json.loads((tmp_path / "m.json").read_text())
+    assert info["cores"] >= 1 and "default_precision" in info

@@ -1,0 +1,95 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from torchspeed import runtime
+
+
+def _draws():
+    return (
+        [random.random() for _ in range(3)] + [random.gauss(0, 1)],
+        np.random.rand(3).tolist() + [np.random.randn()],
+        torch.rand(3).tolist() + torch.randn(2).tolist(),
+    )
+
+
+def test_rng_round_trip_repeats_every_generator(tmp_path):
+    runtime.seed_everything(123)
+    random.gauss(0, 1), np.random.randn()  # leave cached gaussians in both generators
+    state = runtime.rng_state()
+    path = tmp_path / "rng.pt"
+    torch.save(state, path)
+    first = _draws()
+    runtime.seed_everything(999)  # disturb everything
+    _draws()
+    runtime.set_rng_state(torch.load(path, weights_only=True))
+    assert _draws() == first
+
+
+def test_set_rng_state_rejects_garbage():
+    with pytest.raises(ValueError, match="RNG state"):
+        runtime.set_rng_state({"python": 1})
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "7", True])
+def test_seed_everything_validates(bad):
+    with pytest.raises(ValueError, match="seed"):
+        runtime.seed_everything(bad)
+
+
+def _tiny_run(seed: int) -> torch.Tensor:
+    runtime.seed_everything(seed)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(4))
+    model(torch.zeros(1, 3, 8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
+    for _ in range(5):
+        idx = torch.randperm(16)[:8]
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_seed_everything_reproduces_training_bit_for_bit():
+    runtime.deterministic(True)
+    try:
+        a, b, c = _tiny_run(7), _tiny_run(7), _tiny_run(8)
+    finally:
+        runtime.deterministic(False)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_deterministic_toggles_torch_flags():
+    runtime.deterministic(True)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    runtime.deterministic(False)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_describe_reports_machine():
+    info = runtime.describe()
+    assert info["cores"] >= 1 and info["torch"] == torch.__version__
+    assert set(runtime._ISA_FLAGS) <= set(info["isa"])
+    assert isinstance(info["gpus"], list)
+    assert info["cpu"] in runtime.describe_line(info)
+
+
+def test_default_precision_follows_cpu_flags(monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    choice = runtime.default_precision("cpu")
+    assert choice.name == "bf16" and "amx_bf16" in choice.reason and choice.dtype is torch.bfloat16
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert runtime.default_precision("cpu").name == "fp32"
+
+
+def test_default_precision_follows_gpu_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (7, 5))
+    assert runtime.default_precision("cuda:0").name == "fp16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    assert runtime.default_precision("cuda:0").name == "bf16"

@@ -1,0 +1,17 @@
+"""torchspeed: fast PyTorch training and inference, proven by measurement.
+
+Subpackages load on first use (`ts.data`, `ts.train`, ...), so `import torchspeed` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["runtime", "data", "train", "infer", "compress", "doctor", "bench"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return importlib.import_module(f"torchspeed.{name}")
+    raise AttributeError(f"module 'torchspeed' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Benchmarks: the timing harness, the suites, the report."""

@@ -1,0 +1,327 @@
+"""The one timing tool every suite uses.
+
+Rules it enforces, so figures compare like with like:
+- warm-up runs are excluded; several repeats are taken and the median reported (min/max/p90 kept);
+- contenders compared with a baseline run interleaved in one process, and the ratio is of medians;
+- between contenders the harness pauses (`cooldown_s`) so a runtime's spinning worker threads
+  (OpenMP, ONNX Runtime, oneDNN) go idle instead of stealing cores from the next contender;
+- peak memory: on CUDA `max_memory_allocated` (reset per contender, synchronised); on Linux CPU the
+  process's peak RSS, reset per contender through /proc/self/clear_refs, so one contender's peak
+  cannot leak into the next.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Timing", "Comparison", "PeakMemory", "time_callable", "time_iterable", "compare", "print_table"]
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return math.nan
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class Timing:
+    """Repeated measurements of one contender. `times_s` are per repeat, `items` per repeat."""
+
+    name: str
+    times_s: list[float]
+    items: list[float] = field(default_factory=list)
+    peak_mem_bytes: int | None = None
+    unit: str = "items"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def median_s(self) -> float:
+        return _percentile(self.times_s, 0.5)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s) if self.times_s else math.nan
+
+    @property
+    def max_s(self) -> float:
+        return max(self.times_s) if self.times_s else math.nan
+
+    @property
+    def p90_s(self) -> float:
+        return _percentile(self.times_s, 0.9)
+
+    @property
+    def rates(self) -> list[float]:
+        """Items per second of each repeat."""
+        return [n / t for n, t in zip(self.items, self.times_s) if t > 0]
+
+    @property
+    def throughput(self) -> float | None:
+        """Median items per second over the repeats (None when no item count was given)."""
+        return _percentile(self.rates, 0.5) if self.items else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(median_s=self.median_s, min_s=self.min_s, max_s=self.max_s, p90_s=self.p90_s, throughput=self.throughput)
+        return d
+
+    def __str__(self) -> str:
+        rate = f", {self.throughput:,.1f} {self.unit}/s" if self.items else ""
+        return (
+            f"{self.name}: median {self.median_s * 1e3:.2f} ms (min {self.min_s * 1e3:.2f}, "
+            f"max {self.max_s * 1e3:.2f}, n={len(self.times_s)}){rate}"
+        )
+
+
+@dataclass
+class Comparison:
+    """Contenders measured interleaved in one run; ratios are baseline median / contender median."""
+
+    timings: list[Timing]
+    baseline: str
+
+    def __getitem__(self, name: str) -> Timing:
+        for t in self.timings:
+            if t.name == name:
+                return t
+        raise KeyError(f"no contender named {name!r}; have {[t.name for t in self.timings]}")
+
+    def speedup(self, name: str) -> float:
+        """How many times faster `name` is than the baseline (>1 is faster)."""
+        return self[self.baseline].median_s / self[name].median_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "baseline": self.baseline,
+            "timings": [t.to_dict() for t in self.timings],
+            "speedup": {t.name: self.speedup(t.name) for t in self.timings},
+        }
+
+    def __str__(self) -> str:
+        return "\n".join(f"{t}  x{self.speedup(t.name):.2f}" for t in self.timings)
+
+
+class PeakMemory:
+    """Resettable peak-memory counter: CUDA allocator peak on a GPU, process peak RSS on Linux CPU."""
+
+    def __init__(self, device: Any = "cpu"):
+        self.cuda = str(device).startswith("cuda")
+
+    def reset(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:  # "5" resets VmHWM (peak RSS) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def peak(self) -> int | None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            return int(torch.cuda.max_memory_allocated())
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+
+def _sync(device: Any) -> None:
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_callable(
+    fn: Callable[[], Any],
+    *,
+    name: str = "fn",
+    warmup: int = 2,
+    repeats: int = 5,
+    inner: int = 1,
+    items: float | None = None,
+    unit: str = "items",
+    min_time_s: float = 0.0,
+    device: Any = None,
+    measure_memory: bool = False,
+) -> Timing:
+    """Time `fn()`: `warmup` untimed calls, then `repeats` timed repeats of `inner` calls each.
+
+    `items` is the work of one call (e.g. the batch size) for throughput. With `min_time_s`, `inner`
+    grows until one repeat lasts at least that long (for calls too short to time singly). Each
+    recorded time is per call.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    mem = PeakMemory(device or "cpu") if measure_memory else None
+    if mem:
+        mem.reset()
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times: list[float] = []
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if dt >= min_time_s or inner >= 1 << 20:
+            times.append(dt / inner)
+            break
+        inner = max(inner * 2, math.ceil(inner * min_time_s / max(dt, 1e-9)))
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / inner)
+    return Timing(
+        name=name,
+        times_s=times,
+        items=[float(items)] * len(times) if items is not None else [],
+        peak_mem_bytes=mem.peak() if mem else None,
+        unit=unit,
+        extra={"inner": inner},
+    )
+
+
+def time_iterable(
+    make_iter: Callable[[], Iterable[Any]],
+    *,
+    name: str = "iterable",
+    count: Callable[[Any], float] = lambda batch: len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch),
+    warmup_items: int = 1,
+    passes: int = 3,
+    min_pass_s: float = 5.0,
+    max_pass_items: int | None = None,
+    unit: str = "items",
+    device: Any = None,
+    measure_memory: bool = False,
+) -> Timing:
+    """Throughput of an iterable (a data loader): items per second over `passes` timed passes.
+
+    The first `warmup_items` elements (worker start-up, caches) are consumed untimed. A pass runs for
+    at least `min_pass_s` seconds, starting a new epoch (`make_iter()` again) whenever one ends, so
+    short epochs still give long, stable passes. `count(element)` says how many items an element
+    holds (default: the batch size of `(x, y)` or `x`).
+    """
+    mem = PeakMemory(device or "cpu") if measure_memory else None
+    if mem:
+        mem.reset()
+    it: Iterator[Any] = iter(make_iter())
+
+    def next_element() -> Any:
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = iter(make_iter())
+            try:
+                return next(it)
+            except StopIteration:
+                raise ValueError(f"{name}: the iterable is empty") from None
+
+    for _ in range(warmup_items):
+        next_element()
+    _sync(device)
+    times, items = [], []
+    for _ in range(passes):
+        n = 0.0
+        t0 = time.perf_counter()
+        while True:
+            n += count(next_element())
+            dt = time.perf_counter() - t0
+            if dt >= min_pass_s or (max_pass_items is not None and n >= max_pass_items):
+                break
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        items.append(n)
+    del it
+    return Timing(name=name, times_s=times, items=items, peak_mem_bytes=mem.peak() if mem else None, unit=unit)
+
+
+def compare(
+    contenders: dict[str, Callable[[], Any]],
+    *,
+    baseline: str | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    items: float | None = None,
+    unit: str = "items",
+    min_time_s: float = 0.0,
+    cooldown_s: float = 0.25,
+    device: Any = None,
+    measure_memory: bool = False,
+) -> Comparison:
+    """Time several callables doing the same work, interleaved: repeat r runs every contender once.
+
+    Interleaving spreads slow drifts (thermal, background load) over all contenders instead of
+    penalising whichever ran last. `cooldown_s` pauses between contenders so spinning runtime threads
+    (OpenMP's blocktime is 200 ms) yield the cores. Peak memory is taken during each contender's own
+    warm-up, with the counter reset before it.
+    """
+    if not contenders:
+        raise ValueError("compare() needs at least one contender")
+    baseline = baseline or next(iter(contenders))
+    if baseline not in contenders:
+        raise ValueError(f"baseline {baseline!r} is not among the contenders {list(contenders)}")
+    inner: dict[str, int] = {}
+    peaks: dict[str, int | None] = {}
+    for cname, fn in contenders.items():  # warm-up, calibrate inner loop counts, memory
+        t = time_callable(fn, name=cname, warmup=warmup, repeats=1, min_time_s=min_time_s, device=device,
+                          measure_memory=measure_memory)
+        inner[cname] = t.extra["inner"]
+        peaks[cname] = t.peak_mem_bytes
+        time.sleep(cooldown_s)
+    times: dict[str, list[float]] = {c: [] for c in contenders}
+    for _ in range(repeats):
+        for cname, fn in contenders.items():
+            t0 = time.perf_counter()
+            for _ in range(inner[cname]):
+                fn()
+            _sync(device)
+            times[cname].append((time.perf_counter() - t0) / inner[cname])
+            time.sleep(cooldown_s)
+    timings = [
+        Timing(
+            name=c,
+            times_s=times[c],
+            items=[float(items)] * repeats if items is not None else [],
+            peak_mem_bytes=peaks[c],
+            unit=unit,
+            extra={"inner": inner[c]},
+        )
+        for c in contenders
+    ]
+    return Comparison(timings=timings, baseline=baseline)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], console: Any = None) -> None:
+    """Print a rich table (the one table style every command uses)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*("" if v is None else f"{v:,.3g}" if isinstance(v, float) else str(v) for v in row))
+    (console or Console()).print(table)

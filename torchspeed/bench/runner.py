@@ -1,0 +1,60 @@
+"""Run benchmark suites, keep going when one fails, and collect their JSON under the suite names."""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+
+from torchspeed.atomic import write_json
+from torchspeed.bench import suites
+from torchspeed.bench.harness import print_table
+from torchspeed.runtime import describe, describe_line
+
+
+def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed-report",
+               json_path: str | None = None, console: Console | None = None) -> dict[str, Any]:
+    """Run each suite in turn; a failing suite is recorded with its error and the others still run."""
+    console = console or Console()
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the report directory {out!r}: {e.strerror}") from None
+    machine = describe()
+    console.print(f"[bold]Machine:[/] {describe_line(machine)}")
+    results: dict[str, Any] = {"machine": machine, "quick": quick}
+    todo = [n for n in names if suites.load(n) is not None]
+    missing = [n for n in names if n not in todo]
+    if missing:
+        console.print(f"not built into this version yet: {', '.join(missing)}")
+    for i, name in enumerate(todo, 1):
+        module = suites.load(name)
+        t0 = time.perf_counter()
+        with console.status(f"[{i}/{len(todo)}] {name}: starting") as status:
+            def step(text: str, _name=name, _i=i) -> None:
+                status.update(f"[{_i}/{len(todo)}] {_name}: {text} ({time.perf_counter() - t0:.0f} s)")
+            try:
+                results[name] = module.run(quick=quick, step=step)
+            except Exception as e:  # one suite's failure must not lose the others
+                results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+                console.print(f"[red]suite {name} failed:[/] {type(e).__name__}: {e}")
+        results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print_suite(name, results[name], console)
+    write_json(os.path.join(out, "results.json"), results)
+    if json_path:
+        write_json(json_path, results)
+    return results
+
+
+def print_suite(name: str, result: dict[str, Any], console: Console) -> None:
+    if "error" in result:
+        return
+    rows = [
+        (r["technique"], r.get("median"), r.get("unit", ""), r.get("ratio"), r.get("cumulative"), r.get("metric_drop"))
+        for r in result.get("rows", [])
+    ]
+    title = getattr(suites.load(name), "TITLE", name)
+    print_table(title, ["technique", "median", "unit", "ratio", "cumulative", "metric drop"], rows, console)

@@ -1,0 +1,107 @@
+"""The `torchspeed` command. Thin: parses, calls the library, prints.
+
+Each area registers its subcommands from its own module (`torchspeed/cli/<area>.py`). Nothing here
+imports torch: `--help` and `--version` stay instant; commands import what they need when they run.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from torchspeed import __version__
+
+# Modules that define `register(subparsers)`; order is the order of `--help`.
+COMMAND_MODULES = ("data", "train", "infer", "compress", "doctor", "bench", "info")
+
+
+class UserError(Exception):
+    """A problem with the user's input: printed as one line, no traceback, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchspeed",
+        description="Make PyTorch training and inference fast on this machine, and prove it by measurement.",
+    )
+    parser.add_argument("--version", action="version", version=f"torchspeed {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"torchspeed.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"torchspeed.cli.{name}":
+                continue  # that area has not landed yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def error(message: str) -> int:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold red]torchspeed: error:[/] {message}", highlight=False, markup=True)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return error("interrupted") or 130
+    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError) as e:
+        if args.debug:
+            raise
+        return error(str(e))
+    except OSError as e:
+        if args.debug:
+            raise
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return error(f"{e.strerror or e}{where}")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def int_tuple(text: str) -> tuple[int, ...]:
+    """argparse type: '1,3,224,224' -> (1, 3, 224, 224)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,3,224,224, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"every dimension must be >= 1, got {text!r}")
+    return values
+
+
+def add_json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="also write the measured figures as JSON to PATH")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from torchspeed.cli import main
+
+sys.exit(main())

@@ -1,0 +1,26 @@
+"""`torchspeed bench`: measure every technique against plain PyTorch on this machine."""
+from __future__ import annotations
+
+import argparse
+
+from torchspeed.cli import add_json_option
+
+SUITES = ("data", "train", "infer", "compress", "design")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure each technique's speed-up over plain PyTorch here (the report)")
+    p.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="which suite (default all)")
+    p.add_argument("--quick", action="store_true", help="short runs (the whole report in about 8 minutes)")
+    p.add_argument("--out", default="torchspeed-report", metavar="DIR", help="report directory (default ./torchspeed-report)")
+    add_json_option(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from torchspeed.bench.runner import run_suites
+
+    names = SUITES if args.suite == "all" else (args.suite,)
+    results = run_suites(names, quick=args.quick, out=args.out, json_path=args.json)
+    failed = [n for n in names if isinstance(results.get(n), dict) and "error" in results[n]]
+    return 1 if failed else 0

@@ -1,0 +1,212 @@
+"""Device and capability detection, precision choice, seeding, RNG state and determinism.
+
+This is the floor every other module stands on; it imports nothing else from torchspeed.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "PrecisionChoice",
+    "cache_dir",
+    "cpu_flags",
+    "default_precision",
+    "describe",
+    "deterministic",
+    "resolve_device",
+    "rng_state",
+    "seed_everything",
+    "set_rng_state",
+    "synchronize",
+]
+
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (empty where /proc/cpuinfo is absent)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (respects taskset / cgroup affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def describe() -> dict[str, Any]:
+    """A plain-dict description of the machine: CPU, ISA, GPU, library versions."""
+    flags = cpu_flags()
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "arch": platform.machine(),
+        "cores": usable_cores(),
+        "isa": {name: name in flags for name in _ISA_FLAGS},
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            info["gpus"].append(
+                {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1)}
+            )
+    return info
+
+
+def describe_line(info: dict[str, Any] | None = None) -> str:
+    """One line for reports: 'CPU (N cores; avx512_bf16, amx_bf16), GPU ..., torch X'."""
+    info = info or describe()
+    isa = ", ".join(k for k, v in info["isa"].items() if v) or "no AVX"
+    gpus = "; ".join(f"{g['name']} (sm {g['capability']})" for g in info["gpus"]) or "no GPU"
+    return f"{info['cpu']} ({info['cores']} cores; {isa}); {gpus}; torch {info['torch']}"
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """'auto' means the first CUDA device when there is one, else the CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued device work, so a host timer measures it (no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """A precision ('bf16', 'fp16' or 'fp32') and why it was chosen."""
+
+    name: str
+    reason: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.name]
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def default_precision(device: str | torch.device = "auto") -> PrecisionChoice:
+    """The mixed precision a device runs fastest by its capabilities (a default; measure to confirm)."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major >= 8:
+            return PrecisionChoice("bf16", f"CUDA compute capability {major}.{minor} >= 8.0 has fast bf16 tensor cores")
+        if major >= 7:
+            return PrecisionChoice("fp16", f"CUDA compute capability {major}.{minor} has fp16 tensor cores but no fast bf16")
+        return PrecisionChoice("fp32", f"CUDA compute capability {major}.{minor} has no tensor cores")
+    if dev.type == "cpu":
+        flags = cpu_flags()
+        native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+        if native:
+            return PrecisionChoice("bf16", f"the CPU has native bf16 instructions ({', '.join(native)})")
+        return PrecisionChoice("fp32", "the CPU has no native bf16 instructions (avx512_bf16 / amx_bf16), so bf16 would be emulated")
+    return PrecisionChoice("fp32", f"no mixed-precision rule for device type {dev.type!r}")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python `random`, numpy and torch (CPU and every CUDA device)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator's state as tensors and plain types, so `torch.load(weights_only=True)` reads it."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": [],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state()` returned; the next draws of every generator repeat exactly."""
+    try:
+        py, npy = state["python"], state["numpy"]
+        random.setstate((py["version"], tuple(int(x) for x in py["mt"].tolist()), py["gauss"]))
+        np.random.set_state(
+            (npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached"])
+        )
+        torch.set_rng_state(state["torch"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not an RNG state from torchspeed.runtime.rng_state(): {e!r}") from None
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            raise ValueError(
+                f"RNG state holds {len(cuda)} CUDA generators but this machine has {torch.cuda.device_count()} devices"
+            )
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def deterministic(enabled: bool = True) -> None:
+    """Make kernels reproducible (and cudnn autotuning off), or restore the fast defaults."""
+    if enabled:
+        # cuBLAS needs a fixed workspace to be deterministic; must be set before the first cuBLAS call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled, warn_only=False)
+
+
+def cache_dir(*parts: str) -> str:
+    """torchspeed's cache directory ($TORCHSPEED_CACHE, else $XDG_CACHE_HOME/torchspeed, else ~/.cache/torchspeed)."""
+    root = os.environ.get("TORCHSPEED_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "torchspeed"
+    )
+    path = os.path.join(root, *parts)
+    os.makedirs(path, exist_ok=True)
+    return path
