@@ -1,0 +1,61 @@
+"""Compression commands: `select` (backbones ranked by latency measured here)."""
+from __future__ import annotations
+
+import argparse
+
+from torchspeed.cli import add_json_option, int_tuple, positive_int
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of milliseconds, got {text!r}")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "select",
+        help="rank candidate backbones by inference latency measured on this machine (untrained, random weights)",
+        description="Build each candidate with random weights (no training needed: speed depends on the "
+                    "architecture), count its parameters and MACs, and time it at the given input shape.",
+    )
+    p.add_argument("--candidates", required=True, metavar="A,B,C",
+                   help="comma-separated model names: torchvision ('resnet18') or timm ('timm:efficientnet_b0')")
+    p.add_argument("--input-shape", required=True, type=int_tuple, metavar="N,C,H,W",
+                   help="input batch shape, e.g. 1,3,224,224")
+    p.add_argument("--budget-ms", type=_positive_float, metavar="MS", help="latency budget per batch; marks which fit")
+    p.add_argument("--batch-size", type=positive_int, metavar="N", help="batch size (replaces N of --input-shape)")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="auto: time fp32 and the device's mixed precision, keep the faster (default auto)")
+    p.add_argument("--device", default="cpu", help="device to measure on (default cpu; 'auto' picks a GPU if present)")
+    p.add_argument("--repeats", type=positive_int, default=15, help="timed repeats per candidate (default 15)")
+    add_json_option(p)
+    p.set_defaults(func=run_select)
+
+
+def run_select(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from torchspeed.compress.select import select_backbone
+
+    names = [n.strip() for n in args.candidates.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--candidates is empty: give comma-separated model names such as resnet18,mobilenet_v3_small")
+    console = Console()
+    with console.status("measuring") as status:
+        result = select_backbone(names, args.input_shape, budget_ms=args.budget_ms, batch_size=args.batch_size,
+                                 precision=args.precision, device=args.device, repeats=args.repeats,
+                                 progress=status.update)
+    result.print(console)
+    if args.budget_ms is not None:
+        fit = [c.name for c in result.candidates if c.fits]
+        console.print(f"within {args.budget_ms:g} ms: {', '.join(fit) if fit else 'none'}")
+    if args.json:
+        from torchspeed.atomic import write_json
+
+        write_json(args.json, result.to_dict())
+    return 0

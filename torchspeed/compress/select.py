@@ -1,0 +1,221 @@
+"""Choose a backbone by measured inference latency, before training anything.
+
+Inference time depends on the architecture, not on the weights, so untrained candidates can be
+compared on this machine at the deployment input shape (article 003's advice). Each candidate is
+built with random weights, its parameters and multiply-accumulates counted, and its latency timed
+through the bench harness, all candidates interleaved in one run so background load hits them alike.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchspeed.bench.harness import compare, print_table
+from torchspeed.compress.measure import count_macs, count_params, inference_fn
+from torchspeed.runtime import default_precision, resolve_device
+
+__all__ = ["Candidate", "SelectResult", "build_model", "select_backbone"]
+
+_HOW_TO_NAME = (
+    "name a torchvision model (e.g. 'resnet18', 'mobilenet_v3_small'; torchvision.models.list_models() lists them), "
+    "a timm model with the 'timm:' prefix (e.g. 'timm:efficientnet_b0'; timm.list_models() lists them), "
+    "or pass an nn.Module (a dict {label: module} names several)"
+)
+
+
+def _timm():
+    try:
+        import timm
+    except ImportError:
+        return None
+    return timm
+
+
+def build_model(name: str, **kwargs: Any) -> nn.Module:
+    """A randomly initialised model from a torchvision or timm name.
+
+    'resnet18' looks in torchvision, then timm; 'tv:resnet18' / 'timm:resnet18' pick the library.
+    `kwargs` go to the constructor (e.g. `num_classes=10`).
+    """
+    import torchvision
+
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model name must be a non-empty string; {_HOW_TO_NAME}")
+    lib, _, bare = name.strip().rpartition(":")
+    lib = lib.lower()
+    if lib not in ("", "tv", "torchvision", "timm"):
+        raise ValueError(f"unknown model library prefix {lib!r} in {name!r}; {_HOW_TO_NAME}")
+    tv_names = set(torchvision.models.list_models())
+    if lib in ("", "tv", "torchvision") and bare in tv_names:
+        return torchvision.models.get_model(bare, weights=None, **kwargs)
+    timm = _timm()
+    if lib in ("", "timm") and timm is not None and timm.is_model(bare):
+        return timm.create_model(bare, pretrained=False, **kwargs)
+    if lib == "timm" and timm is None:
+        raise ImportError(f"{name!r} needs timm: pip install 'torchspeed[compress]'")
+    known = sorted(tv_names | (set(timm.list_models()) if timm is not None and lib != "tv" else set()))
+    close = difflib.get_close_matches(bare, known, n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(f"unknown model {name!r}: {_HOW_TO_NAME}.{hint}")
+
+
+@dataclass
+class Candidate:
+    """One measured candidate. `latency_ms` is the median (p50) per batch at the faster precision tried."""
+
+    name: str
+    params: int
+    macs: int  # per sample
+    latency_ms: float
+    latency_p90_ms: float
+    throughput: float  # samples per second at the measured batch size
+    precision: str
+    fits: bool | None  # within the budget (None when no budget was given)
+    tried_ms: dict[str, float] = field(default_factory=dict)  # precision -> median ms
+
+
+@dataclass
+class SelectResult:
+    """Candidates ranked fastest first, with the settings they were measured at."""
+
+    candidates: list[Candidate]
+    input_shape: tuple[int, ...]
+    batch_size: int
+    budget_ms: float | None
+    device: str
+
+    @property
+    def fastest(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        """Candidates within the budget (all of them when no budget was given), fastest first."""
+        return [c for c in self.candidates if c.fits is not False]
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        return [
+            (c.name, f"{c.params / 1e6:.2f}", f"{c.macs / 1e9:.3f}", c.latency_ms, c.latency_p90_ms, c.throughput,
+             c.precision, "-" if c.fits is None else ("yes" if c.fits else "no"))
+            for c in self.candidates
+        ]
+
+    COLUMNS = ("model", "params M", "GMACs", "p50 ms", "p90 ms", "per s", "prec", "fits")
+
+    def print(self, console: Any = None) -> None:
+        budget = f", budget {self.budget_ms:g} ms" if self.budget_ms is not None else ""
+        title = (f"Backbones by measured latency per batch: input {tuple(self.input_shape)}, {self.device}{budget} "
+                 f"(GMACs per sample, per s = samples per second)")
+        print_table(title, self.COLUMNS, self.rows(), console)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_shape": list(self.input_shape),
+            "batch_size": self.batch_size,
+            "budget_ms": self.budget_ms,
+            "device": self.device,
+            "candidates": [asdict(c) for c in self.candidates],
+        }
+
+
+def _input_shape(input_shape: Sequence[int], batch_size: int | None) -> tuple[tuple[int, ...], int]:
+    try:
+        shape = tuple(int(d) for d in input_shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"input_shape must be a sequence of integers such as (1, 3, 224, 224), got {input_shape!r}") from None
+    if len(shape) < 2 or any(d < 1 for d in shape):
+        raise ValueError(f"input_shape must be (N, C, ...) with every dimension >= 1, got {input_shape!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    batch = batch_size or shape[0]
+    return (batch, *shape[1:]), batch
+
+
+def _label(candidate: Any, i: int) -> str:
+    if isinstance(candidate, str):
+        return candidate
+    return f"{type(candidate).__name__}#{i}"
+
+
+def select_backbone(
+    candidates: Sequence[str | nn.Module] | Mapping[str, str | nn.Module],
+    input_shape: Sequence[int],
+    budget_ms: float | None = None,
+    batch_size: int | None = None,
+    precision: str = "auto",
+    device: str | torch.device = "cpu",
+    channels_last: bool = True,
+    repeats: int = 15,
+    warmup: int = 3,
+    progress: Any = None,
+) -> SelectResult:
+    """Measure untrained candidates at `input_shape` and rank them by median latency.
+
+    `candidates`: torchvision / timm names ('resnet18', 'timm:efficientnet_b0'), modules, or a dict
+    {label: name or module}. `input_shape` is (N, C, H, W); `batch_size`, when given, replaces N.
+    `precision`: "auto" times fp32 and the device's mixed precision and keeps the faster for each
+    candidate (the table says which); or one of "fp32", "bf16", "fp16". `budget_ms` marks which
+    candidates' p50 latency per batch fits. `progress(text)` is called as work proceeds.
+    """
+    shape, batch = _input_shape(input_shape, batch_size)
+    if budget_ms is not None and not budget_ms > 0:
+        raise ValueError(f"budget_ms must be a positive number of milliseconds, got {budget_ms!r}")
+    items = list(candidates.items()) if isinstance(candidates, Mapping) else [(_label(c, i), c) for i, c in enumerate(candidates)]
+    if not items:
+        raise ValueError(f"select_backbone needs at least one candidate; {_HOW_TO_NAME}")
+    labels = [label for label, _ in items]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"candidate names must be unique, got {labels}")
+    dev = resolve_device(device)
+    if precision == "auto":
+        mixed = default_precision(dev).name
+        precisions = ["fp32"] + ([mixed] if mixed != "fp32" else [])
+    elif precision in ("fp32", "bf16", "fp16"):
+        precisions = [precision]
+    else:
+        raise ValueError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    say = progress or (lambda text: None)
+
+    x = torch.randn(shape, device=dev)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    sizes: dict[str, tuple[int, int]] = {}
+    contenders = {}
+    for label, cand in items:
+        say(f"building {label}")
+        model = build_model(cand) if isinstance(cand, str) else cand
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"candidate {label!r} is a {type(model).__name__}; {_HOW_TO_NAME}")
+        model = model.to(dev).eval()
+        if channels_last and x.dim() == 4:
+            model = model.to(memory_format=torch.channels_last)
+        try:
+            macs = count_macs(model, x[:1])
+        except Exception as e:  # the model cannot run at this shape: say which and why
+            raise ValueError(f"candidate {label!r} fails on input shape {shape}: {type(e).__name__}: {e}") from None
+        sizes[label] = (count_params(model), macs)
+        for p in precisions:
+            contenders[f"{label}|{p}"] = inference_fn(model, x, p)
+    say(f"timing {len(contenders)} variants, interleaved")
+    comparison = compare(contenders, warmup=warmup, repeats=repeats, items=batch, unit="samples",
+                         device=dev, cooldown_s=0.05)
+
+    ranked = []
+    for label, _ in items:
+        timings = {p: comparison[f"{label}|{p}"] for p in precisions}
+        best_p = min(timings, key=lambda p: timings[p].median_s)
+        t = timings[best_p]
+        latency = t.median_s * 1e3
+        ranked.append(Candidate(
+            name=label, params=sizes[label][0], macs=sizes[label][1], latency_ms=latency,
+            latency_p90_ms=t.p90_s * 1e3, throughput=t.throughput or batch / t.median_s, precision=best_p,
+            fits=None if budget_ms is None else latency <= budget_ms,
+            tried_ms={p: tm.median_s * 1e3 for p, tm in timings.items()},
+        ))
+    ranked.sort(key=lambda c: c.latency_ms)
+    return SelectResult(candidates=ranked, input_shape=shape, batch_size=batch, budget_ms=budget_ms, device=str(dev))
