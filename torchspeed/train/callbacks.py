@@ -1,0 +1,127 @@
+"""Callbacks: hooks into the Trainer's loop, plus EarlyStopping and Checkpoint.
+
+A callback that keeps state across a run (EarlyStopping's best value and patience count) exposes
+`state_dict()` / `load_state_dict()` with plain types, so it resumes exactly from a checkpoint.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchspeed.train.trainer import Trainer
+
+__all__ = ["Callback", "EarlyStopping", "Checkpoint"]
+
+
+class Callback:
+    """Base class: override the hooks you need. Set `trainer.should_stop = True` to stop training."""
+
+    def on_train_start(self, trainer: Trainer) -> None: ...
+    def on_train_end(self, trainer: Trainer) -> None: ...
+    def on_epoch_start(self, trainer: Trainer) -> None: ...
+    def on_epoch_end(self, trainer: Trainer) -> None: ...
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None: ...
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class EarlyStopping(Callback):
+    """Stop when `monitor` has not improved by more than `min_delta` for `patience` validation checks.
+
+    Lightning's semantics: a check improves when `value < best - min_delta` (mode "min") or
+    `value > best + min_delta` (mode "max"); patience counts validation checks, not epochs; a NaN or
+    infinite monitored value stops at once. Metrics are all-reduced before the check, so every rank
+    of a distributed run takes the same decision.
+    """
+
+    def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 10, min_delta: float = 0.0):
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}")
+        if not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"EarlyStopping patience must be a positive integer, got {patience!r}")
+        if min_delta < 0:
+            raise ValueError(f"EarlyStopping min_delta must be >= 0, got {min_delta}")
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, float(min_delta)
+        self.best = math.inf if mode == "min" else -math.inf
+        self.wait = 0
+        self.checks = 0
+        self.stopped_at_check: int | None = None
+        self.reason = ""
+
+    def _improved(self, value: float) -> bool:
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if self.monitor not in metrics:
+            raise ValueError(f"EarlyStopping monitors {self.monitor!r} but validation logged only "
+                             f"{sorted(metrics)}; pass monitor= one of those")
+        value = float(metrics[self.monitor])
+        self.checks += 1
+        if not math.isfinite(value):
+            self.reason = f"{self.monitor} = {value} is not finite"
+        elif self._improved(value):
+            self.best, self.wait = value, 0
+            return
+        else:
+            self.wait += 1
+            if self.wait < self.patience:
+                return
+            self.reason = (f"{self.monitor} did not improve on {self.best:.6g} by more than {self.min_delta:g} "
+                           f"in {self.patience} validation checks")
+        self.stopped_at_check = self.checks
+        trainer.should_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait, "checks": self.checks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.wait, self.checks = float(state["best"]), int(state["wait"]), int(state["checks"])
+
+
+class Checkpoint(Callback):
+    """Save the full training state to `directory` every `every_n_steps` optimizer steps and after
+    every epoch, keeping the newest `keep_last`.
+
+    The state holds the model, optimizer, GradScaler, scheduler, every RNG (python, numpy, torch,
+    each CUDA device), epoch, step and the loader position, so `Trainer.fit(resume="last")` continues
+    with the next unseen batch and gives the same parameters as an uninterrupted run (under
+    deterministic mode). Writes are atomic; see torchspeed.train.checkpoint.
+    """
+
+    def __init__(self, directory: str | os.PathLike, every_n_steps: int | None = None, keep_last: int = 3):
+        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
+            raise ValueError(f"Checkpoint every_n_steps must be a positive integer or None, got {every_n_steps!r}")
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"Checkpoint keep_last must be a positive integer, got {keep_last!r}")
+        self.directory, self.every_n_steps, self.keep_last = os.fspath(directory), every_n_steps, keep_last
+        self.saved: list[str] = []
+
+    def _save(self, trainer: Trainer) -> None:
+        path = trainer.save_checkpoint(self.directory)
+        if path and path not in self.saved:
+            self.saved.append(path)
+        if trainer.is_main:
+            from torchspeed.train.checkpoint import prune
+
+            prune(self.directory, self.keep_last)
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            self._save(trainer)
+
+    def on_epoch_end(self, trainer: Trainer) -> None:
+        self._save(trainer)
+
+    def last(self) -> str | None:
+        """The newest complete checkpoint in this callback's directory (None if there is none)."""
+        from torchspeed.train.checkpoint import last_checkpoint
+
+        return last_checkpoint(self.directory)

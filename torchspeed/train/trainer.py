@@ -1,0 +1,589 @@
+"""Trainer: a small training loop that calls accelerate() and adds what every run needs.
+
+Gradient accumulation, clipping, LR scheduling, callbacks, a progress bar with samples/s, metrics
+to CSV or JSONL, NaN/inf detection, exact resume, and torchrun (DDP / FSDP2) support. It accepts a
+plain DataLoader (batches are moved to the device here) or any loader whose class says
+`yields_device_batches = True` (a FastLoader: batches arrive on the device, normalised).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchspeed.atomic import atomic_write
+from torchspeed.runtime import rng_state, set_rng_state
+from torchspeed.train import checkpoint as ckpt
+from torchspeed.train import distributed
+from torchspeed.train.accelerate import Accelerated, accelerate, autocast_for, to_device
+from torchspeed.train.callbacks import Callback, Checkpoint
+
+__all__ = ["Trainer"]
+
+_LOG_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_acc", "lr", "samples_per_s")
+
+
+class _MetricsLog:
+    """Rows of metrics kept in memory and rewritten atomically to CSV or JSONL (by the extension)."""
+
+    def __init__(self, path: str | None):
+        self.path = os.fspath(path) if path else None
+        if self.path and not self.path.endswith((".csv", ".jsonl")):
+            raise ValueError(f"log_path {self.path!r} must end in .csv or .jsonl")
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def restore(self, up_to_step: int) -> None:
+        """On resume: keep the rows already logged up to the checkpoint's step."""
+        if not self.path or not os.path.isfile(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            if self.path.endswith(".jsonl"):
+                rows = [json.loads(line) for line in f if line.strip()]
+            else:
+                rows = [{k: (float(v) if v not in ("", None) else None) for k, v in r.items()} for r in csv.DictReader(f)]
+        self.rows = [r for r in rows if r.get("step") is not None and r["step"] <= up_to_step]
+
+    def flush(self) -> None:
+        if not self.path:
+            return
+        with atomic_write(self.path, "w") as f:
+            if self.path.endswith(".jsonl"):
+                for r in self.rows:
+                    f.write(json.dumps(r) + "\n")
+            else:
+                w = csv.DictWriter(f, fieldnames=_LOG_COLUMNS, extrasaction="ignore")
+                w.writeheader()
+                w.writerows(self.rows)
+
+
+class _Progress:
+    """A rich progress bar with loss and samples/s (rank 0 only; silent when disabled)."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False)
+            self.bar.start()
+        self.task = None
+
+    def epoch(self, description: str, total: int | None, done: int) -> None:
+        if self.bar is not None:
+            self.task = self.bar.add_task(description, total=total, completed=done, info="")
+
+    def advance(self, info: str) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class Trainer:
+    """Train `model` with `optimizer` on `loss_fn(outputs, targets)`; settings on "auto" are measured.
+
+    `loss_fn` may instead take `(outputs, targets, inputs)` when it has `needs_inputs = True`
+    (distillation). `scheduler` steps every optimizer step (`scheduler_interval="step"`) or epoch.
+    `grad_accum_steps` micro-batches make one optimizer step; `max_grad_norm` clips gradients.
+    `log_path` (.csv or .jsonl) receives train_loss / lr / samples_per_s every `log_every_n_steps`
+    steps and val_loss / val_acc after each validation. Under torchrun the loaders are sharded, the
+    model wrapped (DDP, or FSDP2 with `strategy="fsdp"`), metrics all-reduced, checkpoints written
+    by rank 0 (sharded through torch.distributed.checkpoint under FSDP).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[..., torch.Tensor],
+        precision: str = "auto",
+        callbacks: Iterable[Callback] | None = None,
+        device: str | torch.device = "auto",
+        *,
+        channels_last: bool | str = "auto",
+        compile: bool | str = "auto",  # noqa: A002
+        strategy: str | None = "auto",
+        scheduler: Any = None,
+        scheduler_interval: str = "step",
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        log_path: str | os.PathLike | None = None,
+        log_every_n_steps: int = 50,
+        progress: bool = True,
+        accelerate_kwargs: dict[str, Any] | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise ValueError("loss_fn must be callable as loss_fn(outputs, targets)")
+        if scheduler_interval not in ("step", "epoch"):
+            raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
+        if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be a positive integer, got {grad_accum_steps!r}")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self._raw_model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.settings = dict(precision=precision, channels_last=channels_last, compile=compile, strategy=strategy,
+                             device=device, **(accelerate_kwargs or {}))
+        self.callbacks: list[Callback] = list(callbacks or [])
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise ValueError(f"callbacks must be torchspeed.train.Callback instances, got {type(cb).__name__}")
+        self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
+        self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
+        self.log = _MetricsLog(os.fspath(log_path) if log_path else None)
+        self.log_every_n_steps = max(1, int(log_every_n_steps))
+        self.progress = progress
+        self.acc: Accelerated | None = None
+        self.dist = distributed.env()
+        # loop state (all of it goes into a checkpoint)
+        self.epoch = 0
+        self.batches_done = 0       # batches consumed in the current epoch
+        self.global_step = 0        # optimizer steps
+        self.skipped_steps = 0      # optimizer steps GradScaler skipped (fp16 overflow)
+        self.should_stop = False
+        self.history: list[dict[str, Any]] = []
+        self._epoch_start: dict[str, Any] | None = None
+        self._epoch_finished = False
+        self._loader: Any = None
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def model(self) -> nn.Module:
+        """The model as trained (possibly DDP/FSDP-wrapped or compiled)."""
+        return self.acc.model if self.acc else self._raw_model
+
+    @property
+    def module(self) -> nn.Module:
+        """The plain nn.Module (no wrappers): its state_dict is the model's weights."""
+        return self.acc.module if self.acc else self._raw_model
+
+    @property
+    def device(self) -> torch.device:
+        return self.acc.device if self.acc else torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.is_main
+
+    @property
+    def report(self) -> Any:
+        """accelerate()'s report: every candidate measured and the decisions."""
+        return self.acc.report if self.acc else None
+
+    # ---------------------------------------------------------------- set-up
+    def _example_batch(self, loader: Any) -> Any:
+        """One batch for accelerate's trials, taken without moving any RNG or loader position."""
+        saved = rng_state()
+        gen = getattr(loader, "generator", None)
+        gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
+        lstate = loader.state_dict() if hasattr(loader, "load_state_dict") and hasattr(loader, "state_dict") else None
+        try:
+            it = iter(loader)
+            batch = next(it)
+            del it
+        except StopIteration:
+            raise ValueError("the training loader is empty") from None
+        finally:
+            set_rng_state(saved)
+            if gen_state is not None:
+                gen.set_state(gen_state)
+            if lstate is not None:
+                loader.load_state_dict(lstate)
+        return batch
+
+    def _prepare(self, loader: Any, expected_steps: int | None) -> None:
+        if self.acc is not None:
+            return
+        s = dict(self.settings)
+        example = None
+        if "auto" in (s["precision"], s["channels_last"], s["compile"]):
+            example = self._example_batch(loader)
+        s.setdefault("expected_steps", expected_steps)
+        self.acc = accelerate(self._raw_model, self.optimizer, example_batch=example, loss_fn=self.loss_fn, **s)
+        self.dist = distributed.env()
+
+    def _shard(self, loader: Any) -> Any:
+        return distributed.shard_loader(loader, self.dist) if self.dist.distributed else loader
+
+    # ---------------------------------------------------------------- batches
+    def _split(self, batch: Any) -> tuple[Any, Any]:
+        if isinstance(batch, dict):
+            for xk, yk in (("image", "label"), ("images", "labels"), ("input", "target"), ("inputs", "targets")):
+                if xk in batch and yk in batch:
+                    batch = (batch[xk], batch[yk])
+                    break
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise ValueError(f"a batch must be (inputs, targets); the loader gave {type(batch).__name__}")
+        x, y = batch[0], batch[1]
+        if not getattr(self._loader, "yields_device_batches", False):
+            x = to_device(x, self.device, self.acc.channels_last)
+            y = to_device(y, self.device)
+        return x, y
+
+    @staticmethod
+    def _count(y: Any) -> int:
+        return int(y.shape[0]) if isinstance(y, torch.Tensor) and y.dim() > 0 else 1
+
+    def _loss(self, out: Any, y: Any, x: Any) -> torch.Tensor:
+        return self.loss_fn(out, y, x) if getattr(self.loss_fn, "needs_inputs", False) else self.loss_fn(out, y)
+
+    def _no_sync(self, syncing: bool) -> contextlib.AbstractContextManager[Any]:
+        """Skip the gradient all-reduce on accumulation micro-steps (DDP's no_sync, FSDP2's flag)."""
+        m = self.acc.module if self.acc.report.strategy == "fsdp" else self.model
+        if syncing:
+            if hasattr(m, "set_requires_gradient_sync"):
+                m.set_requires_gradient_sync(True)
+            return contextlib.nullcontext()
+        if hasattr(m, "no_sync"):
+            return m.no_sync()
+        if hasattr(m, "set_requires_gradient_sync"):
+            m.set_requires_gradient_sync(False)
+        return contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
+        """Validation loss (and top-1 accuracy for class logits) under inference_mode and autocast."""
+        self._prepare(loader, None) if self.acc is None else None
+        prev_loader, self._loader = self._loader, self._shard(loader)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        loss_sum, correct, n, classify = 0.0, 0.0, 0.0, True
+        try:
+            with torch.inference_mode(), autocast_for(self.device, self.acc.precision):
+                for batch in self._loader:
+                    x, y = self._split(batch)
+                    out = model(x)
+                    k = self._count(y)
+                    loss_sum += float(self._loss(out, y, x).float()) * k
+                    if classify and isinstance(out, torch.Tensor) and out.dim() == 2 and isinstance(y, torch.Tensor) \
+                            and y.dim() == 1 and not y.is_floating_point():
+                        correct += float((out.argmax(1) == y).sum())
+                    else:
+                        classify = False
+                    n += k
+        finally:
+            model.train(was_training)
+            self._loader = prev_loader
+        loss_sum, correct, n, cls = distributed.all_reduce_sums([loss_sum, correct, n, float(classify)])
+        if n == 0:
+            raise ValueError("the validation loader is empty")
+        metrics = {"val_loss": loss_sum / n}
+        if cls >= self.dist.world_size:
+            metrics["val_acc"] = correct / n
+        return metrics
+
+    # ---------------------------------------------------------------- checkpoints
+    def _position(self) -> tuple[int, int]:
+        return (self.epoch + 1, 0) if self._epoch_finished else (self.epoch, self.batches_done)
+
+    def state_dict(self, include_model: bool = True) -> dict[str, Any]:
+        """Everything needed to continue exactly: tensors and plain types only."""
+        epoch, done = self._position()
+        loader = self._loader
+        state: dict[str, Any] = {
+            "format": ckpt.FORMAT,
+            "epoch": epoch,
+            "batches_done": done,
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+            "rng": rng_state(),
+            "generator": loader.generator.get_state()
+            if isinstance(getattr(loader, "generator", None), torch.Generator) else None,
+            "epoch_start": None if self._epoch_finished else self._epoch_start,
+            "loader": loader.state_dict() if (loader is not None and not self._epoch_finished
+                                               and hasattr(loader, "load_state_dict")) else None,
+            "scaler": self.acc.scaler.state_dict() if self.acc.scaler is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "callbacks": [cb.state_dict() for cb in self.callbacks],
+            "history": self.history,
+            "world_size": self.dist.world_size,
+        }
+        if include_model:
+            state["model"] = self.module.state_dict()
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> str:
+        """Write a full checkpoint into `directory` (rank 0; every rank under FSDP). Returns its path."""
+        directory = os.fspath(directory)
+        if self.acc.report.strategy == "fsdp":
+            return ckpt.save_sharded(directory, self.global_step, self.module, self.optimizer,
+                                     self.state_dict(include_model=False), self.is_main)
+        path = os.path.join(directory, ckpt.checkpoint_name(self.global_step))
+        if self.is_main:
+            ckpt.save_file(path, self.state_dict())
+        distributed.barrier()
+        return path
+
+    def _resolve_resume(self, resume: str | os.PathLike) -> str | None:
+        resume = os.fspath(resume)
+        if resume == "last":
+            dirs = [cb.directory for cb in self.callbacks if isinstance(cb, Checkpoint)]
+            if not dirs:
+                raise ValueError("resume='last' needs a Checkpoint callback (its directory is searched); "
+                                 "or pass the checkpoint's path")
+            return ckpt.last_checkpoint(dirs[0])
+        if os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, ".metadata")):
+            found = ckpt.last_checkpoint(resume)
+            if found is None:
+                raise FileNotFoundError(f"no complete checkpoint (step-*.pt) in {resume!r}")
+            return found
+        if not os.path.exists(resume):
+            raise FileNotFoundError(f"checkpoint {resume!r} does not exist")
+        return resume
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint written by save_checkpoint (weights_only=True); training continues from it."""
+        path = os.fspath(path)
+        state = ckpt.load_file(path)
+        if state.get("world_size", 1) != self.dist.world_size and state.get("epoch_start") is not None:
+            raise ValueError(f"checkpoint {path!r} was written by {state['world_size']} processes mid-epoch; resume "
+                             f"it with the same number ({self.dist.world_size} now), or from an epoch-end checkpoint")
+        if self.acc.report.strategy == "fsdp":
+            ckpt.load_sharded(path, self.module, self.optimizer)
+        else:
+            if "model" not in state:
+                raise ValueError(f"{path!r} is a sharded (FSDP) checkpoint; resume it with strategy='fsdp'")
+            try:
+                self.module.load_state_dict(state["model"])
+            except RuntimeError as e:
+                raise ValueError(f"checkpoint {path!r} does not fit this model: {str(e)[:300]}") from None
+            self.optimizer.load_state_dict(state["optimizer"])
+        if state["scaler"] is not None and self.acc.scaler is not None:
+            self.acc.scaler.load_state_dict(state["scaler"])
+        if state["scheduler"] is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if len(state["callbacks"]) == len(self.callbacks):
+            for cb, s in zip(self.callbacks, state["callbacks"]):
+                cb.load_state_dict(s)
+        self.epoch, self.batches_done = state["epoch"], state["batches_done"]
+        self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
+        self.history = list(state.get("history") or [])
+        self._resume_state = state
+        self.log.restore(self.global_step)
+
+    # ---------------------------------------------------------------- training
+    def _epoch_iterator(self, loader: Any, epoch: int, resume: dict[str, Any] | None) -> Iterator[Any]:
+        """This epoch's batches; on a mid-epoch resume, continue with the next unseen batch."""
+        skip = self.batches_done if resume else 0
+        gen = getattr(loader, "generator", None)
+        gen = gen if isinstance(gen, torch.Generator) else None
+        if resume:
+            if resume.get("loader") is not None and hasattr(loader, "load_state_dict"):
+                loader.load_state_dict(resume["loader"])  # a FastLoader knows its own position
+                self._epoch_start = resume.get("epoch_start")
+                set_rng_state(resume["rng"])
+                return iter(loader)
+            if skip and resume.get("epoch_start") is not None:
+                start = resume["epoch_start"]  # generators as they were when this epoch's iterator was made
+                set_rng_state(start["rng"])
+                if start.get("generator") is not None and gen is not None:
+                    gen.set_state(start["generator"])
+            else:  # at an epoch boundary the checkpoint's generators are this epoch's starting point
+                set_rng_state(resume["rng"])
+                if resume.get("generator") is not None and gen is not None:
+                    gen.set_state(resume["generator"])
+        self._set_epoch(loader, epoch)
+        self._epoch_start = {"rng": rng_state(), "generator": loader.generator.get_state()
+                             if isinstance(getattr(loader, "generator", None), torch.Generator) else None}
+        it = iter(loader)
+        for i in range(skip):  # replay the batches already trained on (same order, same augmentation)
+            try:
+                next(it)
+            except StopIteration:
+                raise ValueError(f"cannot resume at batch {skip} of epoch {epoch}: the loader has only {i}") from None
+        if resume and skip:
+            set_rng_state(resume["rng"])  # then every generator exactly as at the checkpoint
+            if resume.get("generator") is not None and gen is not None:
+                gen.set_state(resume["generator"])
+        return it
+
+    @staticmethod
+    def _set_epoch(loader: Any, epoch: int) -> None:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+    def _optimizer_step(self) -> bool:
+        """Clip, step, update the scaler; False when GradScaler skipped the step (inf/NaN gradients)."""
+        scaler, opt = self.acc.scaler, self.optimizer
+        if self.max_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        stepped = True
+        if scaler is not None:
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            stepped = scaler.get_scale() >= before
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if self.scheduler is not None and self.scheduler_interval == "step" and stepped:
+            self.scheduler.step()
+        return stepped
+
+    def fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None = None, epochs: int = 1,
+            max_steps: int | None = None, resume: str | os.PathLike | None = None) -> dict[str, Any]:
+        """Train for `epochs` (or until `max_steps` optimizer steps / a callback stops); returns final metrics.
+
+        `resume`: a checkpoint path, a directory of checkpoints, or "last" (the newest complete one
+        in the Checkpoint callback's directory; a fresh start when there is none yet).
+        """
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}")
+        self.dist = distributed.env()
+        loader = self._shard(train_loader)
+        try:
+            n_batches = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            n_batches = None
+        expected = max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None)
+        self._prepare(loader, expected)
+        self.dist = distributed.env()
+        self._resume_state = None
+        if resume is not None:
+            path = self._resolve_resume(resume)
+            if path is not None:
+                self.load_checkpoint(path)
+        resume_state = self._resume_state
+        self.should_stop = False
+        model, acc = self.model, self.acc
+        bar = _Progress(self.progress and self.is_main)
+        t_run = time.perf_counter()
+        run_samples = 0
+        last: dict[str, Any] = {}
+        self._loader = loader
+        self._call("on_train_start")
+        try:
+            while self.epoch < epochs and not self.should_stop and not (max_steps and self.global_step >= max_steps):
+                self._epoch_finished = False
+                self._call("on_epoch_start")
+                model.train()
+                done_before = self.batches_done if resume_state else 0
+                it = self._epoch_iterator(loader, self.epoch, resume_state)
+                resume_state = None
+                bar.epoch(f"epoch {self.epoch + 1}/{epochs}", n_batches, done_before)
+                self.batches_done = done_before
+                ep_loss, ep_n, ep_samples, t_ep = 0.0, 0, 0, time.perf_counter()
+                t_step, step_samples, micro = time.perf_counter(), 0, 0
+                exhausted = n_batches is not None and done_before >= n_batches
+                while not exhausted:
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        break
+                    x, y = self._split(batch)
+                    k = self._count(y)
+                    micro += 1
+                    sync = micro == self.grad_accum_steps or (n_batches is not None and
+                                                              self.batches_done + 1 == n_batches)
+                    with self._no_sync(sync):
+                        with acc.autocast():
+                            out = model(x)
+                            loss = self._loss(out, y, x)
+                        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+                        (acc.scaler.scale(scaled) if acc.scaler is not None else scaled).backward()
+                    value = float(loss.detach())
+                    self.batches_done += 1
+                    if not math.isfinite(value) and acc.scaler is None:
+                        raise FloatingPointError(
+                            f"loss is {value} at step {self.global_step + 1} (epoch {self.epoch + 1}, batch "
+                            f"{self.batches_done}); lower the learning rate, clip gradients (max_grad_norm=...), "
+                            "or check the inputs for NaN/inf")
+                    ep_loss += value * k if math.isfinite(value) else 0.0
+                    ep_n += k if math.isfinite(value) else 0
+                    step_samples += k
+                    ep_samples += k
+                    if not sync:
+                        continue
+                    micro = 0
+                    if not self._optimizer_step():
+                        self.skipped_steps += 1
+                    self.global_step += 1
+                    now = time.perf_counter()
+                    rate = step_samples * self.dist.world_size / max(now - t_step, 1e-9)
+                    t_step, step_samples = now, 0
+                    metrics = {"train_loss": value, "lr": float(self.optimizer.param_groups[0]["lr"]),
+                               "samples_per_s": rate}
+                    if self.global_step % self.log_every_n_steps == 0:
+                        self.log.add({"epoch": self.epoch + 1, "step": self.global_step, **metrics})
+                    bar.advance(f"loss {value:.4f}  {rate:,.0f} samples/s")
+                    self._call("on_step_end", self.global_step, metrics)
+                    if self.should_stop or (max_steps and self.global_step >= max_steps):
+                        break
+                if micro:  # a last, partial accumulation group (a loader without len)
+                    self._optimizer_step()
+                    self.global_step += 1
+                run_samples += ep_samples
+                if max_steps and self.global_step >= max_steps and n_batches is not None \
+                        and self.batches_done < n_batches:
+                    break  # stopped mid-epoch: no validation, the position stays mid-epoch
+                self._epoch_finished = True
+                ep_time = time.perf_counter() - t_ep
+                s, n = distributed.all_reduce_sums([ep_loss, float(ep_n)])
+                last = {"epoch": self.epoch + 1, "step": self.global_step,
+                        "train_loss": s / n if n else math.nan,
+                        "lr": float(self.optimizer.param_groups[0]["lr"]),
+                        "samples_per_s": ep_samples * self.dist.world_size / max(ep_time, 1e-9)}
+                if val_loader is not None:
+                    val = self.evaluate(val_loader)
+                    last.update(val)
+                    self._call("on_validation_end", val)
+                self.log.add(dict(last))
+                self.history.append(dict(last))
+                if self.scheduler is not None and self.scheduler_interval == "epoch":
+                    self.scheduler.step()
+                self.should_stop = distributed.any_rank(self.should_stop)
+                self._call("on_epoch_end")
+                self.log.flush() if self.is_main else None
+                self.epoch += 1
+                self.batches_done = 0
+                self._epoch_finished = False
+        finally:
+            bar.close()
+        self._call("on_train_end")
+        if self.is_main:
+            self.log.flush()
+        seconds = time.perf_counter() - t_run
+        result = {**(self.history[-1] if self.history else last), "epochs": self.epoch, "step": self.global_step,
+                  "stopped_early": bool(self.should_stop), "skipped_steps": self.skipped_steps,
+                  "seconds": seconds, "run_samples_per_s": run_samples * self.dist.world_size / max(seconds, 1e-9)}
+        if self.progress and self.is_main:
+            self._summary(result)
+        return result
+
+    def _summary(self, result: dict[str, Any]) -> None:
+        from torchspeed.bench.harness import print_table
+
+        rows = [(k, v) for k, v in result.items() if isinstance(v, (int, float, bool))]
+        r = self.acc.report
+        rows.append(("setup", f"{r.precision}, channels_last={r.channels_last}, compile={r.compile}, "
+                              f"strategy={r.strategy}, optimizer={r.optimizer}"))
+        print_table("training summary", ["metric", "value"], rows)
