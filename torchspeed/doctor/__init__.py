@@ -1,0 +1,29 @@
+"""Doctor: where a training run loses time (profile, doctor), what the model costs (lint), and the
+ranked fixes with the command that measures each."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it; modules load on first use
+_EXPORTS = {
+    "profile": "profiling",
+    "ProfileReport": "profiling",
+    "lint": "linting",
+    "LintReport": "linting",
+    "loss_pairing": "linting",
+    "resolve_model": "linting",
+    "Finding": "advice",
+    "rank": "advice",
+    "loop_findings": "rules",
+    "verdict": "phases",
+    "PhaseClock": "phases",
+    "run_doctor": "runner",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"torchspeed.doctor.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'torchspeed.doctor' has no attribute {name!r}")

@@ -1,0 +1,150 @@
+"""Findings and the fixes they map to: every finding names the torchspeed feature or setting that
+fixes it, an estimate of what it saves, and the command that measures the fix on this machine.
+
+The fix text and the measuring command live in one registry (`FIXES`), keyed by the stable rule
+id, so rules only say what they saw and how much it costs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Finding", "FIXES", "finding", "rank"]
+
+SEVERITY_ORDER = {"bug": 0, "speed": 1, "info": 2}
+
+
+@dataclass
+class Finding:
+    """One thing worth changing. `expected_gain` is the estimated fraction of step time (doctor,
+    profile) or forward time (lint) it saves, 0..1; bugs carry 0 and rank first regardless."""
+
+    rule: str
+    message: str
+    fix: str
+    expected_gain: float
+    gain_basis: str
+    command: str
+    severity: str = "speed"
+    where: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["expected_gain"] = round(float(self.expected_gain), 4)
+        return d
+
+
+@dataclass(frozen=True)
+class Fix:
+    fix: str
+    command: str
+    severity: str = "speed"
+
+
+FIXES: dict[str, Fix] = {
+    # loop / settings rules (doctor, profile)
+    "loader-no-workers": Fix(
+        "load batches in worker processes so decoding overlaps the step: DataLoader(num_workers=N, "
+        "persistent_workers=True), or ts.data.fast_loader(data, batch_size) which picks N by measuring",
+        "torchspeed tune-loader DATA --batch-size B  (and: torchspeed bench data)"),
+    "loader-not-persistent": Fix(
+        "keep workers alive across epochs: DataLoader(..., persistent_workers=True) (fast_loader does)",
+        "torchspeed tune-loader DATA --batch-size B"),
+    "data-bound": Fix(
+        "feed the model faster: ts.data.pack (one LMDB file instead of many JPEGs, resized once), "
+        "ts.data.fast_loader (tuned workers, device-side normalisation), ts.data.DevicePrefetcher",
+        "torchspeed bench data"),
+    "no-autocast": Fix(
+        "train in mixed precision: ts.train.accelerate(model, optimizer, precision='auto') or "
+        "`with torch.autocast(device_type, dtype=torch.bfloat16)` around forward and loss",
+        "torchspeed bench train"),
+    "pin-memory-without-cuda": Fix(
+        "drop pin_memory=True: there is no CUDA device, so pinning only costs host memory and a copy",
+        "torchspeed tune-loader DATA --batch-size B", "info"),
+    "no-pin-memory": Fix(
+        "pin host batches and copy asynchronously: DataLoader(pin_memory=True) + .to(device, non_blocking=True), "
+        "or ts.data.DevicePrefetcher (copies the next batch on a side stream)",
+        "torchspeed bench data"),
+    "host-syncs": Fix(
+        "stop forcing host-device syncs every step: accumulate the loss on the device and call .item() "
+        "every N steps (the Trainer logs this way)",
+        "torchspeed doctor --steps 50 -- python your_train.py"),
+    "cudnn-benchmark-off": Fix(
+        "let cuDNN pick the fastest kernels for static shapes: torch.backends.cudnn.benchmark = True "
+        "(ts.train.accelerate does this when input shapes are fixed)",
+        "torchspeed bench train"),
+    "data-parallel": Fix(
+        "use DistributedDataParallel, one process per GPU (torchrun; ts.train.accelerate(strategy='ddp'))",
+        "torchrun --nproc-per-node N your_train.py"),
+    "eval-without-no-grad": Fix(
+        "evaluate under torch.no_grad() / torch.inference_mode() (Trainer.evaluate does): no autograd graph "
+        "is built, memory and time drop",
+        "torchspeed doctor -- python your_train.py"),
+    "train-mode-eval": Fix(
+        "call model.eval() before evaluating (and model.train() after): Dropout and BatchNorm behave "
+        "differently in train mode, so the metrics are wrong",
+        "torchspeed doctor -- python your_train.py", "bug"),
+    "cpu-oversubscribed": Fix(
+        "keep loader workers + intra-op threads within the cores: lower num_workers or "
+        "torch.set_num_threads(cores - workers); fast_loader(num_workers='auto') measures the split",
+        "torchspeed tune-loader DATA --batch-size B"),
+    "python-overhead": Fix(
+        "cut Python and launch overhead: ts.train.accelerate(compile='auto') (torch.compile, measured), "
+        "larger batches, fewer host syncs",
+        "torchspeed bench train"),
+    "no-channels-last": Fix(
+        "use channels_last memory format for conv models: ts.train.accelerate(channels_last='auto') keeps it "
+        "only where it measures faster (it can be slower in fp32)",
+        "torchspeed bench train"),
+    # loss / activation pairing (doctor, profile, lint)
+    "double-softmax": Fix(
+        "feed raw logits to CrossEntropyLoss (it applies log_softmax itself): remove the final softmax, "
+        "apply softmax only at inference if you need probabilities",
+        "torchspeed lint MODEL --loss ce", "bug"),
+    "softmax-nll": Fix(
+        "NLLLoss expects log-probabilities: end the model with log_softmax (LogSoftmax + NLLLoss == "
+        "CrossEntropyLoss on logits), not softmax or log(softmax(x))",
+        "torchspeed lint MODEL --loss nll", "bug"),
+    # model rules (lint), ShuffleNet V2 guidelines and inference rules
+    "g1-channel-ratio": Fix(
+        "G1: give 1x1 convs equal input and output widths (memory access is smallest at c1 = c2 for the "
+        "same FLOPs); or prune/shrink the wide side with ts.compress.prune",
+        "torchspeed bench design"),
+    "g2-groups": Fix(
+        "G2: use fewer groups (grouped convs read and write as much memory as dense ones for a fraction of "
+        "the FLOPs); pick the backbone by measured latency: ts.compress.select_backbone",
+        "torchspeed bench design"),
+    "g3-fragmentation": Fix(
+        "G3: merge small parallel branches into fewer, wider ops (one conv of the summed width); on "
+        "inference, let a graph runtime fuse them: torchspeed optimize MODEL",
+        "torchspeed bench design"),
+    "g4-elementwise": Fix(
+        "G4: fuse element-wise ops into their producers: torchspeed optimize MODEL (Conv+BN+ReLU fusion, "
+        "ONNX Runtime / OpenVINO) or torch.compile via ts.train.accelerate(compile='auto')",
+        "torchspeed optimize MODEL"),
+    "unfused-bn": Fix(
+        "fold BatchNorm into the preceding conv for inference: ts.infer.fuse_conv_bn(model) (exact up to "
+        "float rounding; checked against the original)",
+        "torchspeed optimize MODEL"),
+    "channels-not-multiple-of-8": Fix(
+        "round channel counts to multiples of 8 (vector units and tensor cores work in blocks of 8/16); "
+        "ts.compress.prune can prune to rounded widths",
+        "torchspeed bench design"),
+    "depthwise-heavy": Fix(
+        "depthwise convs have low FLOPs but high memory access (G2/G4); check the backbone's measured "
+        "latency, not its FLOPs: ts.compress.select_backbone",
+        "torchspeed select --candidates a,b,c --input-shape 1,3,224,224", "info"),
+}
+
+
+def finding(rule: str, message: str, expected_gain: float, gain_basis: str, where: list[str] | None = None) -> Finding:
+    """Build a Finding with the registered fix and command for `rule`."""
+    fx = FIXES[rule]
+    gain = 0.0 if fx.severity == "bug" else max(0.0, min(1.0, float(expected_gain)))
+    return Finding(rule=rule, message=message, fix=fx.fix, expected_gain=gain, gain_basis=gain_basis,
+                   command=fx.command, severity=fx.severity, where=list(where or []))
+
+
+def rank(findings: list[Finding]) -> list[Finding]:
+    """Bugs first, then by expected gain (largest first), then info."""
+    return sorted(findings, key=lambda f: (SEVERITY_ORDER.get(f.severity, 3), -f.expected_gain, f.rule))

@@ -1,0 +1,238 @@
+"""`profile`: time each phase of a training step on the user's own model, loader and optimizer.
+
+Phases: data (blocked in next(loader)), copy (host-to-device), forward (model + loss), backward,
+optimizer (step + zero_grad), other (the rest of the wall time). On CPU every op is synchronous, so
+host timers measure the work. On CUDA, CUDA events bracket copy/forward/backward/optimizer and time
+the GPU work itself, while the host timer gives the wall time of the step (synchronised once per
+step, so the loop keeps its natural overlap); the GPU's busy share tells launch overhead apart.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchspeed.bench.harness import PeakMemory
+from torchspeed.doctor.advice import Finding
+from torchspeed.doctor.phases import PHASES, verdict
+
+__all__ = ["ProfileReport", "profile", "loader_settings", "machine_settings"]
+
+
+@dataclass
+class ProfileReport:
+    """The phase breakdown of `steps` measured training steps, the verdict and the ranked advice."""
+
+    steps: int
+    wall_s: float
+    phases: dict[str, float]
+    per_step_ms: dict[str, float]
+    throughput: float | None
+    peak_memory_bytes: int | None
+    verdict: str
+    evidence: list[str]
+    settings: dict[str, Any]
+    findings: list[Finding] = field(default_factory=list)
+    gpu_busy_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "wall_s": self.wall_s, "phases": self.phases, "per_step_ms": self.per_step_ms,
+                "throughput": self.throughput, "peak_memory_bytes": self.peak_memory_bytes, "verdict": self.verdict,
+                "evidence": self.evidence, "settings": self.settings, "gpu_busy_s": self.gpu_busy_s,
+                "findings": [f.to_dict() for f in self.findings]}
+
+    def __str__(self) -> str:
+        from torchspeed.doctor.report import format_profile
+
+        return format_profile(self.to_dict())
+
+
+def loader_settings(loader: Any, name: str = "loader") -> dict[str, Any] | None:
+    """num_workers / pin_memory / batch_size / persistent_workers of a DataLoader (or of the DataLoader
+    inside a wrapper exposing `.dataloader`, such as FastLoader); None for other iterables."""
+    dl = loader if isinstance(loader, torch.utils.data.DataLoader) else getattr(loader, "dataloader", None)
+    if not isinstance(dl, torch.utils.data.DataLoader):
+        return None
+    return {"name": name, "num_workers": dl.num_workers, "pin_memory": bool(dl.pin_memory),
+            "batch_size": dl.batch_size, "persistent_workers": bool(dl.persistent_workers),
+            "dataset": type(dl.dataset).__name__, "training": True}
+
+
+def machine_settings() -> dict[str, Any]:
+    """What the rules need to know about this machine and torch's global switches."""
+    from torchspeed.runtime import cpu_flags, usable_cores
+
+    s: dict[str, Any] = {"cores": usable_cores(), "torch_threads": torch.get_num_threads(),
+                         "cpu_bf16": bool({"avx512_bf16", "amx_bf16"} & cpu_flags()),
+                         "cuda_available": torch.cuda.is_available(), "cuda_capability": None,
+                         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
+    if torch.cuda.is_available():
+        s["cuda_capability"] = list(torch.cuda.get_device_capability())
+    return s
+
+
+def model_settings(model: nn.Module) -> dict[str, Any]:
+    p = next(model.parameters(), None)
+    mods = list(model.modules())
+    parallel = "none"
+    if isinstance(model, nn.DataParallel):
+        parallel = "DataParallel"
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        parallel = "DistributedDataParallel"
+    return {"class": type(getattr(model, "module", model)).__name__,
+            "params": int(sum(q.numel() for q in model.parameters())),
+            "dtype": str(p.dtype) if p is not None else None, "device": str(p.device) if p is not None else "cpu",
+            "convs": sum(isinstance(m, nn.modules.conv._ConvNd) for m in mods),
+            "bn_or_dropout": any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout)) for m in mods),
+            "parallel": parallel}
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
+
+
+def _split(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, dict) and len(batch) == 2:
+        a, b = batch.values()
+        return a, b
+    raise ValueError("profile() needs batches of (inputs, targets) (a 2-tuple or a 2-key dict); "
+                     f"the loader yielded {type(batch).__name__}")
+
+
+def _size(x: Any) -> int:
+    return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() else 1
+
+
+def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
+            loss_fn: Callable[[Any, Any], torch.Tensor], steps: int = 50, warmup: int = 2,
+            device: str | torch.device | None = None) -> ProfileReport:
+    """Run `warmup` + `steps` ordinary training steps and time each phase of the measured ones.
+
+    The model is trained for real (its weights change). Batches are `(inputs, targets)`; they are
+    moved to the model's device (or `device`) if they are not there yet. The loader restarts when
+    it runs out. Returns the phase breakdown, verdict with evidence, and ranked findings.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    p = next(model.parameters(), None)
+    dev = torch.device(device) if device is not None else (p.device if p is not None else torch.device("cpu"))
+    cuda = dev.type == "cuda"
+    model.train()
+    it = iter(loader)
+    epochs_started = 1
+
+    def next_batch() -> Any:
+        nonlocal it, epochs_started
+        try:
+            return next(it)
+        except StopIteration:
+            it = iter(loader)
+            epochs_started += 1
+            try:
+                return next(it)
+            except StopIteration:
+                raise ValueError("profile(): the loader yielded no batches") from None
+
+    totals = dict.fromkeys(PHASES[:-1], 0.0)
+    gpu_busy = 0.0
+    wall = 0.0
+    samples = 0
+    step_ms: list[float] = []
+    first_batch = None
+    mem = PeakMemory(dev)
+    for i in range(warmup + steps):
+        measured = i >= warmup
+        if i == warmup:
+            if cuda:
+                torch.cuda.synchronize(dev)
+            mem.reset()
+        t0 = time.perf_counter()
+        batch = next_batch()
+        t1 = time.perf_counter()
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+            ev[0].record()
+        x, y = _split(batch)
+        x, y = _to(x, dev), _to(y, dev)
+        if first_batch is None:
+            first_batch = (x, y)
+        if cuda:
+            ev[1].record()
+        t2 = time.perf_counter()
+        out = model(x)
+        loss = loss_fn(out, y)
+        if cuda:
+            ev[2].record()
+        t3 = time.perf_counter()
+        loss.backward()
+        if cuda:
+            ev[3].record()
+        t4 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            ev[4].record()
+            torch.cuda.synchronize(dev)
+        t5 = time.perf_counter()
+        if not measured:
+            continue
+        if cuda:
+            gpu = [ev[k].elapsed_time(ev[k + 1]) / 1e3 for k in range(4)]
+            parts = {"data": t1 - t0, "copy": gpu[0], "forward": gpu[1], "backward": gpu[2], "optimizer": gpu[3]}
+            gpu_busy += sum(gpu)
+        else:
+            parts = {"data": t1 - t0, "copy": t2 - t1, "forward": t3 - t2, "backward": t4 - t3, "optimizer": t5 - t4}
+        for k, v in parts.items():
+            totals[k] += v
+        wall += t5 - t0
+        step_ms.append((t5 - t0) * 1e3)
+        samples += _size(x)
+    phases = {**totals, "other": max(0.0, wall - sum(totals.values()))}
+    v, evidence = verdict(phases, wall, gpu_busy if cuda else None)
+
+    settings = machine_settings()
+    ls = loader_settings(loader)
+    settings["loaders"] = [{**ls, "batches": warmup + steps, "epochs": epochs_started}] if ls else []
+    settings["model"] = model_settings(model)
+    settings["parallel"] = settings["model"]["parallel"]
+    settings["autocast"] = torch.is_autocast_enabled(dev.type) or (
+        dev.type == "cpu" and torch.is_autocast_enabled("cpu"))
+    x0 = first_batch[0] if first_batch else None
+    if isinstance(x0, torch.Tensor):
+        settings["input"] = {"shape": list(x0.shape), "dtype": str(x0.dtype),
+                             "channels_last": x0.dim() == 4 and x0.is_contiguous(memory_format=torch.channels_last)
+                             and not x0.is_contiguous()}
+    settings["loss_checks"] = []
+    if first_batch is not None and isinstance(x0, torch.Tensor):
+        from torchspeed.doctor.linting import loss_pairing
+
+        settings["loss_checks"] = [{"rule": f.rule, "message": f.message, "where": f.where}
+                                   for f in loss_pairing(model, x0[:2], loss_fn, _slice(first_batch[1]))]
+    from torchspeed.doctor.rules import loop_findings
+    from torchspeed.doctor.advice import Finding as _F  # noqa: F401  (re-exported type)
+
+    facts = {"device": dev.type, "steps": steps, "wall_s": wall, "phases": phases, "settings": settings, "verdict": v}
+    step_ms.sort()
+    return ProfileReport(
+        steps=steps, wall_s=wall, phases=phases,
+        per_step_ms={"median": step_ms[len(step_ms) // 2], "min": step_ms[0], "max": step_ms[-1]},
+        throughput=samples / wall if wall > 0 else None, peak_memory_bytes=mem.peak(), verdict=v,
+        evidence=evidence, settings=settings, findings=loop_findings(facts), gpu_busy_s=gpu_busy if cuda else None)
+
+
+def _slice(y: Any) -> Any:
+    return y[:2] if isinstance(y, torch.Tensor) and y.dim() else y

@@ -1,0 +1,119 @@
+"""Printing and writing reports: the phase table, the ranked advice, the lint tables, markdown.
+
+Works on plain dicts (the JSON payloads), so a profile, a doctor run and a lint print the same way.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torchspeed.bench.harness import print_table
+
+__all__ = ["print_profile", "print_findings", "print_lint", "format_lint", "format_profile", "markdown"]
+
+
+def _console(console: Any = None) -> Any:
+    if console is not None:
+        return console
+    from rich.console import Console
+
+    return Console()
+
+
+def _capture(fn, *args) -> str:
+    from rich.console import Console
+
+    con = Console(width=120, record=True, file=open(os.devnull, "w"))
+    fn(*args, con)
+    return con.export_text()
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def print_findings(findings: list[dict[str, Any]], console: Any = None, title: str = "Advice, ranked by expected gain") -> None:
+    con = _console(console)
+    if not findings:
+        con.print("No findings: nothing this doctor knows how to improve.")
+        return
+    rows = []
+    for i, f in enumerate(findings, 1):
+        gain = "bug" if f["severity"] == "bug" else ("-" if f["severity"] == "info" else f"{f['expected_gain']:.0%}")
+        rows.append((f"{i}. {f['rule']}", gain, f["message"], f["fix"], f["command"]))
+    print_table(title, ["rule", "gain", "what was seen", "fix", "measure with"], rows, con)
+
+
+def print_profile(d: dict[str, Any], console: Any = None) -> None:
+    """The phase table, the verdict with its evidence, and the ranked advice."""
+    con = _console(console)
+    wall = d.get("wall_s") or 0.0
+    steps = d.get("steps") or 0
+    rows = []
+    for phase, s in d.get("phases", {}).items():
+        if phase == "eval" and not s:
+            continue
+        rows.append((phase, s * 1e3 / max(steps, 1), f"{s / wall:.0%}" if wall else "-"))
+    rows.append(("step (wall)", wall * 1e3 / max(steps, 1), "100%"))
+    print_table(f"Time per training step ({steps} steps measured)", ["phase", "ms/step", "share"], rows, con)
+    extra = []
+    if d.get("throughput"):
+        extra.append(f"throughput {d['throughput']:,.1f} samples/s")
+    if d.get("peak_memory_bytes"):
+        extra.append(f"peak memory {_mb(d['peak_memory_bytes'])}")
+    if extra:
+        con.print(", ".join(extra))
+    con.print(f"[bold]Verdict: {d.get('verdict')}[/]")
+    for e in d.get("evidence", []):
+        con.print(f"  - {e}", highlight=False)
+    if d.get("hotspots"):
+        print_table("Python hot spots (cProfile, cumulative)", ["function", "calls", "cum s", "self s"],
+                    [(h["function"], h["calls"], h["cumulative_s"], h["self_s"]) for h in d["hotspots"]], con)
+    print_findings(d.get("findings", []), con)
+
+
+def format_profile(d: dict[str, Any]) -> str:
+    return _capture(print_profile, d)
+
+
+def print_lint(rep: Any, console: Any = None, top: int = 12) -> None:
+    con = _console(console)
+    d = rep.to_dict() if hasattr(rep, "to_dict") else rep
+    t = d["totals"]
+    con.print(f"[bold]{d['model']}[/] input {tuple(d['input_shape'])}: {t['flops'] / 1e9:,.2f} GFLOPs, "
+              f"memory access {_mb(t['memory_bytes'])}, {t['params'] / 1e6:,.2f} M params, "
+              f"forward {t['time_s'] * 1e3:,.2f} ms measured ({int(t['ops'])} ops)")
+    print_table(f"Top {top} layers by measured time", ["layer", "type", "ops", "MFLOPs", "memory MiB", "ms", "share"],
+                [(r["layer"] or "(top)", r["type"], ",".join(r["ops"][:3]), r["flops"] / 1e6, r["memory_bytes"] / 2**20,
+                  r["time_s"] * 1e3, f"{r['time_share']:.0%}") for r in d["layers"][:top]], con)
+    print_table("By op kind", ["kind", "ops", "FLOPs share", "memory share", "time share"],
+                [(k, int(v["ops"]), f"{v['flops'] / max(t['flops'], 1):.1%}",
+                  f"{v['memory_bytes'] / max(t['memory_bytes'], 1):.0%}", f"{v['time_share']:.0%}")
+                 for k, v in sorted(d["by_kind"].items(), key=lambda kv: -kv[1]["time_s"]) if k != "view"], con)
+    print_findings(d["findings"], con, title="Lint findings, ranked by expected gain (share of forward time)")
+
+
+def format_lint(rep: Any) -> str:
+    return _capture(print_lint, rep)
+
+
+def markdown(d: dict[str, Any], title: str) -> str:
+    """A short markdown report (written by `doctor --out DIR`)."""
+    lines = [f"# {title}", ""]
+    if "command" in d:
+        lines += [f"Command: `{' '.join(d['command'])}`  ", f"Exit status: {d.get('exit_status')}", ""]
+    if "phases" in d:
+        wall, steps = d.get("wall_s") or 0.0, max(d.get("steps") or 0, 1)
+        lines += [f"Steps measured: {d.get('steps')}, verdict: **{d.get('verdict')}**", "",
+                  "| phase | ms/step | share |", "|---|---:|---:|"]
+        for p, s in d["phases"].items():
+            lines.append(f"| {p} | {s * 1e3 / steps:.2f} | {s / wall:.0%} |" if wall else f"| {p} | - | - |")
+        lines += [""] + [f"- {e}" for e in d.get("evidence", [])] + [""]
+    lines += ["## Advice (ranked)", ""]
+    for i, f in enumerate(d.get("findings", []), 1):
+        gain = "bug" if f["severity"] == "bug" else f"~{f['expected_gain']:.0%}"
+        lines += [f"{i}. **{f['rule']}** ({gain}): {f['message']}", f"   - fix: {f['fix']}",
+                  f"   - measure: `{f['command']}`", f"   - gain basis: {f['gain_basis']}"]
+    if d.get("error"):
+        lines += ["", f"The script raised: `{d['error']}`"]
+    return "\n".join(lines) + "\n"
