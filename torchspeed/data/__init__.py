@@ -8,6 +8,19 @@ from typing import Any
 _EXPORTS = {
     "make_photo_folder": "demo",
     "demo_folder": "demo",
+    "pack": "pack",
+    "PackReport": "pack",
+    "PackedDataset": "store",
+    "fast_loader": "loader",
+    "FastLoader": "loader",
+    "tune_loader": "tune",
+    "LoaderSettings": "tune",
+    "DevicePrefetcher": "prefetch",
+    "normalize_batch": "prefetch",
+    "IMAGENET_MEAN": "prefetch",
+    "IMAGENET_STD": "prefetch",
+    "available_backends": "decode",
+    "measure_backends": "decode",
 }
 __all__ = list(_EXPORTS)
 

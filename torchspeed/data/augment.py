@@ -1,0 +1,100 @@
+"""Augmentation on uint8, planned before decoding and seeded per sample.
+
+Why: the crop box depends only on the stored size (known from the record header), so it is drawn
+first; the decoder then downscales in the DCT domain as far as the box allows, and one OpenCV
+resize of the box region (not of the whole image) writes the result straight into its slot of the
+batch tensor. Every random draw comes from a generator seeded by (seed, epoch, index): a sample's
+crop is the same whichever worker makes it and however many workers there are, which is what makes
+batches reproducible and a mid-epoch resume exact.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Box", "RandomResizedCropFlip", "ResizeCenterCrop", "sample_rng", "render"]
+
+
+@dataclass(frozen=True)
+class Box:
+    """Region of the stored image to resize to the output (top, left, height, width), then flip or not."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool = False
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """The generator for one sample's augmentation: a pure function of (seed, epoch, index)."""
+    return random.Random((seed << 96) | (epoch << 48) | index)
+
+
+@dataclass(frozen=True)
+class RandomResizedCropFlip:
+    """torchvision's RandomResizedCrop (same scale/ratio sampling, 10 tries then centre fallback) + flip."""
+
+    size: int
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip_p: float = 0.5
+
+    def box(self, height: int, width: int, rng: random.Random) -> Box:
+        area = height * width
+        log_r = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        flip = rng.random() < self.flip_p
+        for _ in range(10):
+            target = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_r))
+            w = int(round(math.sqrt(target * aspect)))
+            h = int(round(math.sqrt(target / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                return Box(rng.randint(0, height - h), rng.randint(0, width - w), h, w, flip)
+        in_ratio = width / height  # fallback: central crop at the closest allowed ratio
+        if in_ratio < self.ratio[0]:
+            w, h = width, int(round(width / self.ratio[0]))
+        elif in_ratio > self.ratio[1]:
+            h, w = height, int(round(height * self.ratio[1]))
+        else:
+            w, h = width, height
+        return Box((height - h) // 2, (width - w) // 2, h, w, flip)
+
+
+@dataclass(frozen=True)
+class ResizeCenterCrop:
+    """Evaluation: resize the short side to size/crop_fraction, centre-crop `size` (as one box)."""
+
+    size: int
+    crop_fraction: float = 0.875
+
+    def box(self, height: int, width: int, rng: Any = None) -> Box:
+        side = max(1, min(height, width, int(round(min(height, width) * self.crop_fraction))))
+        return Box((height - side) // 2, (width - side) // 2, side, side, False)
+
+
+def render(img: np.ndarray, box: Box, out: np.ndarray, scale_h: float = 1.0, scale_w: float = 1.0) -> None:
+    """Resize `img`'s box region into `out` (HWC uint8, the output size) and flip it if asked.
+
+    `scale_h`, `scale_w` map stored coordinates to `img` when it was decoded smaller (DCT scaling).
+    """
+    import cv2
+
+    t, l = int(box.top * scale_h), int(box.left * scale_w)
+    h = max(1, min(img.shape[0] - t, int(round(box.height * scale_h))))
+    w = max(1, min(img.shape[1] - l, int(round(box.width * scale_w))))
+    region = img[t:t + h, l:l + w]
+    oh, ow = out.shape[:2]
+    if (h, w) == (oh, ow):
+        out[...] = region
+    else:
+        # INTER_LINEAR: DCT scaling already brought the region within 2x of the output, so the
+        # cheap bilinear kernel does not alias; INTER_AREA only when a larger shrink remains.
+        interp = cv2.INTER_AREA if h > 2 * oh or w > 2 * ow else cv2.INTER_LINEAR
+        cv2.resize(region, (ow, oh), dst=out, interpolation=interp)
+    if box.flip:
+        cv2.flip(out, 1, dst=out)

@@ -1,0 +1,252 @@
+"""JPEG decoding backends, and a one-off measurement that picks the fastest on this machine.
+
+Every backend decodes to an RGB HWC uint8 array and can use DCT-domain downscaling: asked for an
+image of at least (min_h, min_w), libjpeg skips the high-frequency coefficients and decodes at 1/2,
+1/4 or 1/8 size, which costs a fraction of a full decode followed by a resize. The choice is made
+once, in the parent process, and passed to the workers by name, so every worker decodes to the
+same pixels (backends differ in IDCT and chroma upsampling, hence in the last bit).
+
+Backends: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), OpenCV, PIL,
+torchvision.io on the CPU, PyTurboJPEG where its system library loads, and nvjpeg
+(`decode_jpeg(device="cuda")`, batched) where CUDA exists: see `decode_jpeg_batch_cuda`.
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from torchspeed.bench.harness import time_callable
+from torchspeed.data.store import Record
+
+__all__ = ["Decoder", "BACKENDS", "available_backends", "get_decoder", "measure_backends", "choose_backend",
+           "decode_record", "jpeg_size", "decode_jpeg_batch_cuda"]
+
+
+def _dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
+    """Largest libjpeg scale denominator (8, 4, 2, 1) that keeps the image >= (min_h, min_w)."""
+    for s in (8, 4, 2):
+        if -(-h // s) >= min_h and -(-w // s) >= min_w:
+            return s
+    return 1
+
+
+class Decoder:
+    """A named JPEG decoder: `decode(buf, min_h, min_w) -> RGB HWC uint8` (min sizes 0 = full size)."""
+
+    name = "base"
+
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<Decoder {self.name}>"
+
+
+class SimpleJpegDecoder(Decoder):
+    def __init__(self, fast: bool = False):
+        import simplejpeg
+
+        self._sj = simplejpeg
+        self.fast = fast
+        self.name = "simplejpeg-fast" if fast else "simplejpeg"
+
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+        return self._sj.decode_jpeg(buf, colorspace="RGB", fastdct=self.fast, fastupsample=self.fast,
+                                    min_height=min_h, min_width=min_w)
+
+
+class OpenCVDecoder(Decoder):
+    name = "opencv"
+
+    def __init__(self) -> None:
+        import cv2
+
+        self._cv2 = cv2
+        self._flags = {1: cv2.IMREAD_COLOR_RGB, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
+                       8: cv2.IMREAD_REDUCED_COLOR_8}
+
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+        cv2 = self._cv2
+        s = 1
+        if min_h > 0 or min_w > 0:
+            h, w = jpeg_size(buf)
+            s = _dct_factor(h, w, min_h, min_w)
+        img = cv2.imdecode(np.frombuffer(buf, np.uint8), self._flags[s])
+        if img is None:
+            raise ValueError("OpenCV could not decode the JPEG data")
+        return img if s == 1 else cv2.cvtColor(img, cv2.COLOR_BGR2RGB)  # reduced modes decode to BGR
+
+
+class PILDecoder(Decoder):
+    name = "pil"
+
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+        from PIL import Image
+
+        im = Image.open(io.BytesIO(buf))
+        if min_h > 0 or min_w > 0:
+            im.draft("RGB", (max(min_w, 1), max(min_h, 1)))  # DCT scaling to >= the requested size
+        return np.asarray(im.convert("RGB"))
+
+
+class TorchvisionDecoder(Decoder):
+    name = "torchvision"
+
+    def __init__(self) -> None:
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        self._torch, self._decode, self._mode = torch, decode_jpeg, ImageReadMode.RGB
+
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:  # no DCT scaling exposed
+        data = self._torch.frombuffer(bytearray(buf), dtype=self._torch.uint8)
+        return np.ascontiguousarray(self._decode(data, mode=self._mode).permute(1, 2, 0).numpy())
+
+
+class TurboJpegDecoder(Decoder):
+    name = "turbojpeg"
+
+    def __init__(self) -> None:
+        from turbojpeg import TJPF_RGB, TurboJPEG  # raises where libturbojpeg is absent
+
+        self._tj, self._fmt = TurboJPEG(), TJPF_RGB
+
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+        s = 1
+        if min_h > 0 or min_w > 0:
+            h, w = jpeg_size(buf)
+            s = _dct_factor(h, w, min_h, min_w)
+        return self._tj.decode(bytes(buf), pixel_format=self._fmt, scaling_factor=(1, s))
+
+
+# name -> factory; a factory raising ImportError/OSError means "not available here"
+BACKENDS: dict[str, Callable[[], Decoder]] = {
+    "simplejpeg": SimpleJpegDecoder,
+    "simplejpeg-fast": lambda: SimpleJpegDecoder(fast=True),
+    "opencv": OpenCVDecoder,
+    "pil": PILDecoder,
+    "torchvision": TorchvisionDecoder,
+    "turbojpeg": TurboJpegDecoder,
+}
+_INSTANCES: dict[str, Decoder] = {}
+_CHOICES: dict[Any, str] = {}
+
+
+def get_decoder(name: str) -> Decoder:
+    """The decoder called `name` (one instance per process)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown decoder {name!r}; choose from {', '.join(BACKENDS)} or 'auto'")
+    if name not in _INSTANCES:
+        try:
+            _INSTANCES[name] = BACKENDS[name]()
+        except (ImportError, OSError, RuntimeError) as e:
+            hint = "pip install 'torchspeed[data]'" if name != "turbojpeg" else "pip install PyTurboJPEG and the libturbojpeg system library"
+            raise ImportError(f"decoder {name!r} is not available here ({e}); {hint}") from None
+    return _INSTANCES[name]
+
+
+def available_backends() -> list[str]:
+    """CPU decoders that load on this machine."""
+    names = []
+    for name in BACKENDS:
+        try:
+            get_decoder(name)
+            names.append(name)
+        except ImportError:
+            pass
+    return names
+
+
+def measure_backends(samples: Sequence[Any], backends: Sequence[str] | None = None, min_size: int = 0,
+                     repeats: int = 3) -> list[dict[str, Any]]:
+    """Time each backend decoding `samples` (JPEG bytes): median of `repeats`, per image.
+
+    Also reports each backend's PSNR against the accurate simplejpeg/PIL decode, so a faster but
+    less exact decoder is visible as such.
+    """
+    if not samples:
+        raise ValueError("measure_backends needs at least one JPEG sample")
+    names = list(backends) if backends is not None else available_backends()
+    reference_name = "simplejpeg" if "simplejpeg" in names else "pil"
+    reference = [get_decoder(reference_name).decode(b, min_size, min_size) for b in samples]
+    table = []
+    for name in names:
+        dec = get_decoder(name)
+        try:
+            out = [dec.decode(b, min_size, min_size) for b in samples]  # warm-up and check
+        except Exception as e:  # a backend that cannot read these files is simply not a candidate
+            table.append({"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)})
+            continue
+        t = time_callable(lambda: [dec.decode(b, min_size, min_size) for b in samples], name=name, warmup=0,
+                          repeats=repeats)
+        best = t.median_s / len(samples)
+        psnr = [_psnr(a, r) for a, r in zip(out, reference) if a.shape == r.shape]
+        table.append({"decoder": name, "us_per_image": best * 1e6,
+                      "psnr_db": float(np.mean(psnr)) if len(psnr) == len(out) else None})
+    return table
+
+
+def choose_backend(samples: Sequence[Any], key: Any = None, min_size: int = 0) -> tuple[str, list[dict[str, Any]]]:
+    """The fastest available decoder on `samples`, measured once per `key` in this process."""
+    if key is not None and key in _CHOICES:
+        return _CHOICES[key], []
+    table = measure_backends(samples, min_size=min_size)
+    timed = [r for r in table if r["us_per_image"] is not None]
+    if not timed:
+        raise ValueError("no JPEG decoder could read the sample images: " + "; ".join(r.get("error", "") for r in table))
+    best = min(timed, key=lambda r: r["us_per_image"])["decoder"]
+    if key is not None:
+        _CHOICES[key] = best
+    return best, table
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float32) - b.astype(np.float32)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def jpeg_size(buf: Any) -> tuple[int, int]:
+    """(height, width) from a JPEG's SOF marker, without decoding."""
+    data = memoryview(buf)
+    if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        raise ValueError("not JPEG data (no SOI marker)")
+    i, n = 2, len(data)
+    while i + 9 < n:
+        if data[i] != 0xFF:
+            i += 1
+            continue
+        marker = data[i + 1]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7 or marker == 0xFF:
+            i += 1 if marker == 0xFF else 2
+            continue
+        length = (data[i + 2] << 8) | data[i + 3]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
+        i += 2 + length
+    raise ValueError("JPEG data has no frame header (truncated or corrupt)")
+
+
+def decode_record(rec: Record, decoder: str | Decoder = "simplejpeg", min_h: int = 0, min_w: int = 0) -> np.ndarray:
+    """A record's pixels as RGB HWC uint8 (JPEG decoded, raw and arrays returned as they are)."""
+    if rec.kind == "jpeg":
+        dec = get_decoder(decoder) if isinstance(decoder, str) else decoder
+        return dec.decode(rec.payload, min_h, min_w)
+    return rec.payload
+
+
+def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda") -> list[Any]:
+    """Decode many JPEGs at once on the GPU with nvjpeg (torchvision.io.decode_jpeg, batched).
+
+    Returns RGB CHW uint8 tensors on `device`. For pipelines that move decoding off a starved CPU
+    onto the GPU (the articles' DALI idea); needs CUDA.
+    """
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    if not torch.cuda.is_available():
+        raise ValueError("nvjpeg decoding needs a CUDA device; none is available here (use a CPU decoder)")
+    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in buffers]
+    return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)

@@ -1,0 +1,374 @@
+"""fast_loader(): a store, a folder or a Dataset -> normalised batches on the device, measured fast.
+
+The path of one batch, and what each step buys (figures: `torchspeed bench data`):
+  sampler (main)   yields [(epoch, index), ...]: the epoch travels with the indices, so persistent
+                   workers need no message to know it, and skipping batches for a resume is free;
+  worker           per sample: crop box drawn from the header size -> DCT-scaled decode of just
+                   enough pixels -> one cv2.resize of the box region written straight into its slot
+                   of a uint8 NHWC batch tensor allocated in shared memory (no per-sample tensors,
+                   no collate copy, no float work, 1 intra-op thread per worker);
+  main             DevicePrefetcher: uint8 -> float, /255, mean/std and layout in one pass per
+                   batch, a batch ahead (on CUDA on a side stream).
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
+
+from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, sample_rng
+from torchspeed.data.decode import choose_backend, get_decoder, jpeg_size
+from torchspeed.data.prefetch import IMAGENET_MEAN, IMAGENET_STD, DevicePrefetcher
+from torchspeed.data.store import PackedDataset, Record, is_store
+from torchspeed.runtime import resolve_device
+
+__all__ = ["fast_loader", "FastLoader", "FolderSource", "DatasetSource", "AugmentedDataset", "EpochBatchSampler",
+           "IMAGENET_MEAN", "IMAGENET_STD", "as_source"]
+
+
+class FolderSource:
+    """An ImageFolder read as records: JPEG files stay encoded (decoded cropped, DCT-scaled) in workers."""
+
+    def __init__(self, root: str):
+        from torchspeed.data.pack import scan_folder
+
+        self.root = os.path.abspath(root)
+        self.classes, self.samples = scan_folder(self.root)
+        self.targets = [y for _, y in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def record(self, index: int) -> Record:
+        path, label = self.samples[index]
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            if data[:2] == b"\xff\xd8":
+                h, w = jpeg_size(data)
+                return Record("jpeg", data, h, w, label)
+            from torchspeed.data.pack import _to_hwc_uint8
+            from PIL import Image
+            import io
+
+            img = _to_hwc_uint8(Image.open(io.BytesIO(data)))
+            return Record("array", img, img.shape[0], img.shape[1], label)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read image {path!r}: {e}; remove it, or pack the folder with --on-error skip") from None
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        from torchspeed.data.decode import decode_record
+
+        rec = self.record(index)
+        return decode_record(rec), rec.label
+
+
+class DatasetSource:
+    """Any map-style Dataset of (PIL | HWC uint8 | CHW uint8 tensor, label), read as decoded records."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self.classes = list(getattr(dataset, "classes", []) or [])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def record(self, index: int) -> Record:
+        from torchspeed.data.pack import _to_hwc_uint8
+
+        x, y = self.dataset[index]
+        img = _to_hwc_uint8(x)
+        return Record("array", img, img.shape[0], img.shape[1], int(y))
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+
+def as_source(data: Any, in_memory: bool = False) -> Any:
+    """A store path -> PackedDataset, a folder path -> FolderSource, a Dataset -> itself or a DatasetSource."""
+    if isinstance(data, (str, os.PathLike)):
+        path = os.fspath(data)
+        if is_store(path):
+            return PackedDataset(path, in_memory=in_memory)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no data at {path!r}: give an ImageFolder directory or a packed store")
+        return FolderSource(path)
+    if hasattr(data, "record") and hasattr(data, "__len__"):
+        return data
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return DatasetSource(data)
+    raise ValueError(f"data must be an ImageFolder path, a store path or a map-style Dataset, got {type(data).__name__}")
+
+
+class AugmentedDataset(Dataset):
+    """What the DataLoader's workers run: keys (epoch, index) -> a whole uint8 NHWC batch + labels."""
+
+    def __init__(self, source: Any, transform: Any, decoder: str, seed: int):
+        self.source, self.transform, self.decoder, self.seed = source, transform, decoder, seed
+        self.size = transform.size
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def _render(self, epoch: int, index: int, out: np.ndarray) -> int:
+        rec = self.source.record(index)
+        box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
+        if rec.kind == "jpeg":
+            # ask the decoder for just enough pixels: the box must still cover the output size
+            min_h = math.ceil(rec.height * self.size / box.height)
+            min_w = math.ceil(rec.width * self.size / box.width)
+            img = get_decoder(self.decoder).decode(rec.payload, min_h, min_w)
+        else:
+            img = rec.payload
+        render(img, box, out, img.shape[0] / rec.height, img.shape[1] / rec.width)
+        return rec.label
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        out = np.empty((self.size, self.size, 3), np.uint8)
+        return torch.from_numpy(out), self._render(epoch, index, out)
+
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        n, s = len(keys), self.size
+        if get_worker_info() is not None:  # straight into shared memory: no copy when sent to the main process
+            images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n * s * s * 3)).view(n, s, s, 3)
+        else:
+            images = torch.empty((n, s, s, 3), dtype=torch.uint8)
+        arr = images.numpy()
+        labels = torch.empty(n, dtype=torch.int64)
+        for j, (epoch, index) in enumerate(keys):
+            labels[j] = self._render(epoch, index, arr[j])
+        return images, labels
+
+
+def _batch_identity(batch: Any) -> Any:
+    return batch  # __getitems__ already returns the collated batch
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)  # workers must not compete with the model for the cores
+    try:
+        import cv2
+
+        cv2.setNumThreads(1)
+    except ImportError:
+        pass
+
+
+class EpochBatchSampler:
+    """Batches of (epoch, index) for epoch `epoch`, skipping the first `start` batches.
+
+    The order is DistributedSampler's (a permutation seeded by seed + epoch, sharded by rank), also
+    for a single process (num_replicas=1), so one code path covers both.
+    """
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
+                 num_replicas: int = 1, rank: int = 0):
+        self.n, self.batch_size, self.shuffle, self.drop_last, self.seed = n, batch_size, shuffle, drop_last, seed
+        self.num_replicas, self.rank = num_replicas, rank
+        self.epoch, self.start = 0, 0
+
+    def _indices(self) -> list[int]:
+        s = DistributedSampler(range(self.n), num_replicas=self.num_replicas, rank=self.rank,  # type: ignore[arg-type]
+                               shuffle=self.shuffle, seed=self.seed, drop_last=False)
+        s.set_epoch(self.epoch)
+        return list(s)
+
+    def per_replica(self) -> int:
+        return math.ceil(self.n / self.num_replicas)
+
+    def __len__(self) -> int:
+        m = self.per_replica()
+        return m // self.batch_size if self.drop_last else math.ceil(m / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        idx = self._indices()
+        for b in range(self.start, len(self)):
+            yield [(self.epoch, i) for i in idx[b * self.batch_size:(b + 1) * self.batch_size]]
+
+
+class FastLoader:
+    """Iterable of `(images, labels)` already on the device: images normalised float NCHW
+    (channels_last memory if asked), labels int64.
+
+    Re-iterable: each complete pass advances the epoch (new shuffle). A pass left early resumes at
+    the next unseen batch, and so does a fresh loader given `load_state_dict(state_dict())`.
+    """
+
+    yields_device_batches = True  # the Trainer duck-types on this: batches need no .to(device)
+
+    def __init__(self, dataset: AugmentedDataset, sampler: EpochBatchSampler, dataloader: DataLoader,
+                 prefetcher: DevicePrefetcher, settings: Any = None, decoder_table: list | None = None):
+        self._augmented, self.batch_sampler, self.dataloader, self.prefetcher = dataset, sampler, dataloader, prefetcher
+        self.settings = settings  # LoaderSettings when num_workers was tuned
+        self.decoder_table = decoder_table or []  # the decoder measurement, when one was made
+        self.epoch = 0
+        self.batches_done = 0
+
+    @property
+    def dataset(self) -> Any:
+        """The underlying dataset (PackedDataset, FolderSource or your Dataset's wrapper): `.classes`."""
+        return self._augmented.source
+
+    @property
+    def decoder(self) -> str:
+        return self._augmented.decoder
+
+    @property
+    def device(self) -> torch.device:
+        return self.prefetcher.device
+
+    @property
+    def seed(self) -> int:
+        return self._augmented.seed
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` (its shuffle and augmentation); keeps the resume point if it is the current one."""
+        if epoch != self.epoch:
+            self.epoch, self.batches_done = int(epoch), 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": int(self.epoch), "batches_done": int(self.batches_done), "seed": int(self.seed)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        try:
+            epoch, done, seed = int(state["epoch"]), int(state["batches_done"]), int(state["seed"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"not a FastLoader state (need epoch, batches_done, seed): {state!r}") from None
+        if seed != self.seed:
+            raise ValueError(f"the state was taken with seed {seed} but this loader has seed {self.seed}; "
+                             f"build the loader with seed={seed} to resume exactly")
+        if not 0 <= done <= len(self):
+            raise ValueError(f"batches_done {done} is outside 0..{len(self)} for this loader")
+        self.epoch, self.batches_done = epoch, done
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.batches_done >= len(self):
+            self.epoch, self.batches_done = self.epoch + 1, 0
+        self.batch_sampler.epoch, self.batch_sampler.start = self.epoch, self.batches_done
+        for batch in self.prefetcher:
+            self.batches_done += 1
+            yield batch
+        self.epoch, self.batches_done = self.epoch + 1, 0
+
+    def __repr__(self) -> str:
+        return (f"FastLoader({self.dataset!r}, batch_size={self.batch_sampler.batch_size}, crop={self._augmented.size}, "
+                f"decoder={self.decoder}, num_workers={self.dataloader.num_workers}, device={self.device})")
+
+
+def _jpeg_samples(source: Any, k: int = 16) -> list[Any]:
+    n = len(source)
+    out = []
+    for i in range(0, n, max(1, n // k)):
+        rec = source.record(i)
+        if rec.kind != "jpeg":
+            return []
+        out.append(bytes(rec.payload))
+        if len(out) >= k:
+            break
+    return out
+
+
+def _distributed() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
+def fast_loader(
+    data: Any,
+    batch_size: int,
+    train: bool = True,
+    crop: int = 224,
+    device: str | torch.device = "auto",
+    mean: Sequence[float] | None = IMAGENET_MEAN,
+    std: Sequence[float] | None = IMAGENET_STD,
+    channels_last: bool = True,
+    dtype: torch.dtype | None = None,
+    num_workers: int | str = "auto",
+    seed: int = 0,
+    drop_last: bool | None = None,
+    decoder: str = "auto",
+    in_memory: bool = False,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool | None = None,
+    pin_memory: bool | str = "auto",
+    scale: tuple[float, float] = (0.08, 1.0),
+    num_replicas: int | None = None,
+    rank: int | None = None,
+    tune_seconds: float = 0.6,
+) -> FastLoader:
+    """The whole fast input pipeline in one call (see the module docstring for what each step buys).
+
+    `data`: a packed store, an ImageFolder path, or a map-style Dataset. `train=True`:
+    RandomResizedCrop(crop, scale) + horizontal flip, shuffled, drop_last; `train=False`: resize to
+    crop/0.875 + centre crop, in order, every sample kept. `num_workers="auto"` measures 0..cores+1
+    workers briefly with `tune_loader` and keeps the fastest. `decoder="auto"` measures the JPEG
+    decoders once in this process. Under an initialised torch.distributed (or with explicit
+    `num_replicas`/`rank`) each rank gets a disjoint shard; as DistributedSampler does, the last
+    shard is padded by repeating the first samples when the size does not divide evenly.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if not isinstance(crop, int) or crop < 1:
+        raise ValueError(f"crop must be a positive integer, got {crop!r}")
+    if not (num_workers == "auto" or (isinstance(num_workers, int) and num_workers >= 0)):
+        raise ValueError(f"num_workers must be 'auto' or a non-negative integer, got {num_workers!r}")
+    source = as_source(data, in_memory=in_memory)
+    if len(source) == 0:
+        raise ValueError("the dataset is empty")
+    dev = resolve_device(device)
+    decoder_table: list = []
+    if decoder == "auto":
+        samples = _jpeg_samples(source)
+        if samples:
+            key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))))
+            decoder, decoder_table = choose_backend(samples, key=key)
+        if hasattr(source, "close"):
+            source.close()  # no LMDB handle left open in the parent when the workers fork
+        else:
+            decoder = "simplejpeg"
+    else:
+        get_decoder(decoder)  # a clear error now rather than in a worker
+    transform = RandomResizedCropFlip(crop, scale=scale) if train else ResizeCenterCrop(crop)
+    augmented = AugmentedDataset(source, transform, decoder, seed)
+    world, r = _distributed()
+    num_replicas = num_replicas if num_replicas is not None else world
+    rank = rank if rank is not None else r
+    if not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be in 0..{num_replicas - 1}, got {rank}")
+    drop_last = train if drop_last is None else drop_last
+    sampler = EpochBatchSampler(len(source), batch_size, shuffle=train, drop_last=drop_last, seed=seed,
+                                num_replicas=num_replicas, rank=rank)
+    if len(sampler) == 0:
+        raise ValueError(f"batch_size {batch_size} is larger than this rank's {sampler.per_replica()} samples "
+                         f"with drop_last=True; use a smaller batch or drop_last=False")
+    pin = dev.type == "cuda" if pin_memory == "auto" else bool(pin_memory)
+
+    def build(workers: int, prefetch: int | None, persistent: bool, pin_: bool) -> FastLoader:
+        dl = DataLoader(augmented, batch_sampler=sampler, num_workers=workers, collate_fn=_batch_identity,
+                        pin_memory=pin_, worker_init_fn=_worker_init if workers else None,
+                        prefetch_factor=prefetch if workers else None, persistent_workers=persistent and workers > 0)
+        pf = DevicePrefetcher(dl, dev, mean, std, channels_last=channels_last, dtype=dtype, layout="NHWC")
+        return FastLoader(augmented, sampler, dl, pf, decoder_table=decoder_table)
+
+    settings = None
+    if num_workers == "auto":
+        from torchspeed.data.tune import tune_loader
+
+        settings = tune_loader(build, batch_size, seconds=tune_seconds, device=dev,
+                               prefetch_factors=(prefetch_factor,) if prefetch_factor else (2, 4),
+                               persistent=(persistent_workers,) if persistent_workers is not None else (True,))
+        loader = build(settings.num_workers, settings.prefetch_factor, settings.persistent_workers, pin)
+    else:
+        loader = build(num_workers, prefetch_factor or 2, True if persistent_workers is None else persistent_workers, pin)
+    loader.settings = settings
+    return loader

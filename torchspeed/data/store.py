@@ -1,0 +1,240 @@
+"""The packed store: one LMDB environment of (fixed binary header + encoded bytes) records.
+
+Why: a folder of small JPEGs costs one open/stat/read per sample; one memory-mapped LMDB file costs a
+B-tree lookup. The layout has no pickle anywhere (untrusted stores cannot run code):
+
+    STORE/data.mdb       LMDB; key = index as 8-byte big-endian, value = HEADER + payload
+    STORE/manifest.json  count, classes, labels, encoding, resolution policy, format version, CRC32s
+
+`HEADER` is `<4sBBxxIIq`: magic b"TSR1", encoding (0 raw HWC uint8, 1 JPEG), channels, height,
+width, label. The manifest is a plain file so `len()` and `classes` never open the environment in
+the parent process (an LMDB handle must not cross a fork); each process opens its own read-only,
+lock-free handle on first access.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PackedDataset", "Record", "FORMAT_VERSION", "MANIFEST", "HEADER", "is_store", "read_manifest"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STORE_KIND = "torchspeed-packed-store"
+HEADER = struct.Struct("<4sBBxxIIq")
+MAGIC = b"TSR1"
+ENCODINGS = {0: "raw", 1: "jpeg"}
+ENCODING_CODES = {v: k for k, v in ENCODINGS.items()}
+
+
+def key_of(index: int) -> bytes:
+    return index.to_bytes(8, "big")
+
+
+def lmdb_module() -> Any:
+    try:
+        import lmdb
+    except ImportError:
+        raise ImportError("the packed store needs the lmdb package: pip install 'torchspeed[data]'") from None
+    return lmdb
+
+
+def is_store(path: str | os.PathLike) -> bool:
+    """True when `path` is a directory holding a packed store (manifest + data file)."""
+    path = os.fspath(path)
+    return os.path.isfile(os.path.join(path, MANIFEST)) and os.path.isfile(os.path.join(path, "data.mdb"))
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The store's manifest, checked: a clear error for a non-store or an unknown format version."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no packed store at {path!r}: create one with `torchspeed pack SRC {path}`")
+    if not is_store(path):
+        raise ValueError(f"{path!r} is not a torchspeed packed store (no {MANIFEST} and data.mdb); "
+                         f"create one with `torchspeed pack SRC DST`")
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the manifest of store {path!r} is unreadable ({e}); re-pack the store") from None
+    if not isinstance(manifest, dict) or manifest.get("kind") != STORE_KIND:
+        raise ValueError(f"{path!r} is not a torchspeed packed store (its manifest has no kind {STORE_KIND!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"store {path!r} has format version {version!r}, this torchspeed reads version "
+                         f"{FORMAT_VERSION}; re-pack it with this version (`torchspeed pack`)")
+    for k in ("count", "classes", "labels", "crc32", "encoding"):
+        if k not in manifest:
+            raise ValueError(f"the manifest of store {path!r} lacks {k!r}; re-pack the store")
+    return manifest
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored sample before decoding: `kind` is 'jpeg', 'raw' or 'array' (already decoded)."""
+
+    kind: str
+    payload: Any  # bytes-like for jpeg/raw, HWC uint8 ndarray for array
+    height: int
+    width: int
+    label: int
+
+
+# One LMDB environment per (path, process): py-lmdb refuses to open a path twice in a process, and a
+# handle inherited through fork must never be used by the child (hence the pid in the key).
+_ENVS: dict[tuple[str, int], list[Any]] = {}
+
+
+def _acquire_env(path: str) -> Any:
+    key = (path, os.getpid())
+    if key not in _ENVS:
+        lmdb = lmdb_module()
+        try:
+            env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
+        except lmdb.Error as e:
+            raise ValueError(f"cannot open the LMDB data of store {path!r}: {e}") from None
+        _ENVS[key] = [env, 0]
+    _ENVS[key][1] += 1
+    return _ENVS[key][0]
+
+
+def _close_inherited_envs() -> None:
+    """In a forked child: close the parent's handles (py-lmdb's already-open guard survives fork)."""
+    for key in [k for k in _ENVS if k[1] != os.getpid()]:
+        try:
+            _ENVS.pop(key)[0].close()
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_envs)
+
+
+def _release_env(path: str) -> None:
+    entry = _ENVS.get((path, os.getpid()))
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] <= 0:
+            entry[0].close()
+            del _ENVS[(path, os.getpid())]
+
+
+class PackedDataset:
+    """Map-style dataset over a packed store: `ds[i] -> (uint8 HWC ndarray, int label)`.
+
+    Random access, `len`, `classes`, `targets`. `in_memory=True` reads the whole store once into one
+    numpy buffer plus an offset index: forked workers then share those pages (a list of Python bytes
+    objects would be copied page by page as reference counts change). Every read checks the record's
+    CRC32 against the manifest (`verify=False` skips it).
+    """
+
+    def __init__(self, path: str | os.PathLike, in_memory: bool = False, verify: bool = True):
+        self.path = os.path.abspath(os.fspath(path))
+        self.manifest = read_manifest(self.path)
+        self.classes: list[str] = list(self.manifest["classes"])
+        self.targets: list[int] = [int(t) for t in self.manifest["labels"]]
+        self.encoding: str = self.manifest["encoding"]
+        self.verify = verify
+        self._crc = np.asarray(self.manifest["crc32"], dtype=np.uint32)
+        self._env: Any = None
+        self._txn: Any = None
+        self._pid = os.getpid()
+        self._blob: np.ndarray | None = None
+        self._offsets: np.ndarray | None = None
+        if in_memory:
+            self._load_into_memory()
+
+    def __len__(self) -> int:
+        return int(self.manifest["count"])
+
+    @property
+    def in_memory(self) -> bool:
+        return self._blob is not None
+
+    def _open(self) -> None:
+        self._env = _acquire_env(self.path)
+        self._txn = self._env.begin(buffers=True)
+        self._pid = os.getpid()
+
+    def _load_into_memory(self) -> None:
+        """Copy every record into one contiguous buffer (offsets[i]:offsets[i+1] is record i)."""
+        self._open()
+        try:
+            sizes = np.empty(len(self), np.int64)
+            for i in range(len(self)):
+                sizes[i] = len(self._raw(i))
+            offsets = np.zeros(len(self) + 1, np.int64)
+            np.cumsum(sizes, out=offsets[1:])
+            blob = np.empty(int(offsets[-1]), np.uint8)
+            for i in range(len(self)):
+                blob[offsets[i]:offsets[i + 1]] = np.frombuffer(self._raw(i), np.uint8)
+        finally:
+            self.close()
+        self._blob, self._offsets = blob, offsets
+
+    def _raw(self, index: int) -> Any:
+        if self._blob is not None:
+            return memoryview(self._blob[self._offsets[index]:self._offsets[index + 1]])
+        if self._txn is None or self._pid != os.getpid():  # first access, or a handle inherited through fork
+            if self._pid != os.getpid():
+                self._env = self._txn = None
+            self._open()
+        value = self._txn.get(key_of(index))
+        if value is None:
+            raise ValueError(f"store {self.path!r} has no record {index} although its manifest counts "
+                             f"{len(self)}; the store is damaged, re-pack it")
+        return value
+
+    def record(self, index: int) -> Record:
+        """The sample's header and still-encoded payload (what the loader decodes, cropped)."""
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for a store of {n} samples")
+        index %= n
+        raw = self._raw(index)
+        if self.verify and zlib.crc32(raw) != int(self._crc[index]):
+            raise ValueError(f"record {index} of store {self.path!r} is corrupt (CRC32 mismatch); re-pack the store")
+        magic, code, channels, height, width, label = HEADER.unpack_from(raw)
+        if magic != MAGIC or code not in ENCODINGS:
+            raise ValueError(f"record {index} of store {self.path!r} has an unknown header; re-pack the store")
+        payload = raw[HEADER.size:]
+        if ENCODINGS[code] == "raw":
+            payload = np.frombuffer(payload, np.uint8).reshape(height, width, channels)
+        return Record(ENCODINGS[code], payload, height, width, label)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        from torchspeed.data.decode import decode_record
+
+        rec = self.record(index)
+        return decode_record(rec), rec.label
+
+    def close(self) -> None:
+        """Drop this process's read handle (it reopens on the next access)."""
+        if self._txn is not None and self._pid == os.getpid():
+            self._txn.abort()
+            _release_env(self.path)
+        self._env = self._txn = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The LMDB handle must not travel to a worker (fork or spawn): each process opens its own.
+        state = self.__dict__.copy()
+        state["_env"] = state["_txn"] = None
+        return state
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"PackedDataset({self.path!r}, {len(self)} samples, {len(self.classes)} classes, "
+                f"{self.encoding}{', in memory' if self.in_memory else ''})")

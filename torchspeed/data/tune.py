@@ -1,0 +1,150 @@
+"""tune_loader(): time the loader itself over num_workers, prefetch_factor, persistent_workers, pin_memory.
+
+Why (article 004): the best setting is found by timing the loader alone on this machine, and it is
+not the largest: past the core count, workers only compete with each other and with the model. So
+the search walks num_workers upward from 0 and stops as soon as throughput falls.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from torchspeed.bench.harness import time_iterable
+from torchspeed.runtime import resolve_device, usable_cores
+
+__all__ = ["tune_loader", "LoaderSettings"]
+
+
+@dataclass
+class LoaderSettings:
+    """The fastest DataLoader settings measured, with every configuration tried (`table`)."""
+
+    num_workers: int
+    prefetch_factor: int | None
+    persistent_workers: bool
+    pin_memory: bool
+    throughput: float  # items/s of the chosen settings
+    table: list[dict[str, Any]] = field(default_factory=list)
+
+    def dataloader_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `torch.utils.data.DataLoader`."""
+        kw: dict[str, Any] = {"num_workers": self.num_workers, "pin_memory": self.pin_memory}
+        if self.num_workers > 0:
+            kw.update(prefetch_factor=self.prefetch_factor, persistent_workers=self.persistent_workers)
+        return kw
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _shutdown(loader: Any) -> None:
+    """Stop a measured loader's worker processes now instead of whenever it is collected."""
+    dl = getattr(loader, "dataloader", loader)
+    it = getattr(dl, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+        dl._iterator = None
+
+
+def tune_loader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    max_workers: int | None = None,
+    seconds: float = 1.0,
+    device: str | torch.device = "auto",
+    prefetch_factors: Sequence[int] = (2, 4),
+    persistent: Sequence[bool] = (True, False),
+    pin_memory: str | bool = "auto",
+    collate_fn: Callable | None = None,
+    crop: int = 224,
+    train: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> LoaderSettings:
+    """Measure loader throughput over settings; return the fastest with the whole table.
+
+    `dataset`: a map-style Dataset (timed as a plain shuffled DataLoader), an ImageFolder or store
+    path (timed as the torchspeed pipeline, `fast_loader` with `crop` and `train`), or a factory
+    `build(num_workers, prefetch_factor, persistent_workers, pin_memory) -> iterable of batches`.
+    num_workers goes from 0 up to `max_workers` (default: cores + 1) and stops when throughput
+    falls; prefetch_factor and persistent_workers are then tried at the best worker count, and
+    pin_memory only with CUDA. Each configuration runs two passes of `seconds` after a warm-up.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds!r}")
+    dev = resolve_device(device)
+    build = _factory(dataset, batch_size, dev, collate_fn, crop, train)
+    max_workers = usable_cores() + 1 if max_workers is None else max_workers
+    if max_workers < 0:
+        raise ValueError(f"max_workers must be >= 0, got {max_workers}")
+    pins = [False, True] if (pin_memory == "auto" and dev.type == "cuda") else [bool(pin_memory) and pin_memory != "auto"]
+    table: list[dict[str, Any]] = []
+
+    def measure(w: int, pf: int | None, persist: bool, pin: bool) -> float:
+        if progress:
+            progress(f"timing num_workers={w}, prefetch_factor={pf}, persistent={persist}, pin={pin}")
+        loader = build(w, pf if w else None, persist and w > 0, pin)
+        try:
+            t = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
+                              min_pass_s=seconds, device=dev)
+        finally:
+            _shutdown(loader)
+        rate = float(t.throughput or 0.0)
+        table.append({"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
+                      "pin_memory": pin, "items_per_s": rate})
+        return rate
+
+    pf0, persist0, pin0 = prefetch_factors[0] if prefetch_factors else 2, persistent[0] if persistent else True, pins[0]
+    best = (-1.0, 0, pf0, persist0, pin0)
+    for w in range(0, max_workers + 1):
+        rate = measure(w, pf0, persist0, pin0)
+        if rate > best[0]:
+            best = (rate, w, pf0, persist0, pin0)
+        elif rate < 0.98 * best[0]:
+            break  # throughput fell: more workers only compete for the cores
+    rate, w, pf, persist, pin = best
+    if w > 0:
+        for option in prefetch_factors[1:]:
+            r = measure(w, option, persist, pin)
+            if r > best[0]:
+                best = (r, w, option, persist, pin)
+        for option in persistent[1:]:
+            r = measure(w, best[2], option, pin)
+            if r > best[0]:
+                best = (r, w, best[2], option, pin)
+    for option in pins[1:]:
+        r = measure(best[1], best[2], best[3], option)
+        if r > best[0]:
+            best = (r, best[1], best[2], best[3], option)
+    rate, w, pf, persist, pin = best
+    return LoaderSettings(num_workers=w, prefetch_factor=pf if w else None, persistent_workers=persist and w > 0,
+                          pin_memory=pin, throughput=rate, table=table)
+
+
+def _factory(dataset: Any, batch_size: int, dev: torch.device, collate_fn: Callable | None, crop: int,
+             train: bool) -> Callable[[int, int | None, bool, bool], Any]:
+    if callable(dataset) and not hasattr(dataset, "__getitem__"):
+        return dataset
+    if isinstance(dataset, (str, os.PathLike)):
+        from torchspeed.data.loader import fast_loader
+
+        def build_fast(w: int, pf: int | None, persist: bool, pin: bool) -> Any:
+            return fast_loader(dataset, batch_size, train=train, crop=crop, device=dev, num_workers=w,
+                               prefetch_factor=pf, persistent_workers=persist, pin_memory=pin)
+
+        return build_fast
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ValueError(f"dataset must be a map-style Dataset, a data path or a loader factory, got {type(dataset).__name__}")
+
+    def build_plain(w: int, pf: int | None, persist: bool, pin: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=w,
+                          collate_fn=collate_fn, pin_memory=pin, prefetch_factor=pf, persistent_workers=persist)
+
+    return build_plain
