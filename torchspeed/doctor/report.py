@@ -33,15 +33,18 @@ def _mb(n: float | None) -> str:
 
 
 def print_findings(findings: list[dict[str, Any]], console: Any = None, title: str = "Advice, ranked by expected gain") -> None:
+    """A numbered list (a table is unreadable with sentences in the cells): rule, gain, seen, fix, command."""
     con = _console(console)
     if not findings:
         con.print("No findings: nothing this doctor knows how to improve.")
         return
-    rows = []
+    con.print(f"[bold]{title}[/]")
     for i, f in enumerate(findings, 1):
-        gain = "bug" if f["severity"] == "bug" else ("-" if f["severity"] == "info" else f"{f['expected_gain']:.0%}")
-        rows.append((f"{i}. {f['rule']}", gain, f["message"], f["fix"], f["command"]))
-    print_table(title, ["rule", "gain", "what was seen", "fix", "measure with"], rows, con)
+        f = f.to_dict() if hasattr(f, "to_dict") else f
+        gain = {"bug": "BUG", "info": "info"}.get(f["severity"], f"~{f['expected_gain']:.0%} of the time")
+        con.print(f"{i}. [bold]{f['rule']}[/] ({gain}): {f['message']}", highlight=False)
+        con.print(f"   fix: {f['fix']}", highlight=False, markup=False)
+        con.print(f"   measure: {f['command']}", highlight=False, markup=False)
 
 
 def print_profile(d: dict[str, Any], console: Any = None) -> None:
@@ -49,6 +52,10 @@ def print_profile(d: dict[str, Any], console: Any = None) -> None:
     con = _console(console)
     wall = d.get("wall_s") or 0.0
     steps = d.get("steps") or 0
+    if not steps:
+        for e in d.get("evidence", []):
+            con.print(f"  - {e}", highlight=False)
+        return
     rows = []
     for phase, s in d.get("phases", {}).items():
         if phase == "eval" and not s:

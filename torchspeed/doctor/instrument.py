@@ -1,0 +1,489 @@
+"""What `torchspeed doctor` runs inside the user's process: patch torch from outside the user's code,
+run the unchanged script with runpy, and write what was seen to a JSON file the parent reads.
+
+The child is started as `python [interpreter options] -c BOOTSTRAP MODE TARGET ARGS...` (MODE is
+script, module or code), so the user's own interpreter and options are kept. What is instrumented:
+
+- DataLoader: `__iter__` (worker start-up) and iterator `__next__`: phase `data`, per-loader settings
+  (num_workers, pin_memory, batch_size, persistent_workers), batches, epochs, first-batch waits;
+- module forward, via torch's global forward hooks: the outermost call is phase `forward` (training:
+  autograd on and the module in train mode, or a loss module) or `eval`; nn.Modules called while a
+  batch is being loaded (transforms) are not counted as forward;
+- `torch.autograd.backward` (so `loss.backward()` too): phase `backward`;
+- `Optimizer.step` via torch's global optimizer hooks, and `zero_grad`: phase `optimizer`; each
+  step ends a step window; with a step limit the script is stopped cleanly after that many;
+- `Tensor.to` / `Tensor.cuda` called in the loop itself (not inside a phase): phase `copy`;
+- `.item()`, `.cpu()`, `.tolist()`, `.numpy()` on CUDA tensors: host syncs;
+- `F.cross_entropy` / `F.nll_loss` inputs (first calls only): softmax output fed to them;
+- settings: autocast in training forwards, GradScaler, cudnn.benchmark, torch.compile,
+  DataParallel / DDP, forwards in eval mode with autograd on, no_grad forwards in train mode.
+
+On CUDA, phase boundaries synchronise (so queued GPU work is charged to the phase that queued it),
+which removes some overlap: the cost of attributing time.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+ENV_OUT = "TORCHSPEED_DOCTOR_OUT"
+ENV_STEPS = "TORCHSPEED_DOCTOR_STEPS"
+ENV_TRACE = "TORCHSPEED_DOCTOR_TRACE"
+ENV_CPROFILE = "TORCHSPEED_DOCTOR_CPROFILE"
+TRACE_STEPS = 3  # steps recorded by --trace, after the first (warm-up) step
+
+
+class StopScript(SystemExit):
+    """Raised after the last requested step; a SystemExit so `except Exception` in the script lets it pass."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+class Recorder:
+    """Accumulates phase times per step window and the settings seen."""
+
+    def __init__(self, max_steps: int | None = None, trace_path: str | None = None):
+        from torchspeed.doctor.phases import PHASES, PhaseClock
+
+        self.pid = os.getpid()
+        self.enabled = True
+        self.clock = PhaseClock()
+        self.max_steps = max_steps
+        self.trace_path = trace_path
+        self._trace_prof: Any = None
+        self.in_loop = False
+        self.t_start = time.perf_counter()
+        self.steps = 0
+        self.windows: list[dict[str, Any]] = []  # per step: wall, phases, samples
+        self._samples = 0
+        self.phase_names = PHASES
+        self._fwd_stack: list[bool] = []
+        self._pending_eval_grad = False
+        self._bn_cache: dict[int, bool] = {}
+        self._last_loader: int | None = None
+        self._loss_checks_left = 2
+        self._cuda_seen = False
+        self.loaders: dict[int, dict[str, Any]] = {}
+        self.s: dict[str, Any] = {
+            "autocast": False, "autocast_dtype": None, "grad_scaler": False, "compiled": False,
+            "parallel": "none", "eval_forwards_with_grad": 0, "train_mode_eval_forwards": 0,
+            "host_syncs": 0, "copies": {"count": 0, "bytes": 0, "non_blocking": True, "from_pinned": True},
+            "input": None, "model": None, "optimizers": [], "loss_checks": [], "backward_calls": 0,
+        }
+        self._handles: list[Any] = []
+
+    # ---------------------------------------------------------------- phases
+    def _enter(self, phase: str) -> None:
+        self.in_loop = True
+        self.clock.enter(phase)
+
+    def _exit(self) -> None:
+        self.clock.exit()
+
+    def _step_done(self) -> None:
+        res = self.clock.boundary()
+        if res is None:
+            return
+        wall, phases = res
+        self.steps += 1
+        self.windows.append({"wall": wall, "phases": phases, "samples": self._samples})
+        self._samples = 0
+        self._trace_tick()
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            raise StopScript()
+
+    def _trace_tick(self) -> None:
+        if not self.trace_path:
+            return
+        import torch
+
+        if self.steps == 1 and self._trace_prof is None:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self._cuda_seen:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._trace_prof = torch.profiler.profile(activities=acts)
+            self._trace_prof.__enter__()
+        elif self._trace_prof is not None and self.steps == 1 + TRACE_STEPS:
+            self._finish_trace()
+
+    def _finish_trace(self) -> None:
+        prof, self._trace_prof = self._trace_prof, None
+        if prof is None:
+            return
+        prof.__exit__(None, None, None)
+        tmp = self.trace_path + ".tmp.json"
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, self.trace_path)
+
+    # ---------------------------------------------------------------- install
+    def install(self) -> None:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.utils.data import dataloader as dl
+
+        rec = self
+        os.register_at_fork(after_in_child=self._disable)  # loader workers inherit patches: keep them quiet
+
+        # DataLoader ------------------------------------------------------------
+        orig_iter, orig_next = dl.DataLoader.__iter__, dl._BaseDataLoaderIter.__next__
+
+        def dl_iter(loader):
+            if not rec.enabled:
+                return orig_iter(loader)
+            info = rec.loaders.get(id(loader))
+            if info is None:
+                info = rec.loaders[id(loader)] = {
+                    "name": f"DataLoader #{len(rec.loaders) + 1}", "num_workers": loader.num_workers,
+                    "pin_memory": bool(loader.pin_memory), "batch_size": loader.batch_size,
+                    "persistent_workers": bool(loader.persistent_workers), "dataset": type(loader.dataset).__name__,
+                    "batches": 0, "epochs": 0, "startup_s": [], "data_s": 0.0, "training": False}
+            info["epochs"] += 1
+            info["_t_iter"] = time.perf_counter()
+            info["_first"] = True
+            rec._enter("data")
+            try:
+                it = orig_iter(loader)
+            finally:
+                rec._exit()
+            it._ts_doctor_loader = id(loader)
+            return it
+
+        def dl_next(it):
+            if not rec.enabled:
+                return orig_next(it)
+            key = getattr(it, "_ts_doctor_loader", None)
+            t0 = time.perf_counter()
+            rec._enter("data")
+            try:
+                batch = orig_next(it)
+            finally:
+                rec._exit()
+            info = rec.loaders.get(key)
+            if info is not None:
+                now = time.perf_counter()
+                info["batches"] += 1
+                info["data_s"] += now - t0
+                if info.pop("_first", False):
+                    info["startup_s"].append(now - info.pop("_t_iter", t0))
+                rec._last_loader = key
+            return batch
+
+        dl.DataLoader.__iter__ = dl_iter
+        dl._BaseDataLoaderIter.__next__ = dl_next
+
+        # module forward --------------------------------------------------------
+        loss_types = (torch.nn.modules.loss._Loss,)
+
+        def pre(module, args):
+            if not rec.enabled:
+                return
+            if rec._fwd_stack or rec.clock.current is not None:  # inside loading, backward, a copy...
+                rec._fwd_stack.append(False)
+                return
+            is_loss = isinstance(module, loss_types)
+            grad = torch.is_grad_enabled()
+            if rec._pending_eval_grad:
+                rec.s["eval_forwards_with_grad"] += 1
+                rec._pending_eval_grad = False
+            training = grad and (module.training or is_loss)
+            if not is_loss:
+                rec._observe_model(module, args, training)
+                if grad and not module.training:
+                    rec._pending_eval_grad = True  # cancelled if a backward follows
+                if not grad and module.training and rec._has_bn_dropout(module):
+                    rec.s["train_mode_eval_forwards"] += 1
+            rec._fwd_stack.append(True)
+            rec._enter("forward" if training else "eval")
+
+        def post(module, args, output):
+            if not rec.enabled or not rec._fwd_stack:
+                return
+            if rec._fwd_stack.pop():
+                rec._exit()
+
+        self._handles += [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+
+        # backward --------------------------------------------------------------
+        orig_backward = torch.autograd.backward
+
+        def backward(*a, **k):
+            if not rec.enabled:
+                return orig_backward(*a, **k)
+            rec._pending_eval_grad = False
+            rec.s["backward_calls"] += 1
+            if rec._last_loader in rec.loaders:
+                rec.loaders[rec._last_loader]["training"] = True
+            depth = len(rec.clock._stack)
+            rec._enter("backward")
+            try:
+                return orig_backward(*a, **k)
+            finally:
+                rec.clock.unwind(depth)
+
+        torch.autograd.backward = backward
+
+        # optimizer -------------------------------------------------------------
+        def opt_pre(opt, args, kwargs):
+            if not rec.enabled:
+                return
+            name = type(opt).__name__
+            if name not in rec.s["optimizers"]:
+                rec.s["optimizers"].append(name)
+            rec._enter("optimizer")
+
+        def opt_post(opt, args, kwargs):
+            if not rec.enabled:
+                return
+            rec._exit()
+            rec._step_done()
+
+        self._handles += [register_optimizer_step_pre_hook(opt_pre), register_optimizer_step_post_hook(opt_post)]
+        orig_zero = torch.optim.Optimizer.zero_grad
+
+        def zero_grad(opt, *a, **k):
+            if not rec.enabled or not rec.in_loop:
+                return orig_zero(opt, *a, **k)
+            rec._enter("optimizer")
+            try:
+                return orig_zero(opt, *a, **k)
+            finally:
+                rec._exit()
+
+        torch.optim.Optimizer.zero_grad = zero_grad
+
+        # copies and host syncs -------------------------------------------------
+        T = torch.Tensor
+        orig_to, orig_cuda = T.to, T.cuda
+
+        def copying(orig):
+            def wrapper(t, *a, **k):
+                if not rec.enabled or not rec.in_loop or rec.clock.current is not None:
+                    return orig(t, *a, **k)
+                rec._enter("copy")
+                try:
+                    out = orig(t, *a, **k)
+                finally:
+                    rec._exit()
+                if isinstance(out, torch.Tensor) and out.device != t.device:
+                    c = rec.s["copies"]
+                    c["count"] += 1
+                    c["bytes"] += t.numel() * t.element_size()
+                    if out.is_cuda:
+                        rec._cuda_on()
+                        c["non_blocking"] &= bool(k.get("non_blocking", False))
+                        c["from_pinned"] &= bool(t.is_pinned())
+                return out
+            wrapper.__name__ = getattr(orig, "__name__", "to")
+            wrapper.__doc__ = orig.__doc__
+            return wrapper
+
+        T.to, T.cuda = copying(orig_to), copying(orig_cuda)
+        for name in ("item", "cpu", "tolist", "numpy"):
+            orig = getattr(T, name)
+
+            def syncing(t, *a, _orig=orig, **k):
+                if rec.enabled and rec.in_loop and t.is_cuda:
+                    rec.s["host_syncs"] += 1
+                return _orig(t, *a, **k)
+            syncing.__doc__ = orig.__doc__
+            setattr(T, name, syncing)
+
+        # loss inputs -----------------------------------------------------------
+        for fname, rule in (("cross_entropy", "double-softmax"), ("nll_loss", "softmax-nll")):
+            orig_f = getattr(F, fname)
+
+            def checked(input, *a, _orig=orig_f, _rule=rule, **k):
+                if rec.enabled and rec._loss_checks_left > 0 and isinstance(input, torch.Tensor):
+                    rec._loss_checks_left -= 1
+                    rec._check_probabilities(input, _rule)
+                return _orig(input, *a, **k)
+            checked.__doc__ = orig_f.__doc__
+            setattr(F, fname, checked)
+
+        # settings: GradScaler, torch.compile -----------------------------------
+        try:
+            orig_gs_init = torch.amp.GradScaler.__init__
+
+            def gs_init(scaler, *a, **k):
+                rec.s["grad_scaler"] = True
+                return orig_gs_init(scaler, *a, **k)
+            torch.amp.GradScaler.__init__ = gs_init
+        except AttributeError:
+            pass
+        orig_compile = torch.compile
+
+        def compile_(*a, **k):
+            rec.s["compiled"] = True
+            return orig_compile(*a, **k)
+        compile_.__doc__ = orig_compile.__doc__
+        torch.compile = compile_
+
+    def _disable(self) -> None:
+        self.enabled = False
+
+    def _cuda_on(self) -> None:
+        if not self._cuda_seen:
+            import torch
+
+            self._cuda_seen = True
+            self.clock.sync = torch.cuda.synchronize
+
+    def _has_bn_dropout(self, module: Any) -> bool:
+        key = id(module)
+        if key not in self._bn_cache:
+            from torch import nn
+
+            self._bn_cache[key] = any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout))
+                                      for m in module.modules())
+        return self._bn_cache[key]
+
+    def _observe_model(self, module: Any, args: tuple, training: bool) -> None:
+        import torch
+
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is not None and x.is_cuda:
+            self._cuda_on()
+        if not training:
+            return
+        if x is not None:
+            self._samples += int(x.shape[0]) if x.dim() else 1
+        dev = x.device.type if x is not None else "cpu"
+        if torch.is_autocast_enabled(dev):
+            self.s["autocast"] = True
+            self.s["autocast_dtype"] = str(torch.get_autocast_dtype(dev))
+        if self.s["model"] is None:
+            from torchspeed.doctor.settings import model_settings
+
+            self.s["model"] = model_settings(module)
+            self.s["parallel"] = self.s["model"]["parallel"]
+            if x is not None:
+                self.s["input"] = {"shape": list(x.shape), "dtype": str(x.dtype), "device": str(x.device),
+                                   "channels_last": x.dim() == 4 and not x.is_contiguous()
+                                   and x.is_contiguous(memory_format=torch.channels_last)}
+
+    def _check_probabilities(self, x: Any, rule: str) -> None:
+        """softmax output fed to cross_entropy / nll_loss: non-negative rows summing to 1 over dim 1."""
+        import torch
+
+        if x.dim() < 2 or not x.is_floating_point() or x.shape[1] < 2:
+            return
+        with torch.no_grad():
+            v = x.detach().float()
+            probs = bool((v.min() >= 0) & (v.max() <= 1) & ((v.sum(1) - 1).abs().max() < 1e-3))
+        if probs:
+            what = "CrossEntropyLoss / F.cross_entropy" if rule == "double-softmax" else "NLLLoss / F.nll_loss"
+            self.s["loss_checks"].append({"rule": rule, "where": [], "message": (
+                f"{what} is fed probabilities (non-negative rows summing to 1, i.e. softmax output)"
+                + (": it applies log_softmax again, so gradients shrink and training can stall"
+                   if rule == "double-softmax" else ": it expects log-probabilities from log_softmax"))})
+
+    # ---------------------------------------------------------------- results
+    def results(self) -> dict[str, Any]:
+        import torch
+
+        from torchspeed.doctor.settings import machine_settings
+
+        if self._trace_prof is not None:
+            try:
+                self._finish_trace()
+            except Exception:  # a trace is a bonus; the report matters more
+                pass
+        if self._pending_eval_grad:
+            self.s["eval_forwards_with_grad"] += 1
+            self._pending_eval_grad = False
+        s = dict(self.s)
+        s.update(machine_settings())
+        s["cudnn_benchmark"] = bool(torch.backends.cudnn.benchmark)
+        s["loaders"] = [{k: v for k, v in ld.items() if not k.startswith("_")} for ld in self.loaders.values()]
+        s["device"] = "cuda" if self._cuda_seen else "cpu"
+        peak = None
+        if self._cuda_seen:
+            peak = int(torch.cuda.max_memory_allocated())
+        else:
+            try:
+                with open("/proc/self/status") as f:
+                    peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+            except (OSError, StopIteration):
+                pass
+        return {"steps_run": self.steps, "windows": self.windows, "settings": s, "peak_memory_bytes": peak,
+                "script_s": time.perf_counter() - self.t_start, "trace": self.trace_path if self.trace_path
+                and os.path.exists(self.trace_path) else None}
+
+
+def _hotspots(prof: Any, n: int = 15) -> list[dict[str, Any]]:
+    import pstats
+
+    stats = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tt, ct, callers)}
+    here = os.path.dirname(os.path.abspath(__file__))
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _) in stats.items():
+        if file.startswith(here) or "runpy" in file or func in ("<module>", "exec"):
+            continue
+        short = file if file.startswith("<") else os.path.join(os.path.basename(os.path.dirname(file)), os.path.basename(file))
+        rows.append({"function": f"{short}:{line}({func})", "calls": nc, "cumulative_s": round(ct, 4),
+                     "self_s": round(tt, 4)})
+    rows.sort(key=lambda r: -r["cumulative_s"])
+    return rows[:n]
+
+
+def main() -> None:
+    """Bootstrap entry: sys.argv is ['-c', MODE, TARGET, *args]."""
+    import runpy
+
+    from torchspeed.atomic import write_json
+
+    out = os.environ.pop(ENV_OUT, None)
+    steps = os.environ.pop(ENV_STEPS, "") or None
+    trace = os.environ.pop(ENV_TRACE, "") or None
+    use_cprofile = os.environ.pop(ENV_CPROFILE, "") == "1"
+    mode, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    rec = Recorder(max_steps=int(steps) if steps else None, trace_path=trace)
+    rec.install()
+    if mode == "script":
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+    else:
+        sys.argv = ["-m" if mode == "module" else "-c", *args]
+        sys.path[0] = "" if mode == "code" else os.getcwd()
+    prof = None
+    if use_cprofile:
+        import cProfile
+
+        prof = cProfile.Profile()
+    status, code, error, pending = "finished", 0, None, None
+    try:
+        if prof:
+            prof.enable()
+        if mode == "script":
+            runpy.run_path(target, run_name="__main__")
+        elif mode == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+    except StopScript:
+        status = "stopped"
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        status, pending = ("finished" if code == 0 else "exited"), e
+    except BaseException as e:  # the report is written even when the script fails
+        status, code, error, pending = "error", 1, f"{type(e).__name__}: {e}", e
+    finally:
+        if prof:
+            prof.disable()
+    rec.enabled = False
+    if out:
+        try:
+            payload = rec.results()
+            payload.update(status=status, exit_status=code, error=error,
+                           hotspots=_hotspots(prof) if prof else [])
+            write_json(out, payload)
+        except Exception as e:  # never hide the script's own outcome behind a reporting failure
+            print(f"torchspeed doctor: could not write the report: {type(e).__name__}: {e}", file=sys.stderr)
+    if pending is not None:
+        raise pending
+    sys.exit(0)

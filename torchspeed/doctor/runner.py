@@ -1,0 +1,182 @@
+"""`torchspeed doctor -- python your_train.py ARGS`: run an unchanged script under the instrumentation,
+then judge what it saw. Parent side: build the child command, run it, read its JSON, report.
+
+The child keeps the user's interpreter and interpreter options; only `-c BOOTSTRAP` is put in front
+of the script, which then runs under runpy as `__main__` with its own argv.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from torchspeed.doctor import instrument
+from torchspeed.doctor.phases import PHASES, verdict
+
+__all__ = ["child_command", "run_doctor", "build_payload"]
+
+_PY = re.compile(r"^(python|pypy)(\d+(\.\d+)*)?(\.exe)?$")
+_OPTS_WITH_VALUE = {"-W", "-X", "-Q"}
+
+
+def child_command(command: list[str]) -> list[str]:
+    """The instrumented child command for `command` (e.g. ['python', '-u', 'train.py', '--lr', '0.1'])."""
+    if not command:
+        raise ValueError("doctor needs a command after `--`: torchspeed doctor -- python your_train.py ARGS")
+    exe, rest = command[0], list(command[1:])
+    if exe.endswith(".py"):
+        exe, rest = sys.executable, [exe, *rest]
+    elif not (_PY.match(os.path.basename(exe)) or os.path.realpath(exe) == os.path.realpath(sys.executable)):
+        raise ValueError(f"doctor runs Python scripts: the command must start with a Python interpreter, got {exe!r} "
+                         "(use: torchspeed doctor -- python your_train.py ARGS)")
+    opts: list[str] = []
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        if a in ("-m", "-c"):
+            if i + 1 >= len(rest):
+                raise ValueError(f"`{a}` needs an argument")
+            mode, target, args = ("module" if a == "-m" else "code"), rest[i + 1], rest[i + 2:]
+            break
+        if a.startswith("-m") and len(a) > 2:
+            mode, target, args = "module", a[2:], rest[i + 1:]
+            break
+        if a == "-" or a == "-i" or a.startswith("-i"):
+            raise ValueError(f"doctor cannot run Python with {a!r} (interactive / stdin); give a script file")
+        if a.startswith("-"):
+            opts.append(a)
+            if a in _OPTS_WITH_VALUE and i + 1 < len(rest):
+                opts.append(rest[i + 1])
+                i += 1
+            i += 1
+            continue
+        if not os.path.exists(a):
+            raise FileNotFoundError(f"script {a!r} does not exist")
+        mode, target, args = "script", a, rest[i + 1:]
+        break
+    else:
+        raise ValueError("no script given: torchspeed doctor -- python your_train.py ARGS")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(instrument.__file__))))
+    boot = (f"import sys; sys.path.insert(0, {root!r}); from torchspeed.doctor.instrument import main; "
+            f"sys.path.remove({root!r}); sys.path.append({root!r}); main()")
+    return [exe, *opts, "-c", boot, mode, target, *args]
+
+
+def _sum(windows: list[dict[str, Any]]) -> tuple[float, dict[str, float], int]:
+    phases = dict.fromkeys(PHASES + ("eval",), 0.0)
+    for w in windows:
+        for k, v in w["phases"].items():
+            phases[k] = phases.get(k, 0.0) + v
+    return sum(w["wall"] for w in windows), phases, sum(w.get("samples", 0) for w in windows)
+
+
+def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> dict[str, Any]:
+    """The doctor report (the JSON contract) from the child's raw record."""
+    from torchspeed.doctor.rules import loop_findings
+
+    windows = raw.get("windows") or []
+    settings = raw.get("settings") or {}
+    wall, phases, samples = _sum(windows)
+    # the first step carries one-time costs (worker start-up, lazy init, kernel selection): judge the rest
+    steady = windows[1:] if len(windows) >= 2 else windows
+    s_wall, s_phases, s_samples = _sum(steady)
+    # data time of evaluation-only loaders is evaluation, not training input
+    for ld in settings.get("loaders", []):
+        if not ld.get("training") and ld.get("batches"):
+            for ph in (phases, s_phases):
+                moved = min(ld.get("data_s", 0.0), ph["data"])
+                ph["data"] -= moved
+                ph["eval"] += moved
+    syncs = settings.get("host_syncs", 0) / max(1, len(windows))
+    v, evidence = verdict(s_phases, s_wall, host_syncs_per_step=syncs if settings.get("device") == "cuda" else None)
+    if len(steady) < len(windows):
+        evidence.append(f"first step excluded as warm-up ({windows[0]['wall']:.2f} s)")
+    facts = {"device": settings.get("device", "cpu"), "steps": len(steady), "wall_s": s_wall, "phases": s_phases,
+             "settings": settings, "verdict": v}
+    findings = loop_findings(facts) if windows else []
+    times = sorted(w["wall"] * 1e3 for w in steady)
+    return {
+        "command": list(command), "exit_status": exit_status, "status": raw.get("status", "no-report"),
+        "error": raw.get("error"), "steps": len(windows), "wall_s": wall, "phases": phases,
+        "steady": {"steps": len(steady), "wall_s": s_wall, "phases": s_phases},
+        "per_step_ms": {"median": statistics.median(times), "min": times[0], "max": times[-1]} if times else {},
+        "throughput": s_samples / s_wall if s_wall > 0 and s_samples else None,
+        "peak_memory_bytes": raw.get("peak_memory_bytes"), "script_s": raw.get("script_s"),
+        "verdict": v if windows else None, "evidence": evidence if windows else
+        ["no optimizer step was seen: doctor measures training steps (optimizer.step())"],
+        "settings": settings, "findings": [f.to_dict() for f in findings], "hotspots": raw.get("hotspots", []),
+        "trace": raw.get("trace"),
+    }
+
+
+def run_doctor(command: list[str], steps: int | None = None, out: str | None = None, json_path: str | None = None,
+               trace: bool = False, cprofile: bool = False, console: Any = None,
+               timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+    """Run `command` instrumented; print the report; write `json_path` and `out`/doctor.{json,md} (and
+    the trace). Returns (the script's exit status, the report)."""
+    from torchspeed.atomic import atomic_write, write_json
+    from torchspeed.doctor.report import markdown, print_profile
+
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    argv = child_command(command)
+    if out:
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"cannot create the report directory {out!r}: {e.strerror}") from None
+    tmpdir = tempfile.mkdtemp(prefix="torchspeed-doctor-")
+    raw_path = os.path.join(tmpdir, "raw.json")
+    env = dict(os.environ)
+    env[instrument.ENV_OUT] = raw_path
+    env[instrument.ENV_STEPS] = str(steps or "")
+    env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
+    trace_path = os.path.abspath(os.path.join(out or ".", "doctor-trace.json")) if trace else ""
+    env[instrument.ENV_TRACE] = trace_path
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        status = proc.wait(timeout=timeout)
+    except KeyboardInterrupt:  # the child got the SIGINT too: let it write its report
+        status = proc.wait()
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            status = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            status = proc.wait()
+    raw: dict[str, Any] = {}
+    if os.path.exists(raw_path):
+        import json
+
+        with open(raw_path, encoding="utf-8") as f:
+            raw = json.load(f)
+        os.unlink(raw_path)
+    os.rmdir(tmpdir)
+    payload = build_payload(raw, command, status)
+    if not raw:
+        payload["error"] = payload["error"] or f"the script ended (status {status}) without reporting (killed?)"
+    if console is not False:
+        from rich.console import Console
+
+        con = console or Console()
+        con.print(f"[bold]torchspeed doctor[/]: {' '.join(command)} -> exit status {status}, "
+                  f"{payload['steps']} training steps seen ({payload['status']})", highlight=False)
+        if payload.get("error"):
+            con.print(f"the script raised: {payload['error']}", highlight=False, markup=False)
+        print_profile({**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
+                       "phases": payload["steady"]["phases"]}, con)
+        if payload.get("trace"):
+            con.print(f"torch.profiler trace (open in https://ui.perfetto.dev or chrome://tracing): {payload['trace']}")
+    if json_path:
+        write_json(json_path, payload)
+    if out:
+        write_json(os.path.join(out, "doctor.json"), payload)
+        with atomic_write(os.path.join(out, "doctor.md"), "w") as f:
+            f.write(markdown(payload, "torchspeed doctor report"))
+    return status, payload

@@ -1,0 +1,50 @@
+"""The settings the rules judge: loader, model, machine and torch's global switches, as plain dicts
+(shared by `profile`, run in-process, and the instrumented script under `doctor`)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["loader_settings", "machine_settings", "model_settings"]
+
+
+def loader_settings(loader: Any, name: str = "loader") -> dict[str, Any] | None:
+    """num_workers / pin_memory / batch_size / persistent_workers of a DataLoader (or of the DataLoader
+    inside a wrapper exposing `.dataloader`, such as FastLoader); None for other iterables."""
+    dl = loader if isinstance(loader, torch.utils.data.DataLoader) else getattr(loader, "dataloader", None)
+    if not isinstance(dl, torch.utils.data.DataLoader):
+        return None
+    return {"name": name, "num_workers": dl.num_workers, "pin_memory": bool(dl.pin_memory),
+            "batch_size": dl.batch_size, "persistent_workers": bool(dl.persistent_workers),
+            "dataset": type(dl.dataset).__name__, "training": True}
+
+
+def machine_settings() -> dict[str, Any]:
+    """What the rules need to know about this machine and torch's global switches."""
+    from torchspeed.runtime import cpu_flags, usable_cores
+
+    s: dict[str, Any] = {"cores": usable_cores(), "torch_threads": torch.get_num_threads(),
+                         "cpu_bf16": bool({"avx512_bf16", "amx_bf16"} & cpu_flags()),
+                         "cuda_available": torch.cuda.is_available(), "cuda_capability": None,
+                         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
+    if torch.cuda.is_available():
+        s["cuda_capability"] = list(torch.cuda.get_device_capability())
+    return s
+
+
+def model_settings(model: nn.Module) -> dict[str, Any]:
+    p = next(model.parameters(), None)
+    mods = list(model.modules())
+    parallel = "none"
+    if isinstance(model, nn.DataParallel):
+        parallel = "DataParallel"
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        parallel = "DistributedDataParallel"
+    return {"class": type(getattr(model, "module", model)).__name__,
+            "params": int(sum(q.numel() for q in model.parameters())),
+            "dtype": str(p.dtype) if p is not None else None, "device": str(p.device) if p is not None else "cpu",
+            "convs": sum(isinstance(m, nn.modules.conv._ConvNd) for m in mods),
+            "bn_or_dropout": any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout)) for m in mods),
+            "parallel": parallel}
