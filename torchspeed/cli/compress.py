@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_select(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from torchspeed.compress.select import select_backbone
+    from torchspeed.compress.selection import select_backbone
 
     names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     if not names:

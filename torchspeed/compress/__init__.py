@@ -1,4 +1,8 @@
-"""Compression and model choice: structural pruning, knowledge distillation, backbone selection by latency."""
+"""Compression and model choice: structural pruning, knowledge distillation, backbone selection by latency.
+
+Modules are named pruning / distillation / selection so that importing one never shadows the
+function of the same name (`ts.compress.prune` is always the function).
+"""
 from __future__ import annotations
 
 import importlib
@@ -6,18 +10,18 @@ from typing import Any
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
-    "prune": "prune",
-    "PruneResult": "prune",
-    "PruneReport": "prune",
-    "IMPORTANCES": "prune",
-    "distill": "distill",
-    "finetune": "distill",
-    "kd_loss": "distill",
-    "KDLoss": "distill",
-    "DistillResult": "distill",
-    "select_backbone": "select",
-    "SelectResult": "select",
-    "build_model": "select",
+    "prune": "pruning",
+    "PruneResult": "pruning",
+    "PruneReport": "pruning",
+    "IMPORTANCES": "pruning",
+    "distill": "distillation",
+    "finetune": "distillation",
+    "kd_loss": "distillation",
+    "KDLoss": "distillation",
+    "DistillResult": "distillation",
+    "select_backbone": "selection",
+    "SelectResult": "selection",
+    "build_model": "selection",
     "count_params": "measure",
     "count_macs": "measure",
 }

@@ -1,0 +1,103 @@
+import json
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from torchspeed.cli import main
+from torchspeed.compress import build_model, count_macs, count_params, select_backbone
+
+
+def _tiny():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 10))
+
+
+def test_counts_match_hand_computation():
+    x = torch.randn(1, 3, 16, 16)
+    # conv: 8 out * 3 in * 3*3 kernel per output pixel * 16*16 pixels; linear: 8 * 10
+    assert count_macs(_tiny(), x) == 8 * 3 * 9 * 16 * 16 + 8 * 10
+    assert count_macs(_tiny(), torch.randn(2, 3, 16, 16)) == 2 * (8 * 3 * 9 * 16 * 16 + 8 * 10)
+    assert count_params(_tiny()) == 8 * 3 * 9 + 8 + 8 * 10 + 10
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    return select_backbone({"big": torchvision.models.resnet18(), "tiny": _tiny()}, (1, 3, 64, 64),
+                           budget_ms=1e6, repeats=3, warmup=1, precision="fp32")
+
+
+def test_obviously_smaller_model_ranks_faster(ranked):
+    assert [c.name for c in ranked.candidates] == ["tiny", "big"]
+    tiny, big = ranked.candidates
+    assert tiny.latency_ms < big.latency_ms and tiny.macs < big.macs and tiny.params < big.params
+    assert big.params == 11_689_512
+    assert tiny.macs == 8 * 3 * 9 * 64 * 64 + 80  # per sample
+    assert ranked.fastest is tiny and tiny.precision == "fp32" and set(tiny.tried_ms) == {"fp32"}
+    assert tiny.throughput == pytest.approx(1e3 / tiny.latency_ms, rel=0.5)
+
+
+def test_budget_fit_is_marked_by_measured_latency(ranked):
+    assert all(c.fits for c in ranked.candidates)  # a budget of 1e6 ms fits everything
+    result = select_backbone({"tiny": _tiny()}, (1, 3, 64, 64), budget_ms=1e-6, repeats=2, warmup=1, precision="fp32")
+    assert result.candidates[0].fits is False and result.fitting == []
+    d = ranked.to_dict()
+    assert d["budget_ms"] == 1e6 and [c["name"] for c in d["candidates"]] == ["tiny", "big"]
+
+
+def test_no_budget_means_fits_is_none_and_batch_size_overrides():
+    result = select_backbone([_tiny()], (1, 3, 8, 8), batch_size=4, repeats=2, warmup=1, precision="fp32")
+    c = result.candidates[0]
+    assert c.fits is None and result.fitting == [c] and result.batch_size == 4 and result.input_shape == (4, 3, 8, 8)
+    assert c.name == "Sequential#0"
+
+
+def test_auto_precision_tries_fp32_and_the_mixed_precision():
+    from torchspeed.runtime import default_precision
+
+    result = select_backbone([_tiny()], (1, 3, 8, 8), repeats=2, warmup=1)
+    tried = set(result.candidates[0].tried_ms)
+    assert "fp32" in tried and default_precision("cpu").name in tried
+    assert result.candidates[0].precision == min(result.candidates[0].tried_ms, key=result.candidates[0].tried_ms.get)
+
+
+def test_names_resolve_to_torchvision_and_timm():
+    assert isinstance(build_model("resnet18"), torchvision.models.ResNet)
+    assert type(build_model("timm:resnet10t")).__module__.startswith("timm.")
+    assert build_model("tv:resnet18", num_classes=7).fc.out_features == 7
+
+
+@pytest.mark.parametrize("name, extra", [("resnet-18", "Did you mean 'resnet18'"), ("resnet_does_not_exist", ""), ("timm:nonet", ""), ("foo:resnet18", "prefix")])
+def test_unknown_name_says_how_to_name_models(name, extra):
+    with pytest.raises(ValueError) as e:
+        select_backbone([name], (1, 3, 32, 32))
+    msg = str(e.value)
+    assert repr(name) in msg and "torchvision" in msg and "'timm:" in msg and "nn.Module" in msg and extra in msg
+
+
+@pytest.mark.parametrize("shape, message", [((3,), "input_shape"), ((1, 3, 0, 4), "input_shape"), ("abc", "input_shape")])
+def test_bad_shapes_are_clear(shape, message):
+    with pytest.raises(ValueError, match=message):
+        select_backbone([_tiny()], shape)
+
+
+def test_model_failing_at_shape_is_named():
+    with pytest.raises(ValueError, match=r"candidate 'Sequential#0' fails on input shape \(1, 5, 8, 8\)"):
+        select_backbone([_tiny()], (1, 5, 8, 8))
+
+
+def test_cli_select_writes_json(tmp_path, capsys):
+    path = tmp_path / "sel.json"
+    code = main(["select", "--candidates", "mobilenet_v3_small", "--input-shape", "1,3,32,32", "--budget-ms", "1e5",
+                 "--repeats", "2", "--precision", "fp32", "--json", str(path)])
+    assert code == 0
+    d = json.loads(path.read_text())
+    assert d["candidates"][0]["name"] == "mobilenet_v3_small" and d["candidates"][0]["fits"] is True
+    assert "within 100000 ms: mobilenet_v3_small" in capsys.readouterr().out
+
+
+def test_cli_unknown_candidate_is_one_line_exit_2(capsys):
+    code = main(["select", "--candidates", "resnet18,frobnet", "--input-shape", "1,3,32,32"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown model 'frobnet'" in err and "Traceback" not in err
