@@ -7,9 +7,9 @@ from typing import Any
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
-    "accelerate": "accelerate",
-    "Accelerated": "accelerate",
-    "AccelerateReport": "accelerate",
+    "accelerate": "acceleration",
+    "Accelerated": "acceleration",
+    "AccelerateReport": "acceleration",
     "Trainer": "trainer",
     "Callback": "callbacks",
     "EarlyStopping": "callbacks",

@@ -23,7 +23,7 @@ from torchspeed.atomic import atomic_write
 from torchspeed.runtime import rng_state, set_rng_state
 from torchspeed.train import checkpoint as ckpt
 from torchspeed.train import distributed
-from torchspeed.train.accelerate import Accelerated, accelerate, autocast_for, to_device
+from torchspeed.train.acceleration import Accelerated, accelerate, autocast_for, to_device
 from torchspeed.train.callbacks import Callback, Checkpoint
 
 __all__ = ["Trainer"]

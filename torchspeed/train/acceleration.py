@@ -1,5 +1,8 @@
 """accelerate(): choose precision, memory format, compilation and the distributed wrapper by measuring.
 
+(Module named acceleration, not accelerate: a submodule called accelerate would shadow the
+public function ts.train.accelerate once imported.)
+
 Each "auto" setting is decided by timing a few real training steps (forward, loss, backward) of the
 user's model on an example batch, and a candidate is kept only when it is faster by a clear margin;
 one-off costs (torch.compile's compile time) are charged against the expected length of the run.

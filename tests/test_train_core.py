@@ -1,0 +1,233 @@
+"""Trainer, accelerate and EarlyStopping: behaviour on tiny CPU tasks (seconds, not minutes)."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torchspeed.runtime import default_precision
+from torchspeed.train import Callback, EarlyStopping, Trainer, accelerate
+
+
+def _data(n=256, seed=0, batch=32, shuffle=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 8, 8, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long()
+    ds = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=shuffle,
+                                       generator=torch.Generator().manual_seed(seed))
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+
+
+FIXED = dict(precision="fp32", channels_last=False, compile=False, progress=False)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_training_reduces_loss_on_cpu(precision):
+    model = _net()
+    dl = _data()
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), nn.functional.cross_entropy,
+                 precision=precision, channels_last=False, compile=False, progress=False)
+    before = tr.evaluate(dl)["val_loss"]
+    out = tr.fit(dl, dl, epochs=4)
+    assert tr.report.precision == precision
+    assert out["val_loss"] < before - 0.1, (before, out)
+    assert out["val_acc"] > 0.75
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # mixed precision keeps fp32 weights
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GradScaler path needs CUDA")
+def test_fp16_gradscaler_on_cuda():
+    model = _net()
+    dl = _data()
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.2), nn.functional.cross_entropy, precision="fp16",
+                 channels_last=False, compile=False, progress=False, device="cuda")
+    before = tr.evaluate(dl)["val_loss"]
+    out = tr.fit(dl, dl, epochs=3)
+    assert tr.acc.scaler is not None and out["val_loss"] < before
+    assert out["skipped_steps"] <= 2  # the scaler's first steps may overflow; counted, not raised
+
+
+def test_evaluate_matches_a_manual_computation_and_runs_without_autograd():
+    model = _net(3)
+    dl = _data(shuffle=False)
+    seen = []
+    model.register_forward_hook(lambda m, i, o: seen.append(torch.is_inference_mode_enabled()))
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED)
+    got = tr.evaluate(dl)
+    during = list(seen)
+    x, y = dl.dataset.tensors
+    with torch.no_grad():
+        out = model(x)
+    assert got["val_loss"] == pytest.approx(nn.functional.cross_entropy(out, y).item(), rel=1e-5)
+    assert got["val_acc"] == pytest.approx((out.argmax(1) == y).float().mean().item())
+    assert during and all(during)
+
+
+def test_gradient_accumulation_equals_the_big_batch():
+    big = _net(1)
+    Trainer(big, torch.optim.SGD(big.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED).fit(
+        _data(64, batch=32, shuffle=False), epochs=1)
+    acc = _net(1)
+    Trainer(acc, torch.optim.SGD(acc.parameters(), lr=0.1), nn.functional.cross_entropy, grad_accum_steps=2,
+            **FIXED).fit(_data(64, batch=16, shuffle=False), epochs=1)
+    for a, b in zip(big.parameters(), acc.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_scheduler_and_jsonl_log(tmp_path):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    log = tmp_path / "m.jsonl"
+    tr = Trainer(model, opt, nn.functional.cross_entropy, scheduler=sched, max_grad_norm=1e-3, log_path=log,
+                 log_every_n_steps=2, **FIXED)
+    tr.fit(_data(256), _data(64), epochs=1, max_steps=8)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25)  # stepped every optimizer step: 8 steps, 2 halvings
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm()
+    assert moved <= 8 * 1e-3 * 1.0 + 1e-6  # each step moved at most lr x max_grad_norm
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows if "train_loss" in r][:4] == [2, 4, 6, 8]
+    assert {"train_loss", "lr", "samples_per_s"} <= set(rows[0])
+
+
+class _Poison(nn.Module):
+    def __init__(self, at):
+        super().__init__()
+        self.lin, self.calls, self.at = nn.Linear(3 * 8 * 8, 2), 0, at
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x.flatten(1))
+        return out * float("nan") if self.calls == self.at else out
+
+
+def test_nan_loss_is_a_clear_error_naming_the_step():
+    model = _Poison(at=3)
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED)
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 3 \(epoch 1, batch 3\)"):
+        tr.fit(_data(), epochs=1)
+
+
+def test_early_stopping_lightning_semantics():
+    class T:
+        should_stop = False
+
+    es, t = EarlyStopping(patience=3, min_delta=0.1), T()
+    for i, v in enumerate([5.0, 4.0, 3.95, 3.5, 3.99, 3.45, 3.6, 1.0], 1):
+        es.on_validation_end(t, {"val_loss": v})
+        if t.should_stop:
+            break
+    # 3.95 and 3.45 are within min_delta of the best: they count against patience, as 3.99 and 3.6 do
+    assert (i, es.stopped_at_check, es.best) == (7, 7, 3.5)
+    es2, t2 = EarlyStopping("val_acc", mode="max", patience=1), T()
+    es2.on_validation_end(t2, {"val_acc": 0.5})
+    es2.on_validation_end(t2, {"val_acc": 0.6})
+    assert not t2.should_stop
+    es2.on_validation_end(t2, {"val_acc": 0.6})
+    assert t2.should_stop
+    with pytest.raises(ValueError, match="monitors 'val_loss' but validation logged only"):
+        EarlyStopping().on_validation_end(T(), {"val_acc": 1.0})
+    t3 = T()
+    EarlyStopping().on_validation_end(t3, {"val_loss": math.nan})
+    assert t3.should_stop
+
+
+def test_early_stopping_stops_the_trainer_at_the_right_check():
+    model = _net()
+    checks = []
+
+    class Count(Callback):
+        def on_validation_end(self, trainer, metrics):
+            checks.append(metrics["val_loss"])
+
+    # lr=0: validation loss is flat from the first check, so patience=2 stops at check 3
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.functional.cross_entropy,
+                 callbacks=[Count(), EarlyStopping(patience=2)], **FIXED)
+    out = tr.fit(_data(64), _data(64), epochs=20)
+    assert len(checks) == 3 and out["epochs"] == 3 and out["stopped_early"]
+
+
+def test_callback_can_stop_after_a_step():
+    class StopAt(Callback):
+        def on_step_end(self, trainer, step, metrics):
+            assert set(metrics) == {"train_loss", "lr", "samples_per_s"}
+            if step == 5:
+                trainer.should_stop = True
+
+    model = _net()
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                 callbacks=[StopAt()], **FIXED)
+    assert tr.fit(_data(), epochs=3)["step"] == 5
+
+
+def test_loss_fn_with_inputs_for_distillation():
+    teacher = _net(7).eval()
+
+    class KD:
+        needs_inputs = True
+
+        def __call__(self, out, y, x):
+            with torch.no_grad():
+                t = teacher(x)
+            return nn.functional.mse_loss(out, t)
+
+    student = _net(8)
+    tr = Trainer(student, torch.optim.SGD(student.parameters(), lr=0.3, momentum=0.9), KD(), **FIXED)
+    dl = _data()
+    before = tr.evaluate(dl)["val_loss"]
+    tr.fit(dl, epochs=3)
+    assert tr.evaluate(dl)["val_loss"] < before / 2
+
+
+def test_accelerate_reports_every_candidate_and_restores_weights():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = next(iter(_data()))
+    acc = accelerate(model, opt, example_batch=batch, loss_fn=nn.functional.cross_entropy, trial_steps=2,
+                     untried={"compile": "quick mode budget"})
+    m, o = acc
+    assert m is model and o is opt
+    rep = acc.report
+    settings = {(c.setting, c.value): c for c in rep.candidates}
+    expected_prec = {"fp32", default_precision("cpu").name}
+    assert {v for s, v in settings if s == "precision"} == expected_prec
+    assert all(settings[("precision", p)].step_s > 0 for p in expected_prec)
+    assert settings[("channels_last", "False")].step_s > 0 and settings[("channels_last", "True")].step_s > 0
+    assert settings[("compile", "True")].decision == "not tried: quick mode budget"
+    assert sum(c.decision.startswith("kept") for c in rep.candidates if c.setting == "precision") == 1
+    assert rep.precision in expected_prec and rep.to_dict()["candidates"]
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[k])  # trials changed nothing
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.param_groups[0]["fused"] is True and rep.optimizer == "fused"
+
+
+def test_accelerate_compile_is_charged_against_the_run_length():
+    model = _net()
+    acc = accelerate(model, None, precision="fp32", channels_last=False, example_batch=next(iter(_data())),
+                     expected_steps=10, min_compile_cost_s=20.0)
+    c = [c for c in acc.report.candidates if c.setting == "compile" and c.value == "True"][0]
+    assert c.decision.startswith("not tried: expected run") and not acc.report.compile
+
+
+def test_bad_arguments_are_clear():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="precision must be"):
+        accelerate(model, opt, precision="fp8")
+    with pytest.raises(ValueError, match="needs example_batch"):
+        accelerate(model, opt)
+    with pytest.raises(ValueError, match="fp16.*CUDA"):
+        accelerate(model, opt, precision="fp16", channels_last=False, compile=False, device="cpu")
+    with pytest.raises(ValueError, match="log_path"):
+        Trainer(model, opt, nn.functional.cross_entropy, log_path="x.txt")
+    with pytest.raises(ValueError, match="a batch must be"):
+        Trainer(model, opt, nn.functional.cross_entropy, **FIXED).fit([torch.zeros(2, 3, 8, 8)], epochs=1)

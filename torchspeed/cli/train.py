@@ -1,0 +1,177 @@
+"""`torchspeed train`: image classification end to end (fast loader, measured settings, validation,
+early stopping, checkpoints). Runs unchanged under `torchrun --nproc_per_node=K -m torchspeed train ...`."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torchspeed.cli import UserError, add_json_option, positive_int
+
+
+def _on_off_auto(text: str) -> bool | str:
+    v = text.lower()
+    if v in ("auto", "on", "off", "true", "false"):
+        return "auto" if v == "auto" else v in ("on", "true")
+    raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {v}")
+    return v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train an image classifier on an ImageFolder or a packed store (fast, measured)")
+    p.add_argument("--data", required=True, metavar="DIR_OR_STORE",
+                   help="ImageFolder (class subfolders, or train/ and val/ splits) or a store from `torchspeed pack`")
+    p.add_argument("--model", required=True, metavar="NAME", help="torchvision or timm model name, e.g. resnet18")
+    p.add_argument("--epochs", type=positive_int, required=True, help="number of epochs")
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"), help="default: auto (measured)")
+    p.add_argument("--channels-last", default="auto", type=_on_off_auto, help="auto | on | off (default auto)")
+    p.add_argument("--compile", default="auto", type=_on_off_auto, help="auto | on | off (default auto)")
+    p.add_argument("--strategy", default="auto", choices=("auto", "ddp", "fsdp", "none"),
+                   help="under torchrun: ddp (auto) or fsdp")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="per-process batch size (default 64)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate of SGD+momentum, cosine schedule "
+                                                          "(default 0.1 x batch/256 x processes)")
+    p.add_argument("--image-size", type=positive_int, default=224, help="training crop side (default 224)")
+    p.add_argument("--val-fraction", type=_fraction, default=0.1,
+                   help="held-out share when DATA has no val/ split (default 0.1)")
+    p.add_argument("--patience", type=positive_int, default=10, help="early stopping patience, in validations (default 10)")
+    p.add_argument("--workers", default="auto", help="loader worker processes: auto (measured) or a number")
+    p.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--out", default="torchspeed-train", metavar="DIR",
+                   help="output directory: checkpoints/, metrics.csv, summary.json (default ./torchspeed-train)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_json_option(p)
+    p.set_defaults(func=run)
+
+
+class _Subset:
+    """Part of a record source (for a train/val split of one folder or store)."""
+
+    def __init__(self, source: Any, indices: list[int]):
+        self.source, self.indices = source, indices
+        self.classes = list(getattr(source, "classes", []))
+        self.root = f"{getattr(source, 'root', getattr(source, 'path', 'data'))}#{len(indices)}"
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def record(self, i: int) -> Any:
+        return self.source.record(self.indices[i])
+
+    def __getitem__(self, i: int) -> Any:
+        return self.source[self.indices[i]]
+
+
+def _split(data: str, val_fraction: float, seed: int) -> tuple[Any, Any, list[str]]:
+    import os
+
+    import numpy as np
+
+    from torchspeed.data.loader import as_source
+
+    if os.path.isdir(os.path.join(data, "train")) and os.path.isdir(os.path.join(data, "val")):
+        train, val = as_source(os.path.join(data, "train")), as_source(os.path.join(data, "val"))
+        return train, val, list(train.classes)
+    source = as_source(data)
+    n = len(source)
+    n_val = max(1, int(round(n * val_fraction)))
+    if n - n_val < 1:
+        raise UserError(f"{data!r} has only {n} images: too few to hold out a validation split")
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    return _Subset(source, sorted(order[n_val:])), _Subset(source, sorted(order[:n_val])), list(source.classes)
+
+
+def _build_model(name: str, num_classes: int) -> Any:
+    import torchvision
+
+    try:
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    except (ValueError, KeyError):
+        pass
+    try:
+        import timm
+    except ImportError:
+        raise UserError(f"unknown torchvision model {name!r}; for timm models pip install 'torchspeed[compress]'") from None
+    if not timm.is_model(name):
+        raise UserError(f"unknown model {name!r}: not a torchvision or timm model name (e.g. resnet18, mobilenet_v3_small)")
+    return timm.create_model(name, pretrained=False, num_classes=num_classes)
+
+
+def run(args: argparse.Namespace) -> int:
+    import math
+    import os
+
+    import torch
+    from rich.console import Console
+
+    from torchspeed.atomic import write_json
+    from torchspeed.data import fast_loader
+    from torchspeed.runtime import resolve_device, seed_everything
+    from torchspeed.train import Checkpoint, EarlyStopping, Trainer, distributed
+
+    console = Console()
+    if not os.path.exists(args.data):
+        raise FileNotFoundError(f"--data {args.data!r} does not exist: give an ImageFolder directory or a packed store")
+    if args.lr is not None and not args.lr > 0:
+        raise UserError(f"--lr must be > 0, got {args.lr}")
+    workers: int | str = args.workers
+    if workers != "auto":
+        try:
+            workers = int(workers)
+            assert workers >= 0
+        except (ValueError, AssertionError):
+            raise UserError(f"--workers must be 'auto' or a non-negative integer, got {args.workers!r}") from None
+    seed_everything(args.seed)
+    # The process group first, so the loaders shard themselves per rank.
+    denv, device = distributed.setup(resolve_device("auto")) if args.strategy != "none" else (distributed.env(),
+                                                                                             resolve_device("auto"))
+    train_src, val_src, classes = _split(args.data, args.val_fraction, args.seed)
+    if len(classes) < 2:
+        raise UserError(f"{args.data!r} has {len(classes)} class(es); classification needs at least 2")
+    train = fast_loader(train_src, args.batch_size, train=True, crop=args.image_size, device=device,
+                        num_workers=workers, seed=args.seed)
+    val = fast_loader(val_src, args.batch_size, train=False, crop=args.image_size, device=device,
+                      num_workers=0 if workers == "auto" else workers, seed=args.seed)
+    model = _build_model(args.model, len(classes))
+    lr = args.lr or 0.1 * args.batch_size * denv.world_size / 256
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5, nesterov=True)
+    total = args.max_steps or max(1, len(train) * args.epochs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    ckdir = os.path.join(args.out, "checkpoints")
+    stopper = EarlyStopping("val_loss", patience=args.patience)
+    trainer = Trainer(model, opt, torch.nn.CrossEntropyLoss(label_smoothing=0.1), precision=args.precision,
+                      channels_last=args.channels_last, compile=args.compile,
+                      strategy=None if args.strategy == "none" else args.strategy,
+                      scheduler=sched, callbacks=[stopper, Checkpoint(ckdir, keep_last=2)],
+                      log_path=os.path.join(args.out, "metrics.csv"), progress=not args.no_progress)
+    if denv.is_main:
+        console.print(f"training {args.model} on {len(train_src)} images ({len(classes)} classes), "
+                      f"validating on {len(val_src)}; {denv.world_size} process(es), device {device}")
+    try:
+        result = trainer.fit(train, val, epochs=args.epochs, max_steps=args.max_steps,
+                             resume="last" if args.resume else None)
+    except FloatingPointError as e:  # NaN/inf loss: one clear line, not a traceback
+        raise UserError(str(e)) from None
+    summary = {"model": args.model, "data": os.path.abspath(args.data), "classes": classes,
+               "world_size": denv.world_size, "lr": lr, "batch_size": args.batch_size, **result,
+               "early_stopping": {"stopped": result["stopped_early"], "best_val_loss": stopper.best,
+                                  "reason": stopper.reason},
+               "accelerate": trainer.report.to_dict(), "checkpoint": Checkpoint(ckdir).last()}
+    if denv.is_main:
+        console.print(str(trainer.report))
+        if stopper.reason:
+            console.print(f"early stopping: {stopper.reason}")
+        write_json(os.path.join(args.out, "summary.json"), summary)
+        if args.json:
+            write_json(args.json, summary)
+    return 0
