@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 __all__ = ["make_photo_folder", "demo_folder", "class_name"]
 
-HUE_JITTER = 0.085  # std of an object's hue around its class hue (classes are 1/n_classes apart)
+HUE_JITTER = 0.05  # std of an object's hue around its class hue (classes are 1/n_classes apart)
 
 
 def class_name(label: int) -> str:
@@ -72,7 +72,7 @@ def _render(index: int, n_classes: int, seed: int, size: tuple[int, int]) -> tup
         surface = rgb * (0.75 + 0.25 * rng.uniform(0.2, 1.0) * grating[..., None])
         box = img[y0:y1, x0:x1]
         box += (surface - box) * mask
-    img *= rng.uniform(0.8, 1.15, size=3).astype(np.float32)  # white balance / exposure
+    img *= rng.uniform(0.9, 1.1, size=3).astype(np.float32)  # white balance / exposure
     img += rng.uniform(4.0, 7.0) * rng.standard_normal(img.shape, dtype=np.float32)  # sensor noise
     return label, Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
 
@@ -127,7 +127,7 @@ def demo_folder(n_images: int = 2000, n_classes: int = 10, seed: int = 0, size: 
     """The cached demo ImageFolder for these settings, generated once (atomically) into the cache."""
     from torchspeed.runtime import cache_dir
 
-    name = f"photos-v1-n{n_images}-c{n_classes}-s{seed}-{size[0]}x{size[1]}"
+    name = f"photos-v2-n{n_images}-c{n_classes}-s{seed}-{size[0]}x{size[1]}"
     final = os.path.join(cache_dir("data"), name)
     if os.path.isdir(final):
         return final
