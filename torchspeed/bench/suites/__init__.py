@@ -10,7 +10,8 @@ A suite module defines:
     technique (str), median (float), min (float), max (float), unit (str, e.g. "img/s" or "ms"),
     ratio (float | None: speed-up over plain PyTorch, >1 is faster), cumulative (float | None),
     metric_drop (float | None: accuracy lost vs the fp32 baseline), what (str: one line, what it is)
-and optionally "notes" (list of str). `step(text)` reports progress ("packing the store").
+optionally "headline": True on the row that sums the suite up in the report's summary (default: the
+row with the largest cumulative or ratio), and optionally "notes" (list of str). `step(text)` reports progress ("packing the store").
 `quick=True` must keep the suite within its share of `torchspeed bench --quick`'s 8 minutes.
 """
 from __future__ import annotations

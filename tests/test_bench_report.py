@@ -1,0 +1,80 @@
+import json
+import types
+
+import pytest
+
+from torchspeed.bench import runner, suites
+
+
+def _fake_suite(name, rows, keys):
+    def run(quick, step):
+        step("measuring")
+        return {**keys, "rows": rows}
+    return types.SimpleNamespace(TITLE=f"fake {name}", run=run)
+
+
+def _broken_suite():
+    def run(quick, step):
+        raise RuntimeError("the accelerator caught fire")
+    return types.SimpleNamespace(TITLE="broken", run=run)
+
+
+@pytest.fixture
+def fake_suites(monkeypatch):
+    fakes = {
+        "data": _fake_suite("data", [
+            {"technique": "baseline", "median": 100.0, "min": 90.0, "max": 110.0, "unit": "img/s", "ratio": 1.0,
+             "cumulative": None, "metric_drop": None, "what": "torchvision ImageFolder"},
+            {"technique": "torchspeed", "median": 600.0, "min": 580.0, "max": 610.0, "unit": "img/s", "ratio": 6.0,
+             "cumulative": None, "metric_drop": None, "what": "packed store", "headline": True},
+        ], {"ratio_vs_tuned": 6.0}),
+        "train": _fake_suite("train", [
+            {"technique": "plain", "median": 40.0, "min": 39.0, "max": 41.0, "unit": "samples/s", "ratio": 1.0,
+             "cumulative": 1.0, "metric_drop": None, "what": "plain loop"},
+            {"technique": "+ bf16", "median": 120.0, "min": 118.0, "max": 121.0, "unit": "samples/s", "ratio": 3.0,
+             "cumulative": 3.0, "metric_drop": None, "what": "autocast"},
+        ], {"ratio": 3.0}),
+        "infer": _fake_suite("infer", [
+            {"technique": "eager fp32", "median": 140.0, "min": 135.0, "max": 150.0, "unit": "ms", "ratio": 1.0,
+             "cumulative": None, "metric_drop": 0.0, "what": "baseline"},
+            {"technique": "OpenVINO INT8", "median": 9.0, "min": 8.5, "max": 9.5, "unit": "ms", "ratio": 15.5,
+             "cumulative": None, "metric_drop": 0.004, "what": "NNCF"},
+        ], {"ratio": 15.5, "best_variant": "OpenVINO INT8"}),
+        "compress": _broken_suite(),
+        "design": None,  # not built
+    }
+    monkeypatch.setattr(suites, "load", lambda name: fakes[name])
+    return fakes
+
+
+def test_report_writes_every_file_and_survives_a_failing_suite(tmp_path, fake_suites):
+    out = tmp_path / "report"
+    results = runner.run_suites(list(suites.SUITE_NAMES), quick=True, out=str(out), json_path=str(tmp_path / "r.json"))
+    data = json.loads((out / "results.json").read_text())
+    assert json.loads((tmp_path / "r.json").read_text()) == data
+    assert data["data"]["ratio_vs_tuned"] == 6.0 and data["train"]["ratio"] == 3.0
+    assert data["infer"]["best_variant"] == "OpenVINO INT8"
+    assert "accelerator caught fire" in data["compress"]["error"]
+    assert "design" not in data
+    report = (out / "report.md").read_text()
+    assert "## Summary" in report and "This suite failed" in report and "accelerator caught fire" in report
+    assert "| data | torchspeed | 600 img/s | 6.00x |" in report
+    for png in ("data.png", "train_speedup.png", "infer_latency.png", "infer_accuracy_vs_latency.png"):
+        blob = (out / png).read_bytes()
+        assert blob[:8] == b"\x89PNG\r\n\x1a\n", png
+        assert f"]({png})" in report
+    assert results["compress"]["error"].startswith("RuntimeError")
+
+
+def test_headline_defaults_to_largest_speedup():
+    from torchspeed.bench.report import headline
+
+    rows = [{"technique": "a", "ratio": 1.0}, {"technique": "b", "cumulative": 2.5}, {"technique": "c", "ratio": 2.0}]
+    assert headline({"rows": rows})["technique"] == "b"
+    rows[2]["headline"] = True
+    assert headline({"rows": rows})["technique"] == "c"
+
+
+def test_unknown_suite_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown benchmark suite 'gpu'"):
+        suites.load("gpu")

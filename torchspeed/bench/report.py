@@ -1,0 +1,190 @@
+"""The report: `report.md` (machine, summary, one table per suite), PNG plots and the summary table.
+
+Input is the dict `runner.run_suites` collects: {"machine": ..., "<suite>": suite JSON, ...}, each
+suite JSON holding "rows" as described in `torchspeed.bench.suites`.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from torchspeed.atomic import atomic_write
+from torchspeed.bench import suites
+
+WHAT = {
+    "data": "Data loading: images/s delivered to the model, ready to use",
+    "train": "Training: samples/s of a ResNet-18 step, techniques added one by one",
+    "infer": "Inference: latency of each variant, with its accuracy effect",
+    "compress": "Compression: structured pruning and distillation",
+    "design": "Model design: the ShuffleNet V2 guidelines measured on this machine",
+}
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return ""
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _spread(row: dict[str, Any]) -> str:
+    lo, hi = row.get("min"), row.get("max")
+    if lo is None or hi is None:
+        return ""
+    return f"{_fmt(lo)}-{_fmt(hi)}"
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The row that sums a suite up: one marked `"headline": True`, else the largest speed-up."""
+    rows = [r for r in result.get("rows", []) if isinstance(r, dict)]
+    marked = [r for r in rows if r.get("headline")]
+    if marked:
+        return marked[0]
+    scored = [r for r in rows if isinstance(r.get("cumulative") or r.get("ratio"), (int, float))]
+    return max(scored, key=lambda r: r.get("cumulative") or r.get("ratio"), default=None)
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(suite, technique, measured, speed-up, accuracy effect) per suite: the article-001 table for this machine."""
+    out = []
+    for name in suites.SUITE_NAMES:
+        result = results.get(name)
+        if not isinstance(result, dict):
+            continue
+        if "error" in result:
+            out.append((name, "failed", result["error"].splitlines()[0][:120], "", ""))
+            continue
+        row = headline(result)
+        if row is None:
+            continue
+        ratio = row.get("cumulative") or row.get("ratio")
+        out.append((
+            name,
+            row.get("technique", ""),
+            f"{_fmt(row.get('median'))} {row.get('unit', '')}".strip(),
+            f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else "",
+            _fmt(row.get("metric_drop")),
+        ))
+    return out
+
+
+def _md_table(columns: list[str], rows: list[tuple[Any, ...]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in row) + " |")
+    return "\n".join(lines)
+
+
+def suite_table(result: dict[str, Any]) -> str:
+    rows = [
+        (
+            r.get("technique", ""),
+            f"{_fmt(r.get('median'))} {r.get('unit', '')}".strip(),
+            _spread(r),
+            f"{r['ratio']:.2f}x" if isinstance(r.get("ratio"), (int, float)) else "",
+            f"{r['cumulative']:.2f}x" if isinstance(r.get("cumulative"), (int, float)) else "",
+            _fmt(r.get("metric_drop")),
+            r.get("what", ""),
+        )
+        for r in result.get("rows", [])
+    ]
+    return _md_table(["technique", "median", "spread (min-max)", "vs plain PyTorch", "cumulative", "accuracy drop",
+                      "what this is"], rows)
+
+
+def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
+    """PNG plots for one suite; returns the file names written (relative to `out`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.get("rows", []) if isinstance(r.get("median"), (int, float))]
+    if not rows:
+        return []
+    written = []
+    labels = [r["technique"] for r in rows]
+    cumulative = [r.get("cumulative") for r in rows]
+    if name == "train" and any(isinstance(c, (int, float)) for c in cumulative):
+        values, xlabel, fname = [c or 0.0 for c in cumulative], "cumulative speed-up over plain PyTorch (x)", "train_speedup.png"
+    elif rows[0].get("unit") == "ms":
+        values, xlabel, fname = [r["median"] for r in rows], "median latency (ms, lower is better)", f"{name}_latency.png"
+    else:
+        values, xlabel, fname = [r["median"] for r in rows], f"median {rows[0].get('unit', '')}", f"{name}.png"
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+    y = range(len(rows))
+    ax.barh(list(y), values, color="#4C72B0")
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(WHAT.get(name, name), fontsize=10)
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {_fmt(float(v))}", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, fname), dpi=110)
+    plt.close(fig)
+    written.append(fname)
+    scatter = [r for r in rows if isinstance(r.get("metric_drop"), (int, float)) and r.get("unit") == "ms"]
+    if name == "infer" and scatter:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.scatter([r["median"] for r in scatter], [100 * r["metric_drop"] for r in scatter], color="#DD8452")
+        for r in scatter:
+            ax.annotate(r["technique"], (r["median"], 100 * r["metric_drop"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("median latency (ms, log scale)")
+        ax.set_ylabel("accuracy drop vs fp32 (percentage points)")
+        ax.set_title("Inference candidates: accuracy vs latency", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "infer_accuracy_vs_latency.png"), dpi=110)
+        plt.close(fig)
+        written.append("infer_accuracy_vs_latency.png")
+    return written
+
+
+def write_report(results: dict[str, Any], out: str, command: str = "torchspeed bench") -> str:
+    """Write report.md and the plots into `out`; returns the path of report.md."""
+    from torchspeed.runtime import describe_line
+
+    parts = [
+        "# torchspeed report",
+        "",
+        f"Machine: {describe_line(results['machine'])}",
+        "",
+        f"Command: `{command}`" + (" (quick mode: short runs, wider spread)" if results.get("quick") else ""),
+        "",
+        "## Summary",
+        "",
+        _md_table(["suite", "technique", "measured (median)", "speed-up vs plain PyTorch", "accuracy drop"],
+                  summary_rows(results)),
+    ]
+    for name in suites.SUITE_NAMES:
+        result = results.get(name)
+        if not isinstance(result, dict):
+            continue
+        parts += ["", f"## {name}: {WHAT.get(name, '')}", ""]
+        if "error" in result:
+            parts += ["**This suite failed**; the other suites ran. Its error:", "", "```",
+                      result.get("traceback") or result["error"], "```"]
+            continue
+        parts.append(suite_table(result))
+        try:
+            images = plot_suite(name, result, out)
+        except ImportError:
+            images = []
+            parts += ["", "(plots need matplotlib: `pip install 'torchspeed[report]'`)"]
+        for img in images:
+            parts += ["", f"![{name}]({img})"]
+        figures = {k: v for k, v in result.items() if k not in ("rows", "notes", "traceback") and not isinstance(v, (dict, list))}
+        if figures:
+            parts += ["", "Figures: " + ", ".join(f"`{k}` = {_fmt(v)}" for k, v in figures.items())]
+        for note in result.get("notes", []):
+            parts += ["", f"- {note}"]
+    path = os.path.join(out, "report.md")
+    with atomic_write(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+    return path
