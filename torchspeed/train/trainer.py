@@ -391,7 +391,8 @@ class Trainer:
                 loader.load_state_dict(resume["loader"])  # a FastLoader knows its own position
                 self._epoch_start = resume.get("epoch_start")
                 set_rng_state(resume["rng"])
-                return iter(loader)
+                n = len(loader) if hasattr(loader, "__len__") else None
+                return iter(()) if n is not None and skip >= n else iter(loader)  # done: validate next
             if skip and resume.get("epoch_start") is not None:
                 start = resume["epoch_start"]  # generators as they were when this epoch's iterator was made
                 set_rng_state(start["rng"])
@@ -493,11 +494,11 @@ class Trainer:
                 self.batches_done = done_before
                 ep_loss, ep_n, ep_samples, t_ep = 0.0, 0, 0, time.perf_counter()
                 t_step, step_samples, micro = time.perf_counter(), 0, 0
-                exhausted = n_batches is not None and done_before >= n_batches
-                while not exhausted:
+                while True:
                     try:
                         batch = next(it)
                     except StopIteration:
+                        it = None
                         break
                     x, y = self._split(batch)
                     k = self._count(y)
@@ -545,6 +546,9 @@ class Trainer:
                 if max_steps and self.global_step >= max_steps and n_batches is not None \
                         and self.batches_done < n_batches:
                     break  # stopped mid-epoch: no validation, the position stays mid-epoch
+                if it is not None and n_batches is not None and self.batches_done >= n_batches:
+                    next(it, None)  # end the pass as an uninterrupted run does (a sampler may draw RNG there)
+                it = None
                 self._epoch_finished = True
                 ep_time = time.perf_counter() - t_ep
                 s, n = distributed.all_reduce_sums([ep_loss, float(ep_n)])
