@@ -484,6 +484,21 @@ def main() -> None:
             write_json(out, payload)
         except Exception as e:  # never hide the script's own outcome behind a reporting failure
             print(f"torchspeed doctor: could not write the report: {type(e).__name__}: {e}", file=sys.stderr)
+    if isinstance(pending, Exception):
+        _print_user_traceback(pending)
+        sys.exit(1)
     if pending is not None:
         raise pending
     sys.exit(0)
+
+
+def _print_user_traceback(e: BaseException) -> None:
+    """The traceback as Python would print it for the script alone (without doctor's and runpy's frames)."""
+    import traceback
+
+    tb = e.__traceback__
+    here = os.path.dirname(os.path.abspath(__file__))
+    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith((here, "<frozen")) or
+                              tb.tb_frame.f_code.co_filename == "<string>" and tb.tb_next is not None):
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb or e.__traceback__)

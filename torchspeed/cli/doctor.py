@@ -1,0 +1,75 @@
+"""Doctor commands: `doctor` (an unchanged training script, phases measured) and `lint` (a model)."""
+from __future__ import annotations
+
+import argparse
+
+from torchspeed.cli import add_json_option, int_tuple, positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor", help="profile an unchanged training script: where each step's time goes, and the ranked fixes",
+        description="Run `python your_train.py ARGS` with torch instrumented from outside (DataLoader, forward, "
+                    "backward, optimizer step, copies, host syncs), then print the time per phase, the verdict "
+                    "(data-, compute- or overhead-bound) and the fixes ranked by expected gain. Exits with the "
+                    "script's own status.",
+        usage="torchspeed doctor [--steps N] [--out DIR] [--json PATH] [--trace] [--cprofile] -- python your_train.py ARGS")
+    p.add_argument("--steps", type=positive_int, help="stop the script cleanly after N training (optimizer) steps")
+    p.add_argument("--out", metavar="DIR", help="write doctor.json and doctor.md (and the trace) to DIR")
+    add_json_option(p)
+    p.add_argument("--trace", action="store_true",
+                   help="also record a torch.profiler trace of a few steps (Chrome / Perfetto JSON)")
+    p.add_argument("--cprofile", action="store_true", help="also list the Python hot spots (cProfile; slows the run)")
+    p.add_argument("--timeout", type=positive_int, metavar="S", help="interrupt the script after S seconds")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python your_train.py ARGS")
+    p.set_defaults(func=run_doctor)
+
+    q = sub.add_parser("lint", help="per-layer FLOPs, memory access and time of a model, and the design rules it breaks")
+    q.add_argument("model", metavar="MODEL", help="torchvision name (resnet18), timm:NAME, or an exported .pt2 file")
+    q.add_argument("--input-shape", type=int_tuple, metavar="N,C,H,W", help="example input shape (default 1,3,224,224)")
+    q.add_argument("--num-classes", type=positive_int, help="classifier width (default: the model's)")
+    q.add_argument("--loss", choices=("ce", "nll", "none"), default="ce",
+                   help="loss the output feeds, for the activation/loss pairing check (default ce)")
+    q.add_argument("--device", default="cpu", help="device to trace on (default cpu)")
+    q.add_argument("--top", type=positive_int, default=12, help="layers to list (default 12)")
+    add_json_option(q)
+    q.set_defaults(func=run_lint)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from torchspeed.doctor.runner import run_doctor as _run
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ValueError("doctor needs the script to run after `--`: torchspeed doctor -- python your_train.py ARGS")
+    status, _ = _run(command, steps=args.steps, out=args.out, json_path=args.json, trace=args.trace,
+                     cprofile=args.cprofile, timeout=args.timeout)
+    return status
+
+
+def run_lint(args: argparse.Namespace) -> int:
+    import torch
+    from torch import nn
+
+    from torchspeed.doctor.linting import lint, resolve_model
+    from torchspeed.doctor.report import print_lint
+
+    model, default_shape = resolve_model(args.model, num_classes=args.num_classes)
+    shape = args.input_shape or default_shape or (1, 3, 224, 224)
+    device = torch.device(args.device)
+    model = model.to(device)
+    x = torch.randn(*shape, device=device)
+    loss = {"ce": nn.CrossEntropyLoss(), "nll": nn.NLLLoss(), "none": None}[args.loss]
+    try:
+        report = lint(model, x, loss_fn=loss)
+    except RuntimeError as e:
+        raise ValueError(f"{args.model} does not run on input shape {shape}: {str(e).splitlines()[0]} "
+                         "(set --input-shape)") from None
+    print_lint(report, top=args.top)
+    if args.json:
+        from torchspeed.atomic import write_json
+
+        write_json(args.json, report.to_dict())
+    return 0
