@@ -8,8 +8,8 @@ from typing import Any
 _EXPORTS = {
     "make_photo_folder": "demo",
     "demo_folder": "demo",
-    "pack": "pack",
-    "PackReport": "pack",
+    "pack": "packer",
+    "PackReport": "packer",
     "PackedDataset": "store",
     "fast_loader": "loader",
     "FastLoader": "loader",

@@ -35,7 +35,7 @@ class FolderSource:
     """An ImageFolder read as records: JPEG files stay encoded (decoded cropped, DCT-scaled) in workers."""
 
     def __init__(self, root: str):
-        from torchspeed.data.pack import scan_folder
+        from torchspeed.data.packer import scan_folder
 
         self.root = os.path.abspath(root)
         self.classes, self.samples = scan_folder(self.root)
@@ -52,7 +52,7 @@ class FolderSource:
             if data[:2] == b"\xff\xd8":
                 h, w = jpeg_size(data)
                 return Record("jpeg", data, h, w, label)
-            from torchspeed.data.pack import _to_hwc_uint8
+            from torchspeed.data.packer import _to_hwc_uint8
             from PIL import Image
             import io
 
@@ -79,7 +79,7 @@ class DatasetSource:
         return len(self.dataset)
 
     def record(self, index: int) -> Record:
-        from torchspeed.data.pack import _to_hwc_uint8
+        from torchspeed.data.packer import _to_hwc_uint8
 
         x, y = self.dataset[index]
         img = _to_hwc_uint8(x)
@@ -111,6 +111,7 @@ class AugmentedDataset(Dataset):
     def __init__(self, source: Any, transform: Any, decoder: str, seed: int):
         self.source, self.transform, self.decoder, self.seed = source, transform, decoder, seed
         self.size = transform.size
+        self._tmp: np.ndarray | None = None  # per-process HWC scratch buffer
 
     def __len__(self) -> int:
         return len(self.source)
@@ -125,20 +126,23 @@ class AugmentedDataset(Dataset):
             img = get_decoder(self.decoder).decode(rec.payload, min_h, min_w)
         else:
             img = rec.payload
-        render(img, box, out, img.shape[0] / rec.height, img.shape[1] / rec.width)
+        if self._tmp is None:
+            self._tmp = np.empty((self.size, self.size, 3), np.uint8)
+        render(img, box, out, self._tmp, img.shape[0] / rec.height, img.shape[1] / rec.width)
         return rec.label
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         epoch, index = key
-        out = np.empty((self.size, self.size, 3), np.uint8)
+        out = np.empty((3, self.size, self.size), np.uint8)
         return torch.from_numpy(out), self._render(epoch, index, out)
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The collated batch: uint8 NCHW images (filled in place, sample by sample) and int64 labels."""
         n, s = len(keys), self.size
         if get_worker_info() is not None:  # straight into shared memory: no copy when sent to the main process
-            images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n * s * s * 3)).view(n, s, s, 3)
+            images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n * 3 * s * s)).view(n, 3, s, s)
         else:
-            images = torch.empty((n, s, s, 3), dtype=torch.uint8)
+            images = torch.empty((n, 3, s, s), dtype=torch.uint8)
         arr = images.numpy()
         labels = torch.empty(n, dtype=torch.int64)
         for j, (epoch, index) in enumerate(keys):
@@ -357,7 +361,7 @@ def fast_loader(
         dl = DataLoader(augmented, batch_sampler=sampler, num_workers=workers, collate_fn=_batch_identity,
                         pin_memory=pin_, worker_init_fn=_worker_init if workers else None,
                         prefetch_factor=prefetch if workers else None, persistent_workers=persistent and workers > 0)
-        pf = DevicePrefetcher(dl, dev, mean, std, channels_last=channels_last, dtype=dtype, layout="NHWC")
+        pf = DevicePrefetcher(dl, dev, mean, std, channels_last=channels_last, dtype=dtype, layout="NCHW")
         return FastLoader(augmented, sampler, dl, pf, decoder_table=decoder_table)
 
     settings = None

@@ -51,9 +51,12 @@ def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Seq
         layout = "NHWC" if images.shape[-1] in (1, 3, 4) and images.shape[1] not in (1, 3, 4) else "NCHW"
     x = images.permute(0, 3, 1, 2) if layout == "NHWC" else images
     dtype = dtype or torch.float32
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    # Convert in the input's own memory order (a contiguous pass, ~10x faster on a CPU than a
+    # strided one), then change the layout once if it differs from what was asked for.
+    fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
+        else torch.contiguous_format
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device, memory_format=fmt)
-    out.copy_(x)  # the uint8 -> float conversion and the layout change in one pass
+    out.copy_(x)
     if mean is not None and std is not None:
         key = (x.device, images.dtype == torch.uint8, tuple(mean), tuple(std))
         cache = _affine_cache if _affine_cache is not None else {}
@@ -63,6 +66,7 @@ def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Seq
         out.mul_(scale).add_(shift)
     elif images.dtype == torch.uint8:
         out.mul_(1.0 / 255)
+    out = out.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -70,12 +74,14 @@ class DevicePrefetcher:
     """Wrap a loader of `(images, labels, ...)` batches: yields them normalised on `device`, one ahead.
 
     `len()` is the loader's; iterating again starts a new pass over the loader (re-iterable per
-    epoch). Extra batch elements (labels, ...) are moved to the device unchanged.
+    epoch). Extra batch elements (labels, ...) are moved to the device unchanged. On the CPU the
+    conversion thread uses `cpu_threads` intra-op threads (that thread only), so it does not
+    compete with the training step for every core.
     """
 
     def __init__(self, loader: Iterable[Any], device: str | torch.device = "auto", mean: Sequence[float] | None = IMAGENET_MEAN,
                  std: Sequence[float] | None = IMAGENET_STD, channels_last: bool = True, dtype: torch.dtype | None = None,
-                 layout: str = "auto", depth: int = 2):
+                 layout: str = "auto", depth: int = 2, cpu_threads: int | None = 1):
         if layout not in ("auto", "NHWC", "NCHW"):
             raise ValueError(f"layout must be 'auto', 'NHWC' or 'NCHW', got {layout!r}")
         if (mean is None) != (std is None):
@@ -87,6 +93,7 @@ class DevicePrefetcher:
         self.mean, self.std = (tuple(mean), tuple(std)) if mean is not None else (None, None)
         self.channels_last, self.dtype, self.layout = channels_last, dtype, layout
         self.depth = max(1, depth)
+        self.cpu_threads = cpu_threads
         self._cache: dict = {}
 
     def __len__(self) -> int:
@@ -143,6 +150,8 @@ class DevicePrefetcher:
             return False
 
         def produce() -> None:
+            if self.cpu_threads:
+                torch.set_num_threads(self.cpu_threads)  # this thread only: the model keeps its cores
             try:
                 for batch in self.loader:
                     if not put(("ok", self.convert(batch))):

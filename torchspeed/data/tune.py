@@ -7,6 +7,7 @@ the search walks num_workers upward from 0 and stops as soon as throughput falls
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -90,12 +91,15 @@ def tune_loader(
     def measure(w: int, pf: int | None, persist: bool, pin: bool) -> float:
         if progress:
             progress(f"timing num_workers={w}, prefetch_factor={pf}, persistent={persist}, pin={pin}")
-        loader = build(w, pf if w else None, persist and w > 0, pin)
-        try:
-            t = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
-                              min_pass_s=seconds, device=dev)
-        finally:
-            _shutdown(loader)
+        with warnings.catch_warnings():
+            # more workers than cores is tried on purpose (to see throughput fall): no warning for it
+            warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+            loader = build(w, pf if w else None, persist and w > 0, pin)
+            try:
+                t = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
+                                  min_pass_s=seconds, device=dev)
+            finally:
+                _shutdown(loader)
         rate = float(t.throughput or 0.0)
         table.append({"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
                       "pin_memory": pin, "items_per_s": rate})

@@ -1,0 +1,207 @@
+"""Data suite: images/s from JPEG files to model-ready batches, plain torchvision vs torchspeed.
+
+Every contender yields the same thing per batch: 64 images, RandomResizedCrop to 128x128 + random
+horizontal flip, float32 NCHW (contiguous) normalised with ImageNet mean/std, plus int64 labels.
+Contenders run one after another in this process on the same demo photos (500x375 JPEG q90);
+each figure is the median of 3 passes of >= 5 s (1.5 s with --quick), epochs repeated as needed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+TITLE = "Data loading: images/s into the model (64 x RandomResizedCrop 128 + flip, float32 NCHW normalised)"
+
+BATCH, CROP, SHORT_SIDE = 64, 128, 160
+
+
+def _subset_folder(src: str, n: int) -> str:
+    """A cached ImageFolder of symlinks to the first `n` images of `src` (for --quick)."""
+    from torchspeed.data.packer import scan_folder
+    from torchspeed.runtime import cache_dir
+
+    final = os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-first{n}")
+    if os.path.isdir(final):
+        return final
+    classes, samples = scan_folder(src)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=".subset-")
+    try:
+        for c in classes:
+            os.makedirs(os.path.join(tmp, c))
+        for path, label in sorted(samples, key=lambda s: os.path.basename(s[0]))[:n]:
+            os.symlink(path, os.path.join(tmp, classes[label], os.path.basename(path)))
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isdir(final):
+            raise
+    return final
+
+
+def _resize_files(job: tuple[list[tuple[str, str]], int]) -> None:
+    from PIL import Image
+
+    from torchspeed.data.packer import _load_file
+
+    pairs, short_side = job
+    for src, dst in pairs:
+        Image.fromarray(_load_file(src, short_side)).save(dst, quality=90)
+
+
+def _resized_folder(src: str, short_side: int) -> str:
+    """A cached copy of the ImageFolder `src` with every image resized to `short_side` (JPEG q90)."""
+    from torchspeed.data.packer import scan_folder
+    from torchspeed.runtime import cache_dir, usable_cores
+
+    final = os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-short{short_side}")
+    if os.path.isdir(final):
+        return final
+    classes, samples = scan_folder(src)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=".resized-")
+    try:
+        for c in classes:
+            os.makedirs(os.path.join(tmp, c))
+        pairs = [(p, os.path.join(tmp, classes[y], os.path.basename(p))) for p, y in samples]
+        jobs = [(pairs[i:i + 64], short_side) for i in range(0, len(pairs), 64)]
+        with ProcessPoolExecutor(usable_cores()) as pool:
+            list(pool.map(_resize_files, jobs))
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isdir(final):
+            raise
+    return final
+
+
+def _cached_store(src: str, name: str, **pack_kwargs: Any) -> str:
+    from torchspeed.data import pack
+    from torchspeed.runtime import cache_dir
+
+    path = os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-{name}")
+    if not os.path.isdir(path):
+        pack(src, path, progress=False, **pack_kwargs)
+    return path
+
+
+def _torchvision(folder: str) -> Any:
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    from torchspeed.data import IMAGENET_MEAN, IMAGENET_STD
+
+    tf = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return datasets.ImageFolder(folder, tf)
+
+
+def _check_output(name: str, batch: Any) -> None:
+    """Like for like: every contender must yield the baseline's format."""
+    import torch
+
+    x, y = batch
+    if tuple(x.shape) != (BATCH, 3, CROP, CROP) or x.dtype != torch.float32 or not x.is_contiguous() \
+            or y.dtype != torch.int64 or not -3.0 < float(x.mean()) < 3.0:
+        raise RuntimeError(f"{name} yields {tuple(x.shape)} {x.dtype} (contiguous={x.is_contiguous()}), "
+                           f"not the benchmark's float32 NCHW batch")
+
+
+def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from torchspeed.bench.harness import time_iterable
+    from torchspeed.data import fast_loader, pack, tune_loader
+    from torchspeed.data.demo import demo_folder
+    from torchspeed.runtime import usable_cores
+
+    cores = usable_cores()
+    pass_s, tune_s = (1.5, 0.5) if quick else (5.0, 1.0)
+    n_images = 1000 if quick else 4000
+    step("demo photos (generated once)")
+    src = demo_folder(4000)
+    if quick:
+        src = _subset_folder(src, n_images)
+    step("resized copy of the folder (short side 160, cached)")
+    resized = _resized_folder(src, SHORT_SIDE)
+    step("extra stores for the comparison rows (cached)")
+    raw_store = _cached_store(src, f"raw{SHORT_SIDE}", short_side=SHORT_SIDE, format="raw")
+    full_store = _cached_store(src, "jpeg-full", short_side=None, format="jpeg", quality=90)
+
+    rows: list[dict[str, Any]] = []
+    results: dict[str, Any] = {"images": n_images, "batch_size": BATCH, "crop": CROP, "short_side": SHORT_SIDE}
+    work = tempfile.mkdtemp(prefix="torchspeed-bench-data-")
+    try:
+        step(f"packing {n_images} images (short side {SHORT_SIDE}, JPEG q90)")
+        report = pack(src, os.path.join(work, "store"), short_side=SHORT_SIDE, format="jpeg", quality=90, progress=False)
+        results["pack_s"] = round(report.seconds, 2)
+        store = report.dst
+
+        def measure(name: str, make: Callable[[], Any], what: str) -> float:
+            step(f"timing {name}")
+            loader = make()
+            _check_output(name, next(iter(loader)))
+            t = time_iterable(lambda: loader, name=name, warmup_items=2, passes=3, min_pass_s=pass_s, unit="img")
+            from torchspeed.data.tune import _shutdown
+
+            _shutdown(loader)
+            rates = t.rates
+            rows.append({"technique": name, "median": t.throughput, "min": min(rates), "max": max(rates),
+                         "unit": "img/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what})
+            return float(t.throughput)
+
+        def plain(folder: str, workers: int) -> Any:
+            return DataLoader(_torchvision(folder), BATCH, shuffle=True, drop_last=True, num_workers=workers,
+                              persistent_workers=workers > 0)
+
+        def tuned_workers(folder: str) -> int:
+            step(f"tuning torchvision num_workers on {os.path.basename(folder)}")
+            s = tune_loader(_torchvision(folder), BATCH, max_workers=cores, seconds=tune_s, device="cpu",
+                            prefetch_factors=(2,), persistent=(True,))
+            return s.num_workers
+
+        base = measure("baseline", lambda: plain(src, 0),
+                       "torchvision ImageFolder + PIL + RandomResizedCrop/flip/ToTensor/Normalize, num_workers=0")
+        w_tuned = tuned_workers(src)
+        tuned = measure("baseline_tuned", lambda: plain(src, w_tuned),
+                        f"the same, num_workers={w_tuned} (best of 0..{cores}, measured)")
+        w_resized = tuned_workers(resized)
+        base_resized = measure("baseline_resized", lambda: plain(resized, w_resized),
+                               f"the same tuned loader (num_workers={w_resized}) on a folder resized offline to short side {SHORT_SIDE}")
+        step("torchspeed: choosing decoder and num_workers (measured)")
+        ts_loader = fast_loader(store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
+                                tune_seconds=tune_s)
+        settings = ts_loader.settings
+        decoder = ts_loader.decoder
+        fast = measure("torchspeed", lambda: ts_loader,
+                       f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {ts_loader.decoder} + uint8 crop/collate in "
+                       f"{settings.num_workers} workers + normalisation in the prefetch thread")
+        w = settings.num_workers
+        common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, decoder=ts_loader.decoder)
+        raw = measure("torchspeed_raw", lambda: fast_loader(raw_store, BATCH, **common),
+                      f"the same pipeline on a raw-pixel store (no decoding at all; {os.path.getsize(os.path.join(raw_store, 'data.mdb')) / 2**20:.0f} MiB)")
+        noresize = measure("torchspeed_no_offline_resize", lambda: fast_loader(full_store, BATCH, **common),
+                           "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
+        folder = measure("torchspeed_on_folder", lambda: fast_loader(src, BATCH, **common),
+                         "the same pipeline reading the original JPEG files (no pack at all)")
+        ts_loader_table = ts_loader.decoder_table
+        del ts_loader
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    for r in rows:
+        r["ratio"] = r["median"] / base
+    results.update(
+        baseline_img_s=base, baseline_tuned_img_s=tuned, baseline_resized_img_s=base_resized, torchspeed_img_s=fast,
+        raw_img_s=raw, no_offline_resize_img_s=noresize, folder_img_s=folder,
+        ratio_vs_tuned=fast / tuned, ratio_vs_resized=fast / base_resized, ratio_vs_baseline=fast / base,
+        decoder=decoder, decoder_table=ts_loader_table, num_workers=w, baseline_tuned_workers=w_tuned,
+        baseline_resized_workers=w_resized, torchspeed_tuning=settings.table, rows=rows,
+        notes=[f"pack of {n_images} images to the short-side-{SHORT_SIDE} JPEG store took {results['pack_s']:.1f} s (one-off)",
+               f"torch {torch.__version__}; passes of >= {pass_s} s, median of 3"],
+    )
+    return results
+
