@@ -1,0 +1,117 @@
+"""`torchspeed doctor` on small unchanged scripts (subprocesses: few, tiny, bounded) and `torchspeed lint`."""
+import json
+import sys
+import textwrap
+
+import pytest
+
+from torchspeed.cli import main
+from torchspeed.doctor.runner import build_payload, child_command
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.set_num_threads(1)
+    mode = sys.argv[1]
+    loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8, num_workers=0)
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 0
+    while True:                      # trains forever unless doctor stops it
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+            if mode == "raise" and steps == 2:
+                raise RuntimeError("boom at step 2")
+            if mode == "exit" and steps == 3:
+                sys.exit(3)
+""")
+
+
+@pytest.fixture
+def script(tmp_path):
+    p = tmp_path / "train.py"
+    p.write_text(SCRIPT)
+    return str(p)
+
+
+@pytest.mark.timeout(120)
+def test_doctor_stops_after_steps_and_flags_no_workers(script, tmp_path):
+    out = tmp_path / "rep"
+    code = main(["doctor", "--steps", "4", "--out", str(out), "--json", str(tmp_path / "d.json"), "--",
+                 sys.executable, script, "forever"])
+    assert code == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["steps"] == 4 and d["status"] == "stopped" and d["exit_status"] == 0
+    assert set(d["phases"]) >= {"data", "copy", "forward", "backward", "optimizer", "other"}
+    assert d["verdict"] in ("data-bound", "compute-bound", "overhead-bound")
+    assert d["settings"]["loaders"][0]["num_workers"] == 0 and d["settings"]["loaders"][0]["batch_size"] == 8
+    assert d["settings"]["autocast"] is False
+    assert "loader-no-workers" in [f["rule"] for f in d["findings"]]
+    assert (out / "doctor.md").read_text().startswith("# torchspeed doctor report")
+    assert json.loads((out / "doctor.json").read_text())["steps"] == 4
+
+
+@pytest.mark.timeout(120)
+def test_doctor_writes_report_when_script_raises(script, tmp_path, capfd):
+    code = main(["doctor", "--json", str(tmp_path / "d.json"), "--", sys.executable, script, "raise"])
+    assert code == 1
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["status"] == "error" and d["error"] == "RuntimeError: boom at step 2" and d["steps"] == 2
+    err = capfd.readouterr().err
+    assert "RuntimeError: boom at step 2" in err and "instrument.py" not in err  # the user's traceback only
+
+
+@pytest.mark.timeout(120)
+def test_doctor_propagates_exit_status(script, tmp_path):
+    code = main(["doctor", "--json", str(tmp_path / "d.json"), "--", sys.executable, "-u", script, "exit"])
+    assert code == 3
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["exit_status"] == 3 and d["steps"] == 3 and d["status"] == "exited"
+
+
+def test_child_command_parsing(script):
+    cmd = child_command([sys.executable, "-u", "-W", "ignore", script, "--lr", "0.1"])
+    assert cmd[:4] == [sys.executable, "-u", "-W", "ignore"] and cmd[4] == "-c"
+    assert cmd[6:] == ["script", script, "--lr", "0.1"]
+    assert child_command(["python3", "-m", "pkg.train", "x"])[-3:] == ["module", "pkg.train", "x"]
+    assert child_command([script, "a"])[0] == sys.executable  # a bare .py runs with this interpreter
+    with pytest.raises(ValueError, match="Python interpreter"):
+        child_command(["bash", script])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        child_command(["python", "missing_train.py"])
+    with pytest.raises(ValueError, match="no script"):
+        child_command(["python", "-u"])
+
+
+def test_doctor_needs_a_command(capsys):
+    assert main(["doctor"]) == 2
+    assert "after `--`" in capsys.readouterr().err
+
+
+def test_build_payload_excludes_warmup_and_eval_loader_time():
+    ph = lambda d, f: {"data": d, "copy": 0.0, "forward": f, "backward": 1.0, "optimizer": 0.1, "other": 0.0, "eval": 0.0}
+    raw = {"status": "finished", "windows": [{"wall": 9.0, "phases": ph(7.0, 1.9), "samples": 8}] +
+           [{"wall": 3.0, "phases": ph(0.8, 0.9), "samples": 8}] * 3,
+           "settings": {"device": "cpu", "loaders": [
+               {"name": "val", "num_workers": 2, "batches": 5, "training": False, "data_s": 0.6},
+               {"name": "train", "num_workers": 2, "batches": 20, "training": True, "data_s": 2.4}]}}
+    d = build_payload(raw, ["python", "t.py"], 0)
+    assert d["steps"] == 4 and d["steady"]["steps"] == 3 and d["steady"]["wall_s"] == pytest.approx(9.0)
+    assert d["steady"]["phases"]["data"] == pytest.approx(1.8) and d["steady"]["phases"]["eval"] == pytest.approx(0.6)
+    assert d["throughput"] == pytest.approx(24 / 9.0)
+    assert d["verdict"] == "compute-bound"
+
+
+@pytest.mark.timeout(120)
+def test_lint_command_on_resnet18(tmp_path, capsys):
+    assert main(["lint", "resnet18", "--input-shape", "1,3,32,32", "--json", str(tmp_path / "l.json")]) == 0
+    d = json.loads((tmp_path / "l.json").read_text())
+    assert d["model"] == "ResNet" and d["totals"]["flops"] > 5e7
+    assert "unfused-bn" in [f["rule"] for f in d["findings"]]
+    assert "Top 12 layers" in capsys.readouterr().out
+    assert main(["lint", "not_a_model_xyz"]) == 2

@@ -1,0 +1,114 @@
+"""doctor.lint: per-layer costs against analytic FLOPs, and each rule firing (or staying quiet)."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import torchspeed as ts
+from torchspeed.doctor.linting import resolve_model
+
+
+def rules(report):
+    return [f.rule for f in report.findings]
+
+
+class Head(nn.Module):
+    def __init__(self, final):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+        self.final = final
+
+    def forward(self, x):
+        return self.final(self.body(x))
+
+
+X = torch.randn(2, 3, 16, 16)
+
+
+def test_softmax_into_cross_entropy_is_double_softmax():
+    r = ts.doctor.lint(Head(nn.Softmax(dim=1)), X, loss_fn=nn.CrossEntropyLoss())
+    assert rules(r)[0] == "double-softmax" and r.findings[0].severity == "bug"
+    assert r.findings[0].where == ["final"]
+
+
+def test_softmax_into_nll_and_log_softmax_pairing():
+    r = ts.doctor.lint(Head(nn.Softmax(dim=1)), X, loss_fn=nn.NLLLoss())
+    assert "softmax-nll" in rules(r)
+    r = ts.doctor.lint(Head(nn.Softmax(dim=1)), X, loss_fn=lambda o, t: nn.functional.nll_loss(torch.log(o), t))
+    assert "softmax-nll" in rules(r)
+    ok = ts.doctor.lint(Head(nn.LogSoftmax(dim=1)), X, loss_fn=nn.NLLLoss())
+    assert not {"softmax-nll", "double-softmax"} & set(rules(ok))
+    ok = ts.doctor.lint(Head(nn.Identity()), X, loss_fn=nn.CrossEntropyLoss())
+    assert not {"softmax-nll", "double-softmax"} & set(rules(ok))
+
+
+def test_1_to_12_pointwise_block_breaks_g1():
+    m = nn.Sequential(nn.Conv2d(32, 384, 1), nn.Conv2d(384, 32, 1))
+    r = ts.doctor.lint(m, torch.randn(1, 32, 28, 28))
+    g1 = [f for f in r.findings if f.rule == "g1-channel-ratio"]
+    assert g1 and g1[0].where == ["0 (32->384, 1:12)", "1 (384->32, 1:12)"]
+    assert 0 < g1[0].expected_gain < 1
+
+
+def test_clean_model_is_quiet():
+    m = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                      nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    r = ts.doctor.lint(m, torch.randn(1, 3, 32, 32), loss_fn=nn.CrossEntropyLoss())
+    assert r.findings == [], [(f.rule, f.message) for f in r.findings]
+
+
+def test_flops_and_memory_match_analytic_values():
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False))
+    r = ts.doctor.lint(m, torch.randn(2, 8, 10, 10))
+    assert r.totals["flops"] == 2 * 2 * 16 * 8 * 9 * 10 * 10
+    # memory access: read input and weight, write output (fp32)
+    assert r.totals["memory_bytes"] == 4 * (2 * 8 * 100 + 16 * 8 * 9 + 2 * 16 * 100)
+    assert r.layers[0]["layer"] == "0" and r.layers[0]["in"] == (2, 8, 10, 10)
+
+
+def test_groups_fragmentation_bn_and_alignment_rules():
+    class Inception(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = nn.ModuleList(nn.Conv2d(32, 8, 1) for _ in range(4))
+
+        def forward(self, x):
+            return torch.cat([b(x) for b in self.b], 1)
+
+    r = ts.doctor.lint(Inception(), torch.randn(1, 32, 16, 16))
+    assert "g3-fragmentation" in rules(r)
+    r = ts.doctor.lint(nn.Sequential(nn.Conv2d(64, 64, 1, groups=8)), torch.randn(1, 64, 8, 8))
+    assert "g2-groups" in rules(r)
+    r = ts.doctor.lint(nn.Sequential(nn.Conv2d(64, 64, 3, groups=64)), torch.randn(1, 64, 8, 8))
+    assert "g2-groups" not in rules(r)  # depthwise is not the G2 case
+    m = nn.Sequential(nn.Conv2d(3, 36, 3), nn.BatchNorm2d(36))
+    m.train()
+    r = ts.doctor.lint(m, torch.randn(1, 3, 16, 16))
+    assert {"unfused-bn", "channels-not-multiple-of-8"} <= set(rules(r))
+    assert m.training  # lint restores the mode it found
+
+
+def test_report_json_round_trip(tmp_path):
+    r = ts.doctor.lint(Head(nn.Softmax(dim=1)), X, loss_fn=nn.CrossEntropyLoss())
+    from torchspeed.atomic import write_json
+
+    write_json(tmp_path / "l.json", r.to_dict())
+    d = json.loads((tmp_path / "l.json").read_text())
+    assert d["findings"][0]["rule"] == "double-softmax"
+    assert {"rule", "message", "fix", "expected_gain", "command"} <= set(d["findings"][0])
+    assert "double-softmax" in str(r)
+
+
+def test_resolve_model_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown model"):
+        resolve_model("no_such_net_xyz")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model(str(tmp_path / "m.pt2"))
+    (tmp_path / "m.pth").write_bytes(b"x")
+    with pytest.raises(ValueError, match="pickled"):
+        resolve_model(str(tmp_path / "m.pth"))
+    m, _ = resolve_model("resnet18", num_classes=5)
+    assert m.fc.out_features == 5
+    with pytest.raises(ValueError, match="needs an nn.Module"):
+        ts.doctor.lint(lambda x: x, X)

@@ -1,0 +1,121 @@
+"""doctor.profile on synthetic loops, the phase clock, the verdict and the loop rules."""
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import torchspeed as ts
+from torchspeed.doctor import phases as phases_mod
+from torchspeed.doctor.phases import PhaseClock, verdict
+from torchspeed.doctor.rules import loop_findings
+
+
+class SleepyData(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.randn(3, 8, 8), i % 4
+
+
+def tiny_model():
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 4))
+
+
+def test_sleepy_loader_is_data_bound_and_flags_no_workers():
+    m = tiny_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    rep = ts.doctor.profile(m, DataLoader(SleepyData(), batch_size=4), opt, nn.CrossEntropyLoss(), steps=4, warmup=1)
+    assert rep.verdict == "data-bound", rep.evidence
+    assert rep.phases["data"] / rep.wall_s > 0.5
+    assert rep.steps == 4 and rep.settings["loaders"][0]["num_workers"] == 0
+    speed = [f for f in rep.findings if f.severity == "speed"]
+    assert speed[0].rule == "loader-no-workers" and speed[0].expected_gain > 0
+    d = rep.to_dict()
+    assert set(d["phases"]) >= {"data", "copy", "forward", "backward", "optimizer", "other"}
+    assert {"rule", "message", "fix", "expected_gain"} <= set(d["findings"][0])
+
+
+def test_heavy_model_is_compute_bound_and_really_trains():
+    m = nn.Sequential(nn.Conv2d(3, 48, 3, padding=1), nn.ReLU(), nn.Conv2d(48, 48, 3, padding=1), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 4))
+    before = m[0].weight.detach().clone()
+    batches = [(torch.randn(8, 3, 48, 48), torch.randint(0, 4, (8,))) for _ in range(3)]  # in memory: no data cost
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    rep = ts.doctor.profile(m, batches, opt, nn.CrossEntropyLoss(), steps=4, warmup=1)
+    assert rep.verdict == "compute-bound", rep.evidence
+    assert not torch.equal(before, m[0].weight)
+    known = sum(v for k, v in rep.phases.items() if k != "other")
+    assert known <= rep.wall_s * 1.001 and rep.phases["forward"] > 0 and rep.phases["backward"] > 0
+    assert rep.throughput == pytest.approx(4 * 8 / rep.wall_s)
+    assert "loader-no-workers" not in [f.rule for f in rep.findings]  # a list is not a DataLoader
+    assert "Verdict: compute-bound" in str(rep)
+
+
+def test_profile_flags_double_softmax_first():
+    m = nn.Sequential(nn.Linear(6, 3), nn.Softmax(dim=1))
+    batches = [(torch.randn(4, 6), torch.randint(0, 3, (4,)))]
+    rep = ts.doctor.profile(m, batches, torch.optim.SGD(m.parameters(), lr=0.1), nn.CrossEntropyLoss(), steps=2)
+    assert rep.findings[0].rule == "double-softmax" and rep.findings[0].severity == "bug"
+
+
+def test_profile_bad_input():
+    m = tiny_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="steps"):
+        ts.doctor.profile(m, [], opt, nn.CrossEntropyLoss(), steps=0)
+    with pytest.raises(ValueError, match="no batches"):
+        ts.doctor.profile(m, [], opt, nn.CrossEntropyLoss(), steps=1)
+    with pytest.raises(ValueError, match="inputs, targets"):
+        ts.doctor.profile(m, [torch.randn(2, 3, 8, 8)], opt, nn.CrossEntropyLoss(), steps=1)
+
+
+def test_phase_clock_is_exclusive(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(phases_mod.time, "perf_counter", lambda: now[0])
+    c = PhaseClock()
+    c.enter("data")           # t=0
+    now[0] = 1.0
+    c.enter("copy")           # nested: pauses data
+    now[0] = 3.0
+    c.exit()
+    now[0] = 4.0
+    c.exit()
+    now[0] = 10.0
+    wall, ph = c.boundary()
+    assert wall == 10.0 and ph["data"] == 2.0 and ph["copy"] == 2.0 and ph["other"] == 6.0
+    c.enter("forward")        # open across the boundary: charged to each window up to it
+    now[0] = 12.0
+    wall, ph = c.boundary()
+    assert wall == 2.0 and ph["forward"] == 2.0 and ph["other"] == 0.0
+
+
+def test_verdict_thresholds():
+    base = dict.fromkeys(("data", "copy", "forward", "backward", "optimizer", "other"), 0.0)
+    assert verdict({**base, "data": 6, "forward": 4}, 10)[0] == "data-bound"
+    assert verdict({**base, "data": 1, "forward": 8, "other": 1}, 10)[0] == "compute-bound"
+    assert verdict({**base, "data": 1, "forward": 4, "other": 5}, 10)[0] == "overhead-bound"
+    assert verdict({**base, "forward": 9}, 10, gpu_busy_s=2.0)[0] == "overhead-bound"  # GPU starved by launches
+
+
+def facts(**settings):
+    s = {"loaders": [], "cores": 2, "torch_threads": 2, "cpu_bf16": False, "cuda_available": False}
+    s.update(settings)
+    return {"device": "cpu", "steps": 10, "wall_s": 10.0, "verdict": "compute-bound", "settings": s,
+            "phases": {"data": 1.0, "copy": 0.0, "forward": 4.0, "backward": 4.0, "optimizer": 0.5, "other": 0.5}}
+
+
+def test_loop_rules_and_ranking():
+    ld = {"name": "DataLoader #1", "num_workers": 4, "pin_memory": True, "batch_size": 8, "persistent_workers": False,
+          "batches": 10, "training": True, "startup_s": [1.0, 0.8, 0.8]}
+    f = loop_findings(facts(loaders=[ld], parallel="DataParallel", train_mode_eval_forwards=3, cpu_bf16=True))
+    rules = [x.rule for x in f]
+    assert rules[0] == "train-mode-eval"  # bugs first
+    for r in ("pin-memory-without-cuda", "cpu-oversubscribed", "data-parallel", "loader-not-persistent", "no-autocast"):
+        assert r in rules, rules
+    gains = [x.expected_gain for x in f if x.severity == "speed"]
+    assert gains == sorted(gains, reverse=True)
+    assert loop_findings(facts()) == []  # nothing to say about a clean fp32 loop on a CPU without bf16
