@@ -1,9 +1,9 @@
-"""Data commands: demo-data (and, as the data pipeline lands, pack and tune-loader)."""
+"""Data commands: demo-data, pack, tune-loader."""
 from __future__ import annotations
 
 import argparse
 
-from torchspeed.cli import non_negative_int, positive_int
+from torchspeed.cli import add_json_option, non_negative_int, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -13,6 +13,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--classes", type=positive_int, default=10, help="number of classes (default 10)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
     p.set_defaults(func=run_demo_data)
+
+    p = sub.add_parser("pack", help="pack an ImageFolder into one LMDB store (resized/encoded once, offline)")
+    p.add_argument("src", metavar="SRC", help="ImageFolder directory (SRC/CLASS/IMAGE)")
+    p.add_argument("dst", metavar="DST", help="store directory to create (written atomically)")
+    p.add_argument("--short-side", type=positive_int, default=None, metavar="N",
+                   help="resize so the shorter side is N pixels (never upscales); default: keep the size")
+    p.add_argument("--format", choices=("jpeg", "raw"), default="jpeg",
+                   help="jpeg: re-encoded JPEG (compact); raw: decoded pixels (no decoding at train time, ~10x bytes)")
+    p.add_argument("--quality", type=positive_int, default=90, metavar="Q", help="JPEG quality 1..100 (default 90)")
+    p.add_argument("--on-error", choices=("fail", "skip"), default="fail",
+                   help="an unreadable image: stop naming it (fail, default) or leave it out and report it (skip)")
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N", help="encoding processes (default: cores)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new store is whole)")
+    add_json_option(p)
+    p.set_defaults(func=run_pack)
+
+    p = sub.add_parser("tune-loader", help="time the data loader over num_workers/prefetch/persistent and pick the fastest")
+    p.add_argument("data", metavar="DATA", help="ImageFolder directory or packed store")
+    p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="batch size (default 64)")
+    p.add_argument("--crop", type=positive_int, default=224, metavar="N", help="training crop size (default 224)")
+    p.add_argument("--max-workers", type=non_negative_int, default=None, metavar="N", help="largest num_workers tried (default cores+1)")
+    p.add_argument("--seconds", type=float, default=1.0, help="length of each timed pass (default 1.0)")
+    add_json_option(p)
+    p.set_defaults(func=run_tune_loader)
 
 
 def run_demo_data(args: argparse.Namespace) -> int:
@@ -25,4 +49,45 @@ def run_demo_data(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     make_photo_folder(args.dir, args.images, n_classes=args.classes, seed=args.seed)
     Console().print(f"wrote {args.images} images in {args.classes} classes to {args.dir} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def run_pack(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from torchspeed.atomic import write_json
+    from torchspeed.data.packer import pack
+
+    if not 1 <= args.quality <= 100:
+        raise ValueError(f"--quality must be in 1..100, got {args.quality}")
+    report = pack(args.src, args.dst, short_side=args.short_side, format=args.format, quality=args.quality,
+                  on_error=args.on_error, workers=args.workers, overwrite=args.overwrite)
+    console = Console()
+    console.print(str(report), highlight=False)
+    for s in report.skipped:
+        console.print(f"  skipped {s['path']}: {s['reason']}", highlight=False, markup=False)
+    if args.json:
+        write_json(args.json, report.to_dict())
+    return 0
+
+
+def run_tune_loader(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from torchspeed.atomic import write_json
+    from torchspeed.bench.harness import print_table
+    from torchspeed.data.tune import tune_loader
+
+    if args.seconds <= 0:
+        raise ValueError(f"--seconds must be positive, got {args.seconds}")
+    console = Console()
+    settings = tune_loader(args.data, args.batch_size, crop=args.crop, max_workers=args.max_workers,
+                           seconds=args.seconds, progress=lambda text: console.print(text, style="dim"))
+    rows = [(r["num_workers"], r["prefetch_factor"], r["persistent_workers"], r["pin_memory"], r["items_per_s"])
+            for r in settings.table]
+    print_table(f"tune-loader {args.data} (batch {args.batch_size}, crop {args.crop}): images/s",
+                ["num_workers", "prefetch_factor", "persistent", "pin_memory", "img/s"], rows, console)
+    console.print(f"best: {settings.dataloader_kwargs()} at {settings.throughput:,.0f} img/s", highlight=False)
+    if args.json:
+        write_json(args.json, settings.to_dict())
     return 0

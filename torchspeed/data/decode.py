@@ -96,14 +96,24 @@ class TorchvisionDecoder(Decoder):
     name = "torchvision"
 
     def __init__(self) -> None:
+        import warnings
+
         import torch
-        from torchvision.io import ImageReadMode, decode_jpeg
+
+        with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs in favour of torchcodec
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torchvision.io import ImageReadMode, decode_jpeg
 
         self._torch, self._decode, self._mode = torch, decode_jpeg, ImageReadMode.RGB
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:  # no DCT scaling exposed
+        import warnings
+
         data = self._torch.frombuffer(bytearray(buf), dtype=self._torch.uint8)
-        return np.ascontiguousarray(self._decode(data, mode=self._mode).permute(1, 2, 0).numpy())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            img = self._decode(data, mode=self._mode)
+        return np.ascontiguousarray(img.permute(1, 2, 0).numpy())
 
 
 class TurboJpegDecoder(Decoder):
@@ -132,7 +142,7 @@ BACKENDS: dict[str, Callable[[], Decoder]] = {
     "turbojpeg": TurboJpegDecoder,
 }
 _INSTANCES: dict[str, Decoder] = {}
-_CHOICES: dict[Any, str] = {}
+_CHOICES: dict[Any, tuple[str, list[dict[str, Any]]]] = {}
 
 
 def get_decoder(name: str) -> Decoder:
@@ -192,14 +202,14 @@ def measure_backends(samples: Sequence[Any], backends: Sequence[str] | None = No
 def choose_backend(samples: Sequence[Any], key: Any = None, min_size: int = 0) -> tuple[str, list[dict[str, Any]]]:
     """The fastest available decoder on `samples`, measured once per `key` in this process."""
     if key is not None and key in _CHOICES:
-        return _CHOICES[key], []
+        return _CHOICES[key]
     table = measure_backends(samples, min_size=min_size)
     timed = [r for r in table if r["us_per_image"] is not None]
     if not timed:
         raise ValueError("no JPEG decoder could read the sample images: " + "; ".join(r.get("error", "") for r in table))
     best = min(timed, key=lambda r: r["us_per_image"])["decoder"]
     if key is not None:
-        _CHOICES[key] = best
+        _CHOICES[key] = (best, table)
     return best, table
 
 
@@ -248,5 +258,9 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda") -> list
 
     if not torch.cuda.is_available():
         raise ValueError("nvjpeg decoding needs a CUDA device; none is available here (use a CPU decoder)")
+    import warnings
+
     data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in buffers]
-    return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs in favour of torchcodec
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)

@@ -309,6 +309,7 @@ def fast_loader(
     num_replicas: int | None = None,
     rank: int | None = None,
     tune_seconds: float = 0.6,
+    multiprocessing_context: Any = None,
 ) -> FastLoader:
     """The whole fast input pipeline in one call (see the module docstring for what each step buys).
 
@@ -360,7 +361,8 @@ def fast_loader(
     def build(workers: int, prefetch: int | None, persistent: bool, pin_: bool) -> FastLoader:
         dl = DataLoader(augmented, batch_sampler=sampler, num_workers=workers, collate_fn=_batch_identity,
                         pin_memory=pin_, worker_init_fn=_worker_init if workers else None,
-                        prefetch_factor=prefetch if workers else None, persistent_workers=persistent and workers > 0)
+                        prefetch_factor=prefetch if workers else None, persistent_workers=persistent and workers > 0,
+                        multiprocessing_context=multiprocessing_context if workers else None)
         pf = DevicePrefetcher(dl, dev, mean, std, channels_last=channels_last, dtype=dtype, layout="NCHW")
         return FastLoader(augmented, sampler, dl, pf, decoder_table=decoder_table)
 

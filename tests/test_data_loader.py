@@ -1,0 +1,305 @@
+"""fast_loader, DevicePrefetcher, augmentation, decoders, tune_loader: behaviour and numerics."""
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from torchspeed.data import (IMAGENET_MEAN, IMAGENET_STD, DevicePrefetcher, fast_loader, make_photo_folder, pack,
+                             tune_loader)
+from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, sample_rng
+from torchspeed.data.decode import available_backends, get_decoder, jpeg_size
+
+
+class IndexDataset:
+    """Image i is a constant-ish array encoding i; its label is i (so batches reveal their indices)."""
+
+    classes = []
+
+    def __init__(self, n=40, size=(20, 24)):
+        self.n, self.size = n, size
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        return rng.integers(0, 256, (*self.size, 3), dtype=np.uint8), i
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    return make_photo_folder(tmp_path_factory.mktemp("photos"), 24, n_classes=3, seed=0, size=(96, 72), workers=1)
+
+
+@pytest.fixture(scope="module")
+def store(photos, tmp_path_factory):
+    return pack(photos, tmp_path_factory.mktemp("s") / "store", short_side=48, workers=1, progress=False).dst
+
+
+def _epoch(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def test_batches_are_normalised_on_the_device_in_the_contract_format(store):
+    loader = fast_loader(store, 8, crop=32, device="cpu", num_workers=0, decoder="simplejpeg")
+    assert loader.yields_device_batches and len(loader) == 3 and loader.dataset.classes == ["class_00", "class_01", "class_02"]
+    x, y = next(iter(loader))
+    assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
+    assert y.dtype == torch.int64 and x.device.type == "cpu"
+    lo = (0 - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)
+    hi = (1 - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)
+    per_channel = x.permute(1, 0, 2, 3).reshape(3, -1)
+    assert (per_channel.min(1).values >= torch.tensor(lo, dtype=torch.float32) - 1e-5).all()
+    assert (per_channel.max(1).values <= torch.tensor(hi, dtype=torch.float32) + 1e-5).all()
+    x2, _ = next(iter(fast_loader(store, 8, crop=32, device="cpu", num_workers=0, channels_last=False, dtype=torch.bfloat16)))
+    assert x2.dtype == torch.bfloat16 and x2.is_contiguous()
+
+
+def test_eval_pipeline_matches_a_reference_crop(tmp_path):
+    """Raw store, eval mode, crop = 0.875 * side: the output is exactly the centre crop, normalised."""
+    ds = IndexDataset(6, size=(64, 64))
+    pack(ds, tmp_path / "raw", format="raw", workers=1, progress=False)
+    loader = fast_loader(str(tmp_path / "raw"), 6, train=False, crop=56, device="cpu", num_workers=0, channels_last=False)
+    x, y = next(iter(loader))
+    assert y.tolist() == list(range(6))
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    ref = torch.stack([torch.from_numpy(ds[i][0][4:60, 4:60]).permute(2, 0, 1) for i in range(6)]).float() / 255
+    torch.testing.assert_close(x, (ref - mean) / std, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_every_index_exactly_once_per_epoch_with_two_workers(train):
+    loader = fast_loader(IndexDataset(40), 8, train=train, crop=16, device="cpu", num_workers=2, drop_last=False)
+    for _ in range(2):  # two epochs: persistent workers, new shuffle
+        labels = torch.cat([y for _, y in loader]).tolist()
+        assert sorted(labels) == list(range(40))
+        if not train:
+            assert labels == list(range(40))
+
+
+def test_same_seed_same_batches_whatever_the_number_of_workers(store):
+    runs = {w: _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=w, seed=3, decoder="simplejpeg"))
+            for w in (0, 1, 2)}
+    for w in (1, 2):
+        assert len(runs[w]) == len(runs[0]) == 4
+        for (xa, ya), (xb, yb) in zip(runs[0], runs[w]):
+            assert torch.equal(ya, yb) and torch.equal(xa, xb)
+    other = _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=0, seed=4, decoder="simplejpeg"))
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(runs[0], other))
+
+
+def test_state_dict_resumes_at_the_next_unseen_batch(store):
+    make = lambda: fast_loader(store, 4, crop=24, device="cpu", num_workers=1, seed=7, decoder="simplejpeg")  # noqa: E731
+    reference = make()
+    epoch0 = _epoch(reference)
+    epoch1 = _epoch(reference)
+    assert reference.state_dict() == {"epoch": 2, "batches_done": 0, "seed": 7}
+    assert not torch.equal(epoch0[0][0], epoch1[0][0])  # a new epoch reshuffles and re-augments
+
+    first = make()
+    it = iter(first)
+    seen = [next(it) for _ in range(2)]
+    state = first.state_dict()
+    assert state == {"epoch": 0, "batches_done": 2, "seed": 7}
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = _epoch(resumed)
+    assert len(seen) + len(rest) == len(epoch0) == 6
+    for (xa, ya), (xb, yb) in zip(seen + rest, epoch0):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert resumed.state_dict()["epoch"] == 1
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(_epoch(resumed), epoch1))
+    with pytest.raises(ValueError, match="seed"):
+        make().load_state_dict({"epoch": 0, "batches_done": 1, "seed": 8})
+
+
+def test_distributed_shards_are_disjoint_and_complete():
+    shards = []
+    for rank in (0, 1):
+        loader = fast_loader(IndexDataset(40), 5, crop=16, device="cpu", num_workers=0, num_replicas=2, rank=rank)
+        loader.set_epoch(3)
+        assert len(loader) == 4
+        shards.append(torch.cat([y for _, y in loader]).tolist())
+    assert not set(shards[0]) & set(shards[1])
+    assert sorted(shards[0] + shards[1]) == list(range(40))
+
+
+def test_an_initialised_process_group_is_used(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        loader = fast_loader(IndexDataset(10), 5, crop=16, device="cpu", num_workers=0)
+        assert loader.batch_sampler.num_replicas == 1 and loader.batch_sampler.rank == 0
+        assert sorted(torch.cat([y for _, y in loader]).tolist()) == list(range(10))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_prefetcher_equals_reference_normalisation():
+    torch.manual_seed(0)
+    batches = [(torch.randint(0, 256, (4, 3, 10, 12), dtype=torch.uint8), torch.arange(4)) for _ in range(3)]
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    pf = DevicePrefetcher(batches, "cpu", mean, std, channels_last=True)
+    assert len(pf) == 3
+    for _ in range(2):  # re-iterable
+        out = list(pf)
+        assert len(out) == 3
+        for (x, y), (raw, labels) in zip(out, batches):
+            ref = (raw.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+            torch.testing.assert_close(x, ref, atol=1e-6, rtol=1e-6)
+            assert x.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, labels)
+    nhwc = [(b.permute(0, 2, 3, 1).contiguous(), y) for b, y in batches]
+    x, _ = next(iter(DevicePrefetcher(nhwc, "cpu", mean, std, channels_last=False, layout="NHWC")))
+    torch.testing.assert_close(x, list(pf)[0][0].contiguous(), atol=1e-6, rtol=1e-6)
+    assert x.is_contiguous()
+
+
+def test_prefetcher_passes_loader_errors_and_stops_early():
+    def broken():
+        yield torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.zeros(2)
+        raise RuntimeError("worker exploded")
+
+    class Loader:
+        def __iter__(self):
+            return broken()
+
+    it = iter(DevicePrefetcher(Loader(), "cpu"))
+    next(it)
+    with pytest.raises(RuntimeError, match="worker exploded"):
+        next(it)
+    endless = DevicePrefetcher(((torch.zeros(1, 3, 2, 2, dtype=torch.uint8),) for _ in iter(int, 1)), "cpu")
+    it = iter(endless)
+    next(it)
+    it.close()  # leaving early stops the background thread
+    assert not any(t.name == "torchspeed-prefetch" and t.is_alive() for t in __import__("threading").enumerate())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_prefetcher_on_cuda_matches_cpu():
+    batches = [(torch.randint(0, 256, (4, 3, 10, 12), dtype=torch.uint8), torch.arange(4)) for _ in range(3)]
+    cpu = list(DevicePrefetcher(batches, "cpu"))
+    gpu = list(DevicePrefetcher(batches, "cuda"))
+    for (a, _), (b, yb) in zip(cpu, gpu):
+        assert b.is_cuda and yb.is_cuda
+        torch.testing.assert_close(b.cpu(), a, atol=1e-6, rtol=1e-6)
+
+
+def test_random_resized_crop_boxes_are_valid_and_seeded():
+    t = RandomResizedCropFlip(32)
+    boxes = [t.box(90, 120, sample_rng(0, 0, i)) for i in range(200)]
+    assert all(0 <= b.top and b.top + b.height <= 90 and 0 <= b.left and b.left + b.width <= 120 for b in boxes)
+    areas = [b.height * b.width / (90 * 120) for b in boxes]
+    assert min(areas) < 0.2 and max(areas) > 0.8  # the scale range (0.08, 1) is used
+    assert 0.3 < np.mean([b.flip for b in boxes]) < 0.7
+    assert t.box(90, 120, sample_rng(0, 0, 5)) == boxes[5] != t.box(90, 120, sample_rng(0, 1, 5))
+    c = ResizeCenterCrop(56).box(64, 80)
+    assert (c.top, c.left, c.height, c.width, c.flip) == (4, 12, 56, 56, False)
+
+
+def test_decoders_agree_and_dct_scaling_shrinks(photos):
+    path = os.path.join(photos, "class_00", "img_000000.jpg")
+    data = open(path, "rb").read()
+    assert jpeg_size(data) == (72, 96)
+    ref = get_decoder("pil").decode(data)
+    names = available_backends()
+    assert {"simplejpeg", "opencv", "pil", "torchvision"} <= set(names)
+    for name in names:
+        img = get_decoder(name).decode(data)
+        assert img.shape == ref.shape and img.dtype == np.uint8
+        assert np.abs(img.astype(int) - ref.astype(int)).mean() < 3, name
+        small = get_decoder(name).decode(data, 18, 24)
+        if name != "torchvision":  # no DCT scaling exposed there
+            assert small.shape[:2] == (18, 24), name  # 1/4 scale is the largest that keeps >= 18x24
+    with pytest.raises(ValueError, match="unknown decoder"):
+        get_decoder("nope")
+
+
+def test_folder_source_reads_jpegs_and_names_a_bad_file(photos, tmp_path):
+    loader = fast_loader(photos, 6, crop=24, device="cpu", num_workers=0, decoder="simplejpeg")
+    assert sum(len(y) for _, y in loader) == 24
+    import shutil
+
+    bad = shutil.copytree(photos, tmp_path / "bad")
+    open(os.path.join(bad, "class_01", "broken.jpg"), "wb").write(b"\xff\xd8 nothing")
+    loader = fast_loader(str(bad), 25, train=False, crop=24, device="cpu", num_workers=0, decoder="pil")
+    with pytest.raises(ValueError, match="broken.jpg"):
+        list(loader)
+
+
+def test_auto_decoder_is_measured_once_and_reported(store):
+    loader = fast_loader(store, 4, crop=24, device="cpu", num_workers=0)
+    assert loader.decoder in available_backends()
+    timed = [r for r in loader.decoder_table if r["us_per_image"] is not None]
+    assert timed and loader.decoder == min(timed, key=lambda r: r["us_per_image"])["decoder"]
+    assert fast_loader(store, 4, crop=24, device="cpu", num_workers=0).decoder == loader.decoder  # remembered
+
+
+def test_spawn_workers_open_their_own_store_handle(store):
+    loader = fast_loader(store, 8, train=False, crop=24, device="cpu", num_workers=1, decoder="simplejpeg",
+                         multiprocessing_context="spawn")
+    serial = fast_loader(store, 8, train=False, crop=24, device="cpu", num_workers=0, decoder="simplejpeg")
+    for (a, ya), (b, yb) in zip(loader, serial):
+        assert torch.equal(a, b) and torch.equal(ya, yb)
+
+
+def test_in_memory_loader_matches_disk(store):
+    disk = _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=2, decoder="simplejpeg"))
+    ram = _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=2, decoder="simplejpeg", in_memory=True))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(disk, ram))
+
+
+class Paced:
+    """A fake loader factory whose throughput depends on num_workers: 0 -> slow, 1 -> fast, 2 -> slower."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, workers, prefetch, persistent, pin):
+        self.calls.append(workers)
+        delay = {0: 0.02, 1: 0.004, 2: 0.03}.get(workers, 0.001)
+
+        def batches():
+            for _ in range(5):
+                time.sleep(delay)
+                yield torch.zeros(4), torch.zeros(4)
+
+        class It:
+            def __iter__(self):
+                return batches()
+
+        return It()
+
+
+def test_tune_loader_picks_the_fastest_and_stops_when_throughput_falls():
+    build = Paced()
+    s = tune_loader(build, 4, max_workers=5, seconds=0.1, device="cpu", prefetch_factors=(2,), persistent=(True,))
+    assert s.num_workers == 1
+    assert 3 not in build.calls  # 3 would be fastest of all, but the search stopped when 2 was slower
+    assert [r["num_workers"] for r in s.table] == [0, 1, 2]
+    assert s.throughput == max(r["items_per_s"] for r in s.table)
+    assert s.dataloader_kwargs()["num_workers"] == 1
+
+
+def test_tune_loader_on_a_plain_dataset():
+    s = tune_loader(IndexDataset(32), 8, max_workers=1, seconds=0.05, device="cpu", prefetch_factors=(2,),
+                    persistent=(True,))
+    assert s.num_workers in (0, 1) and len(s.table) >= 1 and s.throughput > 0
+    with pytest.raises(ValueError, match="batch_size"):
+        tune_loader(IndexDataset(4), 0)
+
+
+def test_fast_loader_bad_arguments(store, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no data at"):
+        fast_loader(tmp_path / "missing", 4)
+    with pytest.raises(ValueError, match="batch_size"):
+        fast_loader(store, 0)
+    with pytest.raises(ValueError, match="larger than"):
+        fast_loader(store, 100, device="cpu", num_workers=0, decoder="pil")
+    with pytest.raises(ValueError, match="rank"):
+        fast_loader(store, 4, device="cpu", num_workers=0, num_replicas=2, rank=2, decoder="pil")
