@@ -115,3 +115,15 @@ def test_lint_command_on_resnet18(tmp_path, capsys):
     assert "unfused-bn" in [f["rule"] for f in d["findings"]]
     assert "Top 12 layers" in capsys.readouterr().out
     assert main(["lint", "not_a_model_xyz"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_doctor_trace_and_cprofile(script, tmp_path):
+    out = tmp_path / "rep"
+    assert main(["doctor", "--steps", "6", "--trace", "--cprofile", "--out", str(out), "--",
+                 sys.executable, script, "forever"]) == 0
+    d = json.loads((out / "doctor.json").read_text())
+    trace = json.loads((out / "doctor-trace.json").read_text())
+    assert d["trace"] == str(out / "doctor-trace.json") and trace["traceEvents"]
+    assert d["hotspots"] and all(h["calls"] >= 1 for h in d["hotspots"])

@@ -60,8 +60,8 @@ def print_profile(d: dict[str, Any], console: Any = None) -> None:
     for phase, s in d.get("phases", {}).items():
         if phase == "eval" and not s:
             continue
-        rows.append((phase, s * 1e3 / max(steps, 1), f"{s / wall:.0%}" if wall else "-"))
-    rows.append(("step (wall)", wall * 1e3 / max(steps, 1), "100%"))
+        rows.append((phase, f"{s * 1e3 / max(steps, 1):,.1f}", f"{s / wall:.0%}" if wall else "-"))
+    rows.append(("step (wall)", f"{wall * 1e3 / max(steps, 1):,.1f}", "100%"))
     print_table(f"Time per training step ({steps} steps measured)", ["phase", "ms/step", "share"], rows, con)
     extra = []
     if d.get("throughput"):
@@ -91,8 +91,9 @@ def print_lint(rep: Any, console: Any = None, top: int = 12) -> None:
               f"memory access {_mb(t['memory_bytes'])}, {t['params'] / 1e6:,.2f} M params, "
               f"forward {t['time_s'] * 1e3:,.2f} ms measured ({int(t['ops'])} ops)")
     print_table(f"Top {top} layers by measured time", ["layer", "type", "ops", "MFLOPs", "memory MiB", "ms", "share"],
-                [(r["layer"] or "(top)", r["type"], ",".join(r["ops"][:3]), r["flops"] / 1e6, r["memory_bytes"] / 2**20,
-                  r["time_s"] * 1e3, f"{r['time_share']:.0%}") for r in d["layers"][:top]], con)
+                [(r["layer"] or "(top)", r["type"], ",".join(r["ops"][:3]), f"{r['flops'] / 1e6:,.1f}",
+                  f"{r['memory_bytes'] / 2**20:,.2f}", f"{r['time_s'] * 1e3:,.2f}", f"{r['time_share']:.0%}")
+                 for r in d["layers"][:top]], con)
     print_table("By op kind", ["kind", "ops", "FLOPs share", "memory share", "time share"],
                 [(k, int(v["ops"]), f"{v['flops'] / max(t['flops'], 1):.1%}",
                   f"{v['memory_bytes'] / max(t['memory_bytes'], 1):.0%}", f"{v['time_share']:.0%}")

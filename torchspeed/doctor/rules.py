@@ -217,6 +217,10 @@ def no_channels_last(f: Facts) -> Finding | None:
 def loop_findings(facts: Facts) -> list[Finding]:
     """All loop rules' findings, plus loss/activation checks already made at run time, ranked."""
     out = [f for r in RULES if (f := r(facts)) is not None]
+    seen = set()
     for chk in facts["settings"].get("loss_checks") or []:
+        if chk["rule"] in seen:
+            continue
+        seen.add(chk["rule"])
         out.append(finding(chk["rule"], chk["message"], 0.0, "correctness, not speed", where=chk.get("where")))
     return rank(out)

@@ -161,6 +161,9 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     payload = build_payload(raw, command, status)
     if not raw:
         payload["error"] = payload["error"] or f"the script ended (status {status}) without reporting (killed?)"
+    # what a person reads: the steady steps (the first step's one-time costs are in the JSON's totals)
+    shown = {**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
+             "phases": payload["steady"]["phases"]}
     if console is not False:
         from rich.console import Console
 
@@ -169,8 +172,7 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
                   f"{payload['steps']} training steps seen ({payload['status']})", highlight=False)
         if payload.get("error"):
             con.print(f"the script raised: {payload['error']}", highlight=False, markup=False)
-        print_profile({**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
-                       "phases": payload["steady"]["phases"]}, con)
+        print_profile(shown, con)
         if payload.get("trace"):
             con.print(f"torch.profiler trace (open in https://ui.perfetto.dev or chrome://tracing): {payload['trace']}")
     if json_path:
@@ -178,5 +180,5 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     if out:
         write_json(os.path.join(out, "doctor.json"), payload)
         with atomic_write(os.path.join(out, "doctor.md"), "w") as f:
-            f.write(markdown(payload, "torchspeed doctor report"))
+            f.write(markdown(shown, "torchspeed doctor report"))
     return status, payload
