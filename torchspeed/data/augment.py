@@ -78,18 +78,20 @@ class ResizeCenterCrop:
 
 
 def render(img: np.ndarray, box: Box, out: np.ndarray, tmp: np.ndarray | None = None, scale_h: float = 1.0,
-           scale_w: float = 1.0) -> None:
+           scale_w: float = 1.0, chw: bool = True) -> None:
     """Resize `img`'s box region to the output size, flip it if asked, and write it into `out`.
 
-    `out` is CHW uint8 (a slot of the NCHW batch: the transposition costs ~8 us here, per sample in
-    cache, versus a strided pass over the whole float batch later); `tmp` is an HWC scratch buffer
-    of the output size. `scale_h`, `scale_w` map stored coordinates to `img` when it was decoded
+    `out` is a slot of the uint8 batch: CHW if `chw` (for an NCHW batch: the transposition costs ~8 us here,
+    per sample in cache, versus a strided pass over the whole float batch later) or HWC (for a
+    channels_last batch, written directly, `chw=False`). `tmp` is an HWC scratch buffer of the output size. `scale_h`, `scale_w` map stored coordinates to `img` when it was decoded
     smaller (DCT scaling).
     """
     import cv2
 
-    c, oh, ow = out.shape
-    if tmp is None:
+    c, oh, ow = out.shape if chw else (out.shape[2], out.shape[0], out.shape[1])
+    if not chw:
+        tmp = out
+    elif tmp is None:
         tmp = np.empty((oh, ow, c), np.uint8)
     t, l = int(box.top * scale_h), int(box.left * scale_w)
     h = max(1, min(img.shape[0] - t, int(round(box.height * scale_h))))
@@ -104,4 +106,5 @@ def render(img: np.ndarray, box: Box, out: np.ndarray, tmp: np.ndarray | None = 
         cv2.resize(region, (ow, oh), dst=tmp, interpolation=interp)
     if box.flip:
         cv2.flip(tmp, 1, dst=tmp)
-    cv2.split(tmp, [out[i] for i in range(c)])  # HWC -> CHW, written in place
+    if chw:
+        cv2.split(tmp, [out[i] for i in range(c)])  # HWC -> CHW, written in place

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from torchspeed.bench.harness import time_callable
+from torchspeed.bench.harness import compare
 from torchspeed.data.store import Record
 
 __all__ = ["Decoder", "BACKENDS", "available_backends", "get_decoder", "measure_backends", "choose_backend",
@@ -171,32 +171,36 @@ def available_backends() -> list[str]:
 
 
 def measure_backends(samples: Sequence[Any], backends: Sequence[str] | None = None, min_size: int = 0,
-                     repeats: int = 3) -> list[dict[str, Any]]:
+                     repeats: int = 7) -> list[dict[str, Any]]:
     """Time each backend decoding `samples` (JPEG bytes): median of `repeats`, per image.
 
-    Also reports each backend's PSNR against the accurate simplejpeg/PIL decode, so a faster but
-    less exact decoder is visible as such.
+    The backends run interleaved (harness.compare), so background load hits them alike. Each row
+    also gives the PSNR against the accurate simplejpeg (or PIL) decode, so a faster but less exact
+    decoder is visible as such (100 dB: identical pixels).
     """
     if not samples:
         raise ValueError("measure_backends needs at least one JPEG sample")
     names = list(backends) if backends is not None else available_backends()
     reference_name = "simplejpeg" if "simplejpeg" in names else "pil"
     reference = [get_decoder(reference_name).decode(b, min_size, min_size) for b in samples]
-    table = []
+    rows: dict[str, dict[str, Any]] = {}
+    contenders = {}
     for name in names:
         dec = get_decoder(name)
         try:
-            out = [dec.decode(b, min_size, min_size) for b in samples]  # warm-up and check
+            out = [dec.decode(b, min_size, min_size) for b in samples]  # also a check that it reads them
         except Exception as e:  # a backend that cannot read these files is simply not a candidate
-            table.append({"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)})
+            rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
             continue
-        t = time_callable(lambda: [dec.decode(b, min_size, min_size) for b in samples], name=name, warmup=0,
-                          repeats=repeats)
-        best = t.median_s / len(samples)
         psnr = [_psnr(a, r) for a, r in zip(out, reference) if a.shape == r.shape]
-        table.append({"decoder": name, "us_per_image": best * 1e6,
-                      "psnr_db": float(np.mean(psnr)) if len(psnr) == len(out) else None})
-    return table
+        rows[name] = {"decoder": name, "us_per_image": None,
+                      "psnr_db": float(np.mean(psnr)) if len(psnr) == len(out) else None}
+        contenders[name] = lambda dec=dec: [dec.decode(b, min_size, min_size) for b in samples]
+    if contenders:
+        timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0)
+        for t in timed.timings:
+            rows[t.name]["us_per_image"] = t.median_s / len(samples) * 1e6
+    return [rows[n] for n in names]
 
 
 def choose_backend(samples: Sequence[Any], key: Any = None, min_size: int = 0) -> tuple[str, list[dict[str, Any]]]:

@@ -5,10 +5,12 @@ The path of one batch, and what each step buys (figures: `torchspeed bench data`
                    workers need no message to know it, and skipping batches for a resume is free;
   worker           per sample: crop box drawn from the header size -> DCT-scaled decode of just
                    enough pixels -> one cv2.resize of the box region written straight into its slot
-                   of a uint8 NHWC batch tensor allocated in shared memory (no per-sample tensors,
-                   no collate copy, no float work, 1 intra-op thread per worker);
-  main             DevicePrefetcher: uint8 -> float, /255, mean/std and layout in one pass per
-                   batch, a batch ahead (on CUDA on a side stream).
+                   of a uint8 batch tensor allocated in shared memory (no per-sample tensors,
+                   no collate copy, no float work, 1 intra-op thread per worker); the batch is
+                   NCHW, or NHWC when the output is channels_last, so that the float conversion
+                   later is one contiguous pass;
+  main             DevicePrefetcher: uint8 -> float, /255 and mean/std as one multiply-add per
+                   batch, a batch ahead (on CUDA on a side stream, on a CPU in a thread).
 """
 from __future__ import annotations
 
@@ -108,8 +110,10 @@ def as_source(data: Any, in_memory: bool = False) -> Any:
 class AugmentedDataset(Dataset):
     """What the DataLoader's workers run: keys (epoch, index) -> a whole uint8 NHWC batch + labels."""
 
-    def __init__(self, source: Any, transform: Any, decoder: str, seed: int):
-        self.source, self.transform, self.decoder, self.seed = source, transform, decoder, seed
+    def __init__(self, source: Any, transform: Any, decoder: str, seed: int, layout: str = "NCHW"):
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        self.source, self.transform, self.decoder, self.seed, self.layout = source, transform, decoder, seed, layout
         self.size = transform.size
         self._tmp: np.ndarray | None = None  # per-process HWC scratch buffer
 
@@ -128,26 +132,26 @@ class AugmentedDataset(Dataset):
             img = rec.payload
         if self._tmp is None:
             self._tmp = np.empty((self.size, self.size, 3), np.uint8)
-        render(img, box, out, self._tmp, img.shape[0] / rec.height, img.shape[1] / rec.width)
+        render(img, box, out, self._tmp, img.shape[0] / rec.height, img.shape[1] / rec.width, chw=self.layout == "NCHW")
         return rec.label
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         epoch, index = key
-        out = np.empty((3, self.size, self.size), np.uint8)
+        shape = (3, self.size, self.size) if self.layout == "NCHW" else (self.size, self.size, 3)
+        out = np.empty(shape, np.uint8)
         return torch.from_numpy(out), self._render(epoch, index, out)
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The collated batch: uint8 NCHW images (filled in place, sample by sample) and int64 labels."""
+        """The collated batch: uint8 NCHW (or NHWC) images filled in place sample by sample, int64 labels."""
         n, s = len(keys), self.size
+        shape = (n, 3, s, s) if self.layout == "NCHW" else (n, s, s, 3)
         if get_worker_info() is not None:  # straight into shared memory: no copy when sent to the main process
-            images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n * 3 * s * s)).view(n, 3, s, s)
+            images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n * 3 * s * s)).view(shape)
         else:
-            images = torch.empty((n, 3, s, s), dtype=torch.uint8)
+            images = torch.empty(shape, dtype=torch.uint8)
         arr = images.numpy()
-        labels = torch.empty(n, dtype=torch.int64)
-        for j, (epoch, index) in enumerate(keys):
-            labels[j] = self._render(epoch, index, arr[j])
-        return images, labels
+        labels = [self._render(epoch, index, arr[j]) for j, (epoch, index) in enumerate(keys)]
+        return images, torch.tensor(labels, dtype=torch.int64)
 
 
 def _batch_identity(batch: Any) -> Any:
@@ -344,7 +348,8 @@ def fast_loader(
     else:
         get_decoder(decoder)  # a clear error now rather than in a worker
     transform = RandomResizedCropFlip(crop, scale=scale) if train else ResizeCenterCrop(crop)
-    augmented = AugmentedDataset(source, transform, decoder, seed)
+    # channels_last output: NHWC uint8 is already its memory order; else NCHW (see normalize_batch)
+    augmented = AugmentedDataset(source, transform, decoder, seed, layout="NHWC" if channels_last else "NCHW")
     world, r = _distributed()
     num_replicas = num_replicas if num_replicas is not None else world
     rank = rank if rank is not None else r
@@ -363,7 +368,7 @@ def fast_loader(
                         pin_memory=pin_, worker_init_fn=_worker_init if workers else None,
                         prefetch_factor=prefetch if workers else None, persistent_workers=persistent and workers > 0,
                         multiprocessing_context=multiprocessing_context if workers else None)
-        pf = DevicePrefetcher(dl, dev, mean, std, channels_last=channels_last, dtype=dtype, layout="NCHW")
+        pf = DevicePrefetcher(dl, dev, mean, std, channels_last=channels_last, dtype=dtype, layout=augmented.layout)
         return FastLoader(augmented, sampler, dl, pf, decoder_table=decoder_table)
 
     settings = None

@@ -49,23 +49,43 @@ def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Seq
         raise ValueError(f"expected a 4-D image batch, got shape {tuple(images.shape)}")
     if layout == "auto":
         layout = "NHWC" if images.shape[-1] in (1, 3, 4) and images.shape[1] not in (1, 3, 4) else "NCHW"
-    x = images.permute(0, 3, 1, 2) if layout == "NHWC" else images
     dtype = dtype or torch.float32
-    # Convert in the input's own memory order (a contiguous pass, ~10x faster on a CPU than a
-    # strided one), then change the layout once if it differs from what was asked for.
-    fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
-        else torch.contiguous_format
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device, memory_format=fmt)
-    out.copy_(x)
-    if mean is not None and std is not None:
-        key = (x.device, images.dtype == torch.uint8, tuple(mean), tuple(std))
-        cache = _affine_cache if _affine_cache is not None else {}
-        if key not in cache:
-            cache[key] = _affine(mean, std, x.device, images.dtype == torch.uint8)
-        scale, shift = cache[key]
-        out.mul_(scale).add_(shift)
-    elif images.dtype == torch.uint8:
-        out.mul_(1.0 / 255)
+    uint8 = images.dtype == torch.uint8
+    if mean is None or std is None:
+        mean, std = None, None
+    cache = _affine_cache if _affine_cache is not None else {}
+    # Convert in the input's own memory order (one contiguous pass: on a CPU ~5-10x faster than a
+    # strided uint8 NHWC -> float NCHW conversion), then change the layout once if asked.
+    if layout == "NHWC" and images.is_contiguous():
+        n, h, w, c = images.shape
+        out = torch.empty((n, h, w, c), dtype=torch.float32, device=images.device)
+        out.copy_(images)
+        if mean is not None:
+            # per-channel FMA over rows of w*c values (scale tiled w times): a long contiguous
+            # broadcast that vectorises, unlike a broadcast over a last dimension of 3
+            key = ("rows", images.device, uint8, tuple(mean), tuple(std), w)
+            if key not in cache:
+                scale, shift = _affine(mean, std, images.device, uint8)
+                cache[key] = (scale.view(-1).repeat(w), shift.view(-1).repeat(w))
+            scale_row, shift_row = cache[key]
+            out.view(n * h, w * c).mul_(scale_row).add_(shift_row)
+        elif uint8:
+            out.mul_(1.0 / 255)
+        out = out.permute(0, 3, 1, 2)  # NCHW shape, channels_last memory
+    else:
+        x = images.permute(0, 3, 1, 2) if layout == "NHWC" else images
+        fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
+            else torch.contiguous_format
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device, memory_format=fmt)
+        out.copy_(x)
+        if mean is not None:
+            key = (images.device, uint8, tuple(mean), tuple(std))
+            if key not in cache:
+                cache[key] = _affine(mean, std, images.device, uint8)
+            scale, shift = cache[key]
+            out.mul_(scale).add_(shift)
+        elif uint8:
+            out.mul_(1.0 / 255)
     out = out.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     return out if dtype == torch.float32 else out.to(dtype)
 

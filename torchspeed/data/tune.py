@@ -66,6 +66,7 @@ def tune_loader(
     crop: int = 224,
     train: bool = True,
     progress: Callable[[str], None] | None = None,
+    patience: int = 2,
 ) -> LoaderSettings:
     """Measure loader throughput over settings; return the fastest with the whole table.
 
@@ -73,7 +74,8 @@ def tune_loader(
     path (timed as the torchspeed pipeline, `fast_loader` with `crop` and `train`), or a factory
     `build(num_workers, prefetch_factor, persistent_workers, pin_memory) -> iterable of batches`.
     num_workers goes from 0 up to `max_workers` (default: cores + 1) and stops when throughput
-    falls; prefetch_factor and persistent_workers are then tried at the best worker count, and
+    falls (`patience` successive counts slower than the best so far: one noisy measurement does
+    not end the search); prefetch_factor and persistent_workers are then tried at the best worker count, and
     pin_memory only with CUDA. Each configuration runs two passes of `seconds` after a warm-up.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -107,12 +109,15 @@ def tune_loader(
 
     pf0, persist0, pin0 = prefetch_factors[0] if prefetch_factors else 2, persistent[0] if persistent else True, pins[0]
     best = (-1.0, 0, pf0, persist0, pin0)
+    slower = 0
     for w in range(0, max_workers + 1):
         rate = measure(w, pf0, persist0, pin0)
         if rate > best[0]:
-            best = (rate, w, pf0, persist0, pin0)
-        elif rate < 0.98 * best[0]:
-            break  # throughput fell: more workers only compete for the cores
+            best, slower = (rate, w, pf0, persist0, pin0), 0
+        else:
+            slower += 1
+            if slower >= patience:
+                break  # throughput fell: more workers only compete for the cores
     rate, w, pf, persist, pin = best
     if w > 0:
         for option in prefetch_factors[1:]:

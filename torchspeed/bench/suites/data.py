@@ -3,7 +3,8 @@
 Every contender yields the same thing per batch: 64 images, RandomResizedCrop to 128x128 + random
 horizontal flip, float32 NCHW (contiguous) normalised with ImageNet mean/std, plus int64 labels.
 Contenders run one after another in this process on the same demo photos (500x375 JPEG q90);
-each figure is the median of 3 passes of >= 5 s (1.5 s with --quick), epochs repeated as needed.
+each figure is the median of 3 passes of >= 5 s (1.5 s with --quick), epochs repeated as needed,
+the passes of all contenders interleaved (round-robin) so that background load hits them alike.
 """
 from __future__ import annotations
 
@@ -116,6 +117,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     from torchspeed.bench.harness import time_iterable
     from torchspeed.data import fast_loader, pack, tune_loader
     from torchspeed.data.demo import demo_folder
+    from torchspeed.data.tune import _shutdown
     from torchspeed.runtime import usable_cores
 
     cores = usable_cores()
@@ -140,18 +142,11 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         results["pack_s"] = round(report.seconds, 2)
         store = report.dst
 
-        def measure(name: str, make: Callable[[], Any], what: str) -> float:
-            step(f"timing {name}")
-            loader = make()
-            _check_output(name, next(iter(loader)))
-            t = time_iterable(lambda: loader, name=name, warmup_items=2, passes=3, min_pass_s=pass_s, unit="img")
-            from torchspeed.data.tune import _shutdown
+        contenders: dict[str, tuple[Any, str]] = {}
 
-            _shutdown(loader)
-            rates = t.rates
-            rows.append({"technique": name, "median": t.throughput, "min": min(rates), "max": max(rates),
-                         "unit": "img/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what})
-            return float(t.throughput)
+        def add(name: str, loader: Any, what: str) -> None:
+            _check_output(name, next(iter(loader)))
+            contenders[name] = (loader, what)
 
         def plain(folder: str, workers: int) -> Any:
             return DataLoader(_torchvision(folder), BATCH, shuffle=True, drop_last=True, num_workers=workers,
@@ -163,32 +158,47 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
                             prefetch_factors=(2,), persistent=(True,))
             return s.num_workers
 
-        base = measure("baseline", lambda: plain(src, 0),
-                       "torchvision ImageFolder + PIL + RandomResizedCrop/flip/ToTensor/Normalize, num_workers=0")
+        add("baseline", plain(src, 0),
+            "torchvision ImageFolder + PIL + RandomResizedCrop/flip/ToTensor/Normalize, num_workers=0")
         w_tuned = tuned_workers(src)
-        tuned = measure("baseline_tuned", lambda: plain(src, w_tuned),
-                        f"the same, num_workers={w_tuned} (best of 0..{cores}, measured)")
+        add("baseline_tuned", plain(src, w_tuned), f"the same, num_workers={w_tuned} (best of 0..{cores}, measured)")
         w_resized = tuned_workers(resized)
-        base_resized = measure("baseline_resized", lambda: plain(resized, w_resized),
-                               f"the same tuned loader (num_workers={w_resized}) on a folder resized offline to short side {SHORT_SIDE}")
+        add("baseline_resized", plain(resized, w_resized),
+            f"the same tuned loader (num_workers={w_resized}) on a folder resized offline to short side {SHORT_SIDE}")
         step("torchspeed: choosing decoder and num_workers (measured)")
         ts_loader = fast_loader(store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
                                 tune_seconds=tune_s)
-        settings = ts_loader.settings
-        decoder = ts_loader.decoder
-        fast = measure("torchspeed", lambda: ts_loader,
-                       f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {ts_loader.decoder} + uint8 crop/collate in "
-                       f"{settings.num_workers} workers + normalisation in the prefetch thread")
+        settings, decoder, decoder_table = ts_loader.settings, ts_loader.decoder, ts_loader.decoder_table
         w = settings.num_workers
-        common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, decoder=ts_loader.decoder)
-        raw = measure("torchspeed_raw", lambda: fast_loader(raw_store, BATCH, **common),
-                      f"the same pipeline on a raw-pixel store (no decoding at all; {os.path.getsize(os.path.join(raw_store, 'data.mdb')) / 2**20:.0f} MiB)")
-        noresize = measure("torchspeed_no_offline_resize", lambda: fast_loader(full_store, BATCH, **common),
-                           "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
-        folder = measure("torchspeed_on_folder", lambda: fast_loader(src, BATCH, **common),
-                         "the same pipeline reading the original JPEG files (no pack at all)")
-        ts_loader_table = ts_loader.decoder_table
-        del ts_loader
+        add("torchspeed", ts_loader,
+            f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {decoder} + uint8 crop/collate in {w} workers "
+            f"+ normalisation in the prefetch thread")
+        common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, decoder=decoder)
+        raw_mib = os.path.getsize(os.path.join(raw_store, "data.mdb")) / 2**20
+        add("torchspeed_raw", fast_loader(raw_store, BATCH, **common),
+            f"the same pipeline on a raw-pixel store (no decoding at all; {raw_mib:.0f} MiB)")
+        add("torchspeed_no_offline_resize", fast_loader(full_store, BATCH, **common),
+            "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
+        add("torchspeed_on_folder", fast_loader(src, BATCH, **common),
+            "the same pipeline reading the original JPEG files (no pack at all)")
+
+        # Interleaved rounds (pass r of every contender, then pass r+1): a change in background load
+        # spreads over all contenders instead of favouring whichever ran at a quiet moment.
+        timings: dict[str, list[Any]] = {name: [] for name in contenders}
+        for r in range(3):
+            for name, (loader, _) in contenders.items():
+                step(f"round {r + 1}/3: {name}")
+                timings[name].append(time_iterable(lambda: loader, name=name, warmup_items=1, passes=1,
+                                                   min_pass_s=pass_s, unit="img"))
+        rates = {name: sorted(t.rates[0] for t in ts) for name, ts in timings.items()}
+        for name, (loader, what) in contenders.items():
+            _shutdown(loader)
+            rows.append({"technique": name, "median": rates[name][1], "min": rates[name][0], "max": rates[name][-1],
+                         "unit": "img/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what})
+        contenders.clear()
+        median = {r["technique"]: r["median"] for r in rows}
+        base, tuned, base_resized, fast = (median[k] for k in ("baseline", "baseline_tuned", "baseline_resized", "torchspeed"))
+        raw, noresize, folder = (median[k] for k in ("torchspeed_raw", "torchspeed_no_offline_resize", "torchspeed_on_folder"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -198,7 +208,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         baseline_img_s=base, baseline_tuned_img_s=tuned, baseline_resized_img_s=base_resized, torchspeed_img_s=fast,
         raw_img_s=raw, no_offline_resize_img_s=noresize, folder_img_s=folder,
         ratio_vs_tuned=fast / tuned, ratio_vs_resized=fast / base_resized, ratio_vs_baseline=fast / base,
-        decoder=decoder, decoder_table=ts_loader_table, num_workers=w, baseline_tuned_workers=w_tuned,
+        decoder=decoder, decoder_table=decoder_table, num_workers=w, baseline_tuned_workers=w_tuned,
         baseline_resized_workers=w_resized, torchspeed_tuning=settings.table, rows=rows,
         notes=[f"pack of {n_images} images to the short-side-{SHORT_SIDE} JPEG store took {results['pack_s']:.1f} s (one-off)",
                f"torch {torch.__version__}; passes of >= {pass_s} s, median of 3"],
