@@ -73,6 +73,7 @@ class _Op:
     bytes: float
     inputs: list[int]  # producer op index of each tensor input (-1: a parameter / the model input)
     arg0: int  # producer of the first tensor argument
+    arg0_id: int = 0  # identity of the first tensor argument (tells apart inputs with no producer)
     time_s: float = 0.0
     phase: str = "model"
 
@@ -117,7 +118,7 @@ class _Tracer(TorchDispatchMode):
             sum(t.numel() * t.element_size() for t in {id(t): t for t in ins + outs}.values()))
         producers = [self.producer.get(id(t), -1) for t in ins]
         self.ops.append(_Op(name, kind, self.modules[-1] if self.modules else "", flops, touched, producers,
-                            producers[0] if producers else -1, dt, self.phase))
+                            producers[0] if producers else -1, id(ins[0]) if ins else 0, dt, self.phase))
         idx = len(self.ops) - 1
         for t in outs:
             self.producer[id(t)] = idx
@@ -202,6 +203,7 @@ def _pairing_findings(ops: list[_Op]) -> list[Finding]:
 def loss_pairing(model: nn.Module, example_input: Any, loss_fn: Any, target: Any = None) -> list[Finding]:
     """Only the output-activation / loss pairing check (cheap: one untimed traced pass, no_grad)."""
     was = model.training
+    model.eval()  # no BatchNorm statistics updated by this check
     try:
         with torch.no_grad():
             tracer, _, _ = _trace(model, example_input, loss_fn, target, timed=False)
@@ -391,14 +393,14 @@ def _g2(c: _Ctx) -> Finding | None:
 @_model_rule
 def _g3(c: _Ctx) -> Finding | None:
     """A tensor feeding 3+ conv/matmul branches: many small parallel ops instead of one wide one."""
-    consumers: dict[int, list[int]] = {}
+    consumers: dict[Any, list[int]] = {}
     for i, op in enumerate(c.ops):
-        if op.kind in ("conv", "matmul") and op.arg0 >= -1:
-            src = op.arg0
+        if op.kind in ("conv", "matmul"):
+            src, key = op.arg0, ("tensor", op.arg0_id)
             # look through views so x.view(...) feeding several branches still counts as one fork
             while 0 <= src < len(c.ops) and c.ops[src].kind == "view":
-                src = c.ops[src].arg0
-            consumers.setdefault(src, []).append(i)
+                src, key = c.ops[src].arg0, ("tensor", c.ops[src].arg0_id)
+            consumers.setdefault(("op", src) if src >= 0 else key, []).append(i)
     forks = [(s, v) for s, v in consumers.items() if len(v) >= 3]
     if not forks:
         return None

@@ -62,7 +62,7 @@ def print_profile(d: dict[str, Any], console: Any = None) -> None:
             continue
         rows.append((phase, f"{s * 1e3 / max(steps, 1):,.1f}", f"{s / wall:.0%}" if wall else "-"))
     rows.append(("step (wall)", f"{wall * 1e3 / max(steps, 1):,.1f}", "100%"))
-    print_table(f"Time per training step ({steps} steps measured)", ["phase", "ms/step", "share"], rows, con)
+    print_table(f"Per-step time ({steps} steps)", ["phase", "ms/step", "share"], rows, con)
     extra = []
     if d.get("throughput"):
         extra.append(f"throughput {d['throughput']:,.1f} samples/s")

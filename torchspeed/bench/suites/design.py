@@ -55,17 +55,17 @@ def _models(torch: Any) -> dict[str, dict[str, Any]]:
 
     return {
         "g1": {"guideline": "G1: equal channel width minimises memory access",
-               "paper": "1:1 fastest; slower as c1:c2 moves away from 1:1",
+               "paper": "1:1 fastest; slower as c1:c2 moves away from 1:1", "short": "fastest",
                "input_channels": [128, 90, 52, 36],
                "models": {f"G1 1x1 convs c1:c2={r} ({c1}:{c2})": _blocks(torch, lambda c1=c1, c2=c2: pair(c1, c2))
                           for r, c1, c2 in (("1:1", 128, 128), ("1:2", 90, 180), ("1:6", 52, 312), ("1:12", 36, 432))}},
         "g2": {"guideline": "G2: excessive group convolution increases memory access",
-               "paper": "g=1 fastest; slower as groups grow",
+               "paper": "g=1 fastest; slower as groups grow", "short": "fastest, slower with more groups",
                "input_channels": [128, 180, 256, 360],
                "models": {f"G2 1x1 group convs g={g} (c={c})": _blocks(torch, lambda c=c, g=g: pair(c, c, g))
                           for g, c in ((1, 128), (2, 180), (4, 256), (8, 360))}},
         "g3": {"guideline": "G3: network fragmentation reduces parallelism",
-               "paper": "1-fragment fastest; 4 parallel fragments slowest (on GPU)",
+               "paper": "1-fragment fastest; 4 parallel fragments slowest (on GPU)", "short": "fastest",
                "input_channels": [128, 90, 64, 128, 128],
                "models": {"G3 1-fragment (one 1x1 conv, c=128)": _blocks(torch, lambda: series(128, 1)),
                           "G3 2-fragment series (c=90)": _blocks(torch, lambda: series(90, 2)),
@@ -74,6 +74,7 @@ def _models(torch: Any) -> dict[str, dict[str, Any]]:
                           "G3 4-fragment parallel (4 x 128->32, cat)": _blocks(torch, lambda: Parallel(128, 4))}},
         "g4": {"guideline": "G4: element-wise operations are not negligible",
                "paper": "removing ReLU and shortcut is ~20% faster at the same FLOPs",
+               "short": "slower than without ReLU and shortcut",
                "input_channels": [256] * 4,
                "models": {f"G4 bottleneck (c=256) ReLU {'on' if r else 'off'}, shortcut {'on' if s else 'off'}":
                           _blocks(torch, lambda r=r, s=s: Bottleneck(256, r, s))
@@ -133,6 +134,8 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         if name == "g4":  # the summary's row: what dropping element-wise ops buys here
             exp_rows[-1]["headline"] = True
         holds = _holds(name, meds)
+        # the console table shows only rows: say the paper's direction and the verdict on the reference row
+        exp_rows[0]["technique"] += f" [paper: {exp['short']}; here: {'holds' if holds else 'does not hold'}]"
         experiments[name] = {"guideline": exp["guideline"], "paper": exp["paper"], "holds": holds, "rows": exp_rows}
         rows += exp_rows
     return {
