@@ -272,6 +272,9 @@ class FastLoader:
                 f"decoder={self.decoder}, num_workers={self.dataloader.num_workers}, device={self.device})")
 
 
+_TUNED: dict[Any, Any] = {}
+
+
 def _jpeg_samples(source: Any, k: int = 16) -> list[Any]:
     n = len(source)
     out = []
@@ -312,7 +315,7 @@ def fast_loader(
     scale: tuple[float, float] = (0.08, 1.0),
     num_replicas: int | None = None,
     rank: int | None = None,
-    tune_seconds: float = 0.6,
+    tune_seconds: float = 0.4,
     multiprocessing_context: Any = None,
 ) -> FastLoader:
     """The whole fast input pipeline in one call (see the module docstring for what each step buys).
@@ -375,9 +378,13 @@ def fast_loader(
     if num_workers == "auto":
         from torchspeed.data.tune import tune_loader
 
-        settings = tune_loader(build, batch_size, seconds=tune_seconds, device=dev,
-                               prefetch_factors=(prefetch_factor,) if prefetch_factor else (2, 4),
-                               persistent=(persistent_workers,) if persistent_workers is not None else (True,))
+        key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))), len(source),
+               batch_size, crop, train, str(dev), channels_last, decoder, prefetch_factor, persistent_workers, pin)
+        if key not in _TUNED:  # measured once per process for the same data and settings
+            _TUNED[key] = tune_loader(build, batch_size, seconds=tune_seconds, device=dev,
+                                      prefetch_factors=(prefetch_factor,) if prefetch_factor else (2, 4),
+                                      persistent=(persistent_workers,) if persistent_workers is not None else (True,))
+        settings = _TUNED[key]
         loader = build(settings.num_workers, settings.prefetch_factor, settings.persistent_workers, pin)
     else:
         loader = build(num_workers, prefetch_factor or 2, True if persistent_workers is None else persistent_workers, pin)

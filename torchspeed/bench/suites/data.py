@@ -3,7 +3,7 @@
 Every contender yields the same thing per batch: 64 images, RandomResizedCrop to 128x128 + random
 horizontal flip, float32 NCHW (contiguous) normalised with ImageNet mean/std, plus int64 labels.
 Contenders run one after another in this process on the same demo photos (500x375 JPEG q90);
-each figure is the median of 3 passes of >= 5 s (1.5 s with --quick), epochs repeated as needed,
+each figure is the median of 3 passes of >= 5 s (1 s with --quick), epochs repeated as needed,
 the passes of all contenders interleaved (round-robin) so that background load hits them alike.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     from torchspeed.runtime import usable_cores
 
     cores = usable_cores()
-    pass_s, tune_s = (1.5, 0.5) if quick else (5.0, 1.0)
+    pass_s, tune_s = (1.0, 0.3) if quick else (5.0, 1.0)
     n_images = 1000 if quick else 4000
     step("demo photos (generated once)")
     src = demo_folder(4000)
