@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(data-, compute- or overhead-bound) and the fixes ranked by expected gain. Exits with the "
                     "script's own status.",
         usage="torchspeed doctor [--steps N] [--out DIR] [--json PATH] [--trace] [--cprofile] -- python your_train.py ARGS")
-    p.add_argument("--steps", type=positive_int, help="stop the script cleanly after N training (optimizer) steps")
+    p.add_argument("--steps", type=positive_int, metavar="N", help="stop the script cleanly after N training (optimizer) steps")
     p.add_argument("--out", metavar="DIR", help="write doctor.json and doctor.md (and the trace) to DIR")
     add_json_option(p)
     p.add_argument("--trace", action="store_true",
