@@ -230,7 +230,9 @@ def test_folder_source_reads_jpegs_and_names_a_bad_file(photos, tmp_path):
 
     bad = shutil.copytree(photos, tmp_path / "bad")
     open(os.path.join(bad, "class_01", "broken.jpg"), "wb").write(b"\xff\xd8 nothing")
+    open(os.path.join(bad, "class_01", "README.txt"), "w").write("ignored, as ImageFolder would")
     loader = fast_loader(str(bad), 25, train=False, crop=24, device="cpu", num_workers=0, decoder="pil")
+    assert len(loader.dataset) == 25
     with pytest.raises(ValueError, match="broken.jpg"):
         list(loader)
 

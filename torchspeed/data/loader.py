@@ -37,10 +37,10 @@ class FolderSource:
     """An ImageFolder read as records: JPEG files stay encoded (decoded cropped, DCT-scaled) in workers."""
 
     def __init__(self, root: str):
-        from torchspeed.data.packer import scan_folder
+        from torchspeed.data.packer import IMAGE_EXTENSIONS, scan_folder
 
         self.root = os.path.abspath(root)
-        self.classes, self.samples = scan_folder(self.root)
+        self.classes, self.samples = scan_folder(self.root, IMAGE_EXTENSIONS)
         self.targets = [y for _, y in self.samples]
 
     def __len__(self) -> int:

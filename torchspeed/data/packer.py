@@ -52,11 +52,15 @@ class PackReport:
                 + (f"; skipped {len(self.skipped)}" if self.skipped else ""))
 
 
-def scan_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def scan_folder(root: str, extensions: tuple[str, ...] | None = None) -> tuple[list[str], list[tuple[str, int]]]:
     """ImageFolder layout: one sub-directory per class (sorted), every non-hidden file a sample.
 
-    Unlike torchvision's ImageFolder no extension filter is applied: a stray non-image file is
-    reported (on_error decides) instead of silently ignored.
+    pack() applies no extension filter (a stray non-image file is reported, on_error decides,
+    instead of silently ignored); the loader reading a folder directly keeps `extensions` only,
+    as torchvision's ImageFolder does.
     """
     if not os.path.isdir(root):
         raise FileNotFoundError(f"source folder {root!r} does not exist") if not os.path.exists(root) else \
@@ -68,7 +72,8 @@ def scan_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
     for label, name in enumerate(classes):
         for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            samples += [(os.path.join(dirpath, f), label) for f in sorted(files) if not f.startswith(".")]
+            samples += [(os.path.join(dirpath, f), label) for f in sorted(files) if not f.startswith(".")
+                        and (extensions is None or f.lower().endswith(extensions))]
     if not samples:
         raise ValueError(f"{root!r} has class folders but no files in them")
     return classes, samples
