@@ -9,6 +9,15 @@ import torchspeed as ts
 from torchspeed.doctor.linting import resolve_model
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Per-op times at one thread: on a loaded machine a 2-thread op can stall for a whole time slice."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def rules(report):
     return [f.rule for f in report.findings]
 
@@ -112,3 +121,21 @@ def test_resolve_model_errors(tmp_path):
     assert m.fc.out_features == 5
     with pytest.raises(ValueError, match="needs an nn.Module"):
         ts.doctor.lint(lambda x: x, X)
+
+
+def test_elementwise_heavy_model_breaks_g4():
+    class Swishy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 1)
+
+        def forward(self, x):
+            x = self.conv(x)
+            for _ in range(5):
+                x = torch.sigmoid(x) * x + x
+            return x
+
+    r = ts.doctor.lint(Swishy(), torch.randn(1, 8, 64, 64))
+    g4 = [f for f in r.findings if f.rule == "g4-elementwise"]
+    assert g4 and 0 < g4[0].expected_gain <= 0.5
+    assert r.by_kind["elementwise"]["ops"] == 15

@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="loss the output feeds, for the activation/loss pairing check (default ce)")
     q.add_argument("--device", default="cpu", help="device to trace on (default cpu)")
     q.add_argument("--top", type=positive_int, default=12, help="layers to list (default 12)")
+    q.add_argument("--threads", type=positive_int, help="intra-op threads while timing (default: torch's)")
     add_json_option(q)
     q.set_defaults(func=run_lint)
 
@@ -56,6 +57,8 @@ def run_lint(args: argparse.Namespace) -> int:
     from torchspeed.doctor.linting import lint, resolve_model
     from torchspeed.doctor.report import print_lint
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, default_shape = resolve_model(args.model, num_classes=args.num_classes)
     shape = args.input_shape or default_shape or (1, 3, 224, 224)
     device = torch.device(args.device)
