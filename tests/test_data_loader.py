@@ -53,7 +53,8 @@ def test_batches_are_normalised_on_the_device_in_the_contract_format(store):
     per_channel = x.permute(1, 0, 2, 3).reshape(3, -1)
     assert (per_channel.min(1).values >= torch.tensor(lo, dtype=torch.float32) - 1e-5).all()
     assert (per_channel.max(1).values <= torch.tensor(hi, dtype=torch.float32) + 1e-5).all()
-    x2, _ = next(iter(fast_loader(store, 8, crop=32, device="cpu", num_workers=0, channels_last=False)))
+    x2, _ = next(iter(fast_loader(store, 8, crop=32, device="cpu", num_workers=0, channels_last=False,
+                                  decoder="simplejpeg")))
     assert x2.is_contiguous() and not x2.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(x2, x, atol=1e-6, rtol=1e-6)  # NCHW and NHWC uint8 paths agree
     x3, _ = next(iter(fast_loader(store, 8, crop=32, device="cpu", num_workers=0, dtype=torch.bfloat16)))
@@ -308,3 +309,6 @@ def test_fast_loader_bad_arguments(store, tmp_path):
         fast_loader(store, 100, device="cpu", num_workers=0, decoder="pil")
     with pytest.raises(ValueError, match="rank"):
         fast_loader(store, 4, device="cpu", num_workers=0, num_replicas=2, rank=2, decoder="pil")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            fast_loader(store, 4, device="cuda", num_workers=0, decoder="pil")

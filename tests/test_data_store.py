@@ -39,9 +39,10 @@ def _psnr(a, b):
     return 10 * np.log10(255.0**2 / mse)
 
 
-def test_raw_round_trip_is_exact(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_raw_round_trip_is_exact(tmp_path, workers):
     src = ArrayDataset()
-    report = pack(src, tmp_path / "s", format="raw", workers=1, progress=False)
+    report = pack(src, tmp_path / "s", format="raw", workers=workers, progress=False)
     assert report.written == 12 and not report.skipped and report.bytes > sum(a.nbytes for a in src.images)
     ds = PackedDataset(tmp_path / "s")
     assert len(ds) == 12 and ds.classes == ["a", "b", "c"] and ds.targets == [i % 3 for i in range(12)]

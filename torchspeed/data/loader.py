@@ -338,6 +338,8 @@ def fast_loader(
     if len(source) == 0:
         raise ValueError("the dataset is empty")
     dev = resolve_device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for CUDA, which is not available here; use device='cpu' or 'auto'")
     decoder_table: list = []
     if decoder == "auto":
         samples = _jpeg_samples(source)

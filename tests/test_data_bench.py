@@ -1,0 +1,16 @@
+"""The data benchmark suite end to end (slow: it packs and times real loaders)."""
+import pytest
+
+
+@pytest.mark.slow
+def test_data_suite_quick_reports_the_issue_keys():
+    from torchspeed.bench.suites import data
+
+    result = data.run(quick=True, step=lambda text: None)
+    for key in ("baseline_img_s", "baseline_tuned_img_s", "baseline_resized_img_s", "torchspeed_img_s",
+                "ratio_vs_tuned", "ratio_vs_resized", "pack_s"):
+        assert result[key] > 0, key
+    assert result["ratio_vs_tuned"] == pytest.approx(result["torchspeed_img_s"] / result["baseline_tuned_img_s"])
+    names = [r["technique"] for r in result["rows"]]
+    assert names[:4] == ["baseline", "baseline_tuned", "baseline_resized", "torchspeed"]
+    assert all(r["unit"] == "img/s" and r["min"] <= r["median"] <= r["max"] for r in result["rows"])
