@@ -1,0 +1,132 @@
+"""INT8 post-training quantization, through two runtimes' own tool chains.
+
+- ONNX Runtime `quantize_static`: QDQ format, per-channel int8 weights, uint8 activations (the
+  U8S8 form that x86 VNNI kernels run), after `quant_pre_process` (shape inference + graph
+  optimisation, which folds patterns the quantizer would otherwise split). Calibration method is
+  selectable: min-max, entropy or percentile.
+- OpenVINO NNCF `nncf.quantize`: statistics over the calibration set, fast bias correction; NNCF
+  chooses its own range estimators (min-max style), so only 'minmax' is accepted there.
+- ONNX Runtime `quantize_dynamic`: int8 weights, activations quantized on the fly, for Linear /
+  LSTM-heavy models (transformers) and when no calibration data is at hand. Only MatMul/Gemm/LSTM/
+  Attention are quantized: dynamic ConvInteger kernels are slow on CPU.
+
+Calibration data is an iterable of input batches (tensors) or of (input, label) pairs.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["calibration_arrays", "quantize_onnx_static", "quantize_onnx_dynamic", "quantize_openvino",
+           "CALIBRATION_METHODS"]
+
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+
+
+def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None = None) -> list[np.ndarray]:
+    """Calibration batches as float32 numpy arrays (labels dropped), up to `max_samples` samples in all."""
+    if calib_data is None:
+        raise ValueError("INT8 quantization needs calibration data: pass calib_data= (an iterable of input "
+                         "batches or (input, label) pairs, a few hundred representative samples)")
+    out: list[np.ndarray] = []
+    n = 0
+    for item in calib_data:
+        x = item[0] if isinstance(item, (tuple, list)) else item
+        if isinstance(x, torch.Tensor):
+            x = x.detach().float().cpu().contiguous().numpy()
+        x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+        if max_samples is not None and n + len(x) > max_samples:
+            x = x[: max_samples - n]
+        if len(x):
+            out.append(x)
+            n += len(x)
+        if max_samples is not None and n >= max_samples:
+            break
+    if not out:
+        raise ValueError("the calibration data is empty: pass at least one batch of representative inputs")
+    return out
+
+
+def _ort_quant() -> Any:
+    try:
+        import onnxruntime.quantization as q
+    except ImportError:
+        raise ImportError("ONNX Runtime quantization needs onnxruntime: pip install 'torchspeed[infer]'") from None
+    return q
+
+
+def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any] | None, method: str = "minmax",
+                         per_channel: bool = True, max_samples: int | None = 256) -> str:
+    """Static INT8 (QDQ) quantization of an ONNX model with ONNX Runtime; returns `out_path`."""
+    q = _ort_quant()
+    methods = {"minmax": q.CalibrationMethod.MinMax, "entropy": q.CalibrationMethod.Entropy,
+               "percentile": q.CalibrationMethod.Percentile}
+    if method not in methods:
+        raise ValueError(f"calibration method must be one of {', '.join(methods)}, got {method!r}")
+    arrays = calibration_arrays(calib_data, max_samples)
+    import onnxruntime as ort
+
+    input_name = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"]).get_inputs()[0].name
+
+    class Reader(q.CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(arrays)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            x = next(self.it, None)
+            return None if x is None else {input_name: x}
+
+        def rewind(self) -> None:
+            self.it = iter(arrays)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pre = os.path.join(tmp, "pre.onnx")
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+
+        quant_pre_process(onnx_path, pre, skip_symbolic_shape=False)
+        extra = {"ActivationSymmetric": False, "WeightSymmetric": True}
+        if method == "percentile":
+            extra["CalibPercentile"] = 99.99
+        q.quantize_static(pre, out_path, Reader(), quant_format=q.QuantFormat.QDQ, per_channel=per_channel,
+                          activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8,
+                          calibrate_method=methods[method], extra_options=extra)
+    return out_path
+
+
+def quantize_onnx_dynamic(onnx_path: str, out_path: str, per_channel: bool = True) -> str:
+    """Dynamic INT8 quantization (weights int8, activations on the fly) of MatMul/Gemm/LSTM/Attention."""
+    q = _ort_quant()
+    with tempfile.TemporaryDirectory() as tmp:
+        pre = os.path.join(tmp, "pre.onnx")
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+
+        quant_pre_process(onnx_path, pre, skip_symbolic_shape=False)
+        q.quantize_dynamic(pre, out_path, weight_type=q.QuantType.QInt8, per_channel=per_channel,
+                           op_types_to_quantize=["MatMul", "Gemm", "LSTM", "Attention"])
+    return out_path
+
+
+def quantize_openvino(model_path: str, calib_data: Iterable[Any] | None, method: str = "minmax",
+                      max_samples: int | None = 256) -> Any:
+    """Static INT8 quantization of an ONNX (or OpenVINO IR) model with NNCF; returns an `openvino.Model`."""
+    if method != "minmax":
+        raise ValueError(f"NNCF picks its own range estimators; calibration method {method!r} is only "
+                         "available through ONNX Runtime (use 'minmax' here)")
+    try:
+        import nncf
+        import openvino as ov
+    except ImportError:
+        raise ImportError("OpenVINO INT8 needs openvino and nncf: pip install 'torchspeed[infer]'") from None
+    arrays = calibration_arrays(calib_data, max_samples)
+    model = ov.Core().read_model(model_path)
+    import logging
+
+    logging.getLogger("nncf").setLevel(logging.ERROR)
+    # subset_size counts Dataset items, i.e. batches
+    return nncf.quantize(model, nncf.Dataset(arrays), subset_size=len(arrays), fast_bias_correction=True,
+                         preset=nncf.QuantizationPreset.PERFORMANCE)
