@@ -127,3 +127,15 @@ def test_doctor_trace_and_cprofile(script, tmp_path):
     trace = json.loads((out / "doctor-trace.json").read_text())
     assert d["trace"] == str(out / "doctor-trace.json") and trace["traceEvents"]
     assert d["hotspots"] and all(h["calls"] >= 1 for h in d["hotspots"])
+
+
+def test_doctor_parent_does_not_import_torch():
+    """Only the instrumented child pays for torch; the parent parses, waits and judges."""
+    import subprocess
+
+    code = ("import sys; from torchspeed.doctor.runner import build_payload, child_command; "
+            "from torchspeed.doctor.report import print_profile; "
+            "d = build_payload({}, ['python', 't.py'], 0); print_profile(d); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
