@@ -238,12 +238,13 @@ def test_folder_source_reads_jpegs_and_names_a_bad_file(photos, tmp_path):
         list(loader)
 
 
-def test_auto_decoder_is_measured_once_and_reported(store):
+def test_auto_decoder_is_measured_once_and_reported(store, photos):
     loader = fast_loader(store, 4, crop=24, device="cpu", num_workers=0)
     assert loader.decoder in available_backends()
     timed = [r for r in loader.decoder_table if r["us_per_image"] is not None]
     assert timed and loader.decoder == min(timed, key=lambda r: r["us_per_image"])["decoder"]
     assert fast_loader(store, 4, crop=24, device="cpu", num_workers=0).decoder == loader.decoder  # remembered
+    assert fast_loader(photos, 4, crop=24, device="cpu", num_workers=0).decoder_table  # measured on a folder too
 
 
 def test_spawn_workers_open_their_own_store_handle(store):

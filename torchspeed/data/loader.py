@@ -346,10 +346,10 @@ def fast_loader(
         if samples:
             key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))))
             decoder, decoder_table = choose_backend(samples, key=key)
+        else:
+            decoder = "simplejpeg"  # nothing to decode (raw pixels or decoded arrays): any name will do
         if hasattr(source, "close"):
             source.close()  # no LMDB handle left open in the parent when the workers fork
-        else:
-            decoder = "simplejpeg"
     else:
         get_decoder(decoder)  # a clear error now rather than in a worker
     transform = RandomResizedCropFlip(crop, scale=scale) if train else ResizeCenterCrop(crop)
