@@ -6,9 +6,9 @@ script, module or code), so the user's own interpreter and options are kept. Wha
 
 - DataLoader: `__iter__` (worker start-up) and iterator `__next__`: phase `data`, per-loader settings
   (num_workers, pin_memory, batch_size, persistent_workers), batches, epochs, first-batch waits;
-- module forward, via torch's global forward hooks: the outermost call is phase `forward` (training:
-  autograd on and the module in train mode, or a loss module) or `eval`; nn.Modules called while a
-  batch is being loaded (transforms) are not counted as forward;
+- module forward, via torch's global forward hooks: the outermost call is phase `forward` (autograd
+  on) or `eval` (no_grad / inference_mode); nn.Modules called while a batch is being loaded
+  (transforms) are not counted as forward;
 - `torch.autograd.backward` (so `loss.backward()` too): phase `backward`;
 - `Optimizer.step` via torch's global optimizer hooks, and `zero_grad`: phase `optimizer`; each
   step ends a step window; with a step limit the script is stopped cleanly after that many;
@@ -190,11 +190,12 @@ class Recorder:
                 return
             is_loss = isinstance(module, loss_types)
             grad = torch.is_grad_enabled()
-            if rec._pending_eval_grad:
-                rec.s["eval_forwards_with_grad"] += 1
-                rec._pending_eval_grad = False
-            training = grad and (module.training or is_loss)
+            # autograd on means a training forward (even in eval mode, e.g. frozen BatchNorm fine-tuning)
+            training = grad
             if not is_loss:
+                if rec._pending_eval_grad:  # the previous eval-mode forward had no backward after it
+                    rec.s["eval_forwards_with_grad"] += 1
+                    rec._pending_eval_grad = False
                 rec._observe_model(module, args, training)
                 if grad and not module.training:
                     rec._pending_eval_grad = True  # cancelled if a backward follows
