@@ -138,11 +138,11 @@ def run(args: argparse.Namespace) -> int:
     train_src, val_src, classes = _split(args.data, args.val_fraction, args.seed)
     if len(classes) < 2:
         raise UserError(f"{args.data!r} has {len(classes)} class(es); classification needs at least 2")
+    model = _build_model(args.model, len(classes))  # before the loaders: a bad name fails fast
     train = fast_loader(train_src, args.batch_size, train=True, crop=args.image_size, device=device,
                         num_workers=workers, seed=args.seed)
     val = fast_loader(val_src, args.batch_size, train=False, crop=args.image_size, device=device,
                       num_workers=0 if workers == "auto" else workers, seed=args.seed)
-    model = _build_model(args.model, len(classes))
     lr = args.lr or 0.1 * args.batch_size * denv.world_size / 256
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5, nesterov=True)
     total = args.max_steps or max(1, len(train) * args.epochs)

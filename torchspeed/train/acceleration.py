@@ -173,7 +173,7 @@ class _Trial:
         """Median step seconds of each candidate, timed interleaved (drifts hit all alike)."""
         from torchspeed.bench.harness import compare
 
-        c = compare(steps, warmup=2, repeats=self.steps, cooldown_s=0.05, device=self.device)
+        c = compare(steps, warmup=1, repeats=self.steps, cooldown_s=0.05, device=self.device)
         return {name: c[name].median_s for name in steps}
 
 

@@ -219,6 +219,11 @@ class Trainer:
         self.acc = accelerate(self._raw_model, self.optimizer, example_batch=example, loss_fn=self.loss_fn, **s)
         self.dist = distributed.env()
 
+    def prepare(self, loader: Iterable[Any], expected_steps: int | None = None) -> Accelerated:
+        """Run accelerate() now (fit does it on first use): measure the "auto" settings on one batch."""
+        self._prepare(self._shard(loader) if self.dist.distributed else loader, expected_steps)
+        return self.acc
+
     def _shard(self, loader: Any) -> Any:
         return distributed.shard_loader(loader, self.dist) if self.dist.distributed else loader
 

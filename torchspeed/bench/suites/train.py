@@ -1,0 +1,390 @@
+"""Train suite: training samples/s of ResNet-18 (10 classes, 128x128, batch 64) on the demo photos.
+
+Rows are cumulative: each adds one technique to the row above, and the ratio is to the first row
+(plain PyTorch: fp32, NCHW, torchvision ImageFolder loader with num_workers=0, a hand-written loop).
+Every figure is the median over repeats of a chunk of K training steps (warm-up chunk excluded),
+timed by the harness. Also measured: the Trainer's overhead against a hand-written loop with the
+same settings (same in-memory batches, interleaved), evaluation under inference_mode against
+autograd left on (time and peak memory), and the epochs early stopping saves on a task whose
+validation loss plateaus.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from typing import Any
+
+TITLE = "Training: ResNet-18 samples/s (10 classes, 128x128, batch 64; rows cumulative)"
+
+BATCH, CROP, SHORT_SIDE, CLASSES = 64, 128, 160, 10
+EXPECTED_STEPS = 1250  # a realistic run (20 epochs of the 4000 demo photos): what compile must repay
+
+
+def _subset(n_images: int, quick: bool) -> list[int]:
+    return list(range(0, n_images, 4)) if quick else list(range(n_images))
+
+
+def _torchvision_dataset(folder: str, indices: list[int]) -> Any:
+    import torch
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    tf = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    ds = datasets.ImageFolder(folder, tf)
+    return torch.utils.data.Subset(ds, indices) if len(indices) < len(ds) else ds
+
+
+def _cached_store(folder: str, indices: list[int]) -> str:
+    """The demo photos packed with short side 160 (the fast pipeline's input), built once into the cache."""
+    import torch
+    from torchvision import datasets
+
+    from torchspeed.data import pack
+    from torchspeed.runtime import cache_dir
+
+    final = os.path.join(cache_dir("bench-train"), f"{os.path.basename(folder)}-n{len(indices)}-short{SHORT_SIDE}")
+    if os.path.isdir(final):
+        return final
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=".store-")
+    try:
+        ds = datasets.ImageFolder(folder)
+        src = folder if len(indices) == len(ds) else torch.utils.data.Subset(ds, indices)
+        pack(src, os.path.join(tmp, "store"), short_side=SHORT_SIDE, format="jpeg", quality=90, progress=False,
+             overwrite=True, **({} if isinstance(src, str) else {"classes": ds.classes}))
+        os.rename(os.path.join(tmp, "store"), final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+class _Stream:
+    """Endless batches from a re-iterable loader (a new pass starts when one ends)."""
+
+    def __init__(self, loader: Iterable[Any]):
+        self.loader, self.it = loader, None
+
+    def next(self) -> Any:
+        if self.it is None:
+            self.it = iter(self.loader)
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            return next(self.it)
+
+
+def _hand_loop(model: Any, opt: Any, source: Callable[[], Any], k: int, precision: str, channels_last: bool) -> Callable[[], None]:
+    """A hand-written training loop: k steps per call (what a user writes without torchspeed)."""
+    import torch
+    import torch.nn.functional as F
+
+    model.train()
+
+    def chunk() -> None:
+        for _ in range(k):
+            x, y = source()
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            if precision != "fp32":
+                with torch.autocast(x.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+            else:
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+    return chunk
+
+
+def _autograd_held_bytes(model: Any, x: Any, ctx: Callable[[], Any]) -> int:
+    """Bytes of activations autograd keeps for backward during one forward (0 without autograd).
+
+    Counted exactly through saved-tensor hooks: the process's peak RSS cannot show it reliably
+    (allocator caching, and /proc/self/clear_refs is not writable in every container).
+    """
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        try:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        except RuntimeError:
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx():
+        out = model(x)
+        del out
+    return int(sum(seen.values()))
+
+
+def _early_stopping(quick: bool) -> dict[str, Any]:
+    """Epochs saved by EarlyStopping(patience=10) on a noisy task whose validation loss plateaus."""
+    import time
+
+    import torch
+    from torch import nn
+
+    from torchspeed.train import Callback, EarlyStopping, Trainer
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, generator=g)
+
+    def split(n: int) -> Any:
+        x = torch.randn(n, 32, generator=g)
+        y = ((x @ w + 2.0 * torch.randn(n, generator=g)) > 0).long()  # label noise: the loss floor is high
+        return torch.utils.data.TensorDataset(x, y)
+
+    train, val = split(1024), split(1024)
+    budget = 60 if quick else 100
+
+    def run(callbacks: list[Any]) -> tuple[list[float], float, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
+        losses: list[float] = []
+
+        class Record(Callback):
+            def on_validation_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+                losses.append(metrics["val_loss"])
+
+        tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), nn.functional.cross_entropy,
+                     precision="fp32", channels_last=False, compile=False, progress=False,
+                     callbacks=[Record(), *callbacks])
+        dl = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+        t0 = time.perf_counter()
+        out = tr.fit(dl, torch.utils.data.DataLoader(val, batch_size=256), epochs=budget)
+        return losses, time.perf_counter() - t0, out["epochs"]
+
+    full, t_full, _ = run([])
+    es = EarlyStopping("val_loss", patience=10)
+    stopped, t_es, epochs = run([es])
+    best_epoch = min(range(len(full)), key=full.__getitem__) + 1
+    return {"budget_epochs": budget, "stopped_at_epoch": epochs, "epochs_saved": budget - epochs,
+            "time_saved_pct": 100 * (1 - t_es / t_full), "best_val_loss_full_run": min(full),
+            "best_epoch_full_run": best_epoch, "best_val_loss_early_stopped": min(stopped),
+            "final_val_loss_full_run": full[-1], "patience": 10, "reason": es.reason}
+
+
+def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+    import torch
+    from torch.utils.data import DataLoader
+    from torchvision.models import resnet18
+
+    from torchspeed.bench.harness import compare, time_callable
+    from torchspeed.data import fast_loader, tune_loader
+    from torchspeed.data.demo import demo_folder
+    from torchspeed.runtime import default_precision, usable_cores
+    from torchspeed.train import Trainer
+
+    import time
+
+    k, repeats = (2, 3) if quick else (4, 5)
+    phases: dict[str, float] = {}
+    clock = {"name": "start", "t": time.perf_counter()}
+    outer_step = step
+
+    def step(text: str) -> None:  # also records how long each phase took (results["phase_s"])
+        now = time.perf_counter()
+        phases[clock["name"]] = round(phases.get(clock["name"], 0.0) + now - clock["t"], 1)
+        clock.update(name=text, t=now)
+        outer_step(text)
+
+    device = torch.device("cpu")  # the suite measures the CPU path here; CUDA runs use the same code
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    mixed = default_precision(device).name
+    if mixed == "fp32":
+        mixed = "bf16" if device.type == "cpu" else "fp16"
+    step("demo photos (generated once)")
+    folder = demo_folder(4000)
+    indices = _subset(4000, quick)
+    step(f"packing {len(indices)} photos for the fast pipeline (cached)")
+    store = _cached_store(folder, indices)
+    torch.manual_seed(0)
+    base_model = resnet18(num_classes=CLASSES)
+    rows: list[dict[str, Any]] = []
+    results: dict[str, Any] = {"images": len(indices), "batch_size": BATCH, "crop": CROP, "steps_per_repeat": k,
+                               "repeats": repeats, "device": str(device)}
+
+    def fresh(channels_last: bool = False) -> tuple[Any, Any]:
+        m = copy.deepcopy(base_model).to(device)
+        if channels_last:
+            m = m.to(memory_format=torch.channels_last)
+        return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    def to_dev(stream: _Stream) -> Callable[[], Any]:
+        def get() -> Any:
+            x, y = stream.next()
+            return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return get
+
+    def measure(name: str, chunk: Callable[[], None], what: str) -> float:
+        step(f"timing {name}")
+        t = time_callable(chunk, name=name, warmup=1, repeats=repeats, items=k * BATCH, unit="samples", device=device)
+        rates = t.rates
+        rows.append({"technique": name, "median": t.throughput, "min": min(rates), "max": max(rates),
+                     "unit": "samples/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what})
+        return float(t.throughput)
+
+    def plain_loader(workers: int, **kw: Any) -> Any:
+        return DataLoader(_torchvision_dataset(folder, indices), BATCH, shuffle=True, drop_last=True,
+                          num_workers=workers, persistent_workers=workers > 0, **kw)
+
+    # 1. plain PyTorch
+    m, o = fresh()
+    plain = measure("plain PyTorch", _hand_loop(m, o, to_dev(_Stream(plain_loader(0))), k, "fp32", False),
+                    "fp32, NCHW, torchvision ImageFolder + PIL transforms, num_workers=0, hand-written loop")
+    # 2. + tuned loader (num_workers etc. measured by tune_loader)
+    step("tuning the torchvision DataLoader (num_workers, prefetch; measured)")
+    s = tune_loader(_torchvision_dataset(folder, indices), BATCH, max_workers=usable_cores(),
+                    seconds=0.5 if quick else 1.0, device=device, prefetch_factors=(2,), persistent=(True,))
+    m, o = fresh()
+    measure("+ tuned loader", _hand_loop(m, o, to_dev(_Stream(plain_loader(s.num_workers, pin_memory=s.pin_memory))),
+                                         k, "fp32", False),
+            f"the same with num_workers={s.num_workers} (measured best), persistent workers")
+    # 3. + fast data pipeline
+    step("fast_loader: choosing decoder and num_workers (measured)")
+    fast_nchw = fast_loader(store, BATCH, crop=CROP, device=device, channels_last=False, num_workers="auto",
+                            tune_seconds=0.4 if quick else 0.8)
+    workers = fast_nchw.settings.num_workers if fast_nchw.settings else 0
+    m, o = fresh()
+    measure("+ fast data pipeline", _hand_loop(m, o, _Stream(fast_nchw).next, k, "fp32", False),
+            f"fast_loader on a store packed at short side {SHORT_SIDE} ({fast_nchw.decoder}, {workers} workers, "
+            "normalised batches on the device)")
+    # 4. + mixed precision
+    m, o = fresh()
+    measure(f"+ {mixed} autocast", _hand_loop(m, o, _Stream(fast_nchw).next, k, mixed, False),
+            f"torch.autocast({mixed}), fp32 weights")
+    del fast_nchw
+    # 5. + channels_last
+    fast = fast_loader(store, BATCH, crop=CROP, device=device, channels_last=True, num_workers=workers)
+    m, o = fresh(channels_last=True)
+    cl = measure("+ channels_last", _hand_loop(m, o, _Stream(fast).next, k, mixed, True),
+                 "model and batches in channels_last (NHWC) memory format")
+    best, best_compile = cl, False
+    # 6. + compile, kept only if it wins (its compile time is reported as the one-off cost)
+    if quick:
+        rows.append({"technique": "+ torch.compile", "median": None, "min": None, "max": None, "unit": "samples/s",
+                     "ratio": None, "cumulative": None, "metric_drop": None,
+                     "what": "not tried: quick mode budget (compiling ResNet-18 training takes ~1 min on 2 cores)"})
+        results["compile"] = {"tried": False, "reason": "not tried: quick mode budget"}
+    else:
+        m, o = fresh(channels_last=True)
+        cm = torch.compile(m)
+        chunk = _hand_loop(cm, o, _Stream(fast).next, k, mixed, True)
+        step("compiling ResNet-18 (torch.compile; measured)")
+        t0 = time.perf_counter()
+        chunk()
+        compile_s = time.perf_counter() - t0
+        c = measure("+ torch.compile", chunk, "torch.compile(model) (default mode)")
+        compile_s = max(0.0, compile_s - k * BATCH / c)
+        kept = c > cl * 1.05 and (1 / cl - 1 / c) * BATCH * EXPECTED_STEPS > compile_s
+        rows[-1]["what"] += f"; compile {compile_s:.0f} s; {'kept' if kept else 'not kept'} for the rows below"
+        results["compile"] = {"tried": True, "compile_s": compile_s, "samples_s": c, "kept": kept}
+        if kept:
+            best, best_compile = c, True
+        torch._dynamo.reset()
+    # 7. torchspeed auto: the Trainer with every setting on "auto" (measured on this model and data)
+    m, o = fresh()
+    akw: dict[str, Any] = {"expected_steps": EXPECTED_STEPS}
+    if quick:
+        akw["untried"] = {"compile": "quick mode budget"}
+    trainer = Trainer(m, o, torch.nn.functional.cross_entropy, progress=False, accelerate_kwargs=akw)
+
+    def trainer_chunk() -> None:
+        trainer.fit(fast, epochs=10**6, max_steps=trainer.global_step + k)
+
+    step("torchspeed auto: accelerate() measuring candidates")
+    t0 = time.perf_counter()
+    trainer.prepare(fast, EXPECTED_STEPS)
+    results["accelerate_setup_s"] = time.perf_counter() - t0
+    rep = trainer.report
+    auto = measure("torchspeed auto", trainer_chunk,
+                   f"Trainer, everything on auto: chose {rep.precision}, channels_last={rep.channels_last}, "
+                   f"compile={rep.compile}, {rep.optimizer} optimizer (setup {results['accelerate_setup_s']:.0f} s)")
+    results["accelerate"] = rep.to_dict()
+    # Trainer overhead: same settings, same in-memory batches, interleaved with a hand-written loop
+    step("Trainer overhead vs a hand-written loop (interleaved)")
+    stream = _Stream(fast)
+    batches = [stream.next() for _ in range(4 if quick else 8)]
+    del fast, stream
+    prec = rep.precision
+    mh, _ = fresh(channels_last=True)
+    oh = torch.optim.SGD(mh.parameters(), lr=0.05, momentum=0.9, fused=True)
+    it_h = iter(())
+
+    def from_list() -> Any:
+        nonlocal it_h
+        try:
+            return next(it_h)
+        except StopIteration:
+            it_h = iter(batches)
+            return next(it_h)
+
+    hand = _hand_loop(mh, oh, from_list, len(batches), prec, True)
+    mt, ot = fresh(channels_last=True)
+    tr2 = Trainer(mt, ot, torch.nn.functional.cross_entropy, precision=prec, channels_last=True, compile=False,
+                  strategy=None, progress=False)
+
+    def trainer_list() -> None:
+        tr2.fit(batches, epochs=10**9, max_steps=tr2.global_step + len(batches))
+
+    cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=repeats, cooldown_s=0.1,
+                  device=device, items=len(batches) * BATCH)
+    overhead = 100 * (cmp["Trainer"].median_s / cmp["hand-written loop"].median_s - 1)
+    results["trainer_overhead"] = {"hand_s": cmp["hand-written loop"].median_s, "trainer_s": cmp["Trainer"].median_s,
+                                   "steps": len(batches), "precision": prec}
+    # Evaluation: inference_mode vs autograd left on (article 001's torch.no_grad claim)
+    step("evaluation: inference_mode vs autograd on (time, peak memory)")
+    me, _ = fresh()
+    me.eval()
+    xs = [b[0].contiguous() for b in batches[:2]]
+
+    def ev(ctx: Callable[[], Any]) -> Callable[[], None]:
+        def f() -> None:
+            with ctx():
+                for x in xs:
+                    me(x).sum().item()
+        return f
+
+    ec = compare({"autograd on": ev(torch.enable_grad), "no_grad": ev(torch.no_grad),
+                  "inference_mode": ev(torch.inference_mode)}, warmup=1, repeats=repeats, cooldown_s=0.1,
+                 device=device, items=len(xs) * BATCH, measure_memory=True)
+    held = {n: _autograd_held_bytes(me, xs[0], ctx) for n, ctx in
+            (("autograd on", torch.enable_grad), ("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode))}
+    results["eval"] = {n: {"median_s": ec[n].median_s, "peak_rss_bytes": ec[n].peak_mem_bytes,
+                           "autograd_held_bytes": held[n], "speedup": ec.speedup(n)}
+                       for n in ("autograd on", "no_grad", "inference_mode")}
+    for n in ("autograd on", "inference_mode"):
+        t = ec[n]
+        rows.append({"technique": f"eval: {n}", "median": t.median_s * 1e3, "min": t.min_s * 1e3,
+                     "max": t.max_s * 1e3, "unit": "ms", "ratio": ec.speedup(n), "cumulative": None,
+                     "metric_drop": None, "what": f"fp32 forward of {len(xs)} x {BATCH} images; activations held "
+                                                  f"for backward: {held[n] / 2**20:.0f} MiB per batch"})
+    step("early stopping on a plateauing task")
+    results["early_stopping"] = _early_stopping(quick)
+    for r in rows:
+        if r["unit"] == "samples/s" and r["median"] is not None:
+            r["ratio"] = r["cumulative"] = r["median"] / plain
+    results.update(rows=rows, plain_samples_s=plain, torchspeed_samples_s=auto, ratio=auto / plain,
+                   best_hand_samples_s=best, best_hand_uses_compile=best_compile,
+                   trainer_overhead_pct=overhead)
+    step("done")
+    results["phase_s"] = phases
+    es = results["early_stopping"]
+    results["notes"] = [
+        f"ratio {auto / plain:.2f}x (torchspeed auto vs plain); Trainer overhead {overhead:+.1f}% vs a hand-written loop",
+        f"eval: inference_mode {ec.speedup('inference_mode'):.2f}x the speed of autograd-on; activations held for "
+        f"backward {held['inference_mode'] / 2**20:.0f} vs {held['autograd on'] / 2**20:.0f} MiB per batch",
+        f"early stopping: stopped at epoch {es['stopped_at_epoch']} of {es['budget_epochs']} "
+        f"({es['epochs_saved']} epochs, {es['time_saved_pct']:.0f}% of the time saved); best val_loss "
+        f"{es['best_val_loss_early_stopped']:.4f} vs {es['best_val_loss_full_run']:.4f} with the full budget",
+    ]
+    return results
