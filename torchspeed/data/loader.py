@@ -204,8 +204,9 @@ class FastLoader:
     """Iterable of `(images, labels)` already on the device: images normalised float NCHW
     (channels_last memory if asked), labels int64.
 
-    Re-iterable: each complete pass advances the epoch (new shuffle). A pass left early resumes at
-    the next unseen batch, and so does a fresh loader given `load_state_dict(state_dict())`.
+    Re-iterable: each complete pass advances the epoch (new shuffle); a pass left early is not
+    counted (the next pass starts that epoch again from its first batch). A loader given
+    `load_state_dict(state)` starts its next pass at the next batch unseen when `state` was taken.
     """
 
     yields_device_batches = True  # the Trainer duck-types on this: batches need no .to(device)
@@ -216,7 +217,8 @@ class FastLoader:
         self.settings = settings  # LoaderSettings when num_workers was tuned
         self.decoder_table = decoder_table or []  # the decoder measurement, when one was made
         self.epoch = 0
-        self.batches_done = 0
+        self.batches_done = 0  # batches of this epoch yielded so far (what state_dict reports)
+        self._resume_at = 0  # where the next pass starts: set by load_state_dict, used once
 
     @property
     def dataset(self) -> Any:
@@ -239,9 +241,9 @@ class FastLoader:
         return len(self.batch_sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch` (its shuffle and augmentation); keeps the resume point if it is the current one."""
+        """Start epoch `epoch` (its shuffle and augmentation); keeps a loaded resume point if it is the current one."""
         if epoch != self.epoch:
-            self.epoch, self.batches_done = int(epoch), 0
+            self.epoch, self.batches_done, self._resume_at = int(epoch), 0, 0
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": int(self.epoch), "batches_done": int(self.batches_done), "seed": int(self.seed)}
@@ -256,12 +258,14 @@ class FastLoader:
                              f"build the loader with seed={seed} to resume exactly")
         if not 0 <= done <= len(self):
             raise ValueError(f"batches_done {done} is outside 0..{len(self)} for this loader")
-        self.epoch, self.batches_done = epoch, done
+        self.epoch, self.batches_done, self._resume_at = epoch, done, done
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.batches_done >= len(self):
-            self.epoch, self.batches_done = self.epoch + 1, 0
-        self.batch_sampler.epoch, self.batch_sampler.start = self.epoch, self.batches_done
+        start, self._resume_at = self._resume_at, 0  # a loaded resume point is used once
+        if start >= len(self):  # the state was taken at the very end of an epoch
+            self.epoch, start = self.epoch + 1, 0
+        self.batches_done = start
+        self.batch_sampler.epoch, self.batch_sampler.start = self.epoch, start
         for batch in self.prefetcher:
             self.batches_done += 1
             yield batch
