@@ -1,5 +1,4 @@
 import math
-import types
 
 import pytest
 import torch
@@ -13,22 +12,23 @@ def test_compress_suite_end_to_end_on_a_tiny_fake_demo(monkeypatch):
     import torchspeed.bench.suites.compress as suite
 
     torch.manual_seed(0)
-    demo = types.SimpleNamespace(
-        model=torchvision.models.resnet18(num_classes=10).eval(), input_size=32,
-        train_images=torch.randint(0, 256, (128, 3, 32, 32), dtype=torch.uint8), train_labels=torch.arange(128) % 10,
-        heldout_images=torch.randint(0, 256, (50, 3, 32, 32), dtype=torch.uint8), heldout_labels=torch.arange(50) % 10,
-        mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    images = torch.randint(0, 256, (180, 3, 32, 32), dtype=torch.uint8)
+    labels = torch.arange(180) % 10
+    demo = dm.DemoModel(model, images[:128], labels[:128], images[128:], labels[128:], 32, dm.IMAGENET_MEAN,
+                        dm.IMAGENET_STD, accuracy=0.1)
     monkeypatch.setattr(dm, "load_demo_model", lambda log=None: demo)
-    monkeypatch.setattr(suite, "FINETUNE_STEPS", (2, 2))
-    monkeypatch.setattr(suite, "KD_STEPS", (2, 2))
-    monkeypatch.setattr(suite, "KD_SIZE", 32)
+    for name, value in (("FINETUNE_STEPS", (2, 2)), ("KD_STEPS", (2, 2)), ("CROP", 16), ("BN_RECALIB", 64)):
+        monkeypatch.setattr(suite, name, value)
     steps = []
     result = suite.run(quick=True, step=steps.append)
     for key in ("prune_speedup", "prune_metric_drop", "kd_gain", "kd_gain_std"):
         assert isinstance(result[key], float) and math.isfinite(result[key]), key
-    assert len(result["kd"]["runs"]) == 2 and result["kd"]["kd_gain_std"] >= 0
+    runs = result["kd"]["runs"]
+    assert len(runs) == 2 and all(r["gain"] == pytest.approx(r["distilled"] - r["alone"]) for r in runs)
+    assert result["kd"]["setup"]["precision"] in ("fp32", "bf16")
     assert result["prune"]["report"]["params_after"] < result["prune"]["report"]["params_before"] / 3
-    assert result["prune_metric_drop"] == pytest.approx(result["prune"]["acc_before"] - result["prune"]["acc_after"])
+    assert result["prune_metric_drop"] == pytest.approx(0.1 - result["prune"]["acc_after"])
     for row in result["rows"]:
         assert {"technique", "median", "min", "max", "unit", "ratio", "cumulative", "metric_drop", "what"} <= set(row)
     assert any("fine-tuning" in s for s in steps)
@@ -40,22 +40,39 @@ def test_half_width_student_has_half_the_channels():
     model = half_width_resnet18(10, torch.randn(1, 3, 32, 32))
     assert model.conv1.out_channels == 32 and model.layer4[0].conv1.out_channels == 256 and model.fc.in_features == 256
     assert model.fc.out_features == 10
-    assert float(model.bn1.weight.min()) == 1.0 and float(model.bn1.running_var.min()) == 1.0  # re-initialised
+    assert float(model.bn1.weight.detach().min()) == 1.0 and float(model.bn1.running_var.min()) == 1.0  # re-initialised
 
 
-def test_image_loader_is_deterministic_and_normalised():
+def test_image_loader_is_deterministic_crops_and_normalises():
     from torchspeed.bench.suites.compress import ImageTensorLoader
 
     images = torch.randint(0, 256, (10, 3, 16, 16), dtype=torch.uint8)
     labels = torch.arange(10)
-    a = ImageTensorLoader(images, labels, 4, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), seed=1)
-    b = ImageTensorLoader(images, labels, 4, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), seed=1)
+    a = ImageTensorLoader(images, labels, 4, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), crop=8, seed=1)
+    b = ImageTensorLoader(images, labels, 4, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), crop=8, seed=1)
     assert len(a) == 2
     for (xa, ya), (xb, yb) in zip(a, b):
-        assert torch.equal(xa, xb) and torch.equal(ya, yb) and xa.shape == (4, 3, 16, 16)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and xa.shape == (4, 3, 8, 8)
     a.set_epoch(1)
-    assert not torch.equal(next(iter(a))[1], next(iter(b))[1]) or not torch.equal(next(iter(a))[0], next(iter(b))[0])
-    ev = ImageTensorLoader(images, labels, 4, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), train=False)
-    x, y = next(iter(ev))
-    assert len(ev) == 3 and torch.equal(y, labels[:4])
-    torch.testing.assert_close(x, (images[:4].float() / 255 - 0.5) / 0.25)
+    assert not torch.equal(next(iter(a))[1], next(iter(b))[1])
+    whole = ImageTensorLoader(images, labels, 10, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    x, y = next(iter(whole))
+    flipped = torch.stack([img if torch.allclose(x[i], (img.float() / 255 - 0.5) / 0.25, atol=1e-5)
+                           else img.flip(2) for i, img in enumerate(images[[int(v) for v in y]])])
+    torch.testing.assert_close(x, (flipped.float() / 255 - 0.5) / 0.25)
+    with pytest.raises(ValueError, match="crop 32"):
+        ImageTensorLoader(images, labels, 4, (0.5,) * 3, (0.25,) * 3, crop=32)
+
+
+def test_recalibrate_bn_matches_whole_batch_statistics():
+    from torch import nn
+
+    from torchspeed.bench.suites.compress import recalibrate_bn
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    xs = [torch.randn(8, 3, 5, 5) + 2 for _ in range(3)]
+    recalibrate_bn(net, ((x, None) for x in xs))
+    with torch.no_grad():
+        feats = torch.cat([net[0](x) for x in xs])
+    torch.testing.assert_close(net[1].running_mean, feats.mean((0, 2, 3)), rtol=1e-4, atol=1e-5)
+    assert not net.training and net[1].momentum == 0.1

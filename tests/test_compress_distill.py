@@ -102,6 +102,7 @@ def test_distill_through_trainer_moves_student_toward_teacher():
     after = _kl_to_teacher(teacher, model, held)
     assert model is student and after < 0.5 * before
     assert metrics["step"] == 90 and "val_acc" in metrics and "val_loss" in metrics
+    assert metrics["setup"] == {"precision": "fp32", "channels_last": False, "compile": False}
     assert all(p.grad is None for p in teacher.parameters())
 
 

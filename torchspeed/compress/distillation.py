@@ -120,8 +120,13 @@ def _fit(model: nn.Module, loss_fn: Any, train_loader: Iterable[Any], val_loader
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay)
     trainer = Trainer(model, optimizer, loss_fn, precision=precision, callbacks=list(callbacks or []), device=device,
                       **trainer_kwargs)
-    metrics = trainer.fit(train_loader, val_loader=val_loader, epochs=epochs, max_steps=max_steps, resume=resume)
-    return dict(metrics or {})
+    metrics = dict(trainer.fit(train_loader, val_loader=val_loader, epochs=epochs, max_steps=max_steps, resume=resume)
+                   or {})
+    report = trainer.report
+    if report is not None:  # what the Trainer chose (measured where "auto"), so a caller can reuse it
+        metrics["setup"] = {"precision": report.precision, "channels_last": report.channels_last,
+                            "compile": report.compile}
+    return metrics
 
 
 def distill(

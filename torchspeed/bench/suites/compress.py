@@ -1,16 +1,22 @@
 """Compression benchmark: structural pruning + a short fine-tune, and knowledge distillation, on CPU.
 
-The teacher is the shared demo ResNet-18 (trained on the demo photos, evaluated on 1000 held-out
-images at its 224 px input size).
+The teacher is the shared demo ResNet-18 (trained on the demo photos; evaluated, like every model
+here, in fp32 on the 1000 held-out images, whole, at its 224 px input size).
 
 - Pruning: 50% of the channels of every layer removed through Torch-Pruning's dependency graph
   (channel counts rounded to multiples of 8, the classifier's outputs kept), then a short
   fine-tune through the Trainer, distilling from the unpruned model. Latency: batch 1 at 224 px,
-  fp32, original and pruned timed interleaved by the harness. Accuracy: held-out top-1.
-- Distillation: a half-width ResNet-18 (the same architecture with every layer's channels halved,
-  randomly initialised) trained from scratch for the same steps on the same batches, once with the
-  teacher (Hinton KD) and once on the labels alone, over several seeds; `kd_gain` is the mean
-  held-out accuracy gain, with its standard deviation over seeds.
+  fp32, original and pruned timed interleaved by the harness.
+- Distillation: a half-width ResNet-18 (every layer's channels halved, randomly initialised)
+  trained from scratch for the same steps on the same batches, once with the teacher (Hinton KD)
+  and once on the labels alone, over several seeds; `kd_gain` is the mean held-out accuracy gain,
+  with its standard deviation over seeds.
+
+Training follows the demo model's own recipe, which keeps it affordable on a CPU: random crops of
+the 224 px images at their native scale (objects are as many pixels wide as at test time; a
+convolutional net with global pooling applies unchanged to the whole image), then BatchNorm
+statistics re-estimated on whole images. The first run of each part lets the Trainer measure its
+settings ("auto"); the later runs of that part reuse what it chose, so trials are paid once.
 """
 from __future__ import annotations
 
@@ -26,69 +32,70 @@ from torch import nn
 
 TITLE = "Compression: pruning + fine-tune, knowledge distillation (CPU)"
 
-# settings: (quick, full)
+# (quick, full)
 PRUNE_RATIO = 0.5
-FINETUNE_STEPS = (60, 240)
-KD_STEPS = (60, 300)
-KD_SEEDS = (2, 5)
-KD_SIZE = 112          # the distillation runs train and evaluate at 112 px (4x cheaper than 224)
+FINETUNE_STEPS = (60, 200)
+KD_STEPS = (60, 250)
+KD_SEEDS = (2, 4)
+CROP = 96              # training crop side (native scale of the 224 px images)
 BATCH = 64
+BN_RECALIB = 512       # whole training images used to re-estimate BatchNorm statistics
 TEMPERATURE, ALPHA = 4.0, 0.5
 
 
 class ImageTensorLoader:
-    """Shuffled, augmented (flip + translate), normalised batches from uint8 NCHW images in memory.
-
-    Same batches for every run with the same seed and epoch, so two students trained on it see
-    exactly the same data.
-    """
+    """Shuffled batches of random native-scale crops (+ horizontal flip), normalised, from uint8
+    NCHW images in memory. The same seed and epoch give the same batches, so the two arms of a
+    comparison see exactly the same data."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean: tuple, std: tuple,
-                 seed: int = 0, train: bool = True, channels_last: bool = True):
-        self.images, self.labels, self.batch_size = images, labels, batch_size
+                 crop: int | None = None, seed: int = 0):
+        if crop is not None and crop > min(images.shape[-2:]):
+            raise ValueError(f"crop {crop} is larger than the images {tuple(images.shape[-2:])}")
+        self.images, self.labels, self.batch_size, self.crop = images, labels, batch_size, crop
         self.mean = torch.tensor(mean).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std).view(1, 3, 1, 1) * 255
-        self.seed, self.train, self.channels_last, self.epoch = seed, train, channels_last, 0
+        self.seed, self.epoch = seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.images) // self.batch_size if self.train else math.ceil(len(self.images) / self.batch_size)
+        return len(self.images) // self.batch_size  # drop the last partial batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        n = len(self.images)
-        order = torch.randperm(n, generator=gen) if self.train else torch.arange(n)
+        order = torch.randperm(len(self.images), generator=gen)
         for b in range(len(self)):
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
-            x = self.images[idx].float()
-            if self.train:
-                x = _augment(x, gen)
-            x = (x - self.mean) / self.std
-            if self.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            yield x, self.labels[idx]
+            x = _crop_flip(self.images[idx], gen, self.crop)
+            yield (x.float() - self.mean) / self.std, self.labels[idx]
 
 
-def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random horizontal flip and a random translation of up to 1/14 of the side (reflect padding)."""
+def _crop_flip(x: torch.Tensor, gen: torch.Generator, crop: int | None) -> torch.Tensor:
     n, _, h, w = x.shape
+    if crop is not None:
+        top = torch.randint(0, h - crop + 1, (n,), generator=gen).tolist()
+        left = torch.randint(0, w - crop + 1, (n,), generator=gen).tolist()
+        x = torch.stack([x[i, :, top[i]:top[i] + crop, left[i]:left[i] + crop] for i in range(n)])
     flip = torch.rand(n, generator=gen) < 0.5
-    x = torch.where(flip.view(n, 1, 1, 1), x.flip(3), x)
-    pad = max(1, h // 14)
-    padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
-    dx = torch.randint(0, 2 * pad + 1, (n,), generator=gen).tolist()
-    dy = torch.randint(0, 2 * pad + 1, (n,), generator=gen).tolist()
-    return torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+    return torch.where(flip.view(n, 1, 1, 1), x.flip(3), x)
 
 
-def _resize(images: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 NCHW resized (antialiased) to size x size, in chunks to bound memory."""
-    out = [F.interpolate(images[i:i + 256].float(), size=(size, size), mode="bilinear", antialias=True,
-                         align_corners=False).round_().clamp_(0, 255).to(torch.uint8)
-           for i in range(0, len(images), 256)]
-    return torch.cat(out)
+def recalibrate_bn(model: nn.Module, batches: Iterator[tuple[torch.Tensor, Any]]) -> None:
+    """Re-estimate BatchNorm running statistics (forward only) on the given batches: after training
+    on crops, the statistics of whole images differ (the borders)."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over all batches
+    model.train()
+    with torch.no_grad():
+        for x, _ in batches:
+            model(x)
+    for m in bns:
+        m.momentum = 0.1
+    model.eval()
 
 
 def half_width_resnet18(num_classes: int, example: torch.Tensor) -> nn.Module:
@@ -115,13 +122,12 @@ def half_width_resnet18(num_classes: int, example: torch.Tensor) -> nn.Module:
     return model
 
 
-def _trainer_settings() -> dict[str, Any]:
-    """Fixed settings for every run here: the train suite measures the 'auto' choices; this one must
-    not spend its time budget on trials. bf16 autocast where the CPU has native bf16."""
-    from torchspeed.runtime import default_precision
-
-    return dict(precision=default_precision("cpu").name, channels_last=True, compile=False, strategy=None,
-                progress=False, device="cpu")
+def _settings(setup: dict[str, Any] | None) -> dict[str, Any]:
+    """Trainer settings: measured ("auto") on a part's first run, then that choice reused."""
+    base = dict(compile=False, strategy=None, progress=False, device="cpu")
+    if setup is None:
+        return dict(base, precision="auto", channels_last="auto")
+    return dict(base, precision=setup["precision"], channels_last=setup["channels_last"])
 
 
 def _sgd(model: nn.Module, lr: float, steps: int) -> tuple[torch.optim.Optimizer, Any]:
@@ -129,90 +135,74 @@ def _sgd(model: nn.Module, lr: float, steps: int) -> tuple[torch.optim.Optimizer
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     opt = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": no_decay, "weight_decay": 0.0}],
                           lr=lr, momentum=0.9, nesterov=True)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.15)
+    # one spare step: the schedule must never be stepped past its end
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps + 1, pct_start=0.2)
     return opt, sched
 
 
-def _accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean: tuple, std: tuple) -> float:
-    """Held-out top-1 in bf16 autocast where native (fast; the argmax rarely moves) else fp32."""
-    from torchspeed.runtime import default_precision
+def _train(model: nn.Module, demo: Any, steps: int, lr: float, seed: int, teacher: nn.Module | None,
+           setup: dict[str, Any] | None) -> dict[str, Any]:
+    """`steps` SGD steps on crops (distilled from `teacher` if given), BatchNorm re-estimated on whole
+    images, then held-out top-1 (fp32, whole 224 px images)."""
+    from torchspeed.compress import finetune
 
+    loader = ImageTensorLoader(demo.train_images, demo.train_labels, BATCH, demo.mean, demo.std, crop=CROP, seed=seed)
+    opt, sched = _sgd(model, lr, steps)
+    t0 = time.perf_counter()
+    metrics = finetune(model, loader, max_steps=steps, epochs=math.ceil(steps / len(loader)), teacher=teacher,
+                       temperature=TEMPERATURE, alpha=ALPHA, optimizer=opt, scheduler=sched, **_settings(setup))
+    train_s = time.perf_counter() - t0
+    recalibrate_bn(model, demo.batches("train", BATCH, limit=BN_RECALIB))
     model.eval()
-    loader = ImageTensorLoader(images, labels, 100, mean, std, train=False)
-    bf16 = default_precision("cpu").name == "bf16"
-    correct = 0
-    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-        for x, y in loader:
-            correct += int((model(x).argmax(1) == y).sum())
-    return correct / len(labels)
+    accuracy = demo.evaluate(model)
+    return {"accuracy": accuracy, "train_seconds": train_s, "seconds": time.perf_counter() - t0,
+            "setup": metrics.get("setup"), "train_samples_per_s": metrics.get("run_samples_per_s")}
 
 
 def _prune_part(demo: Any, quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
-    from torchspeed.compress import finetune, prune
+    from torchspeed.compress import prune
 
     steps = FINETUNE_STEPS[0 if quick else 1]
     size = demo.input_size
-    example = torch.randn(1, 3, size, size)
-    teacher = demo.model
-    step("pruning 50% of channels")
+    step(f"pruning {PRUNE_RATIO:.0%} of channels, timing both models")
     t0 = time.perf_counter()
-    small, report = prune(demo.model, example, PRUNE_RATIO, importance="l1", round_to=8,
-                          repeats=5 if quick else 15)
+    small, report = prune(demo.model, torch.randn(1, 3, size, size), PRUNE_RATIO, importance="l1", round_to=8,
+                          repeats=10 if quick else 30)
     prune_s = time.perf_counter() - t0
-    acc_pruned = _accuracy(small, demo.heldout_images, demo.heldout_labels, demo.mean, demo.std)
-    step(f"fine-tuning the pruned model ({steps} steps, distilling from the original)")
-    loader = ImageTensorLoader(demo.train_images, demo.train_labels, BATCH, demo.mean, demo.std, seed=0)
-    opt, sched = _sgd(small, 0.02, steps)
-    t0 = time.perf_counter()
-    ft = finetune(small, loader, max_steps=steps, epochs=math.ceil(steps / len(loader)), teacher=teacher,
-                  temperature=TEMPERATURE, alpha=ALPHA, optimizer=opt, scheduler=sched, **_trainer_settings())
-    finetune_s = time.perf_counter() - t0
-    step("evaluating the fine-tuned model")
-    acc_after = _accuracy(small, demo.heldout_images, demo.heldout_labels, demo.mean, demo.std)
-    acc_before = _accuracy(teacher, demo.heldout_images, demo.heldout_labels, demo.mean, demo.std)
+    step("held-out accuracy of the pruned model before fine-tuning")
+    acc_pruned = demo.evaluate(small)
+    step(f"fine-tuning the pruned model ({steps} steps, distilled from the original)")
+    ft = _train(small, demo, steps, lr=0.02, seed=0, teacher=demo.model, setup=None)
     return {
-        "report": report.to_dict(), "acc_before": acc_before, "acc_pruned_no_finetune": acc_pruned,
-        "acc_after": acc_after, "finetune_steps": steps, "finetune_seconds": finetune_s, "prune_seconds": prune_s,
-        "finetune_samples_per_s": ft.get("run_samples_per_s"),
+        "report": report.to_dict(), "acc_before": demo.accuracy, "acc_pruned_no_finetune": acc_pruned,
+        "acc_after": ft["accuracy"], "finetune_steps": steps, "finetune": ft, "prune_seconds": prune_s,
     }
 
 
 def _kd_part(demo: Any, quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
-    from torchspeed.compress import distill, finetune
     from torchspeed.runtime import seed_everything
 
     steps, seeds = KD_STEPS[0 if quick else 1], KD_SEEDS[0 if quick else 1]
-    step(f"resizing the demo data to {KD_SIZE} px")
-    train_x, held_x = _resize(demo.train_images, KD_SIZE), _resize(demo.heldout_images, KD_SIZE)
-    teacher = demo.model
-    teacher_acc = _accuracy(teacher, held_x, demo.heldout_labels, demo.mean, demo.std)
-    example = torch.randn(1, 3, KD_SIZE, KD_SIZE)
+    example = torch.randn(1, 3, CROP, CROP)
     runs: list[dict[str, Any]] = []
+    setup = None
     for seed in range(seeds):
-        accs = {}
+        row: dict[str, Any] = {"seed": seed}
         for arm in ("alone", "distilled"):
             step(f"seed {seed + 1}/{seeds}: half-width student, {arm} ({steps} steps)")
-            seed_everything(seed)  # same initial weights for both arms of a seed
+            seed_everything(seed)  # the same initial weights for both arms of a seed
             student = half_width_resnet18(10, example)
-            loader = ImageTensorLoader(train_x, demo.train_labels, BATCH, demo.mean, demo.std, seed=seed)
-            opt, sched = _sgd(student, 0.1, steps)
-            epochs = math.ceil(steps / len(loader))
-            t0 = time.perf_counter()
-            if arm == "distilled":
-                distill(teacher, student, loader, temperature=TEMPERATURE, alpha=ALPHA, epochs=epochs,
-                        max_steps=steps, optimizer=opt, scheduler=sched, **_trainer_settings())
-            else:
-                finetune(student, loader, epochs=epochs, max_steps=steps, optimizer=opt, scheduler=sched,
-                         **_trainer_settings())
-            accs[arm] = _accuracy(student, held_x, demo.heldout_labels, demo.mean, demo.std)
-            accs[f"{arm}_seconds"] = time.perf_counter() - t0
-        accs["gain"] = accs["distilled"] - accs["alone"]
-        runs.append({"seed": seed, **accs})
+            r = _train(student, demo, steps, lr=0.1, seed=seed, teacher=demo.model if arm == "distilled" else None,
+                       setup=setup)
+            setup = setup or r["setup"]
+            row[arm], row[f"{arm}_seconds"] = r["accuracy"], r["seconds"]
+        row["gain"] = row["distilled"] - row["alone"]
+        runs.append(row)
     gains = [r["gain"] for r in runs]
     return {
-        "runs": runs, "teacher_acc": teacher_acc, "steps": steps, "seeds": seeds, "size": KD_SIZE,
+        "runs": runs, "teacher_acc": demo.accuracy, "steps": steps, "seeds": seeds, "crop": CROP,
         "kd_gain": statistics.mean(gains), "kd_gain_std": statistics.stdev(gains) if len(gains) > 1 else 0.0,
-        "temperature": TEMPERATURE, "alpha": ALPHA,
+        "temperature": TEMPERATURE, "alpha": ALPHA, "setup": setup,
         "student_params": sum(p.numel() for p in half_width_resnet18(10, example).parameters()),
     }
 
@@ -239,22 +229,22 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
          "cumulative": speedup, "metric_drop": drop,
          "what": f"Torch-Pruning L1, round_to 8; params {r['params_before'] / 1e6:.1f}M -> {r['params_after'] / 1e6:.1f}M, "
                  f"MACs {r['macs_before'] / 1e9:.2f}G -> {r['macs_after'] / 1e9:.2f}G; "
-                 f"{p['acc_pruned_no_finetune']:.3f} before fine-tuning"},
+                 f"{p['acc_pruned_no_finetune']:.3f} top-1 before fine-tuning"},
         {"technique": "half-width student, labels only", "median": statistics.median(alone), "min": min(alone),
          "max": max(alone), "unit": "top-1", "ratio": None, "cumulative": None,
          "metric_drop": kd["teacher_acc"] - statistics.mean(alone),
-         "what": f"{kd['seeds']} seeds x {kd['steps']} steps at {kd['size']} px"},
+         "what": f"{kd['seeds']} seeds x {kd['steps']} steps on {kd['crop']} px crops"},
         {"technique": f"half-width student, distilled (T={TEMPERATURE:g}, alpha={ALPHA:g})",
          "median": statistics.median(dist), "min": min(dist), "max": max(dist), "unit": "top-1", "ratio": None,
          "cumulative": None, "metric_drop": kd["teacher_acc"] - statistics.mean(dist),
          "what": f"same steps and batches, with the teacher; gain {kd['kd_gain']:+.3f} +- {kd['kd_gain_std']:.3f}"},
     ]
     notes = [
-        f"pruning: latency batch 1 at {demo.input_size} px fp32, median of interleaved repeats; speed-up x{speedup:.2f}, "
-        f"held-out top-1 {p['acc_before']:.3f} -> {p['acc_after']:.3f} (drop {drop:+.3f}); "
-        f"fine-tune {p['finetune_seconds']:.0f} s",
-        f"distillation: kd_gain {kd['kd_gain']:+.3f} +- {kd['kd_gain_std']:.3f} over {kd['seeds']} seeds "
-        f"(teacher {kd['teacher_acc']:.3f} at {kd['size']} px); metric drop column = teacher minus student",
+        f"pruning: latency at batch 1, {demo.input_size} px, fp32, median of interleaved repeats: x{speedup:.2f}; "
+        f"held-out top-1 {p['acc_before']:.3f} -> {p['acc_after']:.3f} (drop {drop:+.3f}) after a "
+        f"{p['finetune']['train_seconds']:.0f} s fine-tune",
+        f"distillation: kd_gain {kd['kd_gain']:+.3f} +- {kd['kd_gain_std']:.3f} (std over {kd['seeds']} seeds); "
+        f"metric drop column of the student rows = teacher top-1 minus student top-1",
     ]
     return {
         "prune_speedup": speedup, "prune_metric_drop": drop, "kd_gain": kd["kd_gain"], "kd_gain_std": kd["kd_gain_std"],
