@@ -1,5 +1,8 @@
 """Inference: Conv+BN fusion, precision variants, ONNX export, INT8 quantization, runtimes, and the
-`optimize` search that keeps the fastest variant that passes its accuracy check."""
+`optimize` search that keeps the fastest variant that passes its accuracy check.
+
+Module names differ from the public function names (`search` holds `optimize`, `artifact` holds
+`load`) so that importing a submodule never shadows the function of the same name."""
 from __future__ import annotations
 
 import importlib
@@ -18,10 +21,10 @@ _EXPORTS = {
     "TorchRunner": "runtimes",
     "OrtRunner": "runtimes",
     "OpenVINORunner": "runtimes",
-    "optimize": "optimize",
-    "OptimizeResult": "optimize",
-    "Candidate": "optimize",
-    "load": "load",
+    "optimize": "search",
+    "OptimizeResult": "search",
+    "Candidate": "search",
+    "load": "artifact",
     "create_model": "models",
 }
 __all__ = list(_EXPORTS)

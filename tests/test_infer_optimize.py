@@ -1,0 +1,201 @@
+"""optimize(): INT8 accuracy on a trained task, the guard, failures reported, artifacts, clear errors."""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import torchspeed as ts
+from torchspeed.infer.search import optimize
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("openvino")
+
+
+def _task(n: int, seed: int):
+    """A small learnable task: 16x16 noisy images whose mean colour (hue) gives one of 4 classes."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    palette = torch.tensor([[1.0, -1, -1], [-1, 1, -1], [-1, -1, 1], [1, 1, -1]])
+    x = palette[y].view(n, 3, 1, 1) * 0.5 + torch.randn(n, 3, 16, 16, generator=g) * 3.0
+    return x, y
+
+
+def _net():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch.manual_seed(0)
+    model = _net()
+    x, y = _task(1536, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        for i in range(0, len(x), 64):
+            loss = nn.functional.cross_entropy(model(x[i:i + 64]), y[i:i + 64])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.eval()
+    hx, hy = _task(1000, 1)
+
+    def eval_fn(run):
+        out = torch.as_tensor(run(hx))
+        return float((out.argmax(1) == hy).float().mean())
+
+    assert 0.7 < eval_fn(model) < 0.99, "the small task did not train (or is trivially easy)"
+    return model, [x[i:i + 32] for i in range(0, 256, 32)], eval_fn
+
+
+@pytest.fixture(scope="module")
+def result(trained):
+    model, calib, eval_fn = trained
+
+    def broken(m):  # a deliberately broken variant: a lossy copy that zeroes the classifier's strongest weights
+        import copy
+        b = copy.deepcopy(m)
+        with torch.no_grad():
+            w = b[-1].weight
+            w[w.abs() > w.abs().median()] = 0
+        return b
+
+    return optimize(model, torch.randn(1, 3, 16, 16), calib_data=calib, eval_fn=eval_fn, max_metric_drop=0.02,
+                    backends=["torch", "onnxruntime", "openvino"], batch_sizes=(1, 4), exporter="torchscript",
+                    repeats=2, min_time_s=0.0, extra_candidates={"broken": broken})
+
+
+def test_int8_accuracy_within_bound_on_trained_task(result):
+    for name in ("onnxruntime int8", "openvino int8"):
+        c = result[name]
+        assert c.status == "ok", (name, c.status, c.reason)
+        assert c.metric_drop is not None and c.metric_drop <= 0.02
+        assert c.rel_l2_error > 0  # it really is quantized
+    assert result.baseline_metric > 0.7
+
+
+def test_guard_rejects_broken_variant(result):
+    c = result["broken"]
+    assert c.status == "rejected" and "metric drop" in c.reason
+    assert result.best is not None and result.best.name != "broken" and result.best.passed
+
+
+def test_table_has_latency_and_exact_variants_verified(result):
+    for name in ("eager fp32", "fused fp32", "onnxruntime fp32", "openvino f32"):
+        c = result[name]
+        assert c.status == "ok" and c.max_rel_error <= 1e-3
+        assert c.p50_ms(1) > 0 and c.p50_ms(4) > 0
+    assert result.best is result.fastest(1)
+    d = result.to_dict()
+    assert d["best"] == result.best.name and len(d["candidates"]) == len(result.table)
+
+
+@pytest.mark.parametrize("name", ["onnxruntime int8", "openvino int8", "openvino f32"])
+def test_saved_artifact_reproduces_outputs(result, tmp_path, name):
+    c = result[name]
+    c.save(tmp_path / "a")
+    runner = ts.infer.load(tmp_path / "a")
+    for b in (1, 5):  # any batch size
+        x = torch.randn(b, 3, 16, 16)
+        assert torch.allclose(runner(x), c(x), rtol=1e-5, atol=1e-5)
+    assert runner.manifest_data["name"] == name and runner.manifest_data["precision"] == c.precision
+
+
+def test_torch_artifact_by_name_round_trip(tmp_path):
+    model = ts.infer.create_model("resnet18", num_classes=3)
+    from torchspeed.infer.runtimes import TorchRunner
+
+    r = TorchRunner(model, {"fuse": True, "precision": "fp32"})
+    r.save(tmp_path / "t")
+    back = ts.infer.load(tmp_path / "t")
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.allclose(back(x), r(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="without pickle"):
+        TorchRunner(_net().eval(), {}).save(tmp_path / "u")
+
+
+@torch.library.custom_op("torchspeed_test::scramble", mutates_args=())
+def _scramble(x: torch.Tensor) -> torch.Tensor:
+    return x.flip(-1) * 0.5
+
+
+@_scramble.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class CustomOpNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return _scramble(self.conv(x)).mean((2, 3))
+
+
+def test_unsupported_operator_marks_candidates_failed_not_raised():
+    r = optimize(CustomOpNet().eval(), torch.randn(1, 3, 8, 8), backends=["torch", "onnxruntime", "openvino"],
+                 precisions=["fp32"], batch_sizes=(1,), repeats=1, exporter="torchscript")
+    for name in ("onnxruntime fp32", "openvino f32"):
+        assert r[name].status == "failed" and "scramble" in r[name].reason, r[name].reason
+    assert r["eager fp32"].status == "ok" and r.best is not None and r.best.backend == "torch"
+
+
+def test_clear_errors(trained):
+    model = trained[0]
+    with pytest.raises(ValueError, match="did you mean resnet18"):
+        ts.infer.create_model("resnett18")
+    with pytest.raises(ValueError, match=r"cannot run on inputs of shape \(1, 1, 16, 16\)"):
+        optimize(model, torch.randn(1, 1, 16, 16), backends=["torch"], precisions=["fp32"])
+    with pytest.raises(ValueError, match="calibration"):
+        optimize(model, torch.randn(1, 3, 16, 16), precisions=["int8"])
+    with pytest.raises(ValueError, match="unknown backend 'tensorflow'"):
+        optimize(model, torch.randn(1, 3, 16, 16), backends=["tensorflow"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ts.infer.load("/nonexistent/artifact")
+
+
+def test_export_onnx_dynamic_batch_from_batch_one(tmp_path):
+    """The dynamo exporter with a batch-1 example still gives a batch-dynamic model, checked in ORT."""
+    model = _net().eval()
+    rep = ts.infer.export_onnx(model, torch.randn(1, 3, 16, 16), tmp_path / "m.onnx")
+    assert rep.exporter in ("dynamo", "torchscript")
+    assert not isinstance(rep.input_shape[0], int)  # symbolic batch dimension
+    assert set(rep.max_error) == {1, 3} and max(rep.max_error.values()) < 1e-4
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    out = sess.run(None, {sess.get_inputs()[0].name: torch.randn(7, 3, 16, 16).numpy()})[0]
+    assert out.shape == (7, 4)
+
+
+def test_export_unsupported_op_names_it(tmp_path):
+    with pytest.raises(ValueError, match="scramble"):
+        ts.infer.export_onnx(CustomOpNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "c.onnx", exporter="torchscript")
+    assert not os.path.exists(tmp_path / "c.onnx")
+
+
+def test_cli_optimize_end_to_end(tmp_path, capsys):
+    from torchspeed.cli import main
+
+    out, js = tmp_path / "best", tmp_path / "r.json"
+    code = main(["optimize", "resnet18", "--num-classes", "4", "--input-shape", "1,3,32,32", "--backends", "torch",
+                 "--precisions", "fp32", "--batch-sizes", "1,2", "--out", str(out), "--json", str(js)])
+    assert code == 0, capsys.readouterr()
+    import json
+
+    assert json.loads(js.read_text())["best"] in ("eager fp32", "fused fp32")
+    runner = ts.infer.load(out)
+    assert runner(torch.randn(3, 3, 32, 32)).shape == (3, 4)
+
+
+def test_cli_errors_are_one_line(capsys):
+    from torchspeed.cli import main
+
+    assert main(["optimize", "resnett18"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'resnett18'" in err and "Traceback" not in err
+    assert main(["optimize", "resnet18", "--input-shape", "1,3,32,32", "--precisions", "int8"]) == 2
+    assert "calibration" in capsys.readouterr().err
