@@ -298,46 +298,51 @@ def accelerate(
         model.train()
 
     try:
-        # 1. precision
-        if precision == "auto":
-            times = trial.compare({p: trial.step_fn(model, p, False) for p in _precision_candidates(dev)})
-            cands.extend(Candidate("precision", p, t) for p, t in times.items())
-            chosen = "fp32"
-            for p, t in times.items():
-                if p != "fp32" and _margin_ok(times["fp32"], t, margin):
-                    chosen = p
-            for c in cands:
-                c.decision = "kept" if c.value == chosen else (
-                    "baseline" if c.value == "fp32" else f"rejected: not {margin:.0%} faster than fp32")
-            if chosen == "fp32" and len(times) == 1:
-                cands[-1].decision = f"kept ({default_precision(dev).reason})"
-        else:
-            chosen = precision
-            cands.append(Candidate("precision", precision, decision="given"))
-        if chosen == "fp16" and dev.type != "cuda":
+        # 1-2. precision and memory format, searched jointly: on CPUs bf16 may only pay off in NHWC
+        # (oneDNN reorders NCHW bf16 activations), so a one-axis-at-a-time search could miss the best pair.
+        if precision == "fp16" and dev.type != "cuda":
             raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
-        report.precision = chosen
-
-        # 2. channels_last (under the chosen precision)
+        precs = _precision_candidates(dev) if precision == "auto" else [precision]
+        layouts = [bool(channels_last)] if channels_last != "auto" else [False, True]
+        if channels_last == "auto" and not (_has_conv(model) and isinstance(trial.inputs, torch.Tensor)
+                                            and trial.inputs.dim() == 4):
+            layouts = [False]
+            cands.append(Candidate("channels_last", "True", decision="not tried: no 2-D convolutions / 4-D input"))
         base_step = None
-        if channels_last == "auto":
-            if not _has_conv(model) or not (isinstance(trial.inputs, torch.Tensor) and trial.inputs.dim() == 4):
-                cands.append(Candidate("channels_last", "True", decision="not tried: no 2-D convolutions / 4-D input"))
-                report.channels_last = False
-            else:
-                nhwc = copy.deepcopy(model).to(memory_format=torch.channels_last)  # both layouts, interleaved
-                times = trial.compare({"off": trial.step_fn(model, chosen, False), "on": trial.step_fn(nhwc, chosen, True)})
-                t_off, t_on = times["off"], times["on"]
-                del nhwc
-                keep = _margin_ok(t_off, t_on, margin)
-                cands.append(Candidate("channels_last", "False", t_off, decision="baseline" if keep else "kept"))
-                cands.append(Candidate("channels_last", "True", t_on, decision="kept" if keep else
-                                       f"rejected: not {margin:.0%} faster"))
-                report.channels_last = keep
-                base_step = t_on if keep else t_off
+        if len(precs) * len(layouts) > 1:
+            nhwc = copy.deepcopy(model).to(memory_format=torch.channels_last) if True in layouts else None
+            label = "+".join(n for n, many in (("precision", len(precs) > 1), ("channels_last", len(layouts) > 1))
+                             if many)
+
+            def name(p: str, cl: bool) -> str:
+                return "+".join(v for v, many in ((p, len(precs) > 1), ("NHWC" if cl else "NCHW", len(layouts) > 1))
+                                if many)
+
+            combos = {name(p, cl): (p, cl) for p in precs for cl in layouts}
+            times = trial.compare({n: trial.step_fn(nhwc if cl else model, p, cl) for n, (p, cl) in combos.items()})
+            del nhwc
+            base = name(precs[0], layouts[0])  # fp32 (when auto) in NCHW (when auto): the plain way
+            best = min(times, key=times.__getitem__)
+            chosen_name = best if best != base and _margin_ok(times[base], times[best], margin) else base
+            for n, t in times.items():
+                why = "kept" if n == chosen_name else "baseline" if n == base else (
+                    f"rejected: not {margin:.0%} faster than {base}" if n == best else
+                    f"rejected: slower than {chosen_name}")
+                cands.append(Candidate(label, n, t, decision=why))
+            chosen, report.channels_last = combos[chosen_name]
+            base_step = times[chosen_name]
+            if len(precs) == 1:
+                cands.append(Candidate("precision", chosen, decision="given" if precision != "auto" else
+                                       f"kept ({default_precision(dev).reason})"))
+            if len(layouts) == 1 and channels_last != "auto":
+                cands.append(Candidate("channels_last", str(report.channels_last), decision="given"))
         else:
-            report.channels_last = bool(channels_last)
-            cands.append(Candidate("channels_last", str(report.channels_last), decision="given"))
+            chosen, report.channels_last = precs[0], layouts[0]
+            reason = "given" if precision != "auto" else f"kept ({default_precision(dev).reason})"
+            cands.append(Candidate("precision", chosen, decision=reason))
+            if channels_last != "auto":
+                cands.append(Candidate("channels_last", str(report.channels_last), decision="given"))
+        report.precision = chosen
         model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
 
         # 3. compile: one-off compile time charged against the expected run
