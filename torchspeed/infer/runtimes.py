@@ -12,6 +12,7 @@ otherwise silently run an "fp32" model in bf16.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -106,10 +107,7 @@ def build_torch_module(model: nn.Module, recipe: dict[str, Any]) -> nn.Module | 
     m = to_precision(m, recipe.get("precision", "fp32"), recipe.get("mode", "autocast"),
                      bool(recipe.get("channels_last")), copy_model=False)
     if recipe.get("compile"):
-        import torch._inductor.config as inductor_config
-
-        inductor_config.freezing = True  # constant-fold weights and pre-pack them for oneDNN (inference only)
-        m = torch.compile(m, dynamic=False)
+        m = torch.compile(m, dynamic=False)  # compiled on first call, under TorchRunner's freezing patch
     return m
 
 
@@ -131,9 +129,17 @@ class TorchRunner(Runner):
     def __call__(self, x: Any) -> torch.Tensor:
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._compile_config():
             out = self.module(_as_tensor(x).float())
         return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _compile_config(self) -> Any:
+        if not self.recipe.get("compile"):
+            return contextlib.nullcontext()
+        import torch._inductor.config as inductor_config
+
+        # freezing: weights become constants, folded and pre-packed for oneDNN (inference only)
+        return inductor_config.patch(freezing=True)
 
     def size_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.module.state_dict().values() if isinstance(t, torch.Tensor))
