@@ -236,3 +236,18 @@ def test_bad_arguments_are_clear():
         Trainer(model, opt, nn.functional.cross_entropy, log_path="x.txt")
     with pytest.raises(ValueError, match="a batch must be"):
         Trainer(model, opt, nn.functional.cross_entropy, **FIXED).fit([torch.zeros(2, 3, 8, 8)], epochs=1)
+
+
+@pytest.mark.slow
+def test_accelerate_tries_compile_and_reports_its_cost():
+    model = _net()
+    acc = accelerate(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", channels_last=False,
+                     example_batch=next(iter(_data())), loss_fn=nn.functional.cross_entropy, expected_steps=10**6,
+                     min_compile_cost_s=0.0)
+    comp = {c.value: c for c in acc.report.candidates if c.setting == "compile"}
+    assert comp["True"].step_s > 0 and comp["True"].one_off_s > 0  # measured, with its compile time
+    assert comp["True"].decision.startswith(("kept", "rejected"))
+    assert acc.report.compile == (comp["True"].decision == "kept")
+    assert hasattr(acc.model, "_orig_mod") == acc.report.compile and acc.module is model
+    out = acc.model(next(iter(_data()))[0])
+    assert out.shape == (32, 2)
