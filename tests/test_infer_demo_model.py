@@ -43,15 +43,16 @@ def test_trained_demo_model_contract_and_int8_accuracy():
 
     d = dm.load_demo_model()
     assert len(d.heldout_images) >= 1000 and d.heldout_images.dtype == torch.uint8
-    assert d.input_size == d.heldout_images.shape[-1] == 224
-    assert 0.6 <= d.accuracy <= 0.95, d.accuracy
+    size = d.input_size
+    assert size == d.heldout_images.shape[-1] == d.train_images.shape[-1]
+    assert 0.5 <= d.accuracy <= 0.95, d.accuracy
     assert not d.model.training
     # a fresh copy per call
     assert dm.load_demo_model().model is not d.model
     calib = list(d.batches("train", 32, limit=128))
-    res = optimize(d.model, torch.randn(1, 3, 224, 224), calib_data=calib,
+    res = optimize(d.model, torch.randn(1, 3, size, size), calib_data=calib,
                    eval_fn=lambda run: d.evaluate(run, limit=400), backends=["torch", "onnxruntime", "openvino"],
-                   precisions=["fp32", "int8"], batch_sizes=(8,), repeats=1, exporter="torchscript")
+                   precisions=["fp32", "int8"], measure=False, exporter="torchscript")
     assert abs(res.baseline_metric - d.evaluate(d.model, limit=400)) < 1e-9
     for name in ("onnxruntime int8", "openvino int8"):
         c = res[name]

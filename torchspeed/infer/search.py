@@ -210,6 +210,7 @@ def optimize(
     min_time_s: float = 0.05,
     extra_candidates: dict[str, Callable[[nn.Module], Any]] | None = None,
     arch: dict[str, Any] | None = None,
+    measure: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> OptimizeResult:
     """Build, verify and time every inference variant of `model`; return the table and the best.
@@ -218,6 +219,7 @@ def optimize(
     `calib_data`: iterable of input batches or (input, label) pairs, for INT8. `eval_fn(run) -> float`
     (higher is better) scores a candidate's `run(batch) -> outputs` on held-out data.
     `extra_candidates`: name -> function(model) returning an nn.Module or callable, judged as lossy.
+    `measure=False` verifies only (no timing, so no `.best`).
     """
     log = log or (lambda s: None)
     if not isinstance(model, nn.Module):
@@ -432,10 +434,10 @@ def optimize(
                 cand.status = "rejected"
                 cand.reason = f"metric drop {cand.metric_drop:.4f} > {max_metric_drop} ({cand.metric:.4f} vs {baseline_metric:.4f})"
 
-    measured = [c for c in table if c.runner is not None]
+    measured = [c for c in table if c.runner is not None] if measure else []
     from torchspeed.bench.harness import compare  # the one timing tool (house rule)
 
-    for b in batch_sizes:
+    for b in batch_sizes if measured else ():
         log(f"timing {len(measured)} variants at batch {b}")
         x = _batch_of(example, b, gen)
         contenders = {c.name: (lambda c=c: c.runner(x)) for c in measured}
