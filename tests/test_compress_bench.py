@@ -18,7 +18,7 @@ def test_compress_suite_end_to_end_on_a_tiny_fake_demo(monkeypatch):
     demo = dm.DemoModel(model, images[:128], labels[:128], images[128:], labels[128:], 32, dm.IMAGENET_MEAN,
                         dm.IMAGENET_STD, accuracy=0.1)
     monkeypatch.setattr(dm, "load_demo_model", lambda log=None: demo)
-    for name, value in (("FINETUNE_STEPS", (2, 2)), ("KD_STEPS", (2, 2)), ("CROP", 16), ("BN_RECALIB", 64)):
+    for name, value in (("FINETUNE_STEPS", (2, 2)), ("KD_STEPS", (2, 2)), ("MAX_TRAIN_SIDE", 16), ("BN_RECALIB", 64)):
         monkeypatch.setattr(suite, name, value)
     steps = []
     result = suite.run(quick=True, step=steps.append)
@@ -60,6 +60,14 @@ def test_image_loader_is_deterministic_crops_and_normalises():
     flipped = torch.stack([img if torch.allclose(x[i], (img.float() / 255 - 0.5) / 0.25, atol=1e-5)
                            else img.flip(2) for i, img in enumerate(images[[int(v) for v in y]])])
     torch.testing.assert_close(x, (flipped.float() / 255 - 0.5) / 0.25)
+    shifted = ImageTensorLoader(images, labels, 10, (0.0,) * 3, (1 / 255,) * 3, pad=2, seed=3)
+    xs, ys = next(iter(shifted))
+    assert xs.shape == (10, 3, 16, 16)
+    # every output is a (possibly flipped) translation of its source image by at most 2 pixels
+    for img, out in zip(images[[int(v) for v in ys]].float(), xs):
+        padded = torch.nn.functional.pad(img[None], (2, 2, 2, 2), mode="reflect")[0]
+        windows = [padded[:, i:i + 16, j:j + 16] for i in range(5) for j in range(5)]
+        assert any(torch.allclose(out, w, atol=1e-3) or torch.allclose(out, w.flip(2), atol=1e-3) for w in windows)
     with pytest.raises(ValueError, match="crop 32"):
         ImageTensorLoader(images, labels, 4, (0.5,) * 3, (0.25,) * 3, crop=32)
 

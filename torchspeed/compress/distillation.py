@@ -70,8 +70,7 @@ class KDLoss:
             raise ValueError(f"teacher must be a model (or callable) returning logits, got {type(teacher).__name__}")
         self.teacher, self.temperature, self.alpha = teacher, float(temperature), float(alpha)
         if isinstance(teacher, nn.Module):
-            teacher.eval()
-            teacher.requires_grad_(False)
+            teacher.eval()  # (its requires_grad flags are left alone: inference_mode already records nothing)
 
     def teacher_logits(self, inputs: torch.Tensor) -> torch.Tensor:
         if isinstance(self.teacher, nn.Module):
