@@ -199,3 +199,17 @@ def test_cli_errors_are_one_line(capsys):
     assert "unknown model 'resnett18'" in err and "Traceback" not in err
     assert main(["optimize", "resnet18", "--input-shape", "1,3,32,32", "--precisions", "int8"]) == 2
     assert "calibration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["entropy", "percentile"])
+def test_calibration_methods_selectable(trained, tmp_path, method):
+    model, calib, eval_fn = trained
+    from torchspeed.infer.quantize import quantize_onnx_static
+    from torchspeed.infer.runtimes import OrtRunner
+
+    ts.infer.export_onnx(model, torch.randn(1, 3, 16, 16), tmp_path / "m.onnx", exporter="torchscript")
+    quantize_onnx_static(str(tmp_path / "m.onnx"), str(tmp_path / "q.onnx"), calib, method=method)
+    run = OrtRunner(str(tmp_path / "q.onnx"), "int8")
+    assert eval_fn(model) - eval_fn(run) <= 0.03
+    with pytest.raises(ValueError, match="calibration method must be one of"):
+        quantize_onnx_static(str(tmp_path / "m.onnx"), str(tmp_path / "r.onnx"), calib, method="mse")

@@ -14,9 +14,11 @@ Calibration data is an iterable of input batches (tensors) or of (input, label) 
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -50,6 +52,19 @@ def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None
     if not out:
         raise ValueError("the calibration data is empty: pass at least one batch of representative inputs")
     return out
+
+
+@contextlib.contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """ONNX Runtime's quantizer logs per-tensor warnings (e.g. per-channel axis on LayerNorm weights,
+    which it then quantizes per-tensor) on the root logger; keep them out of the user's console."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 def _ort_quant() -> Any:
@@ -92,9 +107,10 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
         extra = {"ActivationSymmetric": False, "WeightSymmetric": True}
         if method == "percentile":
             extra["CalibPercentile"] = 99.99
-        q.quantize_static(pre, out_path, Reader(), quant_format=q.QuantFormat.QDQ, per_channel=per_channel,
-                          activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8,
-                          calibrate_method=methods[method], extra_options=extra)
+        with _quiet_root_logger():
+            q.quantize_static(pre, out_path, Reader(), quant_format=q.QuantFormat.QDQ, per_channel=per_channel,
+                              activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8,
+                              calibrate_method=methods[method], extra_options=extra)
     return out_path
 
 
@@ -106,8 +122,9 @@ def quantize_onnx_dynamic(onnx_path: str, out_path: str, per_channel: bool = Tru
         from onnxruntime.quantization.shape_inference import quant_pre_process
 
         quant_pre_process(onnx_path, pre, skip_symbolic_shape=False)
-        q.quantize_dynamic(pre, out_path, weight_type=q.QuantType.QInt8, per_channel=per_channel,
-                           op_types_to_quantize=["MatMul", "Gemm", "LSTM", "Attention"])
+        with _quiet_root_logger():
+            q.quantize_dynamic(pre, out_path, weight_type=q.QuantType.QInt8, per_channel=per_channel,
+                               op_types_to_quantize=["MatMul", "Gemm", "LSTM", "Attention"])
     return out_path
 
 
@@ -124,8 +141,6 @@ def quantize_openvino(model_path: str, calib_data: Iterable[Any] | None, method:
         raise ImportError("OpenVINO INT8 needs openvino and nncf: pip install 'torchspeed[infer]'") from None
     arrays = calibration_arrays(calib_data, max_samples)
     model = ov.Core().read_model(model_path)
-    import logging
-
     logging.getLogger("nncf").setLevel(logging.ERROR)
     # subset_size counts Dataset items, i.e. batches
     return nncf.quantize(model, nncf.Dataset(arrays), subset_size=len(arrays), fast_bias_correction=True,
