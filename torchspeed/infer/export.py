@@ -137,7 +137,3 @@ def _first_line(e: BaseException) -> str:
         if "unsupported" in ln.lower() or "no symbolic" in ln.lower() or "not supported" in ln.lower():
             return ln[:300]
     return (lines[0] if lines else repr(e))[:300]
-
-
-def example_numpy(x: torch.Tensor) -> np.ndarray:
-    return x.detach().float().contiguous().numpy()
