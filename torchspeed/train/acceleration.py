@@ -110,12 +110,13 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
     return torch.autocast(device.type, dtype=_DTYPES[precision])
 
 
-def to_device(x: Any, device: torch.device, channels_last: bool = False) -> Any:
-    """Move a tensor (or a tuple/list/dict of them) to `device`; 4-D float tensors optionally NHWC."""
+def to_device(x: Any, device: torch.device, channels_last: bool | None = None) -> Any:
+    """Move a tensor (or a tuple/list/dict of them) to `device`; 4-D float tensors to NHWC (True) or
+    NCHW (False) memory format, left as they are with None (a no-op when already in that format)."""
     if isinstance(x, torch.Tensor):
         x = x.to(device, non_blocking=True)
-        if channels_last and x.dim() == 4 and x.is_floating_point():
-            x = x.contiguous(memory_format=torch.channels_last)
+        if channels_last is not None and x.dim() == 4 and x.is_floating_point():
+            x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         return x
     if isinstance(x, (list, tuple)):
         return type(x)(to_device(v, device, channels_last) for v in x)

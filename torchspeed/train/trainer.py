@@ -240,6 +240,8 @@ class Trainer:
         if not getattr(self._loader, "yields_device_batches", False):
             x = to_device(x, self.device, self.acc.channels_last)
             y = to_device(y, self.device)
+        elif isinstance(x, torch.Tensor) and x.dim() == 4:  # on the device already: only the chosen layout
+            x = x.contiguous(memory_format=torch.channels_last if self.acc.channels_last else torch.contiguous_format)
         return x, y
 
     @staticmethod
