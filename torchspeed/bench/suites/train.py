@@ -125,8 +125,7 @@ def _autograd_held_bytes(model: Any, x: Any, ctx: Callable[[], Any]) -> int:
     """Bytes of activations autograd keeps for backward during one forward (0 without autograd).
 
     Counted exactly through saved-tensor hooks: the process's peak RSS cannot show it reliably
-    (allocator caching, and /proc/self/clear_refs is not writable in every container).
-    """
+    (freed memory cached by the allocator is reused without raising RSS)."""
     import torch
 
     seen: dict[int, int] = {}
