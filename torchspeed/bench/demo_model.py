@@ -44,9 +44,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 N_IMAGES = 4000        # demo_folder(4000): image i has label i % 10
 N_TRAIN = 3000         # the rest (1000) is the held-out split
 INPUT_SIZE = 48        # trained and evaluated at this square size: ~22x fewer pixels than 224
-EPOCHS = 4
+EPOCHS = 12
 PAD = 4                # random translation by up to PAD pixels
-BATCH_SIZE = 64
+BATCH_SIZE = 32
 PEAK_LR, WEIGHT_DECAY, LABEL_SMOOTHING = 0.05, 5e-4, 0.1
 SEED = 0
 
