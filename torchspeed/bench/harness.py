@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Timing", "Comparison", "PeakMemory", "time_callable", "time_iterable", "compare", "print_table"]
+__all__ = ["Timing", "Comparison", "PeakMemory", "time_callable", "time_iterable", "compare", "print_table", "format_number"]
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -323,5 +323,16 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
     for i, col in enumerate(columns):
         table.add_column(col, justify="left" if i == 0 else "right")
     for row in rows:
-        table.add_row(*("" if v is None else f"{v:,.3g}" if isinstance(v, float) else str(v) for v in row))
+        table.add_row(*(format_number(v) for v in row))
     (console or Console()).print(table)
+
+
+def format_number(v: Any) -> str:
+    """Table cell text: 3 significant digits, thousands separators for large numbers."""
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return ""
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return str(v)

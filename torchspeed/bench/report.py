@@ -5,12 +5,12 @@ suite JSON holding "rows" as described in `torchspeed.bench.suites`.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
 from torchspeed.atomic import atomic_write
 from torchspeed.bench import suites
+from torchspeed.bench.harness import format_number
 
 WHAT = {
     "data": "Data loading: images/s delivered to the model, ready to use",
@@ -21,21 +21,11 @@ WHAT = {
 }
 
 
-def _fmt(v: Any, digits: int = 3) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return ""
-    if isinstance(v, float):
-        if abs(v) >= 1000:
-            return f"{v:,.0f}"
-        return f"{v:.{digits}g}"
-    return str(v)
-
-
 def _spread(row: dict[str, Any]) -> str:
     lo, hi = row.get("min"), row.get("max")
     if lo is None or hi is None:
         return ""
-    return f"{_fmt(lo)}-{_fmt(hi)}"
+    return f"{format_number(lo)}-{format_number(hi)}"
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any] | None:
@@ -65,9 +55,9 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
         out.append((
             name,
             row.get("technique", ""),
-            f"{_fmt(row.get('median'))} {row.get('unit', '')}".strip(),
+            f"{format_number(row.get('median'))} {row.get('unit', '')}".strip(),
             f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else "",
-            _fmt(row.get("metric_drop")),
+            format_number(row.get("metric_drop")),
         ))
     return out
 
@@ -83,11 +73,11 @@ def suite_table(result: dict[str, Any]) -> str:
     rows = [
         (
             r.get("technique", ""),
-            f"{_fmt(r.get('median'))} {r.get('unit', '')}".strip(),
+            f"{format_number(r.get('median'))} {r.get('unit', '')}".strip(),
             _spread(r),
             f"{r['ratio']:.2f}x" if isinstance(r.get("ratio"), (int, float)) else "",
             f"{r['cumulative']:.2f}x" if isinstance(r.get("cumulative"), (int, float)) else "",
-            _fmt(r.get("metric_drop")),
+            format_number(r.get("metric_drop")),
             r.get("what", ""),
         )
         for r in result.get("rows", [])
@@ -123,7 +113,7 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     ax.set_xlabel(xlabel)
     ax.set_title(WHAT.get(name, name), fontsize=10)
     for i, v in enumerate(values):
-        ax.text(v, i, f" {_fmt(float(v))}", va="center", fontsize=7)
+        ax.text(v, i, f" {format_number(float(v))}", va="center", fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out, fname), dpi=110)
     plt.close(fig)
@@ -181,7 +171,7 @@ def write_report(results: dict[str, Any], out: str, command: str = "torchspeed b
             parts += ["", f"![{name}]({img})"]
         figures = {k: v for k, v in result.items() if k not in ("rows", "notes", "traceback") and not isinstance(v, (dict, list))}
         if figures:
-            parts += ["", "Figures: " + ", ".join(f"`{k}` = {_fmt(v)}" for k, v in figures.items())]
+            parts += ["", "Figures: " + ", ".join(f"`{k}` = {format_number(v)}" for k, v in figures.items())]
         for note in result.get("notes", []):
             parts += ["", f"- {note}"]
     path = os.path.join(out, "report.md")

@@ -56,6 +56,7 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
                 console.print(f"[red]suite {name} failed:[/] {type(e).__name__}: {e}")
         results[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print_suite(name, results[name], console)
+        write_json(os.path.join(out, "results.json"), results)  # after each suite: an interrupted run keeps the rest
     results["seconds"] = round(time.perf_counter() - start, 1)
     write_json(os.path.join(out, "results.json"), results)
     if json_path:
