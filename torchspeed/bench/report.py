@@ -97,14 +97,18 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     if not rows:
         return []
     written = []
-    labels = [r["technique"] for r in rows]
-    cumulative = [r.get("cumulative") for r in rows]
-    if name == "train" and any(isinstance(c, (int, float)) for c in cumulative):
-        values, xlabel, fname = [c or 0.0 for c in cumulative], "cumulative speed-up over plain PyTorch (x)", "train_speedup.png"
-    elif rows[0].get("unit") == "ms":
-        values, xlabel, fname = [r["median"] for r in rows], "median latency (ms, lower is better)", f"{name}_latency.png"
+    cumulative_rows = [r for r in rows if isinstance(r.get("cumulative"), (int, float))]
+    if name == "train" and cumulative_rows:
+        rows = cumulative_rows
+        values, xlabel, fname = [r["cumulative"] for r in rows], "cumulative speed-up over plain PyTorch (x)", "train_speedup.png"
     else:
-        values, xlabel, fname = [r["median"] for r in rows], f"median {rows[0].get('unit', '')}", f"{name}.png"
+        rows = [r for r in rows if r.get("unit") == rows[0].get("unit")]  # one unit per axis
+        values = [r["median"] for r in rows]
+        if rows[0].get("unit") == "ms":
+            xlabel, fname = "median latency (ms, lower is better)", f"{name}_latency.png"
+        else:
+            xlabel, fname = f"median {rows[0].get('unit', '')}", f"{name}.png"
+    labels = [r["technique"] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
     y = range(len(rows))
     ax.barh(list(y), values, color="#4C72B0")

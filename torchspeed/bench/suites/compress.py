@@ -251,7 +251,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
          "what": f"the unpruned teacher, {p['acc_before']:.3f} held-out top-1"},
         {"technique": f"pruned {PRUNE_RATIO:.0%} channels + {p['finetune_steps']}-step fine-tune",
          "median": r["latency_after_ms"], "min": None, "max": None, "unit": "ms", "ratio": speedup,
-         "cumulative": speedup, "metric_drop": drop,
+         "cumulative": speedup, "metric_drop": drop, "headline": True,
          "what": f"Torch-Pruning L1, round_to 8; params {r['params_before'] / 1e6:.1f}M -> {r['params_after'] / 1e6:.1f}M, "
                  f"MACs {r['macs_before'] / 1e9:.2f}G -> {r['macs_after'] / 1e9:.2f}G; "
                  f"{p['acc_pruned_no_finetune']:.3f} top-1 before fine-tuning"},

@@ -194,7 +194,8 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         for name, (loader, what) in contenders.items():
             _shutdown(loader)
             rows.append({"technique": name, "median": rates[name][1], "min": rates[name][0], "max": rates[name][-1],
-                         "unit": "img/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what})
+                         "unit": "img/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what,
+                         "headline": name == "torchspeed"})
         contenders.clear()
         median = {r["technique"]: r["median"] for r in rows}
         base, tuned, base_resized, fast = (median[k] for k in ("baseline", "baseline_tuned", "baseline_resized", "torchspeed"))

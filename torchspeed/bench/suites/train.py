@@ -249,7 +249,8 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         t = time_callable(chunk, name=name, warmup=1, repeats=repeats, items=k * BATCH, unit="samples", device=device)
         rates = t.rates
         rows.append({"technique": name, "median": t.throughput, "min": min(rates), "max": max(rates),
-                     "unit": "samples/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what})
+                     "unit": "samples/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what,
+                     "headline": name == "torchspeed auto"})
         return float(t.throughput)
 
     def plain_loader(workers: int, **kw: Any) -> Any:
