@@ -162,7 +162,7 @@ def _early_stopping(quick: bool) -> dict[str, Any]:
         return torch.utils.data.TensorDataset(x, y)
 
     train, val = split(1024), split(1024)
-    budget = 60 if quick else 100
+    budget = 40 if quick else 100
 
     def run(callbacks: list[Any]) -> tuple[list[float], float, int]:
         torch.manual_seed(0)
@@ -334,7 +334,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     results["accelerate"] = rep.to_dict()
     # Trainer overhead: same settings, same in-memory batches, interleaved with a hand-written loop
     step("Trainer overhead vs a hand-written loop (interleaved)")
-    batches = [chunks.stream.next() for _ in range(4 if quick else 8)]
+    batches = [chunks.stream.next() for _ in range(2 if quick else 8)]
     del fast, chunks
     prec = rep.precision
     mh, _ = fresh(channels_last=True)
@@ -357,7 +357,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     def trainer_list() -> None:
         tr2.fit(batches, epochs=10**9, max_steps=tr2.global_step + len(batches))
 
-    cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=max(repeats, 5), cooldown_s=0.1,
+    cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=repeats if quick else max(repeats, 5), cooldown_s=0.1,
                   device=device, items=len(batches) * BATCH)
     overhead = 100 * (cmp["Trainer"].median_s / cmp["hand-written loop"].median_s - 1)
     results["trainer_overhead"] = {"hand_s": cmp["hand-written loop"].median_s, "trainer_s": cmp["Trainer"].median_s,
