@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-__all__ = ["atomic_write", "write_json", "fsync_dir"]
+__all__ = ["atomic_write", "build_directory", "write_json", "fsync_dir"]
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -74,3 +75,26 @@ def write_json(path: str | os.PathLike, payload: Any) -> None:
     text = json.dumps(_finite(json.loads(json.dumps(payload, default=_json_default))), indent=2)
     with atomic_write(path, "w") as f:
         f.write(text + "\n")
+
+
+def build_directory(final: str | os.PathLike, build: Callable[[str], None]) -> str:
+    """Return the directory `final`, building it first if it is missing.
+
+    `build(tmp)` fills a temporary directory beside `final`, which is renamed into place only when
+    complete, so an interrupted build never leaves a directory that looks whole. If another process
+    finished the same directory first, its result is kept and this one's discarded.
+    """
+    final = os.fspath(final)
+    if os.path.isdir(final):
+        return final
+    parent = os.path.dirname(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(final)}.partial-")
+    try:
+        build(tmp)
+        os.rename(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (isinstance(e, OSError) and os.path.isdir(final)):  # lost a race: the winner's copy stands
+            raise
+    return final

@@ -5,8 +5,7 @@ function of the same name (`ts.compress.prune` is always the function).
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchspeed._lazy import lazy_getattr
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
@@ -28,7 +27,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"torchspeed.compress.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'torchspeed.compress' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

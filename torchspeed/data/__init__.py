@@ -1,8 +1,7 @@
 """Data: demo images, the packed store, fast decoding, loaders that keep the model fed."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchspeed._lazy import lazy_getattr
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
@@ -25,7 +24,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"torchspeed.data.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'torchspeed.data' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

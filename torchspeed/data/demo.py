@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import colorsys
 import os
-import shutil
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -125,21 +123,9 @@ def make_photo_folder(
 
 def demo_folder(n_images: int = 2000, n_classes: int = 10, seed: int = 0, size: tuple[int, int] = (500, 375)) -> str:
     """The cached demo ImageFolder for these settings, generated once (atomically) into the cache."""
+    from torchspeed.atomic import build_directory
     from torchspeed.runtime import cache_dir
 
     name = f"photos-v2-n{n_images}-c{n_classes}-s{seed}-{size[0]}x{size[1]}"
-    final = os.path.join(cache_dir("data"), name)
-    if os.path.isdir(final):
-        return final
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=f".{name}.")
-    try:
-        make_photo_folder(tmp, n_images, n_classes, seed, size)
-        os.rename(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isdir(final):  # another process may have won the race
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return build_directory(os.path.join(cache_dir("data"), name),
+                           lambda tmp: make_photo_folder(tmp, n_images, n_classes, seed, size))

@@ -2,8 +2,7 @@
 ranked fixes with the command that measures each."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchspeed._lazy import lazy_getattr
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
@@ -23,7 +22,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"torchspeed.doctor.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'torchspeed.doctor' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

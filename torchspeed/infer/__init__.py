@@ -5,8 +5,7 @@ Module names differ from the public function names (`search` holds `optimize`, `
 `load`) so that importing a submodule never shadows the function of the same name."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchspeed._lazy import lazy_getattr
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
@@ -30,7 +29,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"torchspeed.infer.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'torchspeed.infer' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -2,8 +2,7 @@
 Trainer, callbacks (EarlyStopping, Checkpoint) and exact, atomic resume."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchspeed._lazy import lazy_getattr
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
@@ -20,7 +19,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"torchspeed.train.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'torchspeed.train' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -22,25 +22,18 @@ BATCH, CROP, SHORT_SIDE = 64, 128, 160
 
 def _subset_folder(src: str, n: int) -> str:
     """A cached ImageFolder of symlinks to the first `n` images of `src` (for --quick)."""
+    from torchspeed.atomic import build_directory
     from torchspeed.data.packer import scan_folder
     from torchspeed.runtime import cache_dir
 
-    final = os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-first{n}")
-    if os.path.isdir(final):
-        return final
-    classes, samples = scan_folder(src)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=".subset-")
-    try:
+    def build(tmp: str) -> None:
+        classes, samples = scan_folder(src)
         for c in classes:
             os.makedirs(os.path.join(tmp, c))
         for path, label in sorted(samples, key=lambda s: os.path.basename(s[0]))[:n]:
             os.symlink(path, os.path.join(tmp, classes[label], os.path.basename(path)))
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isdir(final):
-            raise
-    return final
+
+    return build_directory(os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-first{n}"), build)
 
 
 def _resize_files(job: tuple[list[tuple[str, str]], int]) -> None:
@@ -55,27 +48,20 @@ def _resize_files(job: tuple[list[tuple[str, str]], int]) -> None:
 
 def _resized_folder(src: str, short_side: int) -> str:
     """A cached copy of the ImageFolder `src` with every image resized to `short_side` (JPEG q90)."""
+    from torchspeed.atomic import build_directory
     from torchspeed.data.packer import scan_folder
     from torchspeed.runtime import cache_dir, usable_cores
 
-    final = os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-short{short_side}")
-    if os.path.isdir(final):
-        return final
-    classes, samples = scan_folder(src)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=".resized-")
-    try:
+    def build(tmp: str) -> None:
+        classes, samples = scan_folder(src)
         for c in classes:
             os.makedirs(os.path.join(tmp, c))
         pairs = [(p, os.path.join(tmp, classes[y], os.path.basename(p))) for p, y in samples]
         jobs = [(pairs[i:i + 64], short_side) for i in range(0, len(pairs), 64)]
         with ProcessPoolExecutor(usable_cores()) as pool:
             list(pool.map(_resize_files, jobs))
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isdir(final):
-            raise
-    return final
+
+    return build_directory(os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-short{short_side}"), build)
 
 
 def _cached_store(src: str, name: str, **pack_kwargs: Any) -> str:
