@@ -38,6 +38,9 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]
     except OSError as e:
         raise OSError(f"cannot create directory {directory!r} for {path!r}: {e.strerror}") from None
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result should get the usual permissions
     try:
         with os.fdopen(fd, mode) as f:
             yield f
