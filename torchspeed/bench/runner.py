@@ -3,8 +3,6 @@ write the report."""
 from __future__ import annotations
 
 import os
-import shlex
-import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -22,7 +20,8 @@ EXPECTED_S = {"data": (75, 300), "train": (100, 600), "infer": (130, 900), "comp
 
 
 def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed-report",
-               json_path: str | None = None, console: Console | None = None) -> dict[str, Any]:
+               json_path: str | None = None, console: Console | None = None,
+               command: str = "torchspeed bench") -> dict[str, Any]:
     """Run each suite in turn; a failing suite is recorded with its error and the others still run.
 
     Writes `results.json` (and `--json PATH`), `report.md` and the plots into `out`.
@@ -63,7 +62,6 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
         write_json(json_path, results)
     from torchspeed.bench.report import summary_rows, write_report
 
-    command = "torchspeed " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("torchspeed") else "torchspeed bench"
     report = write_report(results, out, command=command)
     print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
                 ["suite", "technique", "measured", "speed-up", "accuracy drop"], summary_rows(results), console)

@@ -21,6 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from torchspeed.bench.runner import run_suites
 
     names = SUITES if args.suite == "all" else (args.suite,)
-    results = run_suites(names, quick=args.quick, out=args.out, json_path=args.json)
+    command = " ".join(["torchspeed bench", args.suite] + ["--quick"] * args.quick + ["--out", args.out]
+                       + (["--json", args.json] if args.json else []))
+    results = run_suites(names, quick=args.quick, out=args.out, json_path=args.json, command=command)
     failed = [n for n in names if isinstance(results.get(n), dict) and "error" in results[n]]
     return 1 if failed else 0
