@@ -84,19 +84,24 @@ def test_every_index_exactly_once_per_epoch_with_two_workers(train):
             assert labels == list(range(40))
 
 
-def test_same_seed_same_batches_whatever_the_number_of_workers(store):
-    runs = {w: _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=w, seed=3, decoder="simplejpeg"))
-            for w in (0, 1, 2)}
-    for w in (1, 2):
-        assert len(runs[w]) == len(runs[0]) == 4
-        for (xa, ya), (xb, yb) in zip(runs[0], runs[w]):
+def test_same_seed_same_batches_whatever_the_number_of_workers_or_threads(store):
+    setups = [(0, 1), (1, 1), (2, 1), (0, 2), (0, 3)]  # (num_workers, threads)
+    runs = {(w, t): _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=w, threads=t, seed=3,
+                                       decoder="simplejpeg")) for w, t in setups}
+    for setup in setups[1:]:
+        assert len(runs[setup]) == len(runs[(0, 1)]) == 4
+        for (xa, ya), (xb, yb) in zip(runs[(0, 1)], runs[setup]):
             assert torch.equal(ya, yb) and torch.equal(xa, xb)
+    assert fast_loader(store, 6, crop=24, device="cpu", num_workers=0, threads=3).threads == 3
+    assert fast_loader(store, 6, crop=24, device="cpu", num_workers=1, threads=3).threads == 1  # workers decode
     other = _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=0, seed=4, decoder="simplejpeg"))
-    assert not all(torch.equal(a[0], b[0]) for a, b in zip(runs[0], other))
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(runs[(0, 1)], other))
 
 
-def test_state_dict_resumes_at_the_next_unseen_batch(store):
-    make = lambda: fast_loader(store, 4, crop=24, device="cpu", num_workers=1, seed=7, decoder="simplejpeg")  # noqa: E731
+@pytest.mark.parametrize("workers,threads", [(1, 1), (0, 2)])
+def test_state_dict_resumes_at_the_next_unseen_batch(store, workers, threads):
+    make = lambda: fast_loader(store, 4, crop=24, device="cpu", num_workers=workers, threads=threads,  # noqa: E731
+                               seed=7, decoder="simplejpeg")
     reference = make()
     epoch0 = _epoch(reference)
     epoch1 = _epoch(reference)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import platform
 import random
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
@@ -25,6 +27,7 @@ __all__ = [
     "rng_state",
     "seed_everything",
     "set_rng_state",
+    "start_helper_threads",
     "synchronize",
 ]
 
@@ -106,6 +109,32 @@ def synchronize(device: str | torch.device) -> None:
     """Wait for queued device work, so a host timer measures it (no-op on CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def start_helper_threads(target: Callable[[int], None], count: int, name: str,
+                         torch_threads: int = 1) -> list[threading.Thread]:
+    """Start `count` daemon threads running `target(i)`, whose torch ops use `torch_threads` cores each.
+
+    Why not just call torch.set_num_threads in the thread: it also sets the default that every
+    thread not yet initialised picks up (the main thread too, if it has run no parallel op yet),
+    so a helper asking for one core could leave the model on one core. The caller's count is read
+    first (which fixes it for the caller) and the default is put back once the helpers have theirs.
+    """
+    caller = torch.get_num_threads()
+    ready = threading.Barrier(count + 1)
+
+    def run(i: int) -> None:
+        torch.get_num_threads()  # torch's first-use initialisation would undo a count set before it
+        torch.set_num_threads(torch_threads)
+        ready.wait()
+        target(i)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    torch.set_num_threads(caller)
+    return threads
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, ren
 from torchspeed.data.decode import choose_backend, get_decoder, jpeg_size
 from torchspeed.data.prefetch import IMAGENET_MEAN, IMAGENET_STD, DevicePrefetcher
 from torchspeed.data.store import PackedDataset, Record, is_store
+from torchspeed.data.threads import ThreadedBatches
 from torchspeed.runtime import resolve_device
 
 __all__ = ["fast_loader", "FastLoader", "FolderSource", "DatasetSource", "AugmentedDataset", "EpochBatchSampler",
@@ -115,7 +117,6 @@ class AugmentedDataset(Dataset):
             raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
         self.source, self.transform, self.decoder, self.seed, self.layout = source, transform, decoder, seed, layout
         self.size = transform.size
-        self._tmp: np.ndarray | None = None  # per-process HWC scratch buffer
 
     def __len__(self) -> int:
         return len(self.source)
@@ -130,9 +131,7 @@ class AugmentedDataset(Dataset):
             img = get_decoder(self.decoder).decode(rec.payload, min_h, min_w)
         else:
             img = rec.payload
-        if self._tmp is None:
-            self._tmp = np.empty((self.size, self.size, 3), np.uint8)
-        render(img, box, out, self._tmp, img.shape[0] / rec.height, img.shape[1] / rec.width, chw=self.layout == "NCHW")
+        render(img, box, out, None, img.shape[0] / rec.height, img.shape[1] / rec.width, chw=self.layout == "NCHW")
         return rec.label
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
@@ -141,17 +140,23 @@ class AugmentedDataset(Dataset):
         out = np.empty(shape, np.uint8)
         return torch.from_numpy(out), self._render(epoch, index, out)
 
+    def batch_shape(self, n: int) -> tuple[int, int, int, int]:
+        s = self.size
+        return (n, 3, s, s) if self.layout == "NCHW" else (n, s, s, 3)
+
+    def render_batch(self, keys: Sequence[tuple[int, int]], images: np.ndarray) -> torch.Tensor:
+        """Fill `images` (uint8, `batch_shape(len(keys))`) sample by sample; return the int64 labels."""
+        return torch.tensor([self._render(epoch, index, images[j]) for j, (epoch, index) in enumerate(keys)],
+                            dtype=torch.int64)
+
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The collated batch: uint8 NCHW (or NHWC) images filled in place sample by sample, int64 labels."""
-        n, s = len(keys), self.size
-        shape = (n, 3, s, s) if self.layout == "NCHW" else (n, s, s, 3)
+        shape = self.batch_shape(len(keys))
         if get_worker_info() is not None:  # straight into shared memory: no copy when sent to the main process
-            images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n * 3 * s * s)).view(shape)
+            images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(math.prod(shape))).view(shape)
         else:
             images = torch.empty(shape, dtype=torch.uint8)
-        arr = images.numpy()
-        labels = [self._render(epoch, index, arr[j]) for j, (epoch, index) in enumerate(keys)]
-        return images, torch.tensor(labels, dtype=torch.int64)
+        return images, self.render_batch(keys, images.numpy())
 
 
 def _batch_identity(batch: Any) -> Any:
@@ -212,13 +217,39 @@ class FastLoader:
     yields_device_batches = True  # the Trainer duck-types on this: batches need no .to(device)
 
     def __init__(self, dataset: AugmentedDataset, sampler: EpochBatchSampler, dataloader: DataLoader,
-                 prefetcher: DevicePrefetcher, settings: Any = None, decoder_table: list | None = None):
+                 prefetcher: DevicePrefetcher, settings: Any = None, decoder_table: list | None = None,
+                 threads: int = 1):
         self._augmented, self.batch_sampler, self.dataloader, self.prefetcher = dataset, sampler, dataloader, prefetcher
+        self.threads = threads if dataloader.num_workers == 0 else 1
+        self._batches = prefetcher if dataloader.num_workers else self._threaded(threads)
         self.settings = settings  # LoaderSettings when num_workers was tuned
         self.decoder_table = decoder_table or []  # the decoder measurement, when one was made
         self.epoch = 0
         self.batches_done = 0  # batches of this epoch yielded so far (what state_dict reports)
         self._resume_at = 0  # where the next pass starts: set by load_state_dict, used once
+
+    def _threaded(self, threads: int) -> Any:
+        """No worker processes: `threads` threads of this process make the batches (see data/threads.py).
+
+        On a CPU each thread also normalises its batch, rendering into a uint8 buffer it reuses (no
+        fresh pages per batch); on CUDA the prefetcher copies and normalises on its side stream.
+        """
+        augmented, prefetcher = self._augmented, self.prefetcher
+        if prefetcher.device.type == "cuda":
+            return DevicePrefetcher(ThreadedBatches(augmented.__getitems__, self.batch_sampler, threads),
+                                    prefetcher.device, prefetcher.mean, prefetcher.std, prefetcher.channels_last,
+                                    prefetcher.dtype, prefetcher.layout)
+        local = threading.local()
+
+        def make_batch(keys: Sequence[tuple[int, int]]) -> Any:
+            buf = getattr(local, "images", None)
+            if buf is None or buf.shape[0] < len(keys):
+                buf = local.images = np.empty(augmented.batch_shape(self.batch_sampler.batch_size), np.uint8)
+            images = buf[:len(keys)]
+            labels = augmented.render_batch(keys, images)
+            return prefetcher.convert((torch.from_numpy(images), labels))  # a new float tensor: buf is free again
+
+        return ThreadedBatches(make_batch, self.batch_sampler, threads)
 
     @property
     def dataset(self) -> Any:
@@ -266,14 +297,15 @@ class FastLoader:
             self.epoch, start = self.epoch + 1, 0
         self.batches_done = start
         self.batch_sampler.epoch, self.batch_sampler.start = self.epoch, start
-        for batch in self.prefetcher:
+        for batch in self._batches:
             self.batches_done += 1
             yield batch
         self.epoch, self.batches_done = self.epoch + 1, 0
 
     def __repr__(self) -> str:
         return (f"FastLoader({self.dataset!r}, batch_size={self.batch_sampler.batch_size}, crop={self._augmented.size}, "
-                f"decoder={self.decoder}, num_workers={self.dataloader.num_workers}, device={self.device})")
+                f"decoder={self.decoder}, num_workers={self.dataloader.num_workers}, threads={self.threads}, "
+                f"device={self.device})")
 
 
 _TUNED: dict[Any, Any] = {}
@@ -321,13 +353,17 @@ def fast_loader(
     rank: int | None = None,
     tune_seconds: float = 0.4,
     multiprocessing_context: Any = None,
+    threads: int | str = "auto",
 ) -> FastLoader:
     """The whole fast input pipeline in one call (see the module docstring for what each step buys).
 
     `data`: a packed store, an ImageFolder path, or a map-style Dataset. `train=True`:
     RandomResizedCrop(crop, scale) + horizontal flip, shuffled, drop_last; `train=False`: resize to
-    crop/0.875 + centre crop, in order, every sample kept. `num_workers="auto"` measures 0..cores+1
-    workers briefly with `tune_loader` and keeps the fastest. `decoder="auto"` measures the JPEG
+    crop/0.875 + centre crop, in order, every sample kept. `num_workers=0` makes the batches in
+    `threads` threads of this process (the decoders release the GIL; no shared memory, no pickling),
+    `num_workers>0` in worker processes of one thread each. `num_workers="auto"` measures both
+    briefly with `tune_loader` (1..cores+1 threads, then 1..cores+1 worker processes) and keeps the
+    fastest; `threads="auto"` is then measured too, else it means 1. `decoder="auto"` measures the JPEG
     decoders once in this process. Under an initialised torch.distributed (or with explicit
     `num_replicas`/`rank`) each rank gets a disjoint shard; as DistributedSampler does, the last
     shard is padded by repeating the first samples when the size does not divide evenly.
@@ -338,6 +374,8 @@ def fast_loader(
         raise ValueError(f"crop must be a positive integer, got {crop!r}")
     if not (num_workers == "auto" or (isinstance(num_workers, int) and num_workers >= 0)):
         raise ValueError(f"num_workers must be 'auto' or a non-negative integer, got {num_workers!r}")
+    if not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
+        raise ValueError(f"threads must be 'auto' or a positive integer, got {threads!r}")
     source = as_source(data, in_memory=in_memory)
     if len(source) == 0:
         raise ValueError("the dataset is empty")
@@ -372,27 +410,31 @@ def fast_loader(
                          f"with drop_last=True; use a smaller batch or drop_last=False")
     pin = dev.type == "cuda" if pin_memory == "auto" else bool(pin_memory)
 
-    def build(workers: int, prefetch: int | None, persistent: bool, pin_: bool) -> FastLoader:
+    def build(workers: int, prefetch: int | None, persistent: bool, pin_: bool, threads: int = 1) -> FastLoader:
         dl = DataLoader(augmented, batch_sampler=sampler, num_workers=workers, collate_fn=_batch_identity,
                         pin_memory=pin_, worker_init_fn=_worker_init if workers else None,
                         prefetch_factor=prefetch if workers else None, persistent_workers=persistent and workers > 0,
                         multiprocessing_context=multiprocessing_context if workers else None)
         pf = DevicePrefetcher(dl, dev, mean, std, channels_last=channels_last, dtype=dtype, layout=augmented.layout)
-        return FastLoader(augmented, sampler, dl, pf, decoder_table=decoder_table)
+        return FastLoader(augmented, sampler, dl, pf, decoder_table=decoder_table, threads=threads)
 
     settings = None
     if num_workers == "auto":
         from torchspeed.data.tune import tune_loader
 
         key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))), len(source),
-               batch_size, crop, train, str(dev), channels_last, decoder, prefetch_factor, persistent_workers, pin)
+               batch_size, crop, train, str(dev), channels_last, decoder, prefetch_factor, persistent_workers, pin,
+               threads)
         if key not in _TUNED:  # measured once per process for the same data and settings
             _TUNED[key] = tune_loader(build, batch_size, seconds=tune_seconds, device=dev,
                                       prefetch_factors=(prefetch_factor,) if prefetch_factor else (2, 4),
-                                      persistent=(persistent_workers,) if persistent_workers is not None else (True,))
+                                      persistent=(persistent_workers,) if persistent_workers is not None else (True,),
+                                      threads=threads)
         settings = _TUNED[key]
-        loader = build(settings.num_workers, settings.prefetch_factor, settings.persistent_workers, pin)
+        loader = build(settings.num_workers, settings.prefetch_factor, settings.persistent_workers, pin,
+                       settings.threads)
     else:
-        loader = build(num_workers, prefetch_factor or 2, True if persistent_workers is None else persistent_workers, pin)
+        loader = build(num_workers, prefetch_factor or 2, True if persistent_workers is None else persistent_workers, pin,
+                       1 if threads == "auto" else threads)
     loader.settings = settings
     return loader

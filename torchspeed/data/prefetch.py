@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from torchspeed.runtime import resolve_device
+from torchspeed.runtime import resolve_device, start_helper_threads
 
 __all__ = ["DevicePrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "normalize_batch"]
 
@@ -169,9 +169,7 @@ class DevicePrefetcher:
                     pass
             return False
 
-        def produce() -> None:
-            if self.cpu_threads:
-                torch.set_num_threads(self.cpu_threads)  # this thread only: the model keeps its cores
+        def produce(_: int) -> None:
             try:
                 for batch in self.loader:
                     if not put(("ok", self.convert(batch))):
@@ -180,8 +178,9 @@ class DevicePrefetcher:
             except BaseException as e:  # handed to the consumer, raised there
                 put(("error", e))
 
-        thread = threading.Thread(target=produce, name="torchspeed-prefetch", daemon=True)
-        thread.start()
+        # cpu_threads for this thread only: the model keeps its cores
+        (thread,) = start_helper_threads(produce, 1, "torchspeed-prefetch",
+                                         torch_threads=self.cpu_threads or torch.get_num_threads())
         try:
             while True:
                 kind, item = q.get()

@@ -9,13 +9,15 @@ B-tree lookup. The layout has no pickle anywhere (untrusted stores cannot run co
 `HEADER` is `<4sBBxxIIq`: magic b"TSR1", encoding (0 raw HWC uint8, 1 JPEG), channels, height,
 width, label. The manifest is a plain file so `len()` and `classes` never open the environment in
 the parent process (an LMDB handle must not cross a fork); each process opens its own read-only,
-lock-free handle on first access.
+lock-free handle on first access, shared by its threads; every read is its own short read
+transaction (about 1 us), so decoding threads can read side by side.
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -90,9 +92,15 @@ class Record:
 # One LMDB environment per (path, process): py-lmdb refuses to open a path twice in a process, and a
 # handle inherited through fork must never be used by the child (hence the pid in the key).
 _ENVS: dict[tuple[str, int], list[Any]] = {}
+_ENVS_LOCK = threading.Lock()  # two threads' first reads must not both open the environment
 
 
 def _acquire_env(path: str) -> Any:
+    with _ENVS_LOCK:
+        return _acquire_env_locked(path)
+
+
+def _acquire_env_locked(path: str) -> Any:
     key = (path, os.getpid())
     if key not in _ENVS:
         lmdb = lmdb_module()
@@ -119,12 +127,13 @@ if hasattr(os, "register_at_fork"):
 
 
 def _release_env(path: str) -> None:
-    entry = _ENVS.get((path, os.getpid()))
-    if entry is not None:
-        entry[1] -= 1
-        if entry[1] <= 0:
-            entry[0].close()
-            del _ENVS[(path, os.getpid())]
+    with _ENVS_LOCK:
+        entry = _ENVS.get((path, os.getpid()))
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                entry[0].close()
+                del _ENVS[(path, os.getpid())]
 
 
 class PackedDataset:
@@ -145,8 +154,8 @@ class PackedDataset:
         self.verify = verify
         self._crc = np.asarray(self.manifest["crc32"], dtype=np.uint32)
         self._env: Any = None
-        self._txn: Any = None
         self._pid = os.getpid()
+        self._open_lock = threading.Lock()
         self._blob: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         if in_memory:
@@ -159,14 +168,19 @@ class PackedDataset:
     def in_memory(self) -> bool:
         return self._blob is not None
 
-    def _open(self) -> None:
-        self._env = _acquire_env(self.path)
-        self._txn = self._env.begin(buffers=True)
-        self._pid = os.getpid()
+    def _environment(self) -> Any:
+        """This process's LMDB handle (opened on first access; one inherited through fork is dropped)."""
+        env = self._env
+        if env is not None and self._pid == os.getpid():
+            return env
+        with self._open_lock:
+            if self._env is None or self._pid != os.getpid():
+                self._env = _acquire_env(self.path)
+                self._pid = os.getpid()
+            return self._env
 
     def _load_into_memory(self) -> None:
         """Copy every record into one contiguous buffer (offsets[i]:offsets[i+1] is record i)."""
-        self._open()
         try:
             sizes = np.empty(len(self), np.int64)
             for i in range(len(self)):
@@ -183,11 +197,8 @@ class PackedDataset:
     def _raw(self, index: int) -> Any:
         if self._blob is not None:
             return memoryview(self._blob[self._offsets[index]:self._offsets[index + 1]])
-        if self._txn is None or self._pid != os.getpid():  # first access, or a handle inherited through fork
-            if self._pid != os.getpid():
-                self._env = self._txn = None
-            self._open()
-        value = self._txn.get(key_of(index))
+        with self._environment().begin() as txn:  # a copy of the bytes: valid after the transaction
+            value = txn.get(key_of(index))
         if value is None:
             raise ValueError(f"store {self.path!r} has no record {index} although its manifest counts "
                              f"{len(self)}; the store is damaged, re-pack it")
@@ -218,16 +229,21 @@ class PackedDataset:
 
     def close(self) -> None:
         """Drop this process's read handle (it reopens on the next access)."""
-        if self._txn is not None and self._pid == os.getpid():
-            self._txn.abort()
-            _release_env(self.path)
-        self._env = self._txn = None
+        with self._open_lock:
+            if self._env is not None and self._pid == os.getpid():
+                _release_env(self.path)
+            self._env = None
 
     def __getstate__(self) -> dict[str, Any]:
         # The LMDB handle must not travel to a worker (fork or spawn): each process opens its own.
         state = self.__dict__.copy()
-        state["_env"] = state["_txn"] = None
+        state["_env"] = None
+        del state["_open_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open_lock = threading.Lock()
 
     def __del__(self) -> None:
         try:

@@ -31,6 +31,7 @@ class LoaderSettings:
     pin_memory: bool
     throughput: float  # items/s of the chosen settings
     table: list[dict[str, Any]] = field(default_factory=list)
+    threads: int = 1  # fast_loader's batch-making threads when num_workers is 0
 
     def dataloader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `torch.utils.data.DataLoader`."""
@@ -67,6 +68,7 @@ def tune_loader(
     train: bool = True,
     progress: Callable[[str], None] | None = None,
     patience: int = 2,
+    threads: int | str | None = None,
 ) -> LoaderSettings:
     """Measure loader throughput over settings; return the fastest with the whole table.
 
@@ -77,6 +79,9 @@ def tune_loader(
     falls (`patience` successive counts slower than the best so far: one noisy measurement does
     not end the search); prefetch_factor and persistent_workers are then tried at the best worker count, and
     pin_memory only with CUDA. Each configuration runs two passes of `seconds` after a warm-up.
+    `threads` (torchspeed pipelines, whose factory takes `threads=`): with "auto", num_workers=0 is
+    tried with 1, 2, ... threads making batches in this process (same stopping rule) before the
+    worker processes; an integer fixes the threads used at num_workers=0.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -90,51 +95,70 @@ def tune_loader(
     pins = [False, True] if (pin_memory == "auto" and dev.type == "cuda") else [bool(pin_memory) and pin_memory != "auto"]
     table: list[dict[str, Any]] = []
 
-    def measure(w: int, pf: int | None, persist: bool, pin: bool) -> float:
+    if isinstance(dataset, (str, os.PathLike)) and threads is None:
+        threads = "auto"  # the torchspeed pipeline: its threads are part of the search
+    if not (threads is None or threads == "auto" or (isinstance(threads, int) and threads >= 1)):
+        raise ValueError(f"threads must be None, 'auto' or a positive integer, got {threads!r}")
+
+    def measure(w: int, pf: int | None, persist: bool, pin: bool, t: int = 1) -> float:
+        t = t if w == 0 else 1
         if progress:
-            progress(f"timing num_workers={w}, prefetch_factor={pf}, persistent={persist}, pin={pin}")
+            progress(f"timing num_workers={w}, threads={t}, prefetch_factor={pf}, persistent={persist}, pin={pin}")
         with warnings.catch_warnings():
             # more workers than cores is tried on purpose (to see throughput fall): no warning for it
             warnings.filterwarnings("ignore", message=".*worker processes in total.*")
-            loader = build(w, pf if w else None, persist and w > 0, pin)
+            loader = build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t,)))
             try:
-                t = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
+                timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
                                   min_pass_s=seconds, device=dev)
             finally:
                 _shutdown(loader)
-        rate = float(t.throughput or 0.0)
-        table.append({"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
-                      "pin_memory": pin, "items_per_s": rate})
+        rate = float(timing.throughput or 0.0)
+        row = {"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
+               "pin_memory": pin, "items_per_s": rate}
+        if threads is not None:
+            row["threads"] = t
+        table.append(row)
         return rate
 
+    def walk(counts: Sequence[int], config: Callable[[int], tuple[int, int]]) -> tuple[float, int, int]:
+        """Measure counts in order until `patience` in a row are slower than the best; the best (rate, w, t)."""
+        best, slower = (-1.0, 0, 1), 0
+        for c in counts:
+            w, t = config(c)
+            rate = measure(w, pf0, persist0, pin0, t)
+            if rate > best[0]:
+                best, slower = (rate, w, t), 0
+            else:
+                slower += 1
+                if slower >= patience:
+                    break  # throughput fell: more workers only compete for the cores
+        return best
+
     pf0, persist0, pin0 = prefetch_factors[0] if prefetch_factors else 2, persistent[0] if persistent else True, pins[0]
-    best = (-1.0, 0, pf0, persist0, pin0)
-    slower = 0
-    for w in range(0, max_workers + 1):
-        rate = measure(w, pf0, persist0, pin0)
-        if rate > best[0]:
-            best, slower = (rate, w, pf0, persist0, pin0), 0
-        else:
-            slower += 1
-            if slower >= patience:
-                break  # throughput fell: more workers only compete for the cores
-    rate, w, pf, persist, pin = best
+    if threads == "auto":  # threads in this process first, then worker processes; keep the faster
+        in_process = walk(range(1, max(1, max_workers) + 1), lambda c: (0, c))
+        in_workers = walk(range(1, max_workers + 1), lambda c: (c, 1))
+        rate, w, t = max(in_process, in_workers)
+    else:
+        rate, w, t = walk(range(0, max_workers + 1), lambda c: (c, threads or 1))
+    best = (rate, w, pf0, persist0, pin0)
     if w > 0:
         for option in prefetch_factors[1:]:
-            r = measure(w, option, persist, pin)
+            r = measure(w, option, persist0, pin0)
             if r > best[0]:
-                best = (r, w, option, persist, pin)
+                best = (r, w, option, persist0, pin0)
         for option in persistent[1:]:
-            r = measure(w, best[2], option, pin)
+            r = measure(w, best[2], option, pin0)
             if r > best[0]:
-                best = (r, w, best[2], option, pin)
+                best = (r, w, best[2], option, pin0)
     for option in pins[1:]:
-        r = measure(best[1], best[2], best[3], option)
+        r = measure(best[1], best[2], best[3], option, t)
         if r > best[0]:
             best = (r, best[1], best[2], best[3], option)
     rate, w, pf, persist, pin = best
     return LoaderSettings(num_workers=w, prefetch_factor=pf if w else None, persistent_workers=persist and w > 0,
-                          pin_memory=pin, throughput=rate, table=table)
+                          pin_memory=pin, throughput=rate, table=table, threads=t if w == 0 else 1)
 
 
 def _factory(dataset: Any, batch_size: int, dev: torch.device, collate_fn: Callable | None, crop: int,
@@ -144,9 +168,9 @@ def _factory(dataset: Any, batch_size: int, dev: torch.device, collate_fn: Calla
     if isinstance(dataset, (str, os.PathLike)):
         from torchspeed.data.loader import fast_loader
 
-        def build_fast(w: int, pf: int | None, persist: bool, pin: bool) -> Any:
+        def build_fast(w: int, pf: int | None, persist: bool, pin: bool, threads: int = 1) -> Any:
             return fast_loader(dataset, batch_size, train=train, crop=crop, device=dev, num_workers=w,
-                               prefetch_factor=pf, persistent_workers=persist, pin_memory=pin)
+                               prefetch_factor=pf, persistent_workers=persist, pin_memory=pin, threads=threads)
 
         return build_fast
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):

@@ -155,11 +155,13 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         ts_loader = fast_loader(store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
                                 tune_seconds=tune_s)
         settings, decoder, decoder_table = ts_loader.settings, ts_loader.decoder, ts_loader.decoder_table
-        w = settings.num_workers
+        w, threads = settings.num_workers, settings.threads
+        where = (f"{threads} threads of the main process, each normalising its own batch" if w == 0 else
+                 f"{w} worker processes + normalisation in the prefetch thread")
         add("torchspeed", ts_loader,
-            f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {decoder} + uint8 crop/collate in {w} workers "
-            f"+ normalisation in the prefetch thread")
-        common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, decoder=decoder)
+            f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {decoder} + uint8 crop into the batch in {where} "
+            f"(settings measured)")
+        common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, threads=threads, decoder=decoder)
         raw_mib = os.path.getsize(os.path.join(raw_store, "data.mdb")) / 2**20
         add("torchspeed_raw", fast_loader(raw_store, BATCH, **common),
             f"the same pipeline on a raw-pixel store (no decoding at all; {raw_mib:.0f} MiB)")
@@ -195,7 +197,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         baseline_img_s=base, baseline_tuned_img_s=tuned, baseline_resized_img_s=base_resized, torchspeed_img_s=fast,
         raw_img_s=raw, no_offline_resize_img_s=noresize, folder_img_s=folder,
         ratio_vs_tuned=fast / tuned, ratio_vs_resized=fast / base_resized, ratio_vs_baseline=fast / base,
-        decoder=decoder, decoder_table=decoder_table, num_workers=w, baseline_tuned_workers=w_tuned,
+        decoder=decoder, decoder_table=decoder_table, num_workers=w, threads=threads, baseline_tuned_workers=w_tuned,
         baseline_resized_workers=w_resized, torchspeed_tuning=settings.table, rows=rows,
         notes=[f"pack of {n_images} images to the short-side-{SHORT_SIDE} JPEG store took {results['pack_s']:.1f} s (one-off)",
                f"torch {torch.__version__}; passes of >= {pass_s} s, median of 3"],

@@ -1,0 +1,125 @@
+"""ThreadedBatches, helper threads' torch thread counts, and the store read from many threads at once."""
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from torchspeed.data import make_photo_folder, pack, tune_loader
+from torchspeed.data.store import PackedDataset
+from torchspeed.data.threads import ThreadedBatches
+
+
+def _alive(prefix):
+    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+
+
+def test_batches_come_out_in_sampler_order_whatever_each_one_costs():
+    sampler = [[i, i + 100] for i in range(23)]
+
+    def make(keys):
+        time.sleep(0.004 * (keys[0] % 3))  # uneven costs: later batches often finish first
+        return keys[0]
+
+    batches = ThreadedBatches(make, sampler, threads=3)
+    assert len(batches) == 23
+    for _ in range(2):  # re-iterable
+        assert list(batches) == list(range(23))
+    assert not _alive("torchspeed-decode")  # the threads end with the pass
+
+
+def test_an_error_in_a_thread_is_raised_and_leaving_early_stops_the_threads():
+    def make(keys):
+        if keys == 5:
+            raise ValueError("record 5 is corrupt")
+        return keys
+
+    it = iter(ThreadedBatches(make, list(range(10)), threads=2))
+    assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="record 5"):
+        next(it)
+    endless = iter(ThreadedBatches(lambda k: k, list(range(10_000)), threads=2, ahead=1))
+    next(endless)
+    endless.close()
+    assert not _alive("torchspeed-decode")
+    with pytest.raises(ValueError, match="threads"):
+        ThreadedBatches(lambda k: k, [], threads=0)
+
+
+def test_helper_threads_leave_the_main_threads_torch_thread_count_alone():
+    # A fresh process whose main thread has run no torch op yet: the case where a plain
+    # torch.set_num_threads(1) in a helper would leave the model on one core.
+    code = """
+import threading, torch
+from torchspeed.runtime import start_helper_threads
+seen = []
+if HELPERS:
+    for t in start_helper_threads(lambda i: seen.append(torch.get_num_threads()), 2, "probe"):
+        t.join()
+later = []
+t = threading.Thread(target=lambda: later.append(torch.get_num_threads())); t.start(); t.join()
+print(seen, torch.get_num_threads(), later[0])
+"""
+
+    def run(helpers):
+        out = subprocess.run([sys.executable, "-c", f"HELPERS = {helpers}\n{code}"], capture_output=True, text=True,
+                             check=True).stdout
+        seen, counts = out.split("]")
+        return seen.strip("[ "), counts.split()
+
+    seen, counts = run(True)
+    assert seen == "1, 1"  # the helpers run on one core each
+    assert counts == run(False)[1]  # the main thread and threads started later keep the default
+
+
+def test_store_reads_from_many_threads_match_serial_reads(tmp_path):
+    photos = make_photo_folder(tmp_path / "p", 40, n_classes=2, seed=1, size=(64, 48), workers=1)
+    ds = PackedDataset(pack(photos, tmp_path / "s", workers=1, progress=False).dst)
+    serial = [ds[i][0] for i in range(len(ds))]
+    ds.close()
+    results = {}
+
+    def read(offset):
+        for r in range(3):
+            for i in range(len(ds)):
+                j = (i + offset) % len(ds)
+                results[(offset, r, j)] = ds[j][0]
+
+    workers = [threading.Thread(target=read, args=(k * 7,)) for k in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert len(results) == 4 * 3 * len(ds)
+    assert all(np.array_equal(img, serial[j]) for (_, _, j), img in results.items())
+
+
+class PacedThreads:
+    """A fake fast_loader factory: 2 threads beat any number of worker processes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, workers, prefetch, persistent, pin, threads=1):
+        self.calls.append((workers, threads))
+        delay = 0.002 if (workers, threads) == (0, 2) else 0.01
+
+        class It:
+            def __iter__(self):
+                for _ in range(5):
+                    time.sleep(delay)
+                    yield torch.zeros(4), torch.zeros(4)
+
+        return It()
+
+
+def test_tune_loader_tries_threads_in_process_then_workers_and_keeps_the_fastest():
+    build = PacedThreads()
+    s = tune_loader(build, 4, max_workers=2, seconds=0.05, device="cpu", prefetch_factors=(2,), persistent=(True,),
+                    threads="auto")
+    assert (s.num_workers, s.threads) == (0, 2)
+    assert [(r["num_workers"], r["threads"]) for r in s.table] == [(0, 1), (0, 2), (1, 1), (2, 1)]
+    assert s.throughput == max(r["items_per_s"] for r in s.table)

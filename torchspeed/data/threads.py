@@ -1,0 +1,72 @@
+"""ThreadedBatches: batches made by threads of this process, in order, a few ahead.
+
+Why: on a machine with few cores, worker processes cost more than their decoding. Each batch goes
+through shared memory (a new segment, its pages faulted in twice), pickling and a socket, and the
+main process still has to receive it; with two cores, that overhead is most of a core. The heavy
+steps of a torchspeed batch (JPEG decoding, cv2 resize, the float conversion) run in C with the GIL
+released, so threads decode side by side with no copies at all: `torchspeed bench data` measures
+the two against each other and `fast_loader(num_workers="auto")` keeps whichever is faster here.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from torchspeed.runtime import start_helper_threads
+
+__all__ = ["ThreadedBatches"]
+
+
+class ThreadedBatches:
+    """Iterable of `make_batch(keys)` for each `keys` of `batch_sampler`, computed by `threads` threads.
+
+    Thread i makes batches i, i + threads, ...; each keeps at most `ahead` finished batches, and the
+    batches come out in the sampler's order. Re-iterable (one pass of the sampler per iteration, the
+    threads are started per pass and stop when it ends or is left early); `len()` is the sampler's.
+    An exception in a thread is raised in the consumer. Each thread runs torch ops on one core.
+    """
+
+    def __init__(self, make_batch: Callable[[Any], Any], batch_sampler: Iterable[Any], threads: int, ahead: int = 2):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        self.make_batch, self.batch_sampler, self.threads, self.ahead = make_batch, batch_sampler, threads, max(1, ahead)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        jobs = list(self.batch_sampler)  # this pass's keys (a few hundred small lists)
+        k = min(self.threads, max(1, len(jobs)))
+        outputs: list[queue.Queue] = [queue.Queue(maxsize=self.ahead) for _ in range(k)]
+        stop = threading.Event()
+
+        def put(q: queue.Queue, item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        def work(i: int) -> None:
+            try:
+                for b in range(i, len(jobs), k):
+                    if stop.is_set() or not put(outputs[i], (True, self.make_batch(jobs[b]))):
+                        return
+            except BaseException as e:  # handed to the consumer, raised there
+                put(outputs[i], (False, e))
+
+        threads = start_helper_threads(work, k, "torchspeed-decode")
+        try:
+            for b in range(len(jobs)):
+                ok, item = outputs[b % k].get()
+                if not ok:
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
