@@ -43,6 +43,9 @@ def test_tune_loader_command(tmp_path, capsys):
     code = main(["tune-loader", src, "--batch-size", "4", "--crop", "32", "--max-workers", "1", "--seconds", "0.1",
                  "--json", str(tmp_path / "t.json")])
     assert code == 0
-    assert "best:" in capsys.readouterr().out
+    assert "best: fast_loader(..., num_workers=" in capsys.readouterr().out
     settings = json.loads((tmp_path / "t.json").read_text())
     assert settings["num_workers"] in (0, 1) and [r["num_workers"] for r in settings["table"]][:1] == [0]
+    tried = {(r["num_workers"], r["threads"]) for r in settings["table"]}
+    assert {(0, 1), (1, 1)} <= tried  # threads in this process and a worker process both measured
+    assert settings["threads"] >= 1

@@ -209,6 +209,12 @@ def test_random_resized_crop_boxes_are_valid_and_seeded():
     assert min(areas) < 0.2 and max(areas) > 0.8  # the scale range (0.08, 1) is used
     assert 0.3 < np.mean([b.flip for b in boxes]) < 0.7
     assert t.box(90, 120, sample_rng(0, 0, 5)) == boxes[5] != t.box(90, 120, sample_rng(0, 1, 5))
+    draws = [sample_rng(s, e, i).random() for s in (0, 1) for e in (0, 1) for i in range(500)]
+    assert len(set(draws)) == len(draws) and 0.45 < np.mean(draws) < 0.55  # distinct streams, uniform-ish
+    assert all(0 <= d < 1 for d in draws)
+    rng = sample_rng(3, 0, 0)
+    ints = [rng.randint(2, 5) for _ in range(400)]
+    assert set(ints) == {2, 3, 4, 5}  # both ends included, as random.randint
     c = ResizeCenterCrop(56).box(64, 80)
     assert (c.top, c.left, c.height, c.width, c.flip) == (4, 12, 56, 56, False)
 

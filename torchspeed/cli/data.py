@@ -83,11 +83,14 @@ def run_tune_loader(args: argparse.Namespace) -> int:
     console = Console()
     settings = tune_loader(args.data, args.batch_size, crop=args.crop, max_workers=args.max_workers,
                            seconds=args.seconds, progress=lambda text: console.print(text, style="dim"))
-    rows = [(r["num_workers"], r["prefetch_factor"], r["persistent_workers"], r["pin_memory"], r["items_per_s"])
-            for r in settings.table]
+    rows = [(r["num_workers"], r.get("threads", 1), r["prefetch_factor"], r["persistent_workers"], r["pin_memory"],
+             "final (interleaved)" if r.get("final") else "", r["items_per_s"]) for r in settings.table]
     print_table(f"tune-loader {args.data} (batch {args.batch_size}, crop {args.crop}): images/s",
-                ["num_workers", "prefetch_factor", "persistent", "pin_memory", "img/s"], rows, console)
-    console.print(f"best: {settings.dataloader_kwargs()} at {settings.throughput:,.0f} img/s", highlight=False)
+                ["num_workers", "threads", "prefetch_factor", "persistent", "pin_memory", "round", "img/s"], rows,
+                console)
+    best = {**settings.dataloader_kwargs(), **({"threads": settings.threads} if settings.num_workers == 0 else {})}
+    console.print(f"best: fast_loader(..., {', '.join(f'{k}={v}' for k, v in best.items())}) at "
+                  f"{settings.throughput:,.0f} img/s", highlight=False)
     if args.json:
         write_json(args.json, settings.to_dict())
     return 0

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, sample_rng
 from torchspeed.data.decode import choose_backend, get_decoder, jpeg_size
-from torchspeed.data.prefetch import IMAGENET_MEAN, IMAGENET_STD, DevicePrefetcher
+from torchspeed.data.prefetch import IMAGENET_MEAN, IMAGENET_STD, BufferPool, DevicePrefetcher
 from torchspeed.data.store import PackedDataset, Record, is_store
 from torchspeed.data.threads import ThreadedBatches
 from torchspeed.runtime import resolve_device
@@ -240,14 +240,18 @@ class FastLoader:
                                     prefetcher.device, prefetcher.mean, prefetcher.std, prefetcher.channels_last,
                                     prefetcher.dtype, prefetcher.layout)
         local = threading.local()
+        full = self.batch_sampler.batch_size
 
         def make_batch(keys: Sequence[tuple[int, int]]) -> Any:
-            buf = getattr(local, "images", None)
-            if buf is None or buf.shape[0] < len(keys):
-                buf = local.images = np.empty(augmented.batch_shape(self.batch_sampler.batch_size), np.uint8)
-            images = buf[:len(keys)]
+            if not hasattr(local, "images"):  # per thread: a uint8 batch and a pool of float outputs
+                local.images = np.empty(augmented.batch_shape(full), np.uint8)
+                local.outputs = BufferPool(capacity=2 * ThreadedBatches.AHEAD + 2)
+            images = local.images[:len(keys)]
             labels = augmented.render_batch(keys, images)
-            return prefetcher.convert((torch.from_numpy(images), labels))  # a new float tensor: buf is free again
+            s = augmented.size
+            out = local.outputs.take((len(keys), 3, s, s), prefetcher.channels_last) if len(keys) == full else None
+            # the result never aliases `images`, which is free again for the next batch
+            return prefetcher.convert((torch.from_numpy(images), labels), out=out)
 
         return ThreadedBatches(make_batch, self.batch_sampler, threads)
 

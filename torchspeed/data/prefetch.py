@@ -10,6 +10,7 @@ release the GIL), so the next batch is ready when the training step ends.
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -19,7 +20,7 @@ import torch
 
 from torchspeed.runtime import resolve_device, start_helper_threads
 
-__all__ = ["DevicePrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "normalize_batch"]
+__all__ = ["BufferPool", "DevicePrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "normalize_batch"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -36,14 +37,26 @@ def _affine(mean: Sequence[float], std: Sequence[float], device: torch.device, u
     return (scale.float().view(1, -1, 1, 1).to(device), shift.float().view(1, -1, 1, 1).to(device))
 
 
+def _fits(out: torch.Tensor, images: torch.Tensor, layout: str, channels_last: bool, dtype: torch.dtype) -> bool:
+    """Whether normalize_batch can write straight into `out` (one pass, no layout change after)."""
+    if dtype != torch.float32 or out.dtype != torch.float32 or out.device != images.device:
+        return False
+    if layout == "NHWC":
+        return (channels_last and images.is_contiguous() and out.is_contiguous(memory_format=torch.channels_last)
+                and out.permute(0, 2, 3, 1).shape == images.shape)
+    return not channels_last and out.is_contiguous() and out.shape == images.shape
+
+
 def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Sequence[float] | None,
                     channels_last: bool = True, dtype: torch.dtype | None = None, layout: str = "auto",
-                    _affine_cache: dict | None = None) -> torch.Tensor:
+                    _affine_cache: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 (or float) NHWC/NCHW images -> float NCHW, `(x/255 - mean)/std`, on the images' device.
 
     uint8 input is scaled by 1/255 first (as ToTensor does); float input is only normalised. The
     result has `dtype` (default float32) and the channels_last memory format if asked (its shape is
-    NCHW either way).
+    NCHW either way). `out`: a float32 tensor of the result's shape and memory format to write into
+    (reusing a buffer spares the page faults of fresh memory); used when the layouts allow it
+    (NHWC in, channels_last out; NCHW in, contiguous out; float32), ignored otherwise.
     """
     if images.dim() != 4:
         raise ValueError(f"expected a 4-D image batch, got shape {tuple(images.shape)}")
@@ -56,9 +69,12 @@ def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Seq
     cache = _affine_cache if _affine_cache is not None else {}
     # Convert in the input's own memory order (one contiguous pass: on a CPU ~5-10x faster than a
     # strided uint8 NHWC -> float NCHW conversion), then change the layout once if asked.
+    if out is not None and not _fits(out, images, layout, channels_last, dtype):
+        out = None  # layouts that need another pass anyway: allocate as usual
     if layout == "NHWC" and images.is_contiguous():
         n, h, w, c = images.shape
-        out = torch.empty((n, h, w, c), dtype=torch.float32, device=images.device)
+        out = out.permute(0, 2, 3, 1) if out is not None else torch.empty((n, h, w, c), dtype=torch.float32,
+                                                                           device=images.device)
         out.copy_(images)
         if mean is not None:
             # per-channel FMA over rows of w*c values (scale tiled w times): a long contiguous
@@ -76,7 +92,8 @@ def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Seq
         x = images.permute(0, 3, 1, 2) if layout == "NHWC" else images
         fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
             else torch.contiguous_format
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device, memory_format=fmt)
+        if out is None:
+            out = torch.empty(x.shape, dtype=torch.float32, device=x.device, memory_format=fmt)
         out.copy_(x)
         if mean is not None:
             key = (images.device, uint8, tuple(mean), tuple(std))
@@ -88,6 +105,36 @@ def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Seq
             out.mul_(1.0 / 255)
     out = out.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+class BufferPool:
+    """Float batch buffers, reused once nothing but the pool refers to them.
+
+    Why: a fresh 64 x 3 x 128 x 128 float batch is 3000 new pages, each faulted in on its first
+    write; on a VM that is most of the cost of the conversion. The pool keeps only storages and
+    hands out a new tensor on one each time, so every holder of a batch (the caller's tensor, a view
+    of it, an autograd graph that saved it) counts as a reference to the storage: a buffer is reused
+    only when its count says nobody else has it, and reuse never overwrites a batch still in use.
+    """
+
+    def __init__(self, capacity: int = 4):
+        self.capacity = capacity
+        self._storages: list[Any] = []
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it, no reuse
+
+    def take(self, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
+        """A float32 CPU tensor of `shape` (NCHW), channels_last or contiguous, free to overwrite."""
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        nbytes = 4 * math.prod(shape)
+        if self._use_count is not None:
+            for storage in self._storages:
+                if storage.nbytes() == nbytes and self._use_count(storage._cdata) == 1:
+                    stride = torch.empty(shape, device="meta", memory_format=fmt).stride()
+                    return torch.empty(0, dtype=torch.float32).set_(storage, 0, tuple(shape), stride)
+        out = torch.empty(tuple(shape), dtype=torch.float32, memory_format=fmt)
+        if self._use_count is not None and len(self._storages) < self.capacity:
+            self._storages.append(out.untyped_storage())
+        return out
 
 
 class DevicePrefetcher:
@@ -119,12 +166,15 @@ class DevicePrefetcher:
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
-    def convert(self, batch: Any) -> Any:
-        """One batch to the device, images normalised (runs on the side stream / background thread)."""
+    def convert(self, batch: Any, out: torch.Tensor | None = None) -> Any:
+        """One batch to the device, images normalised (runs on the side stream / background thread).
+
+        `out`: a buffer for the images (see `normalize_batch`)."""
         images, *rest = batch if isinstance(batch, (tuple, list)) else (batch,)
         non_blocking = self.device.type == "cuda"
         images = images.to(self.device, non_blocking=non_blocking)
-        images = normalize_batch(images, self.mean, self.std, self.channels_last, self.dtype, self.layout, self._cache)
+        images = normalize_batch(images, self.mean, self.std, self.channels_last, self.dtype, self.layout, self._cache,
+                                 out=out)
         rest = [r.to(self.device, non_blocking=non_blocking) if isinstance(r, torch.Tensor) else r for r in rest]
         return (images, *rest) if isinstance(batch, (tuple, list)) else images
 

@@ -156,6 +156,7 @@ class PackedDataset:
         self._env: Any = None
         self._pid = os.getpid()
         self._open_lock = threading.Lock()
+        self._local = threading.local()  # per thread: a read transaction
         self._blob: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         if in_memory:
@@ -179,6 +180,15 @@ class PackedDataset:
                 self._pid = os.getpid()
             return self._env
 
+    def _transaction(self) -> Any:
+        """This thread's read transaction, kept open: begin/abort per read would hand the GIL over
+        twice more per record, and with several decoding threads every hand-over is a wait."""
+        env = self._environment()
+        local = self._local
+        if getattr(local, "env", None) is not env:  # first read in this thread, or the store was reopened
+            local.txn, local.env = env.begin(), env
+        return local.txn
+
     def _load_into_memory(self) -> None:
         """Copy every record into one contiguous buffer (offsets[i]:offsets[i+1] is record i)."""
         try:
@@ -197,8 +207,7 @@ class PackedDataset:
     def _raw(self, index: int) -> Any:
         if self._blob is not None:
             return memoryview(self._blob[self._offsets[index]:self._offsets[index + 1]])
-        with self._environment().begin() as txn:  # a copy of the bytes: valid after the transaction
-            value = txn.get(key_of(index))
+        value = self._transaction().get(key_of(index))  # bytes (a copy): no tie to the transaction
         if value is None:
             raise ValueError(f"store {self.path!r} has no record {index} although its manifest counts "
                              f"{len(self)}; the store is damaged, re-pack it")
@@ -238,12 +247,12 @@ class PackedDataset:
         # The LMDB handle must not travel to a worker (fork or spawn): each process opens its own.
         state = self.__dict__.copy()
         state["_env"] = None
-        del state["_open_lock"]
+        del state["_open_lock"], state["_local"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._open_lock = threading.Lock()
+        self._open_lock, self._local = threading.Lock(), threading.local()
 
     def __del__(self) -> None:
         try:

@@ -28,7 +28,10 @@ class ThreadedBatches:
     An exception in a thread is raised in the consumer. Each thread runs torch ops on one core.
     """
 
-    def __init__(self, make_batch: Callable[[Any], Any], batch_sampler: Iterable[Any], threads: int, ahead: int = 2):
+    AHEAD = 2  # default finished batches kept per thread
+
+    def __init__(self, make_batch: Callable[[Any], Any], batch_sampler: Iterable[Any], threads: int,
+                 ahead: int = AHEAD):
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         self.make_batch, self.batch_sampler, self.threads, self.ahead = make_batch, batch_sampler, threads, max(1, ahead)

@@ -7,6 +7,7 @@ the search walks num_workers upward from 0 and stops as soon as throughput falls
 from __future__ import annotations
 
 import os
+import statistics
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -81,7 +82,8 @@ def tune_loader(
     pin_memory only with CUDA. Each configuration runs two passes of `seconds` after a warm-up.
     `threads` (torchspeed pipelines, whose factory takes `threads=`): with "auto", num_workers=0 is
     tried with 1, 2, ... threads making batches in this process (same stopping rule) before the
-    worker processes; an integer fixes the threads used at num_workers=0.
+    worker processes, and the best of each then run again, interleaved, three passes each (rows
+    marked `final`); an integer fixes the threads used at num_workers=0.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -100,26 +102,52 @@ def tune_loader(
     if not (threads is None or threads == "auto" or (isinstance(threads, int) and threads >= 1)):
         raise ValueError(f"threads must be None, 'auto' or a positive integer, got {threads!r}")
 
-    def measure(w: int, pf: int | None, persist: bool, pin: bool, t: int = 1) -> float:
-        t = t if w == 0 else 1
-        if progress:
-            progress(f"timing num_workers={w}, threads={t}, prefetch_factor={pf}, persistent={persist}, pin={pin}")
+    def make(w: int, pf: int | None, persist: bool, pin: bool, t: int) -> Any:
         with warnings.catch_warnings():
             # more workers than cores is tried on purpose (to see throughput fall): no warning for it
             warnings.filterwarnings("ignore", message=".*worker processes in total.*")
-            loader = build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t,)))
-            try:
-                timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
-                                  min_pass_s=seconds, device=dev)
-            finally:
-                _shutdown(loader)
-        rate = float(timing.throughput or 0.0)
+            return build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t if w == 0 else 1,)))
+
+    def record(w: int, pf: int | None, persist: bool, pin: bool, t: int, rate: float, **extra: Any) -> None:
         row = {"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
-               "pin_memory": pin, "items_per_s": rate}
+               "pin_memory": pin, "items_per_s": rate, **extra}
         if threads is not None:
-            row["threads"] = t
+            row["threads"] = t if w == 0 else 1
         table.append(row)
+
+    def measure(w: int, pf: int | None, persist: bool, pin: bool, t: int = 1) -> float:
+        if progress:
+            progress(f"timing num_workers={w}, threads={t if w == 0 else 1}, prefetch_factor={pf}, "
+                     f"persistent={persist}, pin={pin}")
+        loader = make(w, pf, persist, pin, t)
+        try:
+            timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
+                                   min_pass_s=seconds, device=dev)
+        finally:
+            _shutdown(loader)
+        rate = float(timing.throughput or 0.0)
+        record(w, pf, persist, pin, t, rate)
         return rate
+
+    def final(candidates: list[tuple[int, int]], rounds: int = 3) -> tuple[float, int, int]:
+        """The walks' winners again, passes interleaved: one noisy pass must not decide a close call."""
+        if progress:
+            progress(f"final: {', '.join(f'num_workers={w}, threads={t}' for w, t in candidates)}, interleaved")
+        loaders = {c: make(c[0], pf0, persist0, pin0, c[1]) for c in candidates}
+        rates: dict[tuple[int, int], list[float]] = {c: [] for c in candidates}
+        try:
+            for _ in range(rounds):
+                for (w, t), loader in loaders.items():
+                    timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=1,
+                                           min_pass_s=seconds, device=dev)
+                    rates[(w, t)].append(float(timing.throughput or 0.0))
+        finally:
+            for loader in loaders.values():
+                _shutdown(loader)
+        for (w, t), r in rates.items():
+            record(w, pf0, persist0, pin0, t, statistics.median(r), final=True)
+        (w, t) = max(rates, key=lambda c: statistics.median(rates[c]))
+        return statistics.median(rates[(w, t)]), w, t
 
     def walk(counts: Sequence[int], config: Callable[[int], tuple[int, int]]) -> tuple[float, int, int]:
         """Measure counts in order until `patience` in a row are slower than the best; the best (rate, w, t)."""
@@ -139,7 +167,7 @@ def tune_loader(
     if threads == "auto":  # threads in this process first, then worker processes; keep the faster
         in_process = walk(range(1, max(1, max_workers) + 1), lambda c: (0, c))
         in_workers = walk(range(1, max_workers + 1), lambda c: (c, 1))
-        rate, w, t = max(in_process, in_workers)
+        rate, w, t = final([(0, in_process[2]), (in_workers[1], 1)]) if in_workers[0] > 0 else in_process
     else:
         rate, w, t = walk(range(0, max_workers + 1), lambda c: (c, threads or 1))
     best = (rate, w, pf0, persist0, pin0)
