@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from torchspeed.data import make_photo_folder, pack, tune_loader
+from torchspeed.data import DevicePrefetcher, make_photo_folder, pack, tune_loader
+from torchspeed.data.prefetch import BufferPool
 from torchspeed.data.store import PackedDataset
 from torchspeed.data.threads import ThreadedBatches
 
@@ -126,3 +127,38 @@ def test_tune_loader_tries_threads_in_process_then_workers_and_keeps_the_fastest
     finals = [r for r in s.table if r.get("final")]  # the two winners, measured again interleaved
     assert [(r["num_workers"], r["threads"]) for r in finals] == [(0, 2), (1, 1)]
     assert s.throughput == finals[0]["items_per_s"] == max(r["items_per_s"] for r in finals)
+
+
+def test_buffer_pool_reuses_a_buffer_only_when_nothing_refers_to_it():
+    pool = BufferPool(capacity=2)
+    a = pool.take((2, 3, 4, 4), channels_last=True)
+    assert a.is_contiguous(memory_format=torch.channels_last) and a.shape == (2, 3, 4, 4)
+    address = a.data_ptr()
+    view = a[1]  # the caller keeps a view: the storage is still in use
+    del a
+    b = pool.take((2, 3, 4, 4), channels_last=True)
+    assert b.data_ptr() != address
+    del view
+    c = pool.take((2, 3, 4, 4), channels_last=True)
+    assert c.data_ptr() == address  # released: handed out again
+    assert pool.take((2, 3, 4, 4), channels_last=False).is_contiguous()
+
+
+@pytest.mark.parametrize("channels_last,layout", [(True, "NHWC"), (False, "NCHW")])
+def test_cpu_prefetcher_never_overwrites_a_batch_that_is_still_held(channels_last, layout):
+    torch.manual_seed(0)
+    raw = [torch.randint(0, 256, (4, 3, 6, 5), dtype=torch.uint8) for _ in range(9)]
+    batches = [(r.permute(0, 2, 3, 1).contiguous() if layout == "NHWC" else r, torch.arange(4)) for r in raw]
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    reference = [(r.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+                 for r in raw]
+    pf = DevicePrefetcher(batches, "cpu", mean, std, channels_last=channels_last, layout=layout)
+    held = [x for x, _ in pf]  # every batch kept: no buffer may be reused
+    assert len({x.data_ptr() for x in held}) == len(held)
+    for x, ref in zip(held, reference):
+        torch.testing.assert_close(x, ref, atol=1e-6, rtol=1e-6)
+    addresses = set()
+    for i, (x, _) in enumerate(pf):  # batches dropped as we go: buffers come back, values stay right
+        addresses.add(x.data_ptr())
+        torch.testing.assert_close(x, reference[i], atol=1e-6, rtol=1e-6)
+    assert len(addresses) < len(raw)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from torchspeed.data.threads import put_unless_stopped
 from torchspeed.runtime import resolve_device, start_helper_threads
 
 __all__ = ["BufferPool", "DevicePrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "normalize_batch"]
@@ -35,6 +36,12 @@ def _affine(mean: Sequence[float], std: Sequence[float], device: torch.device, u
     scale = 1.0 / (s * (255.0 if uint8 else 1.0))
     shift = -m / s
     return (scale.float().view(1, -1, 1, 1).to(device), shift.float().view(1, -1, 1, 1).to(device))
+
+
+def _resolve_layout(images: torch.Tensor, layout: str) -> str:
+    if layout != "auto":
+        return layout
+    return "NHWC" if images.shape[-1] in (1, 3, 4) and images.shape[1] not in (1, 3, 4) else "NCHW"
 
 
 def _fits(out: torch.Tensor, images: torch.Tensor, layout: str, channels_last: bool, dtype: torch.dtype) -> bool:
@@ -60,8 +67,7 @@ def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Seq
     """
     if images.dim() != 4:
         raise ValueError(f"expected a 4-D image batch, got shape {tuple(images.shape)}")
-    if layout == "auto":
-        layout = "NHWC" if images.shape[-1] in (1, 3, 4) and images.shape[1] not in (1, 3, 4) else "NCHW"
+    layout = _resolve_layout(images, layout)
     dtype = dtype or torch.float32
     uint8 = images.dtype == torch.uint8
     if mean is None or std is None:
@@ -205,24 +211,32 @@ class DevicePrefetcher:
             batch, nxt = nxt, preload()
             yield batch
 
+    def _output_buffer(self, pool: BufferPool, batch: Any) -> torch.Tensor | None:
+        """A reused float buffer for this batch's images where normalize_batch can write into one."""
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if not (isinstance(images, torch.Tensor) and images.dim() == 4 and images.device.type == "cpu"
+                and self.dtype in (None, torch.float32) and images.is_contiguous()):
+            return None
+        layout = _resolve_layout(images, self.layout)
+        if (layout == "NHWC") != self.channels_last:
+            return None  # the conversion changes the layout afterwards: a buffer would not be the result
+        n, a, b, c = images.shape
+        return pool.take((n, c, a, b) if layout == "NHWC" else (n, a, b, c), self.channels_last)
+
     def _iter_thread(self) -> Iterator[Any]:
         q: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
         done = object()
 
         def put(item: Any) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    pass
-            return False
+            return put_unless_stopped(q, item, stop)
+
+        pool = BufferPool(capacity=self.depth + 3)  # used by the producer thread only
 
         def produce(_: int) -> None:
             try:
                 for batch in self.loader:
-                    if not put(("ok", self.convert(batch))):
+                    if not put(("ok", self.convert(batch, out=self._output_buffer(pool, batch)))):
                         return
                 put(("end", done))
             except BaseException as e:  # handed to the consumer, raised there

@@ -16,7 +16,18 @@ from typing import Any
 
 from torchspeed.runtime import start_helper_threads
 
-__all__ = ["ThreadedBatches"]
+__all__ = ["ThreadedBatches", "put_unless_stopped"]
+
+
+def put_unless_stopped(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put `item` on the bounded queue `q`, waiting for room until `stop` is set; False if it was."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            pass
+    return False
 
 
 class ThreadedBatches:
@@ -45,22 +56,13 @@ class ThreadedBatches:
         outputs: list[queue.Queue] = [queue.Queue(maxsize=self.ahead) for _ in range(k)]
         stop = threading.Event()
 
-        def put(q: queue.Queue, item: Any) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    pass
-            return False
-
         def work(i: int) -> None:
             try:
                 for b in range(i, len(jobs), k):
-                    if stop.is_set() or not put(outputs[i], (True, self.make_batch(jobs[b]))):
+                    if stop.is_set() or not put_unless_stopped(outputs[i], (True, self.make_batch(jobs[b])), stop):
                         return
             except BaseException as e:  # handed to the consumer, raised there
-                put(outputs[i], (False, e))
+                put_unless_stopped(outputs[i], (False, e), stop)
 
         threads = start_helper_threads(work, k, "torchspeed-decode")
         try:

@@ -7,9 +7,9 @@ the search walks num_workers upward from 0 and stops as soon as throughput falls
 from __future__ import annotations
 
 import os
-import statistics
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,6 +43,14 @@ class LoaderSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@contextmanager
+def _more_workers_than_cores_on_purpose() -> Iterator[None]:
+    """Silence DataLoader's warning about more workers than cores: trying them is how we see throughput fall."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+        yield
 
 
 def _shutdown(loader: Any) -> None:
@@ -103,10 +111,7 @@ def tune_loader(
         raise ValueError(f"threads must be None, 'auto' or a positive integer, got {threads!r}")
 
     def make(w: int, pf: int | None, persist: bool, pin: bool, t: int) -> Any:
-        with warnings.catch_warnings():
-            # more workers than cores is tried on purpose (to see throughput fall): no warning for it
-            warnings.filterwarnings("ignore", message=".*worker processes in total.*")
-            return build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t if w == 0 else 1,)))
+        return build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t if w == 0 else 1,)))
 
     def record(w: int, pf: int | None, persist: bool, pin: bool, t: int, rate: float, **extra: Any) -> None:
         row = {"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
@@ -121,8 +126,9 @@ def tune_loader(
                      f"persistent={persist}, pin={pin}")
         loader = make(w, pf, persist, pin, t)
         try:
-            timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
-                                   min_pass_s=seconds, device=dev)
+            with _more_workers_than_cores_on_purpose():
+                timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
+                                       min_pass_s=seconds, device=dev)
         finally:
             _shutdown(loader)
         rate = float(timing.throughput or 0.0)
@@ -130,24 +136,31 @@ def tune_loader(
         return rate
 
     def final(candidates: list[tuple[int, int]], rounds: int = 3) -> tuple[float, int, int]:
-        """The walks' winners again, passes interleaved: one noisy pass must not decide a close call."""
+        """The walks' winners again, passes interleaved: one noisy pass must not decide a close call.
+
+        Scored by items over seconds of all their passes (what an epoch gets), so a setting that is
+        fast in most passes but stalls in some loses against a steady one."""
         if progress:
             progress(f"final: {', '.join(f'num_workers={w}, threads={t}' for w, t in candidates)}, interleaved")
         loaders = {c: make(c[0], pf0, persist0, pin0, c[1]) for c in candidates}
-        rates: dict[tuple[int, int], list[float]] = {c: [] for c in candidates}
+        items = {c: 0.0 for c in candidates}
+        spent = {c: 0.0 for c in candidates}
         try:
             for _ in range(rounds):
                 for (w, t), loader in loaders.items():
-                    timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=1,
-                                           min_pass_s=seconds, device=dev)
-                    rates[(w, t)].append(float(timing.throughput or 0.0))
+                    with _more_workers_than_cores_on_purpose():
+                        timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=1,
+                                               min_pass_s=seconds, device=dev)
+                    items[(w, t)] += sum(timing.items)
+                    spent[(w, t)] += sum(timing.times_s)
         finally:
             for loader in loaders.values():
                 _shutdown(loader)
+        rates = {c: items[c] / spent[c] if spent[c] > 0 else 0.0 for c in candidates}
         for (w, t), r in rates.items():
-            record(w, pf0, persist0, pin0, t, statistics.median(r), final=True)
-        (w, t) = max(rates, key=lambda c: statistics.median(rates[c]))
-        return statistics.median(rates[(w, t)]), w, t
+            record(w, pf0, persist0, pin0, t, r, final=True)
+        (w, t) = max(rates, key=rates.__getitem__)
+        return rates[(w, t)], w, t
 
     def walk(counts: Sequence[int], config: Callable[[int], tuple[int, int]]) -> tuple[float, int, int]:
         """Measure counts in order until `patience` in a row are slower than the best; the best (rate, w, t)."""
