@@ -111,7 +111,8 @@ def facts(**settings):
 def test_loop_rules_and_ranking():
     ld = {"name": "DataLoader #1", "num_workers": 4, "pin_memory": True, "batch_size": 8, "persistent_workers": False,
           "batches": 10, "training": True, "startup_s": [1.0, 0.8, 0.8]}
-    f = loop_findings(facts(loaders=[ld], parallel="DataParallel", train_mode_eval_forwards=3, cpu_bf16=True))
+    f = loop_findings(facts(loaders=[ld], parallel="DataParallel", train_mode_eval_forwards=3, cpu_bf16=True,
+                            cpu_amx=True))
     rules = [x.rule for x in f]
     assert rules[0] == "train-mode-eval"  # bugs first
     for r in ("pin-memory-without-cuda", "cpu-oversubscribed", "data-parallel", "loader-not-persistent", "no-autocast"):
@@ -119,3 +120,12 @@ def test_loop_rules_and_ranking():
     gains = [x.expected_gain for x in f if x.severity == "speed"]
     assert gains == sorted(gains, reverse=True)
     assert loop_findings(facts()) == []  # nothing to say about a clean fp32 loop on a CPU without bf16
+
+
+def test_bf16_advice_expects_a_gain_only_with_amx():
+    amx = {x.rule: x for x in loop_findings(facts(cpu_bf16=True, cpu_amx=True))}["no-autocast"]
+    assert amx.expected_gain > 0.2 and "AMX" in amx.message
+    avx = {x.rule: x for x in loop_findings(facts(cpu_bf16=True, cpu_amx=False))}
+    assert "no-autocast" not in avx  # not advised as a speed-up without AMX: measured, it is often slower
+    assert avx["bf16-without-amx"].expected_gain == 0.0 and "no AMX" in avx["bf16-without-amx"].message
+    assert "accelerate" in avx["bf16-without-amx"].fix

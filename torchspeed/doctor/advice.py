@@ -58,6 +58,10 @@ FIXES: dict[str, Fix] = {
         "train in mixed precision: ts.train.accelerate(model, optimizer, precision='auto') or "
         "`with torch.autocast(device_type, dtype=torch.bfloat16)` around forward and loss",
         "torchspeed bench train"),
+    "bf16-without-amx": Fix(
+        "keep fp32 unless bf16 measures faster here: ts.train.accelerate(model, optimizer, precision='auto') "
+        "times both and keeps the faster",
+        "torchspeed bench train"),
     "pin-memory-without-cuda": Fix(
         "drop pin_memory=True: there is no CUDA device, so pinning only costs host memory and a copy",
         "torchspeed tune-loader DATA --batch-size B", "info"),

@@ -1,0 +1,41 @@
+"""A plain ResNet-18 training script, written the way many tutorials write it (docs/doctor.md).
+
+    python docs/examples/train_resnet18.py DATA_DIR [--fast]
+
+`--fast` swaps the DataLoader for torchspeed's fast_loader (the advice `torchspeed doctor` gives on
+a 2-core CPU without AMX); everything else stays as written.
+"""
+import sys
+
+import torch
+import torchvision
+from torch import nn
+from torchvision import transforms
+from torchvision.datasets import ImageFolder
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def main() -> None:
+    data_dir, fast = sys.argv[1], "--fast" in sys.argv[2:]
+    if fast:
+        import torchspeed as ts
+
+        loader = ts.data.fast_loader(data_dir, batch_size=32, crop=224, device="cpu", channels_last=False)
+    else:
+        tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+                                 transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+        loader = torch.utils.data.DataLoader(ImageFolder(data_dir, tf), batch_size=32, shuffle=True, num_workers=0)
+    model = torchvision.models.resnet18(num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(10):
+        for images, labels in loader:
+            loss = nn.CrossEntropyLoss()(model(images), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            print(f"epoch {epoch} loss {loss.item():.3f}")
+
+
+if __name__ == "__main__":
+    main()
