@@ -111,7 +111,8 @@ def tune_loader(
         raise ValueError(f"threads must be None, 'auto' or a positive integer, got {threads!r}")
 
     def make(w: int, pf: int | None, persist: bool, pin: bool, t: int) -> Any:
-        return build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t if w == 0 else 1,)))
+        with _more_workers_than_cores_on_purpose():  # DataLoader warns when it is built and when iterated
+            return build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t if w == 0 else 1,)))
 
     def record(w: int, pf: int | None, persist: bool, pin: bool, t: int, rate: float, **extra: Any) -> None:
         row = {"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
