@@ -162,3 +162,14 @@ def test_cpu_prefetcher_never_overwrites_a_batch_that_is_still_held(channels_las
         addresses.add(x.data_ptr())
         torch.testing.assert_close(x, reference[i], atol=1e-6, rtol=1e-6)
     assert len(addresses) < len(raw)
+
+
+def test_max_workers_caps_what_auto_tries(tmp_path):
+    from torchspeed.data import fast_loader
+
+    photos = make_photo_folder(tmp_path / "p", 24, n_classes=2, seed=2, size=(40, 32), workers=1)
+    loader = fast_loader(photos, 4, crop=16, device="cpu", num_workers="auto", max_workers=1, tune_seconds=0.05)
+    tried = {(r["num_workers"], r["threads"]) for r in loader.settings.table}
+    assert tried <= {(0, 1), (1, 1)} and (0, 1) in tried
+    with pytest.raises(ValueError, match="max_workers"):
+        fast_loader(photos, 4, crop=16, device="cpu", max_workers=0)

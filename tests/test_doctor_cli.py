@@ -56,6 +56,51 @@ def test_doctor_stops_after_steps_and_flags_no_workers(script, tmp_path):
     assert json.loads((out / "doctor.json").read_text())["steps"] == 4
 
 
+FAST_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    import torchspeed as ts
+    torch.set_num_threads(1)
+    workers, threads = int(sys.argv[2]), int(sys.argv[3])
+    loader = ts.data.fast_loader(sys.argv[1], 4, crop=16, device="cpu", num_workers=workers, threads=threads)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.zeros(1, 3, 16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    while True:
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y % 2)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+""")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers,threads", [(0, 2), (1, 1)])
+def test_doctor_sees_a_fast_loader_and_its_threads_do_not_enter_the_loop_phases(tmp_path, workers, threads):
+    from torchspeed.data import make_photo_folder
+    from torchspeed.runtime import usable_cores
+
+    photos = make_photo_folder(tmp_path / "photos", 24, n_classes=2, seed=0, size=(40, 32), workers=1)
+    (tmp_path / "fast.py").write_text(FAST_SCRIPT)
+    code = main(["doctor", "--steps", "5", "--out", str(tmp_path / "rep"), "--json", str(tmp_path / "d.json"), "--",
+                 sys.executable, str(tmp_path / "fast.py"), photos, str(workers), str(threads)])
+    assert code == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    # the FastLoader only: its inner DataLoader is iterated by the prefetch thread, which the loop's
+    # phases (one stack, the loop's thread) must not see
+    (ld,) = d["settings"]["loaders"]
+    assert ld["name"].startswith("FastLoader") and ld["batches"] >= 5 and ld["training"]
+    assert (ld["num_workers"], ld["threads"]) == (workers, threads)
+    assert d["steps"] == 5
+    # exclusive phases of the loop's thread only: they never add up to more than the wall time
+    assert sum(v for k, v in d["phases"].items() if k != "other") <= d["wall_s"] * 1.01
+    rules = [f["rule"] for f in d["findings"]]
+    assert "loader-no-workers" not in rules  # its batches are made in the background
+    # 1 intra-op thread + the loader's 2 threads or 1 worker: oversubscribed below that many cores
+    assert ("cpu-oversubscribed" in rules) == (usable_cores() < 1 + max(workers, threads))
+
+
 @pytest.mark.timeout(120)
 def test_doctor_writes_report_when_script_raises(script, tmp_path, capfd):
     code = main(["doctor", "--json", str(tmp_path / "d.json"), "--", sys.executable, script, "raise"])

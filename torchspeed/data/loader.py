@@ -358,6 +358,7 @@ def fast_loader(
     tune_seconds: float = 0.4,
     multiprocessing_context: Any = None,
     threads: int | str = "auto",
+    max_workers: int | None = None,
 ) -> FastLoader:
     """The whole fast input pipeline in one call (see the module docstring for what each step buys).
 
@@ -367,7 +368,9 @@ def fast_loader(
     `threads` threads of this process (the decoders release the GIL; no shared memory, no pickling),
     `num_workers>0` in worker processes of one thread each. `num_workers="auto"` measures both
     briefly with `tune_loader` (1..cores+1 threads, then 1..cores+1 worker processes) and keeps the
-    fastest; `threads="auto"` is then measured too, else it means 1. `decoder="auto"` measures the JPEG
+    fastest; `threads="auto"` is then measured too, else it means 1. `max_workers` caps the threads
+    and worker processes tried (default cores + 1): the measurement times the loader alone, so a
+    training loop whose model needs the cores may want fewer. `decoder="auto"` measures the JPEG
     decoders once in this process. Under an initialised torch.distributed (or with explicit
     `num_replicas`/`rank`) each rank gets a disjoint shard; as DistributedSampler does, the last
     shard is padded by repeating the first samples when the size does not divide evenly.
@@ -380,6 +383,8 @@ def fast_loader(
         raise ValueError(f"num_workers must be 'auto' or a non-negative integer, got {num_workers!r}")
     if not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
         raise ValueError(f"threads must be 'auto' or a positive integer, got {threads!r}")
+    if max_workers is not None and not (isinstance(max_workers, int) and max_workers >= 1):
+        raise ValueError(f"max_workers must be None or a positive integer, got {max_workers!r}")
     source = as_source(data, in_memory=in_memory)
     if len(source) == 0:
         raise ValueError("the dataset is empty")
@@ -428,9 +433,9 @@ def fast_loader(
 
         key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))), len(source),
                batch_size, crop, train, str(dev), channels_last, decoder, prefetch_factor, persistent_workers, pin,
-               threads)
+               threads, max_workers)
         if key not in _TUNED:  # measured once per process for the same data and settings
-            _TUNED[key] = tune_loader(build, batch_size, seconds=tune_seconds, device=dev,
+            _TUNED[key] = tune_loader(build, batch_size, seconds=tune_seconds, device=dev, max_workers=max_workers,
                                       prefetch_factors=(prefetch_factor,) if prefetch_factor else (2, 4),
                                       persistent=(persistent_workers,) if persistent_workers is not None else (True,),
                                       threads=threads)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -49,7 +50,8 @@ class Recorder:
         from torchspeed.doctor.phases import PHASES, PhaseClock
 
         self.pid = os.getpid()
-        self.enabled = True
+        self.loop_thread = threading.get_ident()  # the script's thread: the training loop runs here
+        self._enabled = True
         self.clock = PhaseClock()
         self.max_steps = max_steps
         self.trace_path = trace_path
@@ -75,6 +77,16 @@ class Recorder:
             "input": None, "model": None, "optimizers": [], "loss_checks": [], "backward_calls": 0,
         }
         self._handles: list[Any] = []
+
+    @property
+    def enabled(self) -> bool:
+        """Recording is on, and this is the loop's thread: what loader threads (a prefetcher, decoding
+        threads) do overlaps the step and must not enter the loop's phases (one phase stack)."""
+        return self._enabled and threading.get_ident() == self.loop_thread
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = value
 
     # ---------------------------------------------------------------- phases
     def _enter(self, phase: str) -> None:
@@ -178,6 +190,56 @@ class Recorder:
 
         dl.DataLoader.__iter__ = dl_iter
         dl._BaseDataLoaderIter.__next__ = dl_next
+
+        # torchspeed's FastLoader: its batches come from threads or a prefetcher, so what the loop
+        # waits for is the FastLoader's next(), not a DataLoader's
+        from torchspeed.data.loader import FastLoader
+
+        orig_fast_iter = FastLoader.__iter__
+
+        def fast_iter(loader):
+            inner = orig_fast_iter(loader)
+            if not rec.enabled:
+                return inner
+            info = rec.loaders.get(id(loader))
+            if info is None:
+                settings = loader.dataloader
+                info = rec.loaders[id(loader)] = {
+                    "name": f"FastLoader #{len(rec.loaders) + 1}", "num_workers": settings.num_workers,
+                    "threads": loader.threads, "background": True, "pin_memory": bool(settings.pin_memory),
+                    "batch_size": loader.batch_sampler.batch_size, "persistent_workers": bool(settings.persistent_workers),
+                    "dataset": type(loader.dataset).__name__, "batches": 0, "epochs": 0, "startup_s": [],
+                    "data_s": 0.0, "training": False}
+            info["epochs"] += 1
+            return _timed_batches(inner, id(loader), info)
+
+        def _timed_batches(inner, key, info):
+            first, t_iter = True, time.perf_counter()
+            try:
+                while True:
+                    if not rec.enabled:
+                        yield from inner
+                        return
+                    t0 = time.perf_counter()
+                    rec._enter("data")
+                    try:
+                        batch = next(inner)
+                    except StopIteration:
+                        return
+                    finally:
+                        rec._exit()
+                    now = time.perf_counter()
+                    info["batches"] += 1
+                    info["data_s"] += now - t0
+                    if first:
+                        info["startup_s"].append(now - t_iter)
+                        first = False
+                    rec._last_loader = key
+                    yield batch
+            finally:
+                inner.close()  # a loop left early stops the loader's threads now
+
+        FastLoader.__iter__ = fast_iter
 
         # module forward --------------------------------------------------------
         loss_types = (torch.nn.modules.loss._Loss,)

@@ -41,7 +41,8 @@ def _compute_share(f: Facts) -> float:
 
 @rule
 def loader_no_workers(f: Facts) -> Finding | None:
-    loaders = [ld for ld in _train_loaders(f) if ld.get("num_workers") == 0]
+    # a FastLoader makes batches in the background (threads or a prefetcher) even with num_workers=0
+    loaders = [ld for ld in _train_loaders(f) if ld.get("num_workers") == 0 and not ld.get("background")]
     if not loaders:
         return None
     data = _share(f, "data")
@@ -192,10 +193,12 @@ def cpu_oversubscribed(f: Facts) -> Finding | None:
         return None
     s = f["settings"]
     cores, threads = s.get("cores") or 0, s.get("torch_threads") or 0
-    workers = max((ld.get("num_workers", 0) for ld in _train_loaders(f)), default=0)
+    # loader parallelism: worker processes, or a FastLoader's decoding threads when it has no workers
+    workers = max((ld.get("num_workers", 0) or ld.get("threads", 0) for ld in _train_loaders(f)), default=0)
     if not cores or workers == 0 or threads + workers <= cores:
         return None
-    return finding("cpu-oversubscribed", f"{workers} loader workers + {threads} intra-op threads on {cores} "
+    kind = "loader workers" if any(ld.get("num_workers") for ld in _train_loaders(f)) else "loader threads"
+    return finding("cpu-oversubscribed", f"{workers} {kind} + {threads} intra-op threads on {cores} "
                    "cores: they time-slice each other", 0.1,
                    "rough: oversubscription typically costs ~10%; tune-loader measures the best split")
 

@@ -44,7 +44,9 @@ def model_settings(model: nn.Module) -> dict[str, Any]:
     elif isinstance(model, nn.parallel.DistributedDataParallel):
         parallel = "DistributedDataParallel"
     return {"class": type(getattr(model, "module", model)).__name__,
-            "params": int(sum(q.numel() for q in model.parameters())),
+            # a lazy module's parameters have no size until its first forward (the one being observed)
+            "params": int(sum(q.numel() for q in model.parameters()
+                              if not isinstance(q, nn.parameter.UninitializedParameter))),
             "dtype": str(p.dtype) if p is not None else None, "device": str(p.device) if p is not None else "cpu",
             "convs": sum(isinstance(m, nn.modules.conv._ConvNd) for m in mods),
             "bn_or_dropout": any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout)) for m in mods),
