@@ -197,7 +197,8 @@ def cpu_oversubscribed(f: Facts) -> Finding | None:
     workers = max((ld.get("num_workers", 0) or ld.get("threads", 0) for ld in _train_loaders(f)), default=0)
     if not cores or workers == 0 or threads + workers <= cores:
         return None
-    kind = "loader workers" if any(ld.get("num_workers") for ld in _train_loaders(f)) else "loader threads"
+    kind = "loader worker" if any(ld.get("num_workers") for ld in _train_loaders(f)) else "loader thread"
+    kind += "s" if workers != 1 else ""
     return finding("cpu-oversubscribed", f"{workers} {kind} + {threads} intra-op threads on {cores} "
                    "cores: they time-slice each other", 0.1,
                    "rough: oversubscription typically costs ~10%; tune-loader measures the best split")
