@@ -3,14 +3,16 @@
 The path of one batch, and what each step buys (figures: `torchspeed bench data`):
   sampler (main)   yields [(epoch, index), ...]: the epoch travels with the indices, so persistent
                    workers need no message to know it, and skipping batches for a resume is free;
-  worker           per sample: crop box drawn from the header size -> DCT-scaled decode of just
+  maker            per sample: crop box drawn from the header size -> DCT-scaled decode of just
                    enough pixels -> one cv2.resize of the box region written straight into its slot
-                   of a uint8 batch tensor allocated in shared memory (no per-sample tensors,
-                   no collate copy, no float work, 1 intra-op thread per worker); the batch is
-                   NCHW, or NHWC when the output is channels_last, so that the float conversion
-                   later is one contiguous pass;
-  main             DevicePrefetcher: uint8 -> float, /255 and mean/std as one multiply-add per
-                   batch, a batch ahead (on CUDA on a side stream, on a CPU in a thread).
+                   of a uint8 batch (no per-sample tensors, no collate copy, one intra-op thread);
+                   the batch is NCHW, or NHWC when the output is channels_last, so that the float
+                   conversion is one contiguous pass. The makers are either threads of the main
+                   process (`num_workers=0`, data/threads.py: no shared memory, no pickling, reused
+                   buffers) or worker processes (the batch allocated in shared memory);
+  conversion       uint8 -> float, /255 and mean/std as one multiply-add per batch, into a reused
+                   buffer: by each thread on a CPU, else by the DevicePrefetcher a batch ahead (on
+                   CUDA on a side stream, on a CPU in a thread).
 """
 from __future__ import annotations
 
