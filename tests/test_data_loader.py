@@ -92,6 +92,9 @@ def test_same_seed_same_batches_whatever_the_number_of_workers_or_threads(store)
         assert len(runs[setup]) == len(runs[(0, 1)]) == 4
         for (xa, ya), (xb, yb) in zip(runs[(0, 1)], runs[setup]):
             assert torch.equal(ya, yb) and torch.equal(xa, xb)
+    held = [x for x, _ in fast_loader(store, 6, crop=24, device="cpu", num_workers=0, threads=2, seed=3,
+                                      decoder="simplejpeg")]  # not copied: reused buffers must not change them
+    assert all(torch.equal(x, ref) for x, (ref, _) in zip(held, runs[(0, 1)]))
     assert fast_loader(store, 6, crop=24, device="cpu", num_workers=0, threads=3).threads == 3
     assert fast_loader(store, 6, crop=24, device="cpu", num_workers=1, threads=3).threads == 1  # workers decode
     other = _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=0, seed=4, decoder="simplejpeg"))

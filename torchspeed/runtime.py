@@ -124,9 +124,11 @@ def start_helper_threads(target: Callable[[int], None], count: int, name: str,
     ready = threading.Barrier(count + 1)
 
     def run(i: int) -> None:
-        torch.get_num_threads()  # torch's first-use initialisation would undo a count set before it
-        torch.set_num_threads(torch_threads)
-        ready.wait()
+        try:
+            torch.get_num_threads()  # torch's first-use initialisation would undo a count set before it
+            torch.set_num_threads(torch_threads)
+        finally:
+            ready.wait()  # the caller never waits forever, whatever happened here
         target(i)
 
     threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(count)]

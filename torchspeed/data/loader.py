@@ -242,18 +242,15 @@ class FastLoader:
                                     prefetcher.device, prefetcher.mean, prefetcher.std, prefetcher.channels_last,
                                     prefetcher.dtype, prefetcher.layout)
         local = threading.local()
-        full = self.batch_sampler.batch_size
 
         def make_batch(keys: Sequence[tuple[int, int]]) -> Any:
             if not hasattr(local, "images"):  # per thread: a uint8 batch and a pool of float outputs
-                local.images = np.empty(augmented.batch_shape(full), np.uint8)
+                local.images = np.empty(augmented.batch_shape(self.batch_sampler.batch_size), np.uint8)
                 local.outputs = BufferPool(capacity=2 * ThreadedBatches.AHEAD + 2)
             images = local.images[:len(keys)]
-            labels = augmented.render_batch(keys, images)
-            s = augmented.size
-            out = local.outputs.take((len(keys), 3, s, s), prefetcher.channels_last) if len(keys) == full else None
+            batch = (torch.from_numpy(images), augmented.render_batch(keys, images))
             # the result never aliases `images`, which is free again for the next batch
-            return prefetcher.convert((torch.from_numpy(images), labels), out=out)
+            return prefetcher.convert(batch, out=prefetcher.output_buffer(local.outputs, batch))
 
         return ThreadedBatches(make_batch, self.batch_sampler, threads)
 

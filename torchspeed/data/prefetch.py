@@ -211,8 +211,9 @@ class DevicePrefetcher:
             batch, nxt = nxt, preload()
             yield batch
 
-    def _output_buffer(self, pool: BufferPool, batch: Any) -> torch.Tensor | None:
-        """A reused float buffer for this batch's images where normalize_batch can write into one."""
+    def output_buffer(self, pool: BufferPool, batch: Any) -> torch.Tensor | None:
+        """A float buffer from `pool` for this batch's images, where `convert` can write into one (CPU, float32,
+        the input already in the output's memory order); else None."""
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
         if not (isinstance(images, torch.Tensor) and images.dim() == 4 and images.device.type == "cpu"
                 and self.dtype in (None, torch.float32) and images.is_contiguous()):
@@ -236,7 +237,7 @@ class DevicePrefetcher:
         def produce(_: int) -> None:
             try:
                 for batch in self.loader:
-                    if not put(("ok", self.convert(batch, out=self._output_buffer(pool, batch)))):
+                    if not put(("ok", self.convert(batch, out=self.output_buffer(pool, batch)))):
                         return
                 put(("end", done))
             except BaseException as e:  # handed to the consumer, raised there

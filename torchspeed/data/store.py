@@ -9,8 +9,8 @@ B-tree lookup. The layout has no pickle anywhere (untrusted stores cannot run co
 `HEADER` is `<4sBBxxIIq`: magic b"TSR1", encoding (0 raw HWC uint8, 1 JPEG), channels, height,
 width, label. The manifest is a plain file so `len()` and `classes` never open the environment in
 the parent process (an LMDB handle must not cross a fork); each process opens its own read-only,
-lock-free handle on first access, shared by its threads; every read is its own short read
-transaction (about 1 us), so decoding threads can read side by side.
+lock-free handle on first access, shared by its threads; each thread reads through its own
+long-lived read transaction, so decoding threads can read side by side.
 """
 from __future__ import annotations
 

@@ -114,6 +114,11 @@ def tune_loader(
         with _more_workers_than_cores_on_purpose():  # DataLoader warns when it is built and when iterated
             return build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t if w == 0 else 1,)))
 
+    def run(loader: Any, w: int, passes: int) -> Any:
+        with _more_workers_than_cores_on_purpose():
+            return time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=passes,
+                                 min_pass_s=seconds, device=dev)
+
     def record(w: int, pf: int | None, persist: bool, pin: bool, t: int, rate: float, **extra: Any) -> None:
         row = {"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
                "pin_memory": pin, "items_per_s": rate, **extra}
@@ -127,9 +132,7 @@ def tune_loader(
                      f"persistent={persist}, pin={pin}")
         loader = make(w, pf, persist, pin, t)
         try:
-            with _more_workers_than_cores_on_purpose():
-                timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=2,
-                                       min_pass_s=seconds, device=dev)
+            timing = run(loader, w, passes=2)
         finally:
             _shutdown(loader)
         rate = float(timing.throughput or 0.0)
@@ -149,9 +152,7 @@ def tune_loader(
         try:
             for _ in range(rounds):
                 for (w, t), loader in loaders.items():
-                    with _more_workers_than_cores_on_purpose():
-                        timing = time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=1,
-                                               min_pass_s=seconds, device=dev)
+                    timing = run(loader, w, passes=1)
                     items[(w, t)] += sum(timing.items)
                     spent[(w, t)] += sum(timing.times_s)
         finally:

@@ -88,6 +88,29 @@ class Recorder:
     def enabled(self, value: bool) -> None:
         self._enabled = value
 
+    # ---------------------------------------------------------------- loaders
+    def _loader_epoch(self, loader: Any, kind: str, **settings: Any) -> None:
+        """A new pass over `loader`: its record (made on the first pass) counts an epoch."""
+        info = self.loaders.get(id(loader))
+        if info is None:
+            info = self.loaders[id(loader)] = {
+                "name": f"{kind} #{len(self.loaders) + 1}", **settings, "dataset": type(loader.dataset).__name__,
+                "batches": 0, "epochs": 0, "startup_s": [], "data_s": 0.0, "training": False}
+        info["epochs"] += 1
+        info["_t_iter"], info["_first"] = time.perf_counter(), True
+
+    def _batch_received(self, key: int | None, t0: float) -> None:
+        """The loop got a batch from loader `key` after waiting since `t0`."""
+        info = self.loaders.get(key)  # type: ignore[arg-type]
+        if info is None:
+            return
+        now = time.perf_counter()
+        info["batches"] += 1
+        info["data_s"] += now - t0
+        if info.pop("_first", False):
+            info["startup_s"].append(now - info.pop("_t_iter", t0))
+        self._last_loader = key
+
     # ---------------------------------------------------------------- phases
     def _enter(self, phase: str) -> None:
         self.in_loop = True
@@ -150,16 +173,9 @@ class Recorder:
         def dl_iter(loader):
             if not rec.enabled:
                 return orig_iter(loader)
-            info = rec.loaders.get(id(loader))
-            if info is None:
-                info = rec.loaders[id(loader)] = {
-                    "name": f"DataLoader #{len(rec.loaders) + 1}", "num_workers": loader.num_workers,
-                    "pin_memory": bool(loader.pin_memory), "batch_size": loader.batch_size,
-                    "persistent_workers": bool(loader.persistent_workers), "dataset": type(loader.dataset).__name__,
-                    "batches": 0, "epochs": 0, "startup_s": [], "data_s": 0.0, "training": False}
-            info["epochs"] += 1
-            info["_t_iter"] = time.perf_counter()
-            info["_first"] = True
+            rec._loader_epoch(loader, "DataLoader", num_workers=loader.num_workers,
+                              pin_memory=bool(loader.pin_memory), batch_size=loader.batch_size,
+                              persistent_workers=bool(loader.persistent_workers))
             rec._enter("data")
             try:
                 it = orig_iter(loader)
@@ -171,21 +187,13 @@ class Recorder:
         def dl_next(it):
             if not rec.enabled:
                 return orig_next(it)
-            key = getattr(it, "_ts_doctor_loader", None)
             t0 = time.perf_counter()
             rec._enter("data")
             try:
                 batch = orig_next(it)
             finally:
                 rec._exit()
-            info = rec.loaders.get(key)
-            if info is not None:
-                now = time.perf_counter()
-                info["batches"] += 1
-                info["data_s"] += now - t0
-                if info.pop("_first", False):
-                    info["startup_s"].append(now - info.pop("_t_iter", t0))
-                rec._last_loader = key
+            rec._batch_received(getattr(it, "_ts_doctor_loader", None), t0)
             return batch
 
         dl.DataLoader.__iter__ = dl_iter
@@ -201,20 +209,14 @@ class Recorder:
             inner = orig_fast_iter(loader)
             if not rec.enabled:
                 return inner
-            info = rec.loaders.get(id(loader))
-            if info is None:
-                settings = loader.dataloader
-                info = rec.loaders[id(loader)] = {
-                    "name": f"FastLoader #{len(rec.loaders) + 1}", "num_workers": settings.num_workers,
-                    "threads": loader.threads, "background": True, "pin_memory": bool(settings.pin_memory),
-                    "batch_size": loader.batch_sampler.batch_size, "persistent_workers": bool(settings.persistent_workers),
-                    "dataset": type(loader.dataset).__name__, "batches": 0, "epochs": 0, "startup_s": [],
-                    "data_s": 0.0, "training": False}
-            info["epochs"] += 1
-            return _timed_batches(inner, id(loader), info)
+            inside = loader.dataloader
+            rec._loader_epoch(loader, "FastLoader", num_workers=inside.num_workers, threads=loader.threads,
+                              background=True, pin_memory=bool(inside.pin_memory),
+                              batch_size=loader.batch_sampler.batch_size,
+                              persistent_workers=bool(inside.persistent_workers))
+            return _timed_batches(inner, id(loader))
 
-        def _timed_batches(inner, key, info):
-            first, t_iter = True, time.perf_counter()
+        def _timed_batches(inner, key):
             try:
                 while True:
                     if not rec.enabled:
@@ -228,13 +230,7 @@ class Recorder:
                         return
                     finally:
                         rec._exit()
-                    now = time.perf_counter()
-                    info["batches"] += 1
-                    info["data_s"] += now - t0
-                    if first:
-                        info["startup_s"].append(now - t_iter)
-                        first = False
-                    rec._last_loader = key
+                    rec._batch_received(key, t0)
                     yield batch
             finally:
                 inner.close()  # a loop left early stops the loader's threads now
