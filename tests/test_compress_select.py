@@ -6,7 +6,8 @@ import torchvision
 from torch import nn
 
 from torchspeed.cli import main
-from torchspeed.compress import build_model, count_macs, count_params, select_backbone
+from torchspeed.compress import count_macs, count_params, select_backbone
+from torchspeed.models import create as build_model
 
 
 def _tiny():

@@ -104,7 +104,7 @@ def test_saved_artifact_reproduces_outputs(result, tmp_path, name):
 
 
 def test_torch_artifact_by_name_round_trip(tmp_path):
-    model = ts.infer.create_model("resnet18", num_classes=3)
+    model = ts.models.create("resnet18", num_classes=3)
     from torchspeed.infer.runtimes import TorchRunner
 
     r = TorchRunner(model, {"fuse": True, "precision": "fp32"})
@@ -146,7 +146,7 @@ def test_unsupported_operator_marks_candidates_failed_not_raised():
 def test_clear_errors(trained):
     model = trained[0]
     with pytest.raises(ValueError, match="did you mean resnet18"):
-        ts.infer.create_model("resnett18")
+        ts.models.create("resnett18")
     with pytest.raises(ValueError, match=r"cannot run on inputs of shape \(1, 1, 16, 16\)"):
         optimize(model, torch.randn(1, 1, 16, 16), backends=["torch"], precisions=["fp32"])
     with pytest.raises(ValueError, match="calibration"):

@@ -17,12 +17,14 @@ import numpy as np
 import torch
 
 __all__ = [
+    "PRECISIONS",
     "PrecisionChoice",
     "cache_dir",
     "cpu_flags",
     "default_precision",
     "describe",
     "deterministic",
+    "precision_dtype",
     "resolve_device",
     "rng_state",
     "seed_everything",
@@ -139,6 +141,17 @@ def start_helper_threads(target: Callable[[int], None], count: int, name: str,
     return threads
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")  # the spelling every API, table and command uses (int8 is infer's)
+
+
+def precision_dtype(name: str) -> torch.dtype:
+    """The floating dtype of a precision name ('fp32', 'bf16', 'fp16')."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"unknown precision {name!r}: use one of {', '.join(PRECISIONS)}")
+    return dtypes[name]
+
+
 @dataclass(frozen=True)
 class PrecisionChoice:
     """A precision ('bf16', 'fp16' or 'fp32') and why it was chosen."""
@@ -148,7 +161,7 @@ class PrecisionChoice:
 
     @property
     def dtype(self) -> torch.dtype:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.name]
+        return precision_dtype(self.name)
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)

@@ -1,1 +1,1 @@
-"""Benchmarks: the timing harness, the suites, the report."""
+"""Benchmarks: the suites and the report (timing is torchspeed.measure)."""

@@ -34,12 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from torchspeed.atomic import write_json
+from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.runtime import cache_dir, seed_everything, usable_cores
 
 __all__ = ["DemoModel", "load_demo_model", "IMAGENET_MEAN", "IMAGENET_STD"]
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 N_IMAGES = 4000        # demo_folder(4000): image i has label i % 10
 N_TRAIN = 3000         # the rest (1000) is the held-out split

@@ -10,7 +10,7 @@ from typing import Any
 
 from torchspeed.atomic import atomic_write
 from torchspeed.bench import suites
-from torchspeed.bench.harness import format_number
+from torchspeed.tables import format_number
 
 WHAT = {
     "data": "Data loading: images/s delivered to the model, ready to use",

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from torchspeed.atomic import write_json
 from torchspeed.bench import suites
-from torchspeed.bench.harness import print_table
+from torchspeed.tables import print_table
 from torchspeed.runtime import describe, describe_line
 
 # Expected seconds per suite on a 2-core machine with warm caches (quick, full): the time-left estimate.

@@ -99,6 +99,28 @@ def int_tuple(text: str) -> tuple[int, ...]:
     return values
 
 
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """--model-kwargs and --weights: the options every command that builds a model by spec shares."""
+    p.add_argument("--model-kwargs", metavar="JSON",
+                   help="keyword arguments for the model's constructor, as a JSON object (e.g. '{\"num_classes\": 10}')")
+    p.add_argument("--weights", metavar="PATH",
+                   help="state-dict file to load into the model (torch.save'd; read with weights_only=True)")
+
+
+def build_model(spec: str, args: argparse.Namespace, **defaults: object) -> object:
+    """The model a command was asked for, through the one factory (torchspeed.models.create).
+
+    `defaults` (e.g. num_classes) apply to torchvision/timm models; the user's own factory gets only
+    what --model-kwargs says. --model-kwargs wins over defaults.
+    """
+    from torchspeed.models import arch_spec, create, parse_kwargs
+
+    kwargs = parse_kwargs(getattr(args, "model_kwargs", None))
+    source = arch_spec(spec)["source"]
+    kw = {**({k: v for k, v in defaults.items() if v is not None} if source in ("torchvision", "timm") else {}), **kwargs}
+    return create(spec, weights=getattr(args, "weights", None), **kw)
+
+
 def add_json_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the measured figures as JSON to PATH")
 

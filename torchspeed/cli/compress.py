@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "architecture), count its parameters and MACs, and time it at the given input shape.",
     )
     p.add_argument("--candidates", required=True, metavar="A,B,C",
-                   help="comma-separated model names: torchvision ('resnet18') or timm ('timm:efficientnet_b0')")
+                   help="comma-separated model specs: torchvision ('resnet18'), timm ('timm:efficientnet_b0') or your own "
+                        "(package.module:factory, file.py:factory)")
     p.add_argument("--input-shape", required=True, type=int_tuple, metavar="N,C,H,W",
                    help="input batch shape, e.g. 1,3,224,224")
     p.add_argument("--budget-ms", type=_positive_float, metavar="MS", help="latency budget per batch; marks which fit")

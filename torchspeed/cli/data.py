@@ -75,7 +75,7 @@ def run_tune_loader(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from torchspeed.atomic import write_json
-    from torchspeed.bench.harness import print_table
+    from torchspeed.tables import print_table
     from torchspeed.data.tune import tune_loader
 
     if args.seconds <= 0:

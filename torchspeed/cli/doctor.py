@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchspeed.cli import add_json_option, int_tuple, positive_int
+from torchspeed.cli import add_json_option, add_model_options, build_model, int_tuple, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_doctor)
 
     q = sub.add_parser("lint", help="per-layer FLOPs, memory access and time of a model, and the design rules it breaks")
-    q.add_argument("model", metavar="MODEL", help="torchvision name (resnet18), timm:NAME, or an exported .pt2 file")
+    q.add_argument("model", metavar="MODEL",
+                   help="resnet18 (torchvision), timm:NAME, or your own package.module:factory / file.py:factory")
+    add_model_options(q)
     q.add_argument("--input-shape", type=int_tuple, metavar="N,C,H,W", help="example input shape (default 1,3,224,224)")
     q.add_argument("--num-classes", type=positive_int, help="classifier width (default: the model's)")
     q.add_argument("--loss", choices=("ce", "nll", "none"), default="ce",
@@ -54,13 +56,14 @@ def run_lint(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from torchspeed.doctor.linting import lint, resolve_model
+    from torchspeed.doctor.linting import lint
     from torchspeed.doctor.report import print_lint
+    from torchspeed.models import default_input_shape
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, default_shape = resolve_model(args.model, num_classes=args.num_classes)
-    shape = args.input_shape or default_shape or (1, 3, 224, 224)
+    model = build_model(args.model, args, num_classes=args.num_classes)
+    shape = args.input_shape or default_input_shape(model) or (1, 3, 224, 224)
     device = torch.device(args.device)
     model = model.to(device)
     x = torch.randn(*shape, device=device)

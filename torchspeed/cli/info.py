@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchspeed.bench.harness import print_table
+    from torchspeed.tables import print_table
     from torchspeed.runtime import default_precision, describe
 
     info = describe()

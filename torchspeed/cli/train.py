@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from torchspeed.cli import UserError, add_json_option, positive_int
+from torchspeed.cli import UserError, add_json_option, add_model_options, build_model, positive_int
 
 
 def _on_off_auto(text: str) -> bool | str:
@@ -29,7 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train an image classifier on an ImageFolder or a packed store (fast, measured)")
     p.add_argument("--data", required=True, metavar="DIR_OR_STORE",
                    help="ImageFolder (class subfolders, or train/ and val/ splits) or a store from `torchspeed pack`")
-    p.add_argument("--model", required=True, metavar="NAME", help="torchvision or timm model name, e.g. resnet18")
+    p.add_argument("--model", required=True, metavar="SPEC",
+                   help="resnet18 (torchvision), timm:NAME, or your own package.module:factory / file.py:factory")
+    add_model_options(p)
     p.add_argument("--epochs", type=positive_int, required=True, help="number of epochs")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"), help="default: auto (measured)")
     p.add_argument("--channels-last", default="auto", type=_on_off_auto, help="auto | on | off (default auto)")
@@ -91,22 +93,6 @@ def _split(data: str, val_fraction: float, seed: int) -> tuple[Any, Any, list[st
     return _Subset(source, sorted(order[n_val:])), _Subset(source, sorted(order[:n_val])), list(source.classes)
 
 
-def _build_model(name: str, num_classes: int) -> Any:
-    import torchvision
-
-    try:
-        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    except (ValueError, KeyError):
-        pass
-    try:
-        import timm
-    except ImportError:
-        raise UserError(f"unknown torchvision model {name!r}; for timm models pip install 'torchspeed[compress]'") from None
-    if not timm.is_model(name):
-        raise UserError(f"unknown model {name!r}: not a torchvision or timm model name (e.g. resnet18, mobilenet_v3_small)")
-    return timm.create_model(name, pretrained=False, num_classes=num_classes)
-
-
 def run(args: argparse.Namespace) -> int:
     import math
     import os
@@ -138,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     train_src, val_src, classes = _split(args.data, args.val_fraction, args.seed)
     if len(classes) < 2:
         raise UserError(f"{args.data!r} has {len(classes)} class(es); classification needs at least 2")
-    model = _build_model(args.model, len(classes))  # before the loaders: a bad name fails fast
+    model = build_model(args.model, args, num_classes=len(classes))  # before the loaders: a bad name fails fast
     train = fast_loader(train_src, args.batch_size, train=True, crop=args.image_size, device=device,
                         num_workers=workers, seed=args.seed)
     val = fast_loader(val_src, args.batch_size, train=False, crop=args.image_size, device=device,

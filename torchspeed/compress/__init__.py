@@ -20,9 +20,8 @@ _EXPORTS = {
     "DistillResult": "distillation",
     "select_backbone": "selection",
     "SelectResult": "selection",
-    "build_model": "selection",
-    "count_params": "measure",
-    "count_macs": "measure",
+    "count_params": "cost",
+    "count_macs": "cost",
 }
 __all__ = list(_EXPORTS)
 

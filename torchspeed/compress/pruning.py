@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.bench.harness import compare
-from torchspeed.compress.measure import count_macs, count_params, inference_fn
+from torchspeed.measure import compare
+from torchspeed.compress.cost import count_macs, count_params, inference_fn
 
 __all__ = ["PruneReport", "PruneResult", "prune", "output_layers", "IMPORTANCES"]
 
@@ -146,7 +146,7 @@ def prune(
     - `round_to`: keep channel counts multiples of this (None: exact ratio).
     - `eval_fn(model) -> metric` (higher is better) is recorded before and after, in the report.
     - `measure`: time the original and the pruned model on `example_input` (fp32, eval mode,
-      interleaved by the bench harness).
+      interleaved by torchspeed.measure).
     The caller's model is left untouched unless `inplace=True`.
     """
     tp = _torch_pruning()

@@ -3,11 +3,10 @@
 Inference time depends on the architecture, not on the weights, so untrained candidates can be
 compared on this machine at the deployment input shape (article 003's advice). Each candidate is
 built with random weights, its parameters and multiply-accumulates counted, and its latency timed
-through the bench harness, all candidates interleaved in one run so background load hits them alike.
+through torchspeed.measure, all candidates interleaved in one run so background load hits them alike.
 """
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,53 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.bench.harness import compare, print_table
-from torchspeed.compress.measure import count_macs, count_params, inference_fn
+from torchspeed.measure import compare
+from torchspeed.tables import print_table
+from torchspeed.compress.cost import count_macs, count_params, inference_fn
+from torchspeed.models import HOW_TO_NAME, create
 from torchspeed.runtime import default_precision, resolve_device
 
-__all__ = ["Candidate", "SelectResult", "build_model", "select_backbone"]
+__all__ = ["Candidate", "SelectResult", "select_backbone"]
 
-_HOW_TO_NAME = (
-    "name a torchvision model (e.g. 'resnet18', 'mobilenet_v3_small'; torchvision.models.list_models() lists them), "
-    "a timm model with the 'timm:' prefix (e.g. 'timm:efficientnet_b0'; timm.list_models() lists them), "
-    "or pass an nn.Module (a dict {label: module} names several)"
-)
-
-
-def _timm():
-    try:
-        import timm
-    except ImportError:
-        return None
-    return timm
-
-
-def build_model(name: str, **kwargs: Any) -> nn.Module:
-    """A randomly initialised model from a torchvision or timm name.
-
-    'resnet18' looks in torchvision, then timm; 'tv:resnet18' / 'timm:resnet18' pick the library.
-    `kwargs` go to the constructor (e.g. `num_classes=10`).
-    """
-    import torchvision
-
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"model name must be a non-empty string; {_HOW_TO_NAME}")
-    lib, _, bare = name.strip().rpartition(":")
-    lib = lib.lower()
-    if lib not in ("", "tv", "torchvision", "timm"):
-        raise ValueError(f"unknown model library prefix {lib!r} in {name!r}; {_HOW_TO_NAME}")
-    tv_names = set(torchvision.models.list_models())
-    if lib in ("", "tv", "torchvision") and bare in tv_names:
-        return torchvision.models.get_model(bare, weights=None, **kwargs)
-    timm = _timm()
-    if lib in ("", "timm") and timm is not None and timm.is_model(bare):
-        return timm.create_model(bare, pretrained=False, **kwargs)
-    if lib == "timm" and timm is None:
-        raise ImportError(f"{name!r} needs timm: pip install 'torchspeed[compress]'")
-    known = sorted(tv_names | (set(timm.list_models()) if timm is not None and lib != "tv" else set()))
-    close = difflib.get_close_matches(bare, known, n=3, cutoff=0.6)
-    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(f"unknown model {name!r}: {_HOW_TO_NAME}.{hint}")
+_HOW_TO_NAME = f"{HOW_TO_NAME}, or pass an nn.Module (a dict {{label: module}} names several)"
 
 
 @dataclass
@@ -188,7 +149,7 @@ def select_backbone(
     contenders = {}
     for label, cand in items:
         say(f"building {label}")
-        model = build_model(cand) if isinstance(cand, str) else cand
+        model = create(cand) if isinstance(cand, str) else cand
         if not isinstance(model, nn.Module):
             raise ValueError(f"candidate {label!r} is a {type(model).__name__}; {_HOW_TO_NAME}")
         model = model.to(dev).eval()

@@ -14,14 +14,26 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from torchspeed.bench.harness import compare
-from torchspeed.data.store import Record
+from torchspeed.measure import compare
 
-__all__ = ["Decoder", "BACKENDS", "available_backends", "get_decoder", "measure_backends", "choose_backend",
+
+@dataclass(frozen=True)
+class Record:
+    """One stored sample before decoding: `kind` is 'jpeg', 'raw' or 'array' (already decoded)."""
+
+    kind: str
+    payload: Any  # bytes-like for jpeg/raw, HWC uint8 ndarray for array
+    height: int
+    width: int
+    label: int
+
+
+__all__ = ["Record", "Decoder", "BACKENDS", "available_backends", "get_decoder", "measure_backends", "choose_backend",
            "decode_record", "jpeg_size", "decode_jpeg_batch_cuda"]
 
 
@@ -174,7 +186,7 @@ def measure_backends(samples: Sequence[Any], backends: Sequence[str] | None = No
                      repeats: int = 7) -> list[dict[str, Any]]:
     """Time each backend decoding `samples` (JPEG bytes): median of `repeats`, per image.
 
-    The backends run interleaved (harness.compare), so background load hits them alike. Each row
+    The backends run interleaved (measure.compare), so background load hits them alike. Each row
     also gives the PSNR against the accurate simplejpeg (or PIL) decode, so a faster but less exact
     decoder is visible as such (100 dB: identical pixels).
     """

@@ -28,87 +28,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, sample_rng
 from torchspeed.data.decode import choose_backend, get_decoder, jpeg_size
-from torchspeed.data.prefetch import IMAGENET_MEAN, IMAGENET_STD, BufferPool, DevicePrefetcher
-from torchspeed.data.store import PackedDataset, Record, is_store
+from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
+from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
+from torchspeed.data.sources import as_source
 from torchspeed.data.threads import ThreadedBatches
 from torchspeed.runtime import resolve_device
 
-__all__ = ["fast_loader", "FastLoader", "FolderSource", "DatasetSource", "AugmentedDataset", "EpochBatchSampler",
-           "IMAGENET_MEAN", "IMAGENET_STD", "as_source"]
-
-
-class FolderSource:
-    """An ImageFolder read as records: JPEG files stay encoded (decoded cropped, DCT-scaled) in workers."""
-
-    def __init__(self, root: str):
-        from torchspeed.data.packer import IMAGE_EXTENSIONS, scan_folder
-
-        self.root = os.path.abspath(root)
-        self.classes, self.samples = scan_folder(self.root, IMAGE_EXTENSIONS)
-        self.targets = [y for _, y in self.samples]
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def record(self, index: int) -> Record:
-        path, label = self.samples[index]
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-            if data[:2] == b"\xff\xd8":
-                h, w = jpeg_size(data)
-                return Record("jpeg", data, h, w, label)
-            from torchspeed.data.packer import _to_hwc_uint8
-            from PIL import Image
-            import io
-
-            img = _to_hwc_uint8(Image.open(io.BytesIO(data)))
-            return Record("array", img, img.shape[0], img.shape[1], label)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read image {path!r}: {e}; remove it, or pack the folder with --on-error skip") from None
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        from torchspeed.data.decode import decode_record
-
-        rec = self.record(index)
-        return decode_record(rec), rec.label
-
-
-class DatasetSource:
-    """Any map-style Dataset of (PIL | HWC uint8 | CHW uint8 tensor, label), read as decoded records."""
-
-    def __init__(self, dataset: Any):
-        self.dataset = dataset
-        self.classes = list(getattr(dataset, "classes", []) or [])
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def record(self, index: int) -> Record:
-        from torchspeed.data.packer import _to_hwc_uint8
-
-        x, y = self.dataset[index]
-        img = _to_hwc_uint8(x)
-        return Record("array", img, img.shape[0], img.shape[1], int(y))
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
-
-
-def as_source(data: Any, in_memory: bool = False) -> Any:
-    """A store path -> PackedDataset, a folder path -> FolderSource, a Dataset -> itself or a DatasetSource."""
-    if isinstance(data, (str, os.PathLike)):
-        path = os.fspath(data)
-        if is_store(path):
-            return PackedDataset(path, in_memory=in_memory)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no data at {path!r}: give an ImageFolder directory or a packed store")
-        return FolderSource(path)
-    if hasattr(data, "record") and hasattr(data, "__len__"):
-        return data
-    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        return DatasetSource(data)
-    raise ValueError(f"data must be an ImageFolder path, a store path or a map-style Dataset, got {type(data).__name__}")
+__all__ = ["fast_loader", "FastLoader", "AugmentedDataset", "EpochBatchSampler"]
 
 
 class AugmentedDataset(Dataset):

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from torchspeed.atomic import fsync_dir
+from torchspeed.images import IMAGE_EXTENSIONS, scan_folder
 from torchspeed.data.store import (ENCODING_CODES, FORMAT_VERSION, HEADER, MAGIC, MANIFEST, STORE_KIND, key_of,
                                    lmdb_module)
 
-__all__ = ["pack", "PackReport", "scan_folder"]
+__all__ = ["pack", "PackReport"]
 
 CHUNK = 32  # samples per task: big enough to amortise inter-process overhead, small for a smooth progress bar
 
@@ -50,33 +51,6 @@ class PackReport:
         return (f"packed {self.written} samples into {self.dst} ({self.bytes / 2**20:.1f} MiB, {self.encoding}"
                 f"{f', short side {self.short_side}' if self.short_side else ''}) in {self.seconds:.1f} s"
                 + (f"; skipped {len(self.skipped)}" if self.skipped else ""))
-
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-def scan_folder(root: str, extensions: tuple[str, ...] | None = None) -> tuple[list[str], list[tuple[str, int]]]:
-    """ImageFolder layout: one sub-directory per class (sorted), every non-hidden file a sample.
-
-    pack() applies no extension filter (a stray non-image file is reported, on_error decides,
-    instead of silently ignored); the loader reading a folder directly keeps `extensions` only,
-    as torchvision's ImageFolder does.
-    """
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"source folder {root!r} does not exist") if not os.path.exists(root) else \
-            NotADirectoryError(f"source {root!r} is not a directory")
-    classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
-    if not classes:
-        raise ValueError(f"{root!r} has no class sub-directories; expected the ImageFolder layout ROOT/CLASS/IMAGE")
-    samples = []
-    for label, name in enumerate(classes):
-        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            samples += [(os.path.join(dirpath, f), label) for f in sorted(files) if not f.startswith(".")
-                        and (extensions is None or f.lower().endswith(extensions))]
-    if not samples:
-        raise ValueError(f"{root!r} has class folders but no files in them")
-    return classes, samples
 
 
 def _to_hwc_uint8(x: Any) -> np.ndarray:

@@ -19,12 +19,10 @@ from typing import Any
 import torch
 
 from torchspeed.data.threads import put_unless_stopped
+from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.runtime import resolve_device, start_helper_threads
 
-__all__ = ["BufferPool", "DevicePrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "normalize_batch"]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+__all__ = ["BufferPool", "DevicePrefetcher", "normalize_batch"]
 
 
 def _affine(mean: Sequence[float], std: Sequence[float], device: torch.device, uint8: bool) -> tuple[torch.Tensor, torch.Tensor]:

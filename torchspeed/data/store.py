@@ -19,12 +19,13 @@ import os
 import struct
 import threading
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["PackedDataset", "Record", "FORMAT_VERSION", "MANIFEST", "HEADER", "is_store", "read_manifest"]
+from torchspeed.data.decode import Record, decode_record
+
+__all__ = ["PackedDataset", "FORMAT_VERSION", "MANIFEST", "HEADER", "is_store", "read_manifest"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -76,17 +77,6 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         if k not in manifest:
             raise ValueError(f"the manifest of store {path!r} lacks {k!r}; re-pack the store")
     return manifest
-
-
-@dataclass(frozen=True)
-class Record:
-    """One stored sample before decoding: `kind` is 'jpeg', 'raw' or 'array' (already decoded)."""
-
-    kind: str
-    payload: Any  # bytes-like for jpeg/raw, HWC uint8 ndarray for array
-    height: int
-    width: int
-    label: int
 
 
 # One LMDB environment per (path, process): py-lmdb refuses to open a path twice in a process, and a
@@ -231,8 +221,6 @@ class PackedDataset:
         return Record(ENCODINGS[code], payload, height, width, label)
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        from torchspeed.data.decode import decode_record
-
         rec = self.record(index)
         return decode_record(rec), rec.label
 

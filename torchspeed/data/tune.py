@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from torchspeed.bench.harness import time_iterable
+from torchspeed.measure import time_iterable
 from torchspeed.runtime import resolve_device, usable_cores
 
 __all__ = ["tune_loader", "LoaderSettings"]

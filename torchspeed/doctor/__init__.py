@@ -11,7 +11,6 @@ _EXPORTS = {
     "lint": "linting",
     "LintReport": "linting",
     "loss_pairing": "linting",
-    "resolve_model": "linting",
     "Finding": "advice",
     "rank": "advice",
     "loop_findings": "rules",

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchspeed.doctor.advice import Finding, finding, rank
 
-__all__ = ["LintReport", "lint", "loss_pairing", "resolve_model"]
+__all__ = ["LintReport", "lint", "loss_pairing"]
 
 _VIEW = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze", "slice", "select",
          "as_strided", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind", "reshape", "lift_fresh",
@@ -474,37 +474,3 @@ def _depthwise(c: _Ctx) -> Finding | None:
         return None
     return finding("depthwise-heavy", f"{len(hits)} depthwise conv(s) take {t:.0%} of forward time", c.deficit(hits),
                    "their measured time beyond the dense-conv rate for their FLOPs", hits)
-
-
-def resolve_model(spec: str, num_classes: int | None = None) -> tuple[nn.Module, tuple[int, ...] | None]:
-    """A model from a torchvision name ('resnet18', 'torchvision:resnet18'), a timm name ('timm:resnet18'),
-    or an exported program file (.pt2, from torch.export.save). Randomly initialised: no downloads.
-    Returns the model and its default input shape if known."""
-    import os
-
-    if spec.endswith(".pt2") or os.path.sep in spec or os.path.exists(spec):
-        if not os.path.exists(spec):
-            raise FileNotFoundError(f"model file {spec!r} does not exist")
-        if not spec.endswith(".pt2"):
-            raise ValueError(f"cannot load {spec!r}: give a torch.export program (.pt2) or a torchvision/timm "
-                             "model name (pickled whole-model files are not loaded, for safety)")
-        return torch.export.load(spec).module(), None
-    source, _, name = spec.rpartition(":")
-    kw = {"num_classes": num_classes} if num_classes else {}
-    if source in ("", "torchvision", "tv"):
-        import torchvision
-
-        if name in torchvision.models.list_models():
-            return torchvision.models.get_model(name, weights=None, **kw), None
-        if source:
-            raise ValueError(f"torchvision has no model {name!r}; see torchvision.models.list_models()")
-    if source in ("", "timm"):
-        try:
-            import timm
-        except ImportError:
-            raise ImportError("timm models need timm: pip install 'torchspeed[compress]'") from None
-        if timm.is_model(name):
-            m = timm.create_model(name, pretrained=False, **kw)
-            size = m.pretrained_cfg.get("input_size") if hasattr(m, "pretrained_cfg") else None
-            return m, ((1, *size) if size else None)
-    raise ValueError(f"unknown model {spec!r}: give a torchvision name (e.g. resnet18), timm:NAME, or a .pt2 file")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.bench.harness import PeakMemory
+from torchspeed.measure import PeakMemory
 from torchspeed.doctor.advice import Finding
 from torchspeed.doctor.phases import PHASES, verdict
 from torchspeed.doctor.settings import loader_settings, machine_settings, model_settings

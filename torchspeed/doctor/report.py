@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torchspeed.bench.harness import print_table
+from torchspeed.tables import print_table
 
 __all__ = ["print_profile", "print_findings", "print_lint", "format_lint", "format_profile", "markdown"]
 

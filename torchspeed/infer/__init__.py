@@ -24,7 +24,6 @@ _EXPORTS = {
     "OptimizeResult": "search",
     "Candidate": "search",
     "load": "artifact",
-    "create_model": "models",
 }
 __all__ = list(_EXPORTS)
 

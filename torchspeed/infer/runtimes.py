@@ -114,7 +114,7 @@ def build_torch_module(model: nn.Module, recipe: dict[str, Any]) -> nn.Module | 
 class TorchRunner(Runner):
     """PyTorch eager or torch.compile. Saved as the original weights (torch.save, loaded weights_only)
     plus the architecture name and the recipe; loading rebuilds and re-applies the recipe. No pickle,
-    so it needs a model created by name (`torchspeed.infer.create_model` or the CLI)."""
+    so it needs a model built by `torchspeed.models.create` (or the CLI)."""
 
     def __init__(self, model: nn.Module, recipe: dict[str, Any], threads: int | None = None,
                  arch: dict[str, Any] | None = None):
@@ -149,7 +149,7 @@ class TorchRunner(Runner):
         if self.arch is None:
             raise ValueError(
                 "this torch variant cannot be saved without pickle: its architecture has no name. Create the model "
-                "with torchspeed.infer.create_model('resnet18', ...) (or pass arch= to optimize), or save an "
+                "with torchspeed.models.create('resnet18', ...) (or pass arch= to optimize), or save an "
                 "ONNX Runtime / OpenVINO variant instead")
         os.makedirs(directory, exist_ok=True)
         from torchspeed.atomic import atomic_write
@@ -162,9 +162,9 @@ class TorchRunner(Runner):
 
     @classmethod
     def load(cls, directory: str, manifest: dict[str, Any]) -> TorchRunner:
-        from torchspeed.infer.models import create_model
+        from torchspeed.models import create
 
-        model = create_model(manifest["arch"])
+        model = create(manifest["arch"])
         state = torch.load(os.path.join(directory, manifest["file"]), weights_only=True, map_location="cpu")
         model.load_state_dict(state)
         return cls(model.eval(), manifest["recipe"], manifest.get("threads"), manifest["arch"])

@@ -9,8 +9,8 @@ Runtime fp32 / INT8 (static QDQ, or dynamic for Linear-heavy models), OpenVINO f
   rejected when the metric drops by more than `max_metric_drop`; without `eval_fn`, by output
   agreement (relative L2 error <= `max_output_error`).
 A candidate whose build fails (an operator a runtime does not support, a missing runtime) is
-recorded as failed with its message and the search goes on. Latency is measured with the bench
-harness, interleaved, at every batch size, with the same explicit thread count for every runtime.
+recorded as failed with its message and the search goes on. Latency is measured with
+torchspeed.measure, interleaved, at every batch size, with the same explicit thread count for every runtime.
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ class OptimizeResult:
         return cols + ["drop / err", "MB", "note"]
 
     def print(self, console: Any = None) -> None:
-        from torchspeed.bench.harness import print_table
+        from torchspeed.tables import print_table
 
         from rich.console import Console
 
@@ -435,7 +435,7 @@ def optimize(
                 cand.reason = f"metric drop {cand.metric_drop:.4f} > {max_metric_drop} ({cand.metric:.4f} vs {baseline_metric:.4f})"
 
     measured = [c for c in table if c.runner is not None] if measure else []
-    from torchspeed.bench.harness import compare  # the one timing tool (house rule)
+    from torchspeed.measure import compare  # the one timing tool (house rule)
 
     for b in batch_sizes if measured else ():
         log(f"timing {len(measured)} variants at batch {b}")

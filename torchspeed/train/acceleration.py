@@ -161,7 +161,7 @@ class _Trial:
 
     def measure(self, step: Callable[[], None]) -> tuple[float, float]:
         """(median step seconds, first-call seconds): the first call carries one-off costs."""
-        from torchspeed.bench.harness import time_callable  # timing lives in the harness
+        from torchspeed.measure import time_callable
 
         t0 = time.perf_counter()
         step()
@@ -172,7 +172,7 @@ class _Trial:
 
     def compare(self, steps: dict[str, Callable[[], None]]) -> dict[str, float]:
         """Median step seconds of each candidate, timed interleaved (drifts hit all alike)."""
-        from torchspeed.bench.harness import compare
+        from torchspeed.measure import compare
 
         c = compare(steps, warmup=1, repeats=self.steps, cooldown_s=0.05, device=self.device)
         return {name: c[name].median_s for name in steps}

@@ -591,7 +591,7 @@ class Trainer:
         return result
 
     def _summary(self, result: dict[str, Any]) -> None:
-        from torchspeed.bench.harness import print_table
+        from torchspeed.tables import print_table
 
         rows = [(k, v) for k, v in result.items() if isinstance(v, (int, float, bool))]
         r = self.acc.report

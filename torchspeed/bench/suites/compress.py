@@ -6,7 +6,7 @@ here, in fp32 on the 1000 held-out images, whole, at its 224 px input size).
 - Pruning: 50% of the channels of every layer removed through Torch-Pruning's dependency graph
   (channel counts rounded to multiples of 8, the classifier's outputs kept), then a short
   fine-tune through the Trainer, distilling from the unpruned model. Latency: batch 1 at 224 px,
-  fp32, original and pruned timed interleaved by the harness.
+  fp32, original and pruned timed interleaved by torchspeed.measure.
 - Distillation: a half-width ResNet-18 (every layer's channels halved, randomly initialised)
   trained from scratch for the same steps on the same batches, once with the teacher (Hinton KD)
   and once on the labels alone, over several seeds; `kd_gain` is the mean held-out accuracy gain,
@@ -172,8 +172,8 @@ def _train(model: nn.Module, demo: Any, steps: int, lr: float, seed: int, teache
 
 def _batched_speedup(original: nn.Module, pruned: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, Any]:
     """Throughput-style latency of a whole batch, fp32, the two models interleaved."""
-    from torchspeed.bench.harness import compare
-    from torchspeed.compress.measure import inference_fn
+    from torchspeed.measure import compare
+    from torchspeed.compress.cost import inference_fn
 
     original.eval(), pruned.eval()
     c = compare({"original": inference_fn(original, x), "pruned": inference_fn(pruned, x)}, repeats=repeats,

@@ -23,7 +23,7 @@ BATCH, CROP, SHORT_SIDE = 64, 128, 160
 def _subset_folder(src: str, n: int) -> str:
     """A cached ImageFolder of symlinks to the first `n` images of `src` (for --quick)."""
     from torchspeed.atomic import build_directory
-    from torchspeed.data.packer import scan_folder
+    from torchspeed.images import scan_folder
     from torchspeed.runtime import cache_dir
 
     def build(tmp: str) -> None:
@@ -49,7 +49,7 @@ def _resize_files(job: tuple[list[tuple[str, str]], int]) -> None:
 def _resized_folder(src: str, short_side: int) -> str:
     """A cached copy of the ImageFolder `src` with every image resized to `short_side` (JPEG q90)."""
     from torchspeed.atomic import build_directory
-    from torchspeed.data.packer import scan_folder
+    from torchspeed.images import scan_folder
     from torchspeed.runtime import cache_dir, usable_cores
 
     def build(tmp: str) -> None:
@@ -100,7 +100,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
 
-    from torchspeed.bench.harness import time_iterable
+    from torchspeed.measure import time_iterable
     from torchspeed.data import fast_loader, pack, tune_loader
     from torchspeed.data.demo import demo_folder
     from torchspeed.data.tune import _shutdown

@@ -6,7 +6,7 @@ Each experiment holds FLOPs fixed and changes one thing, so any time difference 
 - G3: 10 blocks of one 1x1 conv split into 2 or 4 fragments, in series (narrower) or in parallel
   (branches concatenated);
 - G4: 10 ResNet bottlenecks (1x1, 3x3, 1x1) with and without ReLU and the shortcut add.
-Contenders of one experiment are timed interleaved (harness.compare), fp32 inference, one thread
+Contenders of one experiment are timed interleaved (measure.compare), fp32 inference, one thread
 (as the paper's ARM CPU figures), batch 1 at 56x56 (28x28 with --quick). `ratio` is the experiment's reference time / this time (>1: faster than the reference).
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
 
 def _run(torch: Any, quick: bool, step: Callable[[str], None], batch: int, hw: int, warm: int, reps: int,
          min_t: float, cool: float) -> dict[str, Any]:
-    from torchspeed.bench.harness import compare
+    from torchspeed.measure import compare
 
     rows: list[dict[str, Any]] = []
     experiments: dict[str, Any] = {}

@@ -33,12 +33,12 @@ ROWS = (
 
 
 def _models(quick: bool) -> list[tuple[str, Callable[[], Any]]]:
-    from torchspeed.infer.models import create_model
+    from torchspeed.models import create
 
     return [
         ("resnet18", None),  # the trained demo model
-        ("mobilenet_v3_small", lambda: create_model("torchvision:mobilenet_v3_small")),
-        ("vit_tiny", lambda: create_model("timm:vit_tiny_patch16_224")),
+        ("mobilenet_v3_small", lambda: create("torchvision:mobilenet_v3_small")),
+        ("vit_tiny", lambda: create("timm:vit_tiny_patch16_224")),
     ]
 
 

@@ -3,7 +3,7 @@
 Rows are cumulative: each adds one technique to the row above, and the ratio is to the first row
 (plain PyTorch: fp32, NCHW, torchvision ImageFolder loader with num_workers=0, a hand-written loop).
 Every figure is the median over repeats of a chunk of K training steps (warm-up chunk excluded),
-timed by the harness. Also measured: the Trainer's overhead against a hand-written loop with the
+timed by torchspeed.measure. Also measured: the Trainer's overhead against a hand-written loop with the
 same settings (same in-memory batches, interleaved), evaluation under inference_mode against
 autograd left on (time and peak memory), and the epochs early stopping saves on a task whose
 validation loss plateaus.
@@ -196,7 +196,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     from torch.utils.data import DataLoader
     from torchvision.models import resnet18
 
-    from torchspeed.bench.harness import compare, time_callable
+    from torchspeed.measure import compare, time_callable
     from torchspeed.data import fast_loader, tune_loader
     from torchspeed.data.demo import demo_folder
     from torchspeed.runtime import default_precision, usable_cores

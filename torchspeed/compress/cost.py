@@ -2,7 +2,7 @@
 
 Pruning and backbone selection both report these, measured the same way: MACs from
 `torch.utils.flop_counter` (every conv / matmul the forward really runs, whatever the model's
-source), latency through the bench harness (warm-up excluded, median of repeats).
+source), latency through torchspeed.measure (warm-up excluded, median of repeats).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def count_macs(model: nn.Module, example_input: torch.Tensor) -> int:
 
 
 def inference_fn(model: nn.Module, example_input: torch.Tensor, precision: str = "fp32") -> Callable[[], None]:
-    """A no-argument callable running one inference forward pass, for the harness to time.
+    """A no-argument callable running one inference forward pass, for torchspeed.measure to time.
 
     `precision` is "fp32", or "bf16" / "fp16" for autocast on the input's device. The model must
     already be on that device and in eval mode.

@@ -1,9 +1,10 @@
-"""The one timing tool every suite uses.
+"""The one timing tool: every measured choice (loader tuning, accelerate trials, optimize candidates)
+and every benchmark suite times through it.
 
 Rules it enforces, so figures compare like with like:
 - warm-up runs are excluded; several repeats are taken and the median reported (min/max/p90 kept);
 - contenders compared with a baseline run interleaved in one process, and the ratio is of medians;
-- between contenders the harness pauses (`cooldown_s`) so a runtime's spinning worker threads
+- between contenders compare() pauses (`cooldown_s`) so a runtime's spinning worker threads
   (OpenMP, ONNX Runtime, oneDNN) go idle instead of stealing cores from the next contender;
 - peak memory: on CUDA `max_memory_allocated` (reset per contender, synchronised); on Linux CPU the
   process's peak RSS, reset per contender through /proc/self/clear_refs, so one contender's peak
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Timing", "Comparison", "PeakMemory", "time_callable", "time_iterable", "compare", "print_table", "format_number"]
+__all__ = ["Timing", "Comparison", "PeakMemory", "time_callable", "time_iterable", "compare"]
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -312,27 +313,3 @@ def compare(
         for c in contenders
     ]
     return Comparison(timings=timings, baseline=baseline)
-
-
-def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], console: Any = None) -> None:
-    """Print a rich table (the one table style every command uses)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*(format_number(v) for v in row))
-    (console or Console()).print(table)
-
-
-def format_number(v: Any) -> str:
-    """Table cell text: 3 significant digits, thousands separators for large numbers."""
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return ""
-        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
-    return str(v)

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from torchspeed.atomic import write_json
-from torchspeed.bench import harness
+from torchspeed import measure
 
 
 class FakeClock:
@@ -12,8 +12,8 @@ class FakeClock:
 
     def __init__(self, monkeypatch):
         self.now = 0.0
-        monkeypatch.setattr(harness.time, "perf_counter", lambda: self.now)
-        monkeypatch.setattr(harness.time, "sleep", lambda s: None)
+        monkeypatch.setattr(measure.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(measure.time, "sleep", lambda s: None)
 
     def work(self, seconds):
         def fn():
@@ -31,7 +31,7 @@ def test_time_callable_statistics_on_fake_workload(monkeypatch):
         calls.append(d)
         clock.now += d
 
-    t = harness.time_callable(fn, name="fake", warmup=2, repeats=5, items=10)
+    t = measure.time_callable(fn, name="fake", warmup=2, repeats=5, items=10)
     assert len(calls) == 7
     assert t.times_s == [1.0, 3.0, 2.0, 5.0, 4.0]
     assert (t.min_s, t.median_s, t.max_s) == (1.0, 3.0, 5.0)
@@ -41,7 +41,7 @@ def test_time_callable_statistics_on_fake_workload(monkeypatch):
 
 def test_time_callable_grows_inner_loop_for_short_calls(monkeypatch):
     clock = FakeClock(monkeypatch)
-    t = harness.time_callable(clock.work(0.001), warmup=0, repeats=3, min_time_s=0.1)
+    t = measure.time_callable(clock.work(0.001), warmup=0, repeats=3, min_time_s=0.1)
     assert t.extra["inner"] >= 100
     assert t.median_s == pytest.approx(0.001)
 
@@ -56,7 +56,7 @@ def test_compare_interleaves_and_reports_ratio_of_medians(monkeypatch):
             clock.now += seconds
         return fn
 
-    cmp = harness.compare({"slow": make("slow", 4.0), "fast": make("fast", 1.0)}, warmup=1, repeats=3)
+    cmp = measure.compare({"slow": make("slow", 4.0), "fast": make("fast", 1.0)}, warmup=1, repeats=3)
     assert cmp.speedup("fast") == pytest.approx(4.0)
     assert cmp.speedup("slow") == pytest.approx(1.0)
     timed = order[4:]  # after warm-up + calibration of each contender
@@ -67,7 +67,7 @@ def test_compare_interleaves_and_reports_ratio_of_medians(monkeypatch):
 
 def test_compare_rejects_unknown_baseline():
     with pytest.raises(ValueError, match="baseline"):
-        harness.compare({"a": lambda: None}, baseline="b")
+        measure.compare({"a": lambda: None}, baseline="b")
 
 
 def test_time_iterable_restarts_epochs_and_counts_items(monkeypatch):
@@ -80,18 +80,18 @@ def test_time_iterable_restarts_epochs_and_counts_items(monkeypatch):
             clock.now += 0.5
             yield [0] * 4  # a "batch" of 4 items
 
-    t = harness.time_iterable(make_iter, count=len, warmup_items=1, passes=2, min_pass_s=2.0)
+    t = measure.time_iterable(make_iter, count=len, warmup_items=1, passes=2, min_pass_s=2.0)
     assert t.throughput == pytest.approx(8.0)  # 4 items per 0.5 s
     assert len(epochs) >= 2
 
 
 def test_time_iterable_rejects_empty():
     with pytest.raises(ValueError, match="empty"):
-        harness.time_iterable(lambda: [], name="loader")
+        measure.time_iterable(lambda: [], name="loader")
 
 
 def test_peak_memory_resets_between_contenders():
-    mem = harness.PeakMemory("cpu")
+    mem = measure.PeakMemory("cpu")
     mem.reset()
     big = bytearray(200 * 2**20)
     big[::4096] = b"x" * len(big[::4096])  # touch every page
@@ -105,7 +105,7 @@ def test_peak_memory_resets_between_contenders():
 
 
 def test_timing_serialises_to_json(tmp_path):
-    t = harness.Timing(name="x", times_s=[0.1, 0.2, 0.3], items=[8, 8, 8], unit="img")
+    t = measure.Timing(name="x", times_s=[0.1, 0.2, 0.3], items=[8, 8, 8], unit="img")
     write_json(tmp_path / "t.json", {"t": t, "nan": float("nan")})
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["t"]["median_s"] == pytest.approx(0.2) and data["nan"] is None
@@ -113,7 +113,7 @@ def test_timing_serialises_to_json(tmp_path):
 
 
 def test_real_clock_smoke():
-    t = harness.time_callable(lambda: time.sleep(0.002), warmup=1, repeats=3)
+    t = measure.time_callable(lambda: time.sleep(0.002), warmup=1, repeats=3)
     assert 0.0015 < t.median_s < 0.5
 
 

@@ -1,0 +1,162 @@
+"""The house's layering, checked from the source: no upward import, no import between sibling areas,
+no import cycle. The layer order is the one written in docs/architecture.md.
+
+Every import counts, including those inside functions (a lazy import is still a dependency); only
+imports under `if TYPE_CHECKING:` are ignored (they never run).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+PACKAGE = os.path.join(ROOT, "torchspeed")
+
+# Lowest first. Modules of one layer may not import each other's area (data, train and infer stand side
+# by side), except within the floor, whose modules form a small graph of their own (checked for cycles).
+LAYERS: list[set[str]] = [
+    {"_lazy", "args", "atomic", "images", "tables", "measure", "runtime", "batches", "metrics", "models"},
+    {"data", "train", "infer"},
+    {"compress"},
+    {"doctor", "bench"},
+    {"cli"},
+    {"__init__", "__main__"},
+]
+FLOOR = LAYERS[0]
+
+
+def _area(module: str) -> str:
+    """'torchspeed.data.loader' -> 'data'; 'torchspeed.runtime' -> 'runtime'; 'torchspeed' -> '__init__'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(area: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if area in names:
+            return i
+    raise AssertionError(f"torchspeed/{area} is in no layer: add it to LAYERS here and to docs/architecture.md")
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(module: str, path: str, known: set[str]) -> set[str]:
+    """The torchspeed modules `module` imports (resolving relative imports and `from pkg import sub`)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    is_pkg = path.endswith("__init__.py")
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "torchspeed")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "torchspeed":
+                found.add(target)
+                found.update(f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m != module}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {m: {i for i in _imports(m, p, known) if i in known} for m, p in mods.items()}
+
+
+def test_no_upward_or_sideways_import():
+    bad = []
+    for module, targets in _graph().items():
+        src = _area(module)
+        for t in targets:
+            dst = _area(t)
+            if src == dst or t == "torchspeed":
+                continue
+            ls, ld = _layer(src), _layer(dst)
+            if ld > ls or (ld == ls and ls != 0):
+                bad.append(f"{module} imports {t} ({src} is layer {ls}, {dst} layer {ld})")
+    assert not bad, "layering broken:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # Tarjan's strongly connected components; any component with more than one module is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_architecture_doc_names_every_area():
+    """docs/architecture.md describes each area and states the same layer order as LAYERS."""
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
+        doc = f.read()
+    areas = {_area(m) for m in _modules()} - {"__init__", "__main__", "_lazy"}
+    missing = [a for a in sorted(areas) if not re.search(rf"`{re.escape(a)}(/|\.py)?`", doc)]
+    assert not missing, f"docs/architecture.md does not describe: {missing}"
+
+
+@pytest.mark.parametrize("module", ["torchspeed.data.decode", "torchspeed.infer.search"])
+def test_graph_sees_function_level_imports(module):
+    """The checker itself: a lazy import inside a function is part of the graph (measure is imported there)."""
+    assert "torchspeed.measure" in _graph()[module]

@@ -1,0 +1,130 @@
+"""Where samples come from: a packed store, an ImageFolder or any map-style Dataset, read as records
+(`record(i)` -> encoded or decoded image + label), and subsets of them (train/val splits, evenly spread
+samples for calibration and evaluation)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from torchspeed.data.decode import decode_record, jpeg_size
+from torchspeed.data.store import PackedDataset, Record, is_store
+from torchspeed.images import IMAGE_EXTENSIONS, scan_folder
+
+__all__ = ["FolderSource", "DatasetSource", "Subset", "as_source", "train_val_split", "evenly_spread"]
+
+
+class FolderSource:
+    """An ImageFolder read as records: JPEG files stay encoded (decoded cropped, DCT-scaled) in workers."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.classes, self.samples = scan_folder(self.root, IMAGE_EXTENSIONS)
+        self.targets = [y for _, y in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def record(self, index: int) -> Record:
+        path, label = self.samples[index]
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            if data[:2] == b"\xff\xd8":
+                h, w = jpeg_size(data)
+                return Record("jpeg", data, h, w, label)
+            from torchspeed.data.packer import _to_hwc_uint8
+            from PIL import Image
+            import io
+
+            img = _to_hwc_uint8(Image.open(io.BytesIO(data)))
+            return Record("array", img, img.shape[0], img.shape[1], label)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read image {path!r}: {e}; remove it, or pack the folder with --on-error skip") from None
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        rec = self.record(index)
+        return decode_record(rec), rec.label
+
+
+class DatasetSource:
+    """Any map-style Dataset of (PIL | HWC uint8 | CHW uint8 tensor, label), read as decoded records."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self.classes = list(getattr(dataset, "classes", []) or [])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def record(self, index: int) -> Record:
+        from torchspeed.data.packer import _to_hwc_uint8
+
+        x, y = self.dataset[index]
+        img = _to_hwc_uint8(x)
+        return Record("array", img, img.shape[0], img.shape[1], int(y))
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+
+class Subset:
+    """Part of a record source, by index (a train/val split, or samples spread over a source)."""
+
+    def __init__(self, source: Any, indices: Sequence[int]):
+        self.source, self.indices = source, list(indices)
+        self.classes = list(getattr(source, "classes", []))
+        self.root = f"{getattr(source, 'root', getattr(source, 'path', 'data'))}#{len(self.indices)}"
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def record(self, i: int) -> Any:
+        return self.source.record(self.indices[i])
+
+    def __getitem__(self, i: int) -> Any:
+        return self.source[self.indices[i]]
+
+
+def as_source(data: Any, in_memory: bool = False) -> Any:
+    """A store path -> PackedDataset, a folder path -> FolderSource, a Dataset -> itself or a DatasetSource."""
+    if isinstance(data, (str, os.PathLike)):
+        path = os.fspath(data)
+        if is_store(path):
+            return PackedDataset(path, in_memory=in_memory)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no data at {path!r}: give an ImageFolder directory or a packed store")
+        return FolderSource(path)
+    if hasattr(data, "record") and hasattr(data, "__len__"):
+        return data
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return DatasetSource(data)
+    raise ValueError(f"data must be an ImageFolder path, a store path or a map-style Dataset, got {type(data).__name__}")
+
+
+def train_val_split(data: Any, val_fraction: float = 0.1, seed: int = 0) -> tuple[Any, Any]:
+    """(train, val) sources: DATA/train and DATA/val when a folder has both, else a seeded random split
+    holding out `val_fraction` of the samples."""
+    if isinstance(data, (str, os.PathLike)):
+        path = os.fspath(data)
+        if os.path.isdir(os.path.join(path, "train")) and os.path.isdir(os.path.join(path, "val")):
+            return as_source(os.path.join(path, "train")), as_source(os.path.join(path, "val"))
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    source = as_source(data)
+    n = len(source)
+    n_val = max(1, int(round(n * val_fraction)))
+    if n - n_val < 1:
+        raise ValueError(f"{getattr(source, 'root', data)!r} has only {n} samples: too few to hold out a validation split")
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    return Subset(source, sorted(order[n_val:])), Subset(source, sorted(order[:n_val]))
+
+
+def evenly_spread(data: Any, n: int) -> Any:
+    """At most `n` samples taken at even steps over a source, so every class of a sorted folder or store
+    is represented (calibration and evaluation sets)."""
+    source = as_source(data)
+    step = max(1, len(source) // max(n, 1))
+    return Subset(source, list(range(0, len(source), step))[:n])
