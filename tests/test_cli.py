@@ -60,3 +60,36 @@ def test_info_writes_json(tmp_path):
     assert main(["info", "--json", str(tmp_path / "m.json")]) == 0
     info = json.loads((tmp_path / "m.json").read_text())
     assert info["cores"] >= 1 and "default_precision" in info
+
+
+def _emit_info(args):
+    import logging
+
+    logging.getLogger("torchspeed.data.tune").info("chose threads=2 (5,000 img/s)")
+    return 0
+
+
+@pytest.mark.parametrize("flags, shown", [([], True), (["--quiet"], False), (["-v"], True)])
+def test_measured_choices_are_logged_to_stderr_only(flags, shown, capsys, monkeypatch):
+    """The CLI shows torchspeed's INFO lines on stderr (stdout stays clean), and restores the logger after."""
+    import logging
+
+    from torchspeed import cli
+
+    parser = cli.build_parser()
+    real_parse = parser.parse_args
+
+    def parse(argv):
+        args = real_parse(argv)
+        args.func = _emit_info  # `info`'s options, a stand-in command that logs one measured choice
+        return args
+
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(parser, "parse_args", parse)
+    root_before = (logging.getLogger().level, list(logging.getLogger().handlers))
+    assert cli.main([*flags, "info"]) == 0
+    out, err = capsys.readouterr()
+    assert ("chose threads=2" in err) == shown and "chose threads=2" not in out
+    assert logging.getLogger("torchspeed").level == logging.NOTSET
+    assert not any(isinstance(h, cli._LogHandler) for h in logging.getLogger("torchspeed").handlers)
+    assert (logging.getLogger().level, list(logging.getLogger().handlers)) == root_before

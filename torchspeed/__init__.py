@@ -5,10 +5,16 @@ Subpackages load on first use (`ts.data`, `ts.train`, ...), so `import torchspee
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["runtime", "data", "train", "infer", "compress", "doctor", "bench"]
+__all__ = ["runtime", "measure", "models", "batches", "metrics", "images", "data", "train", "infer", "compress",
+           "doctor", "bench"]
+
+# Every measured choice is logged at INFO on "torchspeed.*"; a program shows them with
+# logging.basicConfig(level=logging.INFO) (the command line shows them by default).
+logging.getLogger("torchspeed").addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> Any:

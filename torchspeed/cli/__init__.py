@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -27,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"torchspeed {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="store_true",
+                           help="show every measured choice as it is made (the default for all commands but bench)")
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="show warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in COMMAND_MODULES:
         try:
@@ -46,12 +51,39 @@ def error(message: str) -> int:
     return 2
 
 
+class _LogHandler(logging.Handler):
+    """torchspeed's log lines on stderr (stdout stays for tables and `--json -`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(f"torchspeed: {self.format(record)}\n")
+        except Exception:  # noqa: BLE001 -- logging must never break the command
+            self.handleError(record)
+
+
+def _log_to_stderr(args: argparse.Namespace) -> tuple[logging.Handler, int]:
+    """Show the "torchspeed" logger's lines while a command runs; no other logger is touched.
+    Returns the handler and the logger's previous level, for `main` to restore."""
+    level = logging.INFO if args.verbose else logging.WARNING if args.quiet else getattr(args, "log_level", logging.INFO)
+    logger = logging.getLogger("torchspeed")
+    previous = logger.level
+    handler = _LogHandler(level)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    return handler, previous
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable()  # a native crash (segfault in a runtime) prints where it happened
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    handler, previous_level = _log_to_stderr(args)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -65,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         return error(f"{e.strerror or e}{where}")
+    finally:
+        logging.getLogger("torchspeed").removeHandler(handler)
+        logging.getLogger("torchspeed").setLevel(previous_level)
 
 
 def positive_int(text: str) -> int:

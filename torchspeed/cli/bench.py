@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from torchspeed.cli import add_json_option
 
@@ -14,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="short runs (the whole report in about 8 minutes)")
     p.add_argument("--out", default="torchspeed-report", metavar="DIR", help="report directory (default ./torchspeed-report)")
     add_json_option(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, log_level=logging.WARNING)  # the suites print their own progress; -v shows more
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,33 @@
+"""Shared test data: small photo folders and stores, built once per session (generated, no downloads).
+
+Tests that change what they read (corrupting a file, adding a class) copy these or make their own.
+"""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def photo_folder(tmp_path_factory):
+    """24 photo-like JPEGs, 3 classes, 96x72: an ImageFolder (ROOT/CLASS/IMAGE.jpg). Read only."""
+    from torchspeed.data import make_photo_folder
+
+    return make_photo_folder(tmp_path_factory.mktemp("photos"), 24, n_classes=3, seed=0, size=(96, 72), workers=1)
+
+
+@pytest.fixture(scope="session")
+def small_photo_folder(tmp_path_factory):
+    """8 photo-like JPEGs, 2 classes, 48x36: for tests that only need a few images. Read only."""
+    from torchspeed.data import make_photo_folder
+
+    return make_photo_folder(tmp_path_factory.mktemp("small_photos"), 8, n_classes=2, seed=0, size=(48, 36), workers=1)
+
+
+@pytest.fixture(scope="session")
+def photo_store(photo_folder, tmp_path_factory):
+    """`photo_folder` packed into a JPEG store, short side 64. Read only."""
+    from torchspeed.data import pack
+
+    dst = tmp_path_factory.mktemp("stores") / "photos.store"
+    pack(photo_folder, dst, short_side=64, progress=False)
+    return str(dst)
