@@ -77,14 +77,13 @@ FAST_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers,threads", [(0, 2), (1, 1)])
-def test_doctor_sees_a_fast_loader_and_its_threads_do_not_enter_the_loop_phases(tmp_path, workers, threads):
-    from torchspeed.data import make_photo_folder
+def test_doctor_sees_a_fast_loader_and_its_threads_do_not_enter_the_loop_phases(tmp_path, photo_folder, workers,
+                                                                                threads):
     from torchspeed.runtime import usable_cores
 
-    photos = make_photo_folder(tmp_path / "photos", 24, n_classes=2, seed=0, size=(40, 32), workers=1)
     (tmp_path / "fast.py").write_text(FAST_SCRIPT)
     code = main(["doctor", "--steps", "5", "--out", str(tmp_path / "rep"), "--json", str(tmp_path / "d.json"), "--",
-                 sys.executable, str(tmp_path / "fast.py"), photos, str(workers), str(threads)])
+                 sys.executable, str(tmp_path / "fast.py"), str(photo_folder), str(workers), str(threads)])
     assert code == 0
     d = json.loads((tmp_path / "d.json").read_text())
     # the FastLoader only: its inner DataLoader is iterated by the prefetch thread, which the loop's

@@ -36,7 +36,7 @@ def test_direction_checks():
 
 @pytest.mark.slow
 def test_quick_run_end_to_end():
-    res = design.run(quick=True, step=lambda s: None)
+    res = design.run(quick=True, progress=lambda s: None)
     assert len(res["rows"]) == 17 and set(res["holds"]) == {"g1", "g2", "g3", "g4"}
     assert all(r["median"] > 0 and r["unit"] == "ms" for r in res["rows"])
     assert sum(bool(r.get("headline")) for r in res["rows"]) == 1

@@ -129,3 +129,14 @@ def test_bf16_advice_expects_a_gain_only_with_amx():
     assert "no-autocast" not in avx  # not advised as a speed-up without AMX: measured, it is often slower
     assert avx["bf16-without-amx"].expected_gain == 0.0 and "no AMX" in avx["bf16-without-amx"].message
     assert "accelerate" in avx["bf16-without-amx"].fix
+
+
+def test_profile_reads_tuple_and_dict_batches():
+    m = tiny_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    for batch in ((x, y, "extra"), {"image": x, "label": y}, {"pixels": x, "cls": y}):  # any 2-key dict: in order
+        rep = ts.doctor.profile(m, [batch], opt, nn.CrossEntropyLoss(), steps=1, warmup=0)
+        assert rep.steps == 1 and rep.throughput == pytest.approx(4 / rep.wall_s)
+    with pytest.raises(ValueError, match=r"inputs, targets.*yielded dict with keys \['a', 'b', 'c'\]"):
+        ts.doctor.profile(m, [{"a": x, "b": y, "c": y}], opt, nn.CrossEntropyLoss(), steps=1)

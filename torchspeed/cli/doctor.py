@@ -13,14 +13,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "backward, optimizer step, copies, host syncs), then print the time per phase, the verdict "
                     "(data-, compute- or overhead-bound) and the fixes ranked by expected gain. Exits with the "
                     "script's own status.",
-        usage="torchspeed doctor [--steps N] [--out DIR] [--json PATH] [--trace] [--cprofile] -- python your_train.py ARGS")
+        usage="torchspeed doctor [--steps N] [--out DIR] [--json PATH] [--trace] [--cprofile] [--timeout S] "
+              "-- python your_train.py ARGS")
     p.add_argument("--steps", type=positive_int, metavar="N", help="stop the script cleanly after N training (optimizer) steps")
     p.add_argument("--out", metavar="DIR", help="write doctor.json and doctor.md (and the trace) to DIR")
     add_json_option(p)
     p.add_argument("--trace", action="store_true",
                    help="also record a torch.profiler trace of a few steps (Chrome / Perfetto JSON)")
     p.add_argument("--cprofile", action="store_true", help="also list the Python hot spots (cProfile; slows the run)")
-    p.add_argument("--timeout", type=positive_int, metavar="S", help="interrupt the script after S seconds")
+    p.add_argument("--timeout", type=positive_int, metavar="S",
+                   help="interrupt the script after S seconds (it still writes its report)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python your_train.py ARGS")
     p.set_defaults(func=run_doctor)
 
@@ -28,13 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("model", metavar="MODEL",
                    help="resnet18 (torchvision), timm:NAME, or your own package.module:factory / file.py:factory")
     add_model_options(q)
-    q.add_argument("--input-shape", type=int_tuple, metavar="N,C,H,W", help="example input shape (default 1,3,224,224)")
-    q.add_argument("--num-classes", type=positive_int, help="classifier width (default: the model's)")
+    q.add_argument("--input-shape", type=int_tuple, metavar="N,C,H,W", help="example input shape (default: the model's own, else 1,3,224,224)")
+    q.add_argument("--num-classes", type=positive_int, metavar="N", help="classifier width (default: the model's)")
     q.add_argument("--loss", choices=("ce", "nll", "none"), default="ce",
                    help="loss the output feeds, for the activation/loss pairing check (default ce)")
-    q.add_argument("--device", default="cpu", help="device to trace on (default cpu)")
-    q.add_argument("--top", type=positive_int, default=12, help="layers to list (default 12)")
-    q.add_argument("--threads", type=positive_int, help="intra-op threads while timing (default: torch's)")
+    q.add_argument("--device", default="cpu", metavar="DEVICE", help="device to trace on: cpu, cuda, cuda:1 ... (default cpu)")
+    q.add_argument("--top", type=positive_int, default=12, metavar="N", help="layers to list (default 12)")
+    q.add_argument("--threads", type=positive_int, metavar="N", help="intra-op threads while timing (default: torch's)")
     add_json_option(q)
     q.set_defaults(func=run_lint)
 

@@ -89,9 +89,9 @@ FIXES: dict[str, Fix] = {
         "differently in train mode, so the metrics are wrong",
         "torchspeed doctor -- python your_train.py", "bug"),
     "cpu-oversubscribed": Fix(
-        "keep loader workers/threads + intra-op threads within the cores: lower num_workers (or "
-        "fast_loader(..., max_workers=N), which caps what num_workers='auto' tries: it times the loader "
-        "alone) or torch.set_num_threads(cores - workers)",
+        "keep loader workers/threads + intra-op threads within the cores: lower num_workers / threads "
+        "(fast_loader(..., num_workers=N, threads=M) fixes them instead of timing the loader alone) or "
+        "torch.set_num_threads(cores - num_workers)",
         "torchspeed doctor again on the changed script"),
     "python-overhead": Fix(
         "cut Python and launch overhead: ts.train.accelerate(compile='auto') (torch.compile, measured), "

@@ -2,10 +2,14 @@
 run the unchanged script with runpy, and write what was seen to a JSON file the parent reads.
 
 The child is started as `python [interpreter options] -c BOOTSTRAP MODE TARGET ARGS...` (MODE is
-script, module or code), so the user's own interpreter and options are kept. What is instrumented:
+script, module or code), so the user's own interpreter and options are kept. What is instrumented
+is the table `PATCHES` (each entry: what it wraps, the wrapper that records into the phase clock, its
+undo); `Recorder.install()` applies it and `Recorder.uninstall()` puts every original back:
 
 - DataLoader: `__iter__` (worker start-up) and iterator `__next__`: phase `data`, per-loader settings
   (num_workers, pin_memory, batch_size, persistent_workers), batches, epochs, first-batch waits;
+- torchspeed's FastLoader: `__iter__`, the loop's wait for each batch: phase `data`, its num_workers
+  and threads (its inner DataLoader, iterated by a prefetch thread, is not counted again);
 - module forward, via torch's global forward hooks: the outermost call is phase `forward` (autograd
   on) or `eval` (no_grad / inference_mode); nn.Modules called while a batch is being loaded
   (transforms) are not counted as forward;
@@ -23,10 +27,13 @@ which removes some overlap: the cost of attributing time.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 ENV_OUT = "TORCHSPEED_DOCTOR_OUT"
@@ -71,12 +78,12 @@ class Recorder:
         self._cuda_seen = False
         self.loaders: dict[int, dict[str, Any]] = {}
         self.s: dict[str, Any] = {
-            "autocast": False, "autocast_dtype": None, "grad_scaler": False, "compiled": False,
+            "autocast": False, "autocast_precision": None, "grad_scaler": False, "compiled": False,
             "parallel": "none", "eval_forwards_with_grad": 0, "train_mode_eval_forwards": 0,
             "host_syncs": 0, "copies": {"count": 0, "bytes": 0, "non_blocking": True, "from_pinned": True},
             "input": None, "model": None, "optimizers": [], "loss_checks": [], "backward_calls": 0,
         }
-        self._handles: list[Any] = []
+        self._undo: list[tuple[str, Callable[[], None]]] = []  # (patch name, its undo), in install order
 
     @property
     def enabled(self) -> bool:
@@ -158,232 +165,29 @@ class Recorder:
 
     # ---------------------------------------------------------------- install
     def install(self) -> None:
-        import torch
-        import torch.nn.functional as F
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-        from torch.utils.data import dataloader as dl
-
-        rec = self
+        """Apply every patch of `PATCHES`, in order; `uninstall()` undoes them in reverse."""
+        if self._undo:
+            raise RuntimeError("this Recorder is already installed")
         os.register_at_fork(after_in_child=self._disable)  # loader workers inherit patches: keep them quiet
-
-        # DataLoader ------------------------------------------------------------
-        orig_iter, orig_next = dl.DataLoader.__iter__, dl._BaseDataLoaderIter.__next__
-
-        def dl_iter(loader):
-            if not rec.enabled:
-                return orig_iter(loader)
-            rec._loader_epoch(loader, "DataLoader", num_workers=loader.num_workers,
-                              pin_memory=bool(loader.pin_memory), batch_size=loader.batch_size,
-                              persistent_workers=bool(loader.persistent_workers))
-            rec._enter("data")
-            try:
-                it = orig_iter(loader)
-            finally:
-                rec._exit()
-            it._ts_doctor_loader = id(loader)
-            return it
-
-        def dl_next(it):
-            if not rec.enabled:
-                return orig_next(it)
-            t0 = time.perf_counter()
-            rec._enter("data")
-            try:
-                batch = orig_next(it)
-            finally:
-                rec._exit()
-            rec._batch_received(getattr(it, "_ts_doctor_loader", None), t0)
-            return batch
-
-        dl.DataLoader.__iter__ = dl_iter
-        dl._BaseDataLoaderIter.__next__ = dl_next
-
-        # torchspeed's FastLoader: its batches come from threads or a prefetcher, so what the loop
-        # waits for is the FastLoader's next(), not a DataLoader's
-        from torchspeed.data.loader import FastLoader
-
-        orig_fast_iter = FastLoader.__iter__
-
-        def fast_iter(loader):
-            inner = orig_fast_iter(loader)
-            if not rec.enabled:
-                return inner
-            inside = loader.dataloader
-            rec._loader_epoch(loader, "FastLoader", num_workers=inside.num_workers, threads=loader.threads,
-                              background=True, pin_memory=bool(inside.pin_memory),
-                              batch_size=loader.batch_sampler.batch_size,
-                              persistent_workers=bool(inside.persistent_workers))
-            return _timed_batches(inner, id(loader))
-
-        def _timed_batches(inner, key):
-            try:
-                while True:
-                    if not rec.enabled:
-                        yield from inner
-                        return
-                    t0 = time.perf_counter()
-                    rec._enter("data")
-                    try:
-                        batch = next(inner)
-                    except StopIteration:
-                        return
-                    finally:
-                        rec._exit()
-                    rec._batch_received(key, t0)
-                    yield batch
-            finally:
-                inner.close()  # a loop left early stops the loader's threads now
-
-        FastLoader.__iter__ = fast_iter
-
-        # module forward --------------------------------------------------------
-        loss_types = (torch.nn.modules.loss._Loss,)
-
-        def pre(module, args):
-            if not rec.enabled:
-                return
-            if rec._fwd_stack or rec.clock.current is not None:  # inside loading, backward, a copy...
-                rec._fwd_stack.append(False)
-                return
-            is_loss = isinstance(module, loss_types)
-            grad = torch.is_grad_enabled()
-            # autograd on means a training forward (even in eval mode, e.g. frozen BatchNorm fine-tuning)
-            training = grad
-            if not is_loss:
-                if rec._pending_eval_grad:  # the previous eval-mode forward had no backward after it
-                    rec.s["eval_forwards_with_grad"] += 1
-                    rec._pending_eval_grad = False
-                rec._observe_model(module, args, training)
-                if grad and not module.training:
-                    rec._pending_eval_grad = True  # cancelled if a backward follows
-                if not grad and module.training and rec._has_bn_dropout(module):
-                    rec.s["train_mode_eval_forwards"] += 1
-            rec._fwd_stack.append(True)
-            rec._enter("forward" if training else "eval")
-
-        def post(module, args, output):
-            if not rec.enabled or not rec._fwd_stack:
-                return
-            if rec._fwd_stack.pop():
-                rec._exit()
-
-        self._handles += [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
-
-        # backward --------------------------------------------------------------
-        orig_backward = torch.autograd.backward
-
-        def backward(*a, **k):
-            if not rec.enabled:
-                return orig_backward(*a, **k)
-            rec._pending_eval_grad = False
-            rec.s["backward_calls"] += 1
-            if rec._last_loader in rec.loaders:
-                rec.loaders[rec._last_loader]["training"] = True
-            depth = len(rec.clock._stack)
-            rec._enter("backward")
-            try:
-                return orig_backward(*a, **k)
-            finally:
-                rec.clock.unwind(depth)
-
-        torch.autograd.backward = backward
-
-        # optimizer -------------------------------------------------------------
-        def opt_pre(opt, args, kwargs):
-            if not rec.enabled:
-                return
-            name = type(opt).__name__
-            if name not in rec.s["optimizers"]:
-                rec.s["optimizers"].append(name)
-            rec._enter("optimizer")
-
-        def opt_post(opt, args, kwargs):
-            if not rec.enabled:
-                return
-            rec._exit()
-            rec._step_done()
-
-        self._handles += [register_optimizer_step_pre_hook(opt_pre), register_optimizer_step_post_hook(opt_post)]
-        orig_zero = torch.optim.Optimizer.zero_grad
-
-        def zero_grad(opt, *a, **k):
-            if not rec.enabled or not rec.in_loop:
-                return orig_zero(opt, *a, **k)
-            rec._enter("optimizer")
-            try:
-                return orig_zero(opt, *a, **k)
-            finally:
-                rec._exit()
-
-        torch.optim.Optimizer.zero_grad = zero_grad
-
-        # copies and host syncs -------------------------------------------------
-        T = torch.Tensor
-        orig_to, orig_cuda = T.to, T.cuda
-
-        def copying(orig):
-            def wrapper(t, *a, **k):
-                if not rec.enabled or not rec.in_loop or rec.clock.current is not None:
-                    return orig(t, *a, **k)
-                rec._enter("copy")
-                try:
-                    out = orig(t, *a, **k)
-                finally:
-                    rec._exit()
-                if isinstance(out, torch.Tensor) and out.device != t.device:
-                    c = rec.s["copies"]
-                    c["count"] += 1
-                    c["bytes"] += t.numel() * t.element_size()
-                    if out.is_cuda:
-                        rec._cuda_on()
-                        c["non_blocking"] &= bool(k.get("non_blocking", False))
-                        c["from_pinned"] &= bool(t.is_pinned())
-                return out
-            wrapper.__name__ = getattr(orig, "__name__", "to")
-            wrapper.__doc__ = orig.__doc__
-            return wrapper
-
-        T.to, T.cuda = copying(orig_to), copying(orig_cuda)
-        for name in ("item", "cpu", "tolist", "numpy"):
-            orig = getattr(T, name)
-
-            def syncing(t, *a, _orig=orig, **k):
-                if rec.enabled and rec.in_loop and t.is_cuda:
-                    rec.s["host_syncs"] += 1
-                return _orig(t, *a, **k)
-            syncing.__doc__ = orig.__doc__
-            setattr(T, name, syncing)
-
-        # loss inputs -----------------------------------------------------------
-        for fname, rule in (("cross_entropy", "double-softmax"), ("nll_loss", "softmax-nll")):
-            orig_f = getattr(F, fname)
-
-            def checked(input, *a, _orig=orig_f, _rule=rule, **k):
-                if rec.enabled and rec._loss_checks_left > 0 and isinstance(input, torch.Tensor):
-                    rec._loss_checks_left -= 1
-                    rec._check_probabilities(input, _rule)
-                return _orig(input, *a, **k)
-            checked.__doc__ = orig_f.__doc__
-            setattr(F, fname, checked)
-
-        # settings: GradScaler, torch.compile -----------------------------------
         try:
-            orig_gs_init = torch.amp.GradScaler.__init__
+            for patch in PATCHES:
+                undo = patch.apply(self)
+                if undo is not None:
+                    self._undo.append((patch.name, undo))
+        except BaseException:
+            self.uninstall()
+            raise
 
-            def gs_init(scaler, *a, **k):
-                rec.s["grad_scaler"] = True
-                return orig_gs_init(scaler, *a, **k)
-            torch.amp.GradScaler.__init__ = gs_init
-        except AttributeError:
-            pass
-        orig_compile = torch.compile
+    @property
+    def installed(self) -> list[str]:
+        """Names of the patches in place (those of `PATCHES` this torch has), in installation order."""
+        return [name for name, _ in self._undo]
 
-        def compile_(*a, **k):
-            rec.s["compiled"] = True
-            return orig_compile(*a, **k)
-        compile_.__doc__ = orig_compile.__doc__
-        torch.compile = compile_
+    def uninstall(self) -> None:
+        """Put back every original object the patches replaced, and remove the global hooks."""
+        while self._undo:
+            _, undo = self._undo.pop()
+            undo()
 
     def _disable(self) -> None:
         self.enabled = False
@@ -417,7 +221,7 @@ class Recorder:
         dev = x.device.type if x is not None else "cpu"
         if torch.is_autocast_enabled(dev):
             self.s["autocast"] = True
-            self.s["autocast_dtype"] = str(torch.get_autocast_dtype(dev))
+            self.s["autocast_precision"] = _precision_name(torch.get_autocast_dtype(dev))
         if self.s["model"] is None:
             from torchspeed.doctor.settings import model_settings
 
@@ -451,6 +255,7 @@ class Recorder:
         import torch
 
         from torchspeed.doctor.settings import machine_settings
+        from torchspeed.measure import PeakMemory
 
         if self._trace_prof is not None:
             try:
@@ -465,18 +270,329 @@ class Recorder:
         s["cudnn_benchmark"] = bool(torch.backends.cudnn.benchmark)
         s["loaders"] = [{k: v for k, v in ld.items() if not k.startswith("_")} for ld in self.loaders.values()]
         s["device"] = "cuda" if self._cuda_seen else "cpu"
-        peak = None
-        if self._cuda_seen:
-            peak = int(torch.cuda.max_memory_allocated())
-        else:
-            try:
-                with open("/proc/self/status") as f:
-                    peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-            except (OSError, StopIteration):
-                pass
+        peak = PeakMemory("cuda" if self._cuda_seen else "cpu").peak()  # never reset: the script's whole run
         return {"steps_run": self.steps, "windows": self.windows, "settings": s, "peak_memory_bytes": peak,
                 "script_s": time.perf_counter() - self.t_start, "trace": self.trace_path if self.trace_path
                 and os.path.exists(self.trace_path) else None}
+
+
+# ====================================================================== the patch table
+# Everything doctor changes in torch is one entry of PATCHES: what it wraps (an attribute, or a global
+# hook registry), the wrapper that records into the Recorder's phase clock, and its undo. Wrappers
+# pass straight through to the original when recording is off (`rec.enabled`: off in loader
+# workers, in other threads than the loop's, and after the script ends).
+
+def _resolve(path: str) -> Any:
+    """The object at "package.module" or "package.module:Class[.Attr]"."""
+    import importlib
+
+    module, _, qualname = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split(".") if qualname else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class AttrPatch:
+    """`owner.attr` replaced by `wrap(rec, original)` (which keeps the original's name and docstring);
+    the undo puts the original back, or deletes the replacement where the owner only inherited it."""
+
+    owner: str  # "package.module" or "package.module:Class"
+    attr: str
+    wrap: Callable[[Recorder, Any], Callable[..., Any]]
+    optional: bool = False  # an owner this torch does not have is skipped
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.attr}"
+
+    def target(self) -> Any:
+        return _resolve(self.owner)
+
+    def apply(self, rec: Recorder) -> Callable[[], None] | None:
+        try:
+            owner = self.target()
+        except (ImportError, AttributeError):
+            if self.optional:
+                return None
+            raise
+        original = getattr(owner, self.attr)
+        own = self.attr in vars(owner)
+        stored = vars(owner)[self.attr] if own else None  # what __dict__ holds (a descriptor stays one)
+        replacement = self.wrap(rec, original)
+        replacement.__name__ = getattr(original, "__name__", self.attr)
+        replacement.__doc__ = getattr(original, "__doc__", None)
+        setattr(owner, self.attr, replacement)
+
+        def undo() -> None:
+            if own:
+                setattr(owner, self.attr, stored)
+            else:
+                delattr(owner, self.attr)
+        return undo
+
+
+@dataclass(frozen=True)
+class HookPatch:
+    """A global torch hook: `register(make(rec), **kwargs)`; the undo removes it by its handle."""
+
+    register: str  # "package.module:register_function"
+    make: Callable[[Recorder], Callable[..., Any]]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.register.replace(":", ".")
+
+    def apply(self, rec: Recorder) -> Callable[[], None]:
+        handle = _resolve(self.register)(self.make(rec), **dict(self.kwargs))
+        return handle.remove
+
+
+# DataLoader: worker start-up in __iter__, the wait for each batch in __next__ -------------------
+def _dataloader_iter(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def dl_iter(loader):
+        if not rec.enabled:
+            return orig(loader)
+        rec._loader_epoch(loader, "DataLoader", num_workers=loader.num_workers,
+                          pin_memory=bool(loader.pin_memory), batch_size=loader.batch_size,
+                          persistent_workers=bool(loader.persistent_workers))
+        rec._enter("data")
+        try:
+            it = orig(loader)
+        finally:
+            rec._exit()
+        it._ts_doctor_loader = id(loader)
+        return it
+    return dl_iter
+
+
+def _dataloader_next(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def dl_next(it):
+        if not rec.enabled:
+            return orig(it)
+        t0 = time.perf_counter()
+        rec._enter("data")
+        try:
+            batch = orig(it)
+        finally:
+            rec._exit()
+        rec._batch_received(getattr(it, "_ts_doctor_loader", None), t0)
+        return batch
+    return dl_next
+
+
+# torchspeed's FastLoader: its batches come from threads or a prefetcher, so what the loop waits
+# for is the FastLoader's next(), not a DataLoader's --------------------------------------------
+def _fast_loader_iter(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def fast_iter(loader):
+        inner = orig(loader)
+        if not rec.enabled:
+            return inner
+        inside = loader.dataloader
+        rec._loader_epoch(loader, "FastLoader", num_workers=inside.num_workers, threads=loader.threads,
+                          background=True, pin_memory=bool(inside.pin_memory),
+                          batch_size=loader.batch_sampler.batch_size,
+                          persistent_workers=bool(inside.persistent_workers))
+        return _timed_batches(rec, inner, id(loader))
+    return fast_iter
+
+
+def _timed_batches(rec: Recorder, inner: Any, key: int) -> Any:
+    try:
+        while True:
+            if not rec.enabled:
+                yield from inner
+                return
+            t0 = time.perf_counter()
+            rec._enter("data")
+            try:
+                batch = next(inner)
+            except StopIteration:
+                return
+            finally:
+                rec._exit()
+            rec._batch_received(key, t0)
+            yield batch
+    finally:
+        inner.close()  # a loop left early stops the loader's threads now
+
+
+# module forward, through torch's global forward hooks ------------------------------------------
+def _forward_pre(rec: Recorder) -> Callable[..., None]:
+    import torch
+
+    loss_types = (torch.nn.modules.loss._Loss,)
+
+    def pre(module, args):
+        if not rec.enabled:
+            return
+        if rec._fwd_stack or rec.clock.current is not None:  # inside loading, backward, a copy...
+            rec._fwd_stack.append(False)
+            return
+        is_loss = isinstance(module, loss_types)
+        grad = torch.is_grad_enabled()
+        # autograd on means a training forward (even in eval mode, e.g. frozen BatchNorm fine-tuning)
+        training = grad
+        if not is_loss:
+            if rec._pending_eval_grad:  # the previous eval-mode forward had no backward after it
+                rec.s["eval_forwards_with_grad"] += 1
+                rec._pending_eval_grad = False
+            rec._observe_model(module, args, training)
+            if grad and not module.training:
+                rec._pending_eval_grad = True  # cancelled if a backward follows
+            if not grad and module.training and rec._has_bn_dropout(module):
+                rec.s["train_mode_eval_forwards"] += 1
+        rec._fwd_stack.append(True)
+        rec._enter("forward" if training else "eval")
+    return pre
+
+
+def _forward_post(rec: Recorder) -> Callable[..., None]:
+    def post(module, args, output):
+        if not rec.enabled or not rec._fwd_stack:
+            return
+        if rec._fwd_stack.pop():
+            rec._exit()
+    return post
+
+
+# backward: torch.autograd.backward (loss.backward() calls it) -----------------------------------
+def _backward(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(*a, **k):
+        if not rec.enabled:
+            return orig(*a, **k)
+        rec._pending_eval_grad = False
+        rec.s["backward_calls"] += 1
+        if rec._last_loader in rec.loaders:
+            rec.loaders[rec._last_loader]["training"] = True
+        depth = len(rec.clock._stack)
+        rec._enter("backward")
+        try:
+            return orig(*a, **k)
+        finally:
+            rec.clock.unwind(depth)
+    return backward
+
+
+# optimizer: step through torch's global optimizer hooks (each step ends a step window), zero_grad
+def _optimizer_pre(rec: Recorder) -> Callable[..., None]:
+    def opt_pre(opt, args, kwargs):
+        if not rec.enabled:
+            return
+        name = type(opt).__name__
+        if name not in rec.s["optimizers"]:
+            rec.s["optimizers"].append(name)
+        rec._enter("optimizer")
+    return opt_pre
+
+
+def _optimizer_post(rec: Recorder) -> Callable[..., None]:
+    def opt_post(opt, args, kwargs):
+        if not rec.enabled:
+            return
+        rec._exit()
+        rec._step_done()
+    return opt_post
+
+
+def _zero_grad(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def zero_grad(opt, *a, **k):
+        if not rec.enabled or not rec.in_loop:
+            return orig(opt, *a, **k)
+        rec._enter("optimizer")
+        try:
+            return orig(opt, *a, **k)
+        finally:
+            rec._exit()
+    return zero_grad
+
+
+# copies (Tensor.to / .cuda called in the loop itself) and host syncs ----------------------------
+def _copying(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
+
+    def copy(t, *a, **k):
+        if not rec.enabled or not rec.in_loop or rec.clock.current is not None:
+            return orig(t, *a, **k)
+        rec._enter("copy")
+        try:
+            out = orig(t, *a, **k)
+        finally:
+            rec._exit()
+        if isinstance(out, torch.Tensor) and out.device != t.device:
+            c = rec.s["copies"]
+            c["count"] += 1
+            c["bytes"] += t.numel() * t.element_size()
+            if out.is_cuda:
+                rec._cuda_on()
+                c["non_blocking"] &= bool(k.get("non_blocking", False))
+                c["from_pinned"] &= bool(t.is_pinned())
+        return out
+    return copy
+
+
+def _syncing(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def sync(t, *a, **k):
+        if rec.enabled and rec.in_loop and t.is_cuda:
+            rec.s["host_syncs"] += 1
+        return orig(t, *a, **k)
+    return sync
+
+
+# loss inputs: softmax output fed to cross_entropy / nll_loss (first calls only) -----------------
+def _loss_input_check(rec: Recorder, orig: Callable[..., Any], rule: str) -> Callable[..., Any]:
+    import torch
+
+    def checked(input, *a, **k):
+        if rec.enabled and rec._loss_checks_left > 0 and isinstance(input, torch.Tensor):
+            rec._loss_checks_left -= 1
+            rec._check_probabilities(input, rule)
+        return orig(input, *a, **k)
+    return checked
+
+
+# settings: a GradScaler made, torch.compile called ----------------------------------------------
+def _grad_scaler_init(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def gs_init(scaler, *a, **k):
+        rec.s["grad_scaler"] = True
+        return orig(scaler, *a, **k)
+    return gs_init
+
+
+def _compile(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_(*a, **k):
+        rec.s["compiled"] = True
+        return orig(*a, **k)
+    return compile_
+
+
+PATCHES: tuple[AttrPatch | HookPatch, ...] = (
+    AttrPatch("torch.utils.data.dataloader:DataLoader", "__iter__", _dataloader_iter),
+    AttrPatch("torch.utils.data.dataloader:_BaseDataLoaderIter", "__next__", _dataloader_next),
+    AttrPatch("torchspeed.data.loader:FastLoader", "__iter__", _fast_loader_iter),
+    HookPatch("torch.nn.modules.module:register_module_forward_pre_hook", _forward_pre),
+    HookPatch("torch.nn.modules.module:register_module_forward_hook", _forward_post, (("always_call", True),)),
+    AttrPatch("torch.autograd", "backward", _backward),
+    HookPatch("torch.optim.optimizer:register_optimizer_step_pre_hook", _optimizer_pre),
+    HookPatch("torch.optim.optimizer:register_optimizer_step_post_hook", _optimizer_post),
+    AttrPatch("torch.optim:Optimizer", "zero_grad", _zero_grad),
+    AttrPatch("torch:Tensor", "to", _copying),
+    AttrPatch("torch:Tensor", "cuda", _copying),
+    *(AttrPatch("torch:Tensor", name, _syncing) for name in ("item", "cpu", "tolist", "numpy")),
+    AttrPatch("torch.nn.functional", "cross_entropy", functools.partial(_loss_input_check, rule="double-softmax")),
+    AttrPatch("torch.nn.functional", "nll_loss", functools.partial(_loss_input_check, rule="softmax-nll")),
+    AttrPatch("torch.amp:GradScaler", "__init__", _grad_scaler_init, optional=True),
+    AttrPatch("torch", "compile", _compile),
+)
+
+
+def _precision_name(dtype: Any) -> str:
+    """fp32 / bf16 / fp16 for a floating dtype (the package's precision spelling), else the dtype's name."""
+    from torchspeed.runtime import PRECISIONS, precision_dtype
+
+    return {precision_dtype(p): p for p in PRECISIONS}.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def _hotspots(prof: Any, n: int = 15) -> list[dict[str, Any]]:

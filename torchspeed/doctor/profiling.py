@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.measure import PeakMemory
+from torchspeed.batches import DICT_KEY_PAIRS, batch_size, split_batch, to_device
 from torchspeed.doctor.advice import Finding
 from torchspeed.doctor.phases import PHASES, verdict
 from torchspeed.doctor.settings import loader_settings, machine_settings, model_settings
+from torchspeed.measure import PeakMemory
 
 __all__ = ["ProfileReport", "profile"]
 
@@ -52,28 +53,18 @@ class ProfileReport:
         return format_profile(self.to_dict())
 
 
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x
-
-
 def _split(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:
-        return batch[0], batch[1]
-    if isinstance(batch, dict) and len(batch) == 2:
-        a, b = batch.values()
-        return a, b
-    raise ValueError("profile() needs batches of (inputs, targets) (a 2-tuple or a 2-key dict); "
-                     f"the loader yielded {type(batch).__name__}")
-
-
-def _size(x: Any) -> int:
-    return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() else 1
+    """(inputs, targets) as `torchspeed.batches.split_batch` reads them, and any 2-key dict in order."""
+    try:
+        return split_batch(batch)
+    except ValueError:
+        if isinstance(batch, dict) and len(batch) == 2:
+            a, b = batch.values()
+            return a, b
+        keys = f" with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else ""
+        raise ValueError("profile() needs batches of (inputs, targets) (a tuple, a dict with one of the key pairs "
+                         f"{', '.join('/'.join(k) for k in DICT_KEY_PAIRS)}, or a 2-key dict); "
+                         f"the loader yielded {type(batch).__name__}{keys}") from None
 
 
 def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
@@ -128,7 +119,7 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
             ev[0].record()
         x, y = _split(batch)
-        x, y = _to(x, dev), _to(y, dev)
+        x, y = to_device(x, dev), to_device(y, dev)
         if first_batch is None:
             first_batch = (x, y)
         if cuda:
@@ -161,7 +152,7 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
             totals[k] += v
         wall += t5 - t0
         step_ms.append((t5 - t0) * 1e3)
-        samples += _size(x)
+        samples += batch_size(x)
     phases = {**totals, "other": max(0.0, wall - sum(totals.values()))}
     v, evidence = verdict(phases, wall, gpu_busy if cuda else None)
 
