@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchspeed.data import (IMAGENET_MEAN, IMAGENET_STD, DevicePrefetcher, fast_loader, make_photo_folder, pack,
-                             tune_loader)
+from torchspeed.data import (IMAGENET_MEAN, IMAGENET_STD, DevicePrefetcher, fast_loader, pack, tune_loader)
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, sample_rng
 from torchspeed.data.decode import available_backends, get_decoder, jpeg_size
 
@@ -28,22 +27,12 @@ class IndexDataset:
         return rng.integers(0, 256, (*self.size, 3), dtype=np.uint8), i
 
 
-@pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    return make_photo_folder(tmp_path_factory.mktemp("photos"), 24, n_classes=3, seed=0, size=(96, 72), workers=1)
-
-
-@pytest.fixture(scope="module")
-def store(photos, tmp_path_factory):
-    return pack(photos, tmp_path_factory.mktemp("s") / "store", short_side=48, workers=1, progress=False).dst
-
-
 def _epoch(loader):
     return [(x.clone(), y.clone()) for x, y in loader]
 
 
-def test_batches_are_normalised_on_the_device_in_the_contract_format(store):
-    loader = fast_loader(store, 8, crop=32, device="cpu", num_workers=0, decoder="simplejpeg")
+def test_batches_are_normalised_on_the_device_in_the_contract_format(photo_store):
+    loader = fast_loader(photo_store, 8, crop=32, device="cpu", num_workers=0, decoder="simplejpeg")
     assert loader.yields_device_batches and len(loader) == 3 and loader.dataset.classes == ["class_00", "class_01", "class_02"]
     x, y = next(iter(loader))
     assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
@@ -53,18 +42,18 @@ def test_batches_are_normalised_on_the_device_in_the_contract_format(store):
     per_channel = x.permute(1, 0, 2, 3).reshape(3, -1)
     assert (per_channel.min(1).values >= torch.tensor(lo, dtype=torch.float32) - 1e-5).all()
     assert (per_channel.max(1).values <= torch.tensor(hi, dtype=torch.float32) + 1e-5).all()
-    x2, _ = next(iter(fast_loader(store, 8, crop=32, device="cpu", num_workers=0, channels_last=False,
+    x2, _ = next(iter(fast_loader(photo_store, 8, crop=32, device="cpu", num_workers=0, channels_last=False,
                                   decoder="simplejpeg")))
     assert x2.is_contiguous() and not x2.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(x2, x, atol=1e-6, rtol=1e-6)  # NCHW and NHWC uint8 paths agree
-    x3, _ = next(iter(fast_loader(store, 8, crop=32, device="cpu", num_workers=0, dtype=torch.bfloat16)))
+    x3, _ = next(iter(fast_loader(photo_store, 8, crop=32, device="cpu", num_workers=0, dtype=torch.bfloat16)))
     assert x3.dtype == torch.bfloat16
 
 
 def test_eval_pipeline_matches_a_reference_crop(tmp_path):
     """Raw store, eval mode, crop = 0.875 * side: the output is exactly the centre crop, normalised."""
     ds = IndexDataset(6, size=(64, 64))
-    pack(ds, tmp_path / "raw", format="raw", workers=1, progress=False)
+    pack(ds, tmp_path / "raw", format="raw", num_workers=1, progress=False)
     loader = fast_loader(str(tmp_path / "raw"), 6, train=False, crop=56, device="cpu", num_workers=0, channels_last=False)
     x, y = next(iter(loader))
     assert y.tolist() == list(range(6))
@@ -84,26 +73,26 @@ def test_every_index_exactly_once_per_epoch_with_two_workers(train):
             assert labels == list(range(40))
 
 
-def test_same_seed_same_batches_whatever_the_number_of_workers_or_threads(store):
+def test_same_seed_same_batches_whatever_the_number_of_workers_or_threads(photo_store):
     setups = [(0, 1), (1, 1), (2, 1), (0, 2), (0, 3)]  # (num_workers, threads)
-    runs = {(w, t): _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=w, threads=t, seed=3,
+    runs = {(w, t): _epoch(fast_loader(photo_store, 6, crop=24, device="cpu", num_workers=w, threads=t, seed=3,
                                        decoder="simplejpeg")) for w, t in setups}
     for setup in setups[1:]:
         assert len(runs[setup]) == len(runs[(0, 1)]) == 4
         for (xa, ya), (xb, yb) in zip(runs[(0, 1)], runs[setup]):
             assert torch.equal(ya, yb) and torch.equal(xa, xb)
-    held = [x for x, _ in fast_loader(store, 6, crop=24, device="cpu", num_workers=0, threads=2, seed=3,
+    held = [x for x, _ in fast_loader(photo_store, 6, crop=24, device="cpu", num_workers=0, threads=2, seed=3,
                                       decoder="simplejpeg")]  # not copied: reused buffers must not change them
     assert all(torch.equal(x, ref) for x, (ref, _) in zip(held, runs[(0, 1)]))
-    assert fast_loader(store, 6, crop=24, device="cpu", num_workers=0, threads=3).threads == 3
-    assert fast_loader(store, 6, crop=24, device="cpu", num_workers=1, threads=3).threads == 1  # workers decode
-    other = _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=0, seed=4, decoder="simplejpeg"))
+    assert fast_loader(photo_store, 6, crop=24, device="cpu", num_workers=0, threads=3).threads == 3
+    assert fast_loader(photo_store, 6, crop=24, device="cpu", num_workers=1, threads=3).threads == 1  # workers decode
+    other = _epoch(fast_loader(photo_store, 6, crop=24, device="cpu", num_workers=0, seed=4, decoder="simplejpeg"))
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(runs[(0, 1)], other))
 
 
 @pytest.mark.parametrize("workers,threads", [(1, 1), (0, 2)])
-def test_state_dict_resumes_at_the_next_unseen_batch(store, workers, threads):
-    make = lambda: fast_loader(store, 4, crop=24, device="cpu", num_workers=workers, threads=threads,  # noqa: E731
+def test_state_dict_resumes_at_the_next_unseen_batch(photo_store, workers, threads):
+    make = lambda: fast_loader(photo_store, 4, crop=24, device="cpu", num_workers=workers, threads=threads,  # noqa: E731
                                seed=7, decoder="simplejpeg")
     reference = make()
     epoch0 = _epoch(reference)
@@ -222,12 +211,12 @@ def test_random_resized_crop_boxes_are_valid_and_seeded():
     assert (c.top, c.left, c.height, c.width, c.flip) == (4, 12, 56, 56, False)
 
 
-def test_decoders_agree_and_dct_scaling_shrinks(photos):
-    path = os.path.join(photos, "class_00", "img_000000.jpg")
+def test_decoders_agree_and_dct_scaling_shrinks(photo_folder):
+    path = os.path.join(photo_folder, "class_00", "img_000000.jpg")
     data = open(path, "rb").read()
     assert jpeg_size(data) == (72, 96)
     ref = get_decoder("pil").decode(data)
-    names = available_backends()
+    names = [name for name, why_not in available_backends().items() if why_not is None]
     assert {"simplejpeg", "opencv", "pil", "torchvision"} <= set(names)
     for name in names:
         img = get_decoder(name).decode(data)
@@ -240,12 +229,12 @@ def test_decoders_agree_and_dct_scaling_shrinks(photos):
         get_decoder("nope")
 
 
-def test_folder_source_reads_jpegs_and_names_a_bad_file(photos, tmp_path):
-    loader = fast_loader(photos, 6, crop=24, device="cpu", num_workers=0, decoder="simplejpeg")
+def test_folder_source_reads_jpegs_and_names_a_bad_file(photo_folder, tmp_path):
+    loader = fast_loader(photo_folder, 6, crop=24, device="cpu", num_workers=0, decoder="simplejpeg")
     assert sum(len(y) for _, y in loader) == 24
     import shutil
 
-    bad = shutil.copytree(photos, tmp_path / "bad")
+    bad = shutil.copytree(photo_folder, tmp_path / "bad")
     open(os.path.join(bad, "class_01", "broken.jpg"), "wb").write(b"\xff\xd8 nothing")
     open(os.path.join(bad, "class_01", "README.txt"), "w").write("ignored, as ImageFolder would")
     loader = fast_loader(str(bad), 25, train=False, crop=24, device="cpu", num_workers=0, decoder="pil")
@@ -254,26 +243,26 @@ def test_folder_source_reads_jpegs_and_names_a_bad_file(photos, tmp_path):
         list(loader)
 
 
-def test_auto_decoder_is_measured_once_and_reported(store, photos):
-    loader = fast_loader(store, 4, crop=24, device="cpu", num_workers=0)
+def test_auto_decoder_is_measured_once_and_reported(photo_store, photo_folder):
+    loader = fast_loader(photo_store, 4, crop=24, device="cpu", num_workers=0)
     assert loader.decoder in available_backends()
     timed = [r for r in loader.decoder_table if r["us_per_image"] is not None]
     assert timed and loader.decoder == min(timed, key=lambda r: r["us_per_image"])["decoder"]
-    assert fast_loader(store, 4, crop=24, device="cpu", num_workers=0).decoder == loader.decoder  # remembered
-    assert fast_loader(photos, 4, crop=24, device="cpu", num_workers=0).decoder_table  # measured on a folder too
+    assert fast_loader(photo_store, 4, crop=24, device="cpu", num_workers=0).decoder == loader.decoder  # remembered
+    assert fast_loader(photo_folder, 4, crop=24, device="cpu", num_workers=0).decoder_table  # measured on a folder too
 
 
-def test_spawn_workers_open_their_own_store_handle(store):
-    loader = fast_loader(store, 8, train=False, crop=24, device="cpu", num_workers=1, decoder="simplejpeg",
+def test_spawn_workers_open_their_own_store_handle(photo_store):
+    loader = fast_loader(photo_store, 8, train=False, crop=24, device="cpu", num_workers=1, decoder="simplejpeg",
                          multiprocessing_context="spawn")
-    serial = fast_loader(store, 8, train=False, crop=24, device="cpu", num_workers=0, decoder="simplejpeg")
+    serial = fast_loader(photo_store, 8, train=False, crop=24, device="cpu", num_workers=0, decoder="simplejpeg")
     for (a, ya), (b, yb) in zip(loader, serial):
         assert torch.equal(a, b) and torch.equal(ya, yb)
 
 
-def test_in_memory_loader_matches_disk(store):
-    disk = _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=2, decoder="simplejpeg"))
-    ram = _epoch(fast_loader(store, 6, crop=24, device="cpu", num_workers=2, decoder="simplejpeg", in_memory=True))
+def test_in_memory_loader_matches_disk(photo_store):
+    disk = _epoch(fast_loader(photo_store, 6, crop=24, device="cpu", num_workers=2, decoder="simplejpeg"))
+    ram = _epoch(fast_loader(photo_store, 6, crop=24, device="cpu", num_workers=2, decoder="simplejpeg", in_memory=True))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(disk, ram))
 
 
@@ -301,31 +290,84 @@ class Paced:
 
 def test_tune_loader_picks_the_fastest_and_stops_when_throughput_falls():
     build = Paced()
-    s = tune_loader(build, 4, max_workers=5, seconds=0.1, device="cpu", prefetch_factors=(2,), persistent=(True,))
+    s = tune_loader(build, 4, num_workers=range(6), seconds=0.1, device="cpu", prefetch_factors=(2,),
+                    persistent=(True,))
     assert s.num_workers == 1
     assert 4 not in build.calls  # 4 would be fastest of all, but the search stopped when 2 and 3 were slower
-    assert [r["num_workers"] for r in s.table] == [0, 1, 2, 3]
-    assert s.throughput == max(r["items_per_s"] for r in s.table)
+    assert [r.num_workers for r in s.table] == [0, 1, 2, 3]
+    assert s.throughput == max(r.items_per_s for r in s.table) == s.best.items_per_s
+    assert s.best.num_workers == 1 and s.best.to_dict()["num_workers"] == 1
     assert s.dataloader_kwargs()["num_workers"] == 1
+    assert s.to_dict()["table"][1] == s.table[1].to_dict()  # JSON-ready all the way down
 
 
 def test_tune_loader_on_a_plain_dataset():
-    s = tune_loader(IndexDataset(32), 8, max_workers=1, seconds=0.05, device="cpu", prefetch_factors=(2,),
+    s = tune_loader(IndexDataset(32), 8, num_workers="0,1", seconds=0.05, device="cpu", prefetch_factors=(2,),
                     persistent=(True,))
     assert s.num_workers in (0, 1) and len(s.table) >= 1 and s.throughput > 0
     with pytest.raises(ValueError, match="batch_size"):
         tune_loader(IndexDataset(4), 0)
 
 
-def test_fast_loader_bad_arguments(store, tmp_path):
+def test_fast_loader_bad_arguments(photo_store, tmp_path):
     with pytest.raises(FileNotFoundError, match="no data at"):
         fast_loader(tmp_path / "missing", 4)
     with pytest.raises(ValueError, match="batch_size"):
-        fast_loader(store, 0)
+        fast_loader(photo_store, 0)
     with pytest.raises(ValueError, match="larger than"):
-        fast_loader(store, 100, device="cpu", num_workers=0, decoder="pil")
+        fast_loader(photo_store, 100, device="cpu", num_workers=0, decoder="pil")
     with pytest.raises(ValueError, match="rank"):
-        fast_loader(store, 4, device="cpu", num_workers=0, num_replicas=2, rank=2, decoder="pil")
+        fast_loader(photo_store, 4, device="cpu", num_workers=0, num_replicas=2, rank=2, decoder="pil")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
-            fast_loader(store, 4, device="cuda", num_workers=0, decoder="pil")
+            fast_loader(photo_store, 4, device="cuda", num_workers=0, decoder="pil")
+
+
+def test_available_backends_says_why_a_decoder_is_missing(monkeypatch):
+    from torchspeed.data import available_backends as public
+    from torchspeed.data import decode
+
+    found = public()
+    assert isinstance(found, dict) and list(found) == list(decode.BACKENDS)
+    assert all(why is None or isinstance(why, str) for why in found.values())
+    assert found["simplejpeg"] is None and found["pil"] is None  # installed with torchspeed[data]
+
+    def missing():
+        raise ImportError("No module named 'nothing'")
+
+    monkeypatch.setitem(decode.BACKENDS, "absent", missing)
+    why = public()["absent"]
+    assert "not available" in why and "pip install" in why
+
+
+def test_measured_choices_are_logged_at_info(photo_store, caplog):
+    import logging
+
+    from torchspeed.data import decode, loader
+
+    caplog.set_level(logging.INFO, logger="torchspeed.data")
+    decode._CHOICES.clear()
+    loader._TUNED.clear()
+    fast_loader(photo_store, 4, crop=16, device="cpu", num_workers=[0], threads=[1, 2], tune_seconds=0.02)
+    by_logger = {r.name: r.getMessage() for r in caplog.records if r.levelno == logging.INFO}
+    assert by_logger["torchspeed.data.decode"].startswith("decoder: ")  # what was chosen, with its time
+    assert "us/image" in by_logger["torchspeed.data.decode"]
+    tuned = by_logger["torchspeed.data.loader"]
+    assert tuned.startswith("fast_loader: num_workers=0, threads=") and "img/s" in tuned
+    assert "tuned in" in tuned and "on 24 images" in tuned
+    caplog.clear()
+    tune_loader(IndexDataset(16), 8, num_workers=[0], seconds=0.02, device="cpu", prefetch_factors=(2,))
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchspeed.data.loader"]
+    assert len(lines) == 1 and lines[0].startswith("tune_loader: num_workers=0") and "items/s" in lines[0]
+
+
+def test_progress_is_a_bool_or_a_callable(tmp_path, capsys):
+    said = []
+    tune_loader(IndexDataset(16), 8, num_workers=[0], seconds=0.02, device="cpu", prefetch_factors=(2,),
+                progress=said.append)
+    assert said and said[0].startswith("timing num_workers=0")
+    tune_loader(IndexDataset(16), 8, num_workers=[0], seconds=0.02, device="cpu", prefetch_factors=(2,), progress=True)
+    assert "timing num_workers=0" in capsys.readouterr().err
+    packed = []
+    pack(IndexDataset(40), tmp_path / "s", format="raw", num_workers=1, progress=packed.append)
+    assert packed[-1] == "packed 40/40 samples"

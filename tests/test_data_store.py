@@ -29,11 +29,6 @@ class ArrayDataset:
         return self.images[i], i % 3
 
 
-@pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    return make_photo_folder(tmp_path_factory.mktemp("photos"), 12, n_classes=3, seed=0, size=(120, 90), workers=1)
-
-
 def _psnr(a, b):
     mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
     return 10 * np.log10(255.0**2 / mse)
@@ -42,7 +37,7 @@ def _psnr(a, b):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_raw_round_trip_is_exact(tmp_path, workers):
     src = ArrayDataset()
-    report = pack(src, tmp_path / "s", format="raw", workers=workers, progress=False)
+    report = pack(src, tmp_path / "s", format="raw", num_workers=workers, progress=False)
     assert report.written == 12 and not report.skipped and report.bytes > sum(a.nbytes for a in src.images)
     ds = PackedDataset(tmp_path / "s")
     assert len(ds) == 12 and ds.classes == ["a", "b", "c"] and ds.targets == [i % 3 for i in range(12)]
@@ -52,12 +47,12 @@ def test_raw_round_trip_is_exact(tmp_path, workers):
         assert label == i % 3
 
 
-def test_jpeg_round_trip_keeps_labels_classes_and_quality(photos, tmp_path):
+def test_jpeg_round_trip_keeps_labels_classes_and_quality(photo_folder, tmp_path):
     from torchvision.datasets import ImageFolder
 
-    report = pack(photos, tmp_path / "s", format="jpeg", quality=90, workers=2, progress=False)
-    assert report.written == 12
-    ref = ImageFolder(photos)
+    report = pack(photo_folder, tmp_path / "s", format="jpeg", quality=90, num_workers=2, progress=False)
+    assert report.written == 24
+    ref = ImageFolder(photo_folder)
     ds = PackedDataset(tmp_path / "s")
     assert ds.classes == ref.classes
     for i, (path, label) in enumerate(ref.samples):  # same sorted order as torchvision
@@ -70,7 +65,7 @@ def test_jpeg_round_trip_keeps_labels_classes_and_quality(photos, tmp_path):
 
 def test_short_side_resizes_down_only_and_keeps_aspect(tmp_path):
     src = ArrayDataset()
-    pack(src, tmp_path / "s", short_side=25, format="raw", workers=1, progress=False)
+    pack(src, tmp_path / "s", short_side=25, format="raw", num_workers=1, progress=False)
     ds = PackedDataset(tmp_path / "s")
     for i in range(len(ds)):
         h, w = src.images[i].shape[:2]
@@ -83,7 +78,7 @@ def test_short_side_resizes_down_only_and_keeps_aspect(tmp_path):
 
 
 def _bad_folder(root, which):
-    good = make_photo_folder(root, 6, n_classes=2, seed=1, size=(64, 48), workers=1)
+    good = make_photo_folder(root, 6, n_classes=2, seed=1, size=(64, 48), num_workers=1)
     ok = open(os.path.join(good, "class_00", "img_000000.jpg"), "rb").read()
     bad = {
         "corrupt": ("class_00", "corrupt.jpg", b"\xff\xd8\xff\xe0" + os.urandom(300)),
@@ -102,7 +97,7 @@ def _bad_folder(root, which):
 
 def test_on_error_skip_reports_every_bad_file(tmp_path):
     src, bad = _bad_folder(tmp_path / "f", ["corrupt", "truncated", "notimage"])
-    report = pack(src, tmp_path / "s", on_error="skip", workers=2, progress=False)
+    report = pack(src, tmp_path / "s", on_error="skip", num_workers=2, progress=False)
     assert report.written == 6
     assert sorted(s["path"] for s in report.skipped) == sorted(bad)
     assert all(s["reason"] for s in report.skipped)
@@ -114,7 +109,7 @@ def test_on_error_skip_reports_every_bad_file(tmp_path):
 def test_on_error_fail_names_the_file_and_leaves_nothing(tmp_path, which):
     src, (bad,) = _bad_folder(tmp_path / "f", [which])
     with pytest.raises(ValueError, match="cannot read .*" + os.path.basename(bad)) as e:
-        pack(src, tmp_path / "s", on_error="fail", workers=1, progress=False)
+        pack(src, tmp_path / "s", on_error="fail", num_workers=1, progress=False)
     assert bad in str(e.value) and "skip" in str(e.value)
     assert not (tmp_path / "s").exists()
 
@@ -128,21 +123,21 @@ class Interrupting(ArrayDataset):
 
 def test_interrupted_pack_leaves_no_store(tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        pack(Interrupting(40), tmp_path / "s", workers=1, progress=False)
+        pack(Interrupting(40), tmp_path / "s", num_workers=1, progress=False)
     assert os.listdir(tmp_path) == []  # neither dst nor a partial build beside it
 
 
 def test_existing_dst_needs_overwrite(tmp_path):
-    pack(ArrayDataset(4), tmp_path / "s", format="raw", workers=1, progress=False)
+    pack(ArrayDataset(4), tmp_path / "s", format="raw", num_workers=1, progress=False)
     with pytest.raises(ValueError, match="already exists"):
-        pack(ArrayDataset(4), tmp_path / "s", workers=1, progress=False)
-    pack(ArrayDataset(5, seed=3), tmp_path / "s", format="raw", workers=1, progress=False, overwrite=True)
+        pack(ArrayDataset(4), tmp_path / "s", num_workers=1, progress=False)
+    pack(ArrayDataset(5, seed=3), tmp_path / "s", format="raw", num_workers=1, progress=False, overwrite=True)
     assert len(PackedDataset(tmp_path / "s")) == 5
 
 
 def test_crc_mismatch_is_detected_and_named(tmp_path):
     src = ArrayDataset()
-    pack(src, tmp_path / "s", format="raw", workers=1, progress=False)
+    pack(src, tmp_path / "s", format="raw", num_workers=1, progress=False)
     data = tmp_path / "s" / "data.mdb"
     blob = bytearray(data.read_bytes())
     needle = src.images[5].tobytes()[:64]
@@ -162,7 +157,7 @@ def test_not_a_store_and_unknown_version(tmp_path):
         PackedDataset(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="no packed store"):
         PackedDataset(tmp_path / "missing")
-    pack(ArrayDataset(3), tmp_path / "s", format="raw", workers=1, progress=False)
+    pack(ArrayDataset(3), tmp_path / "s", format="raw", num_workers=1, progress=False)
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     manifest["format_version"] = 99
     (tmp_path / "s" / "manifest.json").write_text(json.dumps(manifest))
@@ -170,15 +165,15 @@ def test_not_a_store_and_unknown_version(tmp_path):
         PackedDataset(tmp_path / "s")
 
 
-def test_store_contains_no_pickle(tmp_path, monkeypatch, photos):
+def test_store_contains_no_pickle(tmp_path, monkeypatch, photo_folder):
     def forbidden(*a, **k):
         raise AssertionError("pickle used")
 
     for name in ("dumps", "dump", "loads", "load"):
         monkeypatch.setattr(pickle, name, forbidden)
     monkeypatch.setattr(pickle, "Pickler", forbidden)
-    pack(photos, tmp_path / "j", workers=1, progress=False)
-    pack(ArrayDataset(4), tmp_path / "r", format="raw", workers=1, progress=False)
+    pack(photo_folder, tmp_path / "j", num_workers=1, progress=False)
+    pack(ArrayDataset(4), tmp_path / "r", format="raw", num_workers=1, progress=False)
     monkeypatch.undo()
     import lmdb
 
@@ -200,7 +195,7 @@ def test_store_contains_no_pickle(tmp_path, monkeypatch, photos):
 
 
 def test_len_and_classes_do_not_open_lmdb_and_pickling_drops_the_handle(tmp_path):
-    pack(ArrayDataset(6), tmp_path / "s", format="raw", workers=1, progress=False)
+    pack(ArrayDataset(6), tmp_path / "s", format="raw", num_workers=1, progress=False)
     ds = PackedDataset(tmp_path / "s")
     assert len(ds) == 6 and ds.classes == ["a", "b", "c"]
     assert ds._env is None and not any(k[0] == ds.path for k in store_mod._ENVS)
@@ -211,22 +206,21 @@ def test_len_and_classes_do_not_open_lmdb_and_pickling_drops_the_handle(tmp_path
     np.testing.assert_array_equal(clone[2][0], first)
 
 
-def test_in_memory_reads_the_same_and_is_one_buffer(tmp_path, photos):
-    pack(photos, tmp_path / "s", workers=1, progress=False)
-    disk = PackedDataset(tmp_path / "s")
-    ram = PackedDataset(tmp_path / "s", in_memory=True)
-    assert ram.in_memory and isinstance(ram._blob, np.ndarray) and ram._offsets.shape == (13,)
+def test_in_memory_reads_the_same_and_is_one_buffer(photo_store):
+    disk = PackedDataset(photo_store)
+    ram = PackedDataset(photo_store, in_memory=True)
+    assert ram.in_memory and isinstance(ram._blob, np.ndarray) and ram._offsets.shape == (25,)
     assert ram._env is None  # the store was read once and closed
     for i in range(len(disk)):
         np.testing.assert_array_equal(ram[i][0], disk[i][0])
         assert ram[i][1] == disk[i][1]
 
 
-def test_pack_bad_arguments(tmp_path, photos):
+def test_pack_bad_arguments(tmp_path, photo_folder):
     with pytest.raises(ValueError, match="format"):
-        pack(photos, tmp_path / "s", format="png")
+        pack(photo_folder, tmp_path / "s", format="png")
     with pytest.raises(ValueError, match="on_error"):
-        pack(photos, tmp_path / "s", on_error="ignore")
+        pack(photo_folder, tmp_path / "s", on_error="ignore")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         pack(tmp_path / "nope", tmp_path / "s")
     (tmp_path / "flat").mkdir()
@@ -242,7 +236,7 @@ def test_pack_accepts_pil_and_chw_tensors(tmp_path):
     arrays = [rng.integers(0, 256, (10, 14, 3), dtype=np.uint8) for _ in range(4)]
     samples = [(Image.fromarray(arrays[0]), 0), (torch.from_numpy(arrays[1]).permute(2, 0, 1), 1),
                (Image.fromarray(arrays[2][..., 0]), 0), (arrays[3], 1)]
-    pack(samples, tmp_path / "s", format="raw", workers=1, progress=False, classes=["x", "y"])
+    pack(samples, tmp_path / "s", format="raw", num_workers=1, progress=False, classes=["x", "y"])
     ds = PackedDataset(tmp_path / "s")
     np.testing.assert_array_equal(ds[0][0], arrays[0])
     np.testing.assert_array_equal(ds[1][0], arrays[1])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchspeed.data import DevicePrefetcher, make_photo_folder, pack, tune_loader
+from torchspeed.data import DevicePrefetcher, tune_loader
 from torchspeed.data.prefetch import BufferPool
 from torchspeed.data.store import PackedDataset
 from torchspeed.data.threads import ThreadedBatches
@@ -76,9 +76,8 @@ print(seen, torch.get_num_threads(), later[0])
     assert counts == run(False)[1]  # the main thread and threads started later keep the default
 
 
-def test_store_reads_from_many_threads_match_serial_reads(tmp_path):
-    photos = make_photo_folder(tmp_path / "p", 40, n_classes=2, seed=1, size=(64, 48), workers=1)
-    ds = PackedDataset(pack(photos, tmp_path / "s", workers=1, progress=False).dst)
+def test_store_reads_from_many_threads_match_serial_reads(photo_store):
+    ds = PackedDataset(photo_store)
     serial = [ds[i][0] for i in range(len(ds))]
     ds.close()
     results = {}
@@ -119,14 +118,15 @@ class PacedThreads:
 
 def test_tune_loader_tries_threads_in_process_then_workers_and_keeps_the_fastest():
     build = PacedThreads()
-    s = tune_loader(build, 4, max_workers=2, seconds=0.05, device="cpu", prefetch_factors=(2,), persistent=(True,),
-                    threads="auto")
+    s = tune_loader(build, 4, num_workers=[0, 1, 2], threads=[1, 2], seconds=0.05, device="cpu", prefetch_factors=(2,),
+                    persistent=(True,))
     assert (s.num_workers, s.threads) == (0, 2)
-    walked = [(r["num_workers"], r["threads"]) for r in s.table if not r.get("final")]
+    walked = [(r.num_workers, r.threads) for r in s.table if not r.final]
     assert walked == [(0, 1), (0, 2), (1, 1), (2, 1)]
-    finals = [r for r in s.table if r.get("final")]  # the two winners, measured again interleaved
-    assert [(r["num_workers"], r["threads"]) for r in finals] == [(0, 2), (1, 1)]
-    assert s.throughput == finals[0]["items_per_s"] == max(r["items_per_s"] for r in finals)
+    finals = [r for r in s.table if r.final]  # the two winners, measured again interleaved
+    assert [(r.num_workers, r.threads) for r in finals] == [(0, 2), (1, 1)]
+    assert s.throughput == finals[0].items_per_s == max(r.items_per_s for r in finals)
+    assert s.best is finals[0]
 
 
 def test_buffer_pool_reuses_a_buffer_only_when_nothing_refers_to_it():
@@ -164,12 +164,20 @@ def test_cpu_prefetcher_never_overwrites_a_batch_that_is_still_held(channels_las
     assert len(addresses) < len(raw)
 
 
-def test_max_workers_caps_what_auto_tries(tmp_path):
+def test_lists_of_candidates_cap_what_is_measured(small_photo_folder):
     from torchspeed.data import fast_loader
 
-    photos = make_photo_folder(tmp_path / "p", 24, n_classes=2, seed=2, size=(40, 32), workers=1)
-    loader = fast_loader(photos, 4, crop=16, device="cpu", num_workers="auto", max_workers=1, tune_seconds=0.05)
-    tried = {(r["num_workers"], r["threads"]) for r in loader.settings.table}
-    assert tried <= {(0, 1), (1, 1)} and (0, 1) in tried
-    with pytest.raises(ValueError, match="max_workers"):
-        fast_loader(photos, 4, crop=16, device="cpu", max_workers=0)
+    loader = fast_loader(small_photo_folder, 4, crop=16, device="cpu", num_workers=[0, 1], threads=[1],
+                         tune_seconds=0.05)
+    tried = {(r.num_workers, r.threads) for r in loader.settings.table}
+    assert tried == {(0, 1), (1, 1)}  # both walks, each over its one candidate, then the final round
+    assert (loader.dataloader.num_workers, loader.threads) in tried
+    threads_only = fast_loader(small_photo_folder, 4, crop=16, device="cpu", num_workers=0, threads="1,2",
+                               tune_seconds=0.05)  # a comma string is a list; num_workers=0 measures threads only
+    assert {(r.num_workers, r.threads) for r in threads_only.settings.table} == {(0, 1), (0, 2)}
+    fixed = fast_loader(small_photo_folder, 4, crop=16, device="cpu", num_workers=0, threads=2)
+    assert fixed.settings is None and fixed.threads == 2  # numbers are used as given, nothing measured
+    for bad in ({"num_workers": -1}, {"num_workers": [0, -1]}, {"num_workers": "some"}, {"threads": 0},
+                {"threads": []}, {"threads": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            fast_loader(small_photo_folder, 4, crop=16, device="cpu", **bad)

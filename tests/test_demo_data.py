@@ -18,16 +18,16 @@ def _digest(root):
 
 
 def test_demo_folder_is_deterministic_and_complete(tmp_path):
-    a = make_photo_folder(tmp_path / "a", 30, n_classes=3, seed=1, workers=1)
-    b = make_photo_folder(tmp_path / "b", 30, n_classes=3, seed=1, workers=2)
-    c = make_photo_folder(tmp_path / "c", 30, n_classes=3, seed=2, workers=1)
+    a = make_photo_folder(tmp_path / "a", 30, n_classes=3, seed=1, num_workers=1)
+    b = make_photo_folder(tmp_path / "b", 30, n_classes=3, seed=1, num_workers=2)
+    c = make_photo_folder(tmp_path / "c", 30, n_classes=3, seed=2, num_workers=1)
     assert _digest(a) == _digest(b) != _digest(c)
     assert sorted(os.listdir(a)) == ["class_00", "class_01", "class_02"]
     assert [len(os.listdir(os.path.join(a, d))) for d in sorted(os.listdir(a))] == [10, 10, 10]
 
 
 def test_demo_images_decode_and_look_like_photos(tmp_path):
-    root = make_photo_folder(tmp_path, 20, n_classes=2, seed=0, workers=1)
+    root = make_photo_folder(tmp_path, 20, n_classes=2, seed=0, num_workers=1)
     sizes, stds = [], []
     for dirpath, _, files in os.walk(root):
         for f in files:
@@ -44,7 +44,7 @@ def test_demo_images_decode_and_look_like_photos(tmp_path):
 def test_torchvision_reads_it_as_imagefolder(tmp_path):
     from torchvision.datasets import ImageFolder
 
-    ds = ImageFolder(make_photo_folder(tmp_path, 12, n_classes=4, seed=0, workers=1))
+    ds = ImageFolder(make_photo_folder(tmp_path, 12, n_classes=4, seed=0, num_workers=1))
     assert len(ds) == 12 and ds.classes == ["class_00", "class_01", "class_02", "class_03"]
     assert sorted({y for _, y in ds.samples}) == [0, 1, 2, 3]
 

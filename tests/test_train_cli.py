@@ -4,16 +4,15 @@ import json
 import pytest
 
 from torchspeed.cli import main
-from torchspeed.data import make_photo_folder
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_photo_folder(tmp_path_factory.mktemp("photos"), 60, n_classes=3, size=(48, 36))
+@pytest.fixture
+def folder(photo_folder):
+    return photo_folder  # 24 images in 3 classes: 22 to train on, 2 held out
 
 
-FAST = ["--model", "mobilenet_v3_small", "--image-size", "32", "--batch-size", "8", "--workers", "0", "--precision", "fp32",
-        "--channels-last", "off", "--compile", "off", "--no-progress"]
+FAST = ["--model", "mobilenet_v3_small", "--crop", "32", "--batch-size", "8", "--num-workers", "0", "--threads", "2",
+        "--precision", "fp32", "--channels-last", "off", "--compile", "off", "--no-progress"]
 
 
 def test_train_then_resume(folder, tmp_path, capsys):
@@ -21,14 +20,14 @@ def test_train_then_resume(folder, tmp_path, capsys):
     assert main(["train", "--data", str(folder), "--epochs", "2", "--out", str(out), "--json", str(tmp_path / "s.json"),
                  *FAST]) == 0
     s = json.loads((tmp_path / "s.json").read_text())
-    assert s["epochs"] == 2 and s["step"] == 2 * (54 // 8)  # 54 training images (10% held out), drop_last
+    assert s["epochs"] == 2 and s["step"] == 2 * (22 // 8)  # 22 training images (10% held out), drop_last
     assert s["classes"] == ["class_00", "class_01", "class_02"] and 0.0 <= s["val_acc"] <= 1.0
     assert s["checkpoint"].endswith(f"step-{s['step']:08d}.pt")
     assert (out / "metrics.csv").read_text().startswith("epoch,step,train_loss,val_loss,val_acc,lr,samples_per_s")
     assert {c["setting"] for c in s["accelerate"]["candidates"]} >= {"precision", "channels_last", "compile"}
     assert main(["train", "--data", str(folder), "--epochs", "3", "--out", str(out), "--resume", *FAST]) == 0
     s2 = json.loads((out / "summary.json").read_text())
-    assert s2["epochs"] == 3 and s2["step"] == 3 * (54 // 8)  # continued: one more epoch, not three
+    assert s2["epochs"] == 3 and s2["step"] == 3 * (22 // 8)  # continued: one more epoch, not three
     assert len((out / "metrics.csv").read_text().strip().splitlines()) == 1 + 3
 
 
@@ -37,7 +36,13 @@ def test_bad_inputs_are_one_line(tmp_path, folder, capsys):
     err = capsys.readouterr().err
     assert "does not exist" in " ".join(err.split()) and "Traceback" not in err
     assert main(["train", "--data", str(folder), "--model", "no_such_net", "--epochs", "1", "--out",
-                 str(tmp_path / "o"), "--workers", "0", "--no-progress", "--batch-size", "8"]) == 2
+                 str(tmp_path / "o"), "--num-workers", "0", "--no-progress", "--batch-size", "8"]) == 2
     assert "unknown model 'no_such_net'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--data", str(folder), "--model", "resnet18", "--epochs", "0"])
+    with pytest.raises(SystemExit):  # counts are auto, a number or a comma list
+        main(["train", "--data", str(folder), "--model", "resnet18", "--epochs", "1", "--num-workers", "many"])
+    assert "--num-workers" in capsys.readouterr().err
+    assert main(["train", "--data", str(folder), "--model", "resnet18", "--epochs", "1", "--val-fraction", "0.99",
+                 "--num-workers", "0", "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert "too few to hold out" in capsys.readouterr().err

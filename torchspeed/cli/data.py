@@ -2,8 +2,27 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from torchspeed.cli import add_json_option, non_negative_int, positive_int
+
+
+def counts(minimum: int) -> Callable[[str], str | int | list[int]]:
+    """argparse type for --num-workers / --threads: 'auto', a count, or candidate counts '0,1,2'."""
+
+    def parse(text: str) -> str | int | list[int]:
+        if text.strip() == "auto":
+            return "auto"
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"expected auto, a number >= {minimum} or a comma list of them "
+                                             f"(e.g. {minimum},{minimum + 1}), got {text!r}")
+        return values[0] if len(values) == 1 and "," not in text else sorted(set(values))
+
+    return parse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -12,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--images", type=positive_int, default=2000, help="number of images (default 2000)")
     p.add_argument("--classes", type=positive_int, default=10, help="number of classes (default 10)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
+    p.add_argument("--num-workers", type=positive_int, default=None, metavar="N",
+                   help="writing processes (default: cores, at most 8; the images do not depend on it)")
     p.set_defaults(func=run_demo_data)
 
     p = sub.add_parser("pack", help="pack an ImageFolder into one LMDB store (resized/encoded once, offline)")
@@ -24,16 +45,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quality", type=positive_int, default=90, metavar="Q", help="JPEG quality 1..100 (default 90)")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail",
                    help="an unreadable image: stop naming it (fail, default) or leave it out and report it (skip)")
-    p.add_argument("--workers", type=positive_int, default=None, metavar="N", help="encoding processes (default: cores)")
+    p.add_argument("--num-workers", type=positive_int, default=None, metavar="N",
+                   help="encoding processes (default: cores, at most 8)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new store is whole)")
     add_json_option(p)
     p.set_defaults(func=run_pack)
 
-    p = sub.add_parser("tune-loader", help="time the data loader over num_workers/prefetch/persistent and pick the fastest")
+    p = sub.add_parser("tune-loader", help="time the data loader over num_workers/threads/prefetch/persistent and pick "
+                                           "the fastest")
     p.add_argument("data", metavar="DATA", help="ImageFolder directory or packed store")
     p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="batch size (default 64)")
     p.add_argument("--crop", type=positive_int, default=224, metavar="N", help="training crop size (default 224)")
-    p.add_argument("--max-workers", type=non_negative_int, default=None, metavar="N", help="largest num_workers tried (default cores+1)")
+    p.add_argument("--num-workers", type=counts(0), default="auto", metavar="auto|N,M,...",
+                   help="worker-process counts tried: auto (0..cores+1, default) or a comma list such as 0,1,2")
+    p.add_argument("--threads", type=counts(1), default="auto", metavar="auto|N,M,...",
+                   help="batch-making threads tried at num_workers=0: auto (1..cores+1, default), a number (fixed) "
+                        "or a comma list such as 1,2")
     p.add_argument("--seconds", type=float, default=1.0, help="length of each timed pass (default 1.0)")
     add_json_option(p)
     p.set_defaults(func=run_tune_loader)
@@ -47,7 +74,7 @@ def run_demo_data(args: argparse.Namespace) -> int:
     from torchspeed.data.demo import make_photo_folder
 
     t0 = time.perf_counter()
-    make_photo_folder(args.dir, args.images, n_classes=args.classes, seed=args.seed)
+    make_photo_folder(args.dir, args.images, n_classes=args.classes, seed=args.seed, num_workers=args.num_workers)
     Console().print(f"wrote {args.images} images in {args.classes} classes to {args.dir} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -61,7 +88,7 @@ def run_pack(args: argparse.Namespace) -> int:
     if not 1 <= args.quality <= 100:
         raise ValueError(f"--quality must be in 1..100, got {args.quality}")
     report = pack(args.src, args.dst, short_side=args.short_side, format=args.format, quality=args.quality,
-                  on_error=args.on_error, workers=args.workers, overwrite=args.overwrite)
+                  on_error=args.on_error, num_workers=args.num_workers, overwrite=args.overwrite)
     console = Console()
     console.print(str(report), highlight=False)
     for s in report.skipped:
@@ -76,20 +103,19 @@ def run_tune_loader(args: argparse.Namespace) -> int:
 
     from torchspeed.atomic import write_json
     from torchspeed.tables import print_table
-    from torchspeed.data.tune import tune_loader
+    from torchspeed.data import tune_loader
 
     if args.seconds <= 0:
         raise ValueError(f"--seconds must be positive, got {args.seconds}")
     console = Console()
-    settings = tune_loader(args.data, args.batch_size, crop=args.crop, max_workers=args.max_workers,
+    settings = tune_loader(args.data, args.batch_size, crop=args.crop, num_workers=args.num_workers, threads=args.threads,
                            seconds=args.seconds, progress=lambda text: console.print(text, style="dim"))
-    rows = [(r["num_workers"], r.get("threads", 1), r["prefetch_factor"], r["persistent_workers"], r["pin_memory"],
-             "final (interleaved)" if r.get("final") else "", r["items_per_s"]) for r in settings.table]
+    rows = [(r.num_workers, r.threads, r.prefetch_factor, r.persistent_workers, r.pin_memory,
+             "final (interleaved)" if r.final else "", r.items_per_s) for r in settings.table]
     print_table(f"tune-loader {args.data} (batch {args.batch_size}, crop {args.crop}): images/s",
                 ["num_workers", "threads", "prefetch_factor", "persistent", "pin_memory", "round", "img/s"], rows,
                 console)
-    best = {**settings.dataloader_kwargs(), **({"threads": settings.threads} if settings.num_workers == 0 else {})}
-    console.print(f"best: fast_loader(..., {', '.join(f'{k}={v}' for k, v in best.items())}) at "
+    console.print(f"best: fast_loader(..., {settings.describe()}) at "
                   f"{settings.throughput:,.0f} img/s", highlight=False)
     if args.json:
         write_json(args.json, settings.to_dict())

@@ -3,9 +3,9 @@ early stopping, checkpoints). Runs unchanged under `torchrun --nproc_per_node=K 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from torchspeed.cli import UserError, add_json_option, add_model_options, build_model, positive_int
+from torchspeed.cli.data import counts
 
 
 def _on_off_auto(text: str) -> bool | str:
@@ -41,11 +41,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=64, help="per-process batch size (default 64)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate of SGD+momentum, cosine schedule "
                                                           "(default 0.1 x batch/256 x processes)")
-    p.add_argument("--image-size", type=positive_int, default=224, help="training crop side (default 224)")
+    p.add_argument("--crop", type=positive_int, default=224, help="training crop side (default 224)")
     p.add_argument("--val-fraction", type=_fraction, default=0.1,
                    help="held-out share when DATA has no val/ split (default 0.1)")
     p.add_argument("--patience", type=positive_int, default=10, help="early stopping patience, in validations (default 10)")
-    p.add_argument("--workers", default="auto", help="loader worker processes: auto (measured) or a number")
+    p.add_argument("--num-workers", type=counts(0), default="auto", metavar="auto|N",
+                   help="loader worker processes: auto (measured, default), a number, or a comma list of counts to measure")
+    p.add_argument("--threads", type=counts(1), default="auto", metavar="auto|N",
+                   help="batch-making threads when num_workers is 0: auto (measured along with --num-workers auto, "
+                        "else 1; default), a number, or a comma list of counts to measure")
     p.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--out", default="torchspeed-train", metavar="DIR",
@@ -56,43 +60,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-class _Subset:
-    """Part of a record source (for a train/val split of one folder or store)."""
-
-    def __init__(self, source: Any, indices: list[int]):
-        self.source, self.indices = source, indices
-        self.classes = list(getattr(source, "classes", []))
-        self.root = f"{getattr(source, 'root', getattr(source, 'path', 'data'))}#{len(indices)}"
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def record(self, i: int) -> Any:
-        return self.source.record(self.indices[i])
-
-    def __getitem__(self, i: int) -> Any:
-        return self.source[self.indices[i]]
-
-
-def _split(data: str, val_fraction: float, seed: int) -> tuple[Any, Any, list[str]]:
-    import os
-
-    import numpy as np
-
-    from torchspeed.data.loader import as_source
-
-    if os.path.isdir(os.path.join(data, "train")) and os.path.isdir(os.path.join(data, "val")):
-        train, val = as_source(os.path.join(data, "train")), as_source(os.path.join(data, "val"))
-        return train, val, list(train.classes)
-    source = as_source(data)
-    n = len(source)
-    n_val = max(1, int(round(n * val_fraction)))
-    if n - n_val < 1:
-        raise UserError(f"{data!r} has only {n} images: too few to hold out a validation split")
-    order = np.random.default_rng(seed).permutation(n).tolist()
-    return _Subset(source, sorted(order[n_val:])), _Subset(source, sorted(order[:n_val])), list(source.classes)
-
-
 def run(args: argparse.Namespace) -> int:
     import math
     import os
@@ -101,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from torchspeed.atomic import write_json
-    from torchspeed.data import fast_loader
+    from torchspeed.data import fast_loader, train_val_split
     from torchspeed.runtime import resolve_device, seed_everything
     from torchspeed.train import Checkpoint, EarlyStopping, Trainer, distributed
 
@@ -110,25 +77,21 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--data {args.data!r} does not exist: give an ImageFolder directory or a packed store")
     if args.lr is not None and not args.lr > 0:
         raise UserError(f"--lr must be > 0, got {args.lr}")
-    workers: int | str = args.workers
-    if workers != "auto":
-        try:
-            workers = int(workers)
-            assert workers >= 0
-        except (ValueError, AssertionError):
-            raise UserError(f"--workers must be 'auto' or a non-negative integer, got {args.workers!r}") from None
     seed_everything(args.seed)
     # The process group first, so the loaders shard themselves per rank.
     denv, device = distributed.setup(resolve_device("auto")) if args.strategy != "none" else (distributed.env(),
                                                                                              resolve_device("auto"))
-    train_src, val_src, classes = _split(args.data, args.val_fraction, args.seed)
+    train_src, val_src = train_val_split(args.data, args.val_fraction, args.seed)
+    classes = list(train_src.classes)
     if len(classes) < 2:
         raise UserError(f"{args.data!r} has {len(classes)} class(es); classification needs at least 2")
     model = build_model(args.model, args, num_classes=len(classes))  # before the loaders: a bad name fails fast
-    train = fast_loader(train_src, args.batch_size, train=True, crop=args.image_size, device=device,
-                        num_workers=workers, seed=args.seed)
-    val = fast_loader(val_src, args.batch_size, train=False, crop=args.image_size, device=device,
-                      num_workers=0 if workers == "auto" else workers, seed=args.seed)
+    train = fast_loader(train_src, args.batch_size, train=True, crop=args.crop, device=device,
+                        num_workers=args.num_workers, threads=args.threads, seed=args.seed)
+    # validation: the number given, else the main process (its batches are few)
+    val = fast_loader(val_src, args.batch_size, train=False, crop=args.crop, device=device,
+                      num_workers=args.num_workers if isinstance(args.num_workers, int) else 0,
+                      threads=args.threads if isinstance(args.threads, int) else 1, seed=args.seed)
     lr = args.lr or 0.1 * args.batch_size * denv.world_size / 256
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5, nesterov=True)
     total = args.max_steps or max(1, len(train) * args.epochs)

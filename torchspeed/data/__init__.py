@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from torchspeed._lazy import lazy_getattr
+from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
@@ -12,16 +13,17 @@ _EXPORTS = {
     "PackedDataset": "store",
     "fast_loader": "loader",
     "FastLoader": "loader",
-    "tune_loader": "tune",
+    "tune_loader": "loader",
     "LoaderSettings": "tune",
+    "LoaderTrial": "tune",
     "DevicePrefetcher": "prefetch",
     "normalize_batch": "prefetch",
-    "IMAGENET_MEAN": "prefetch",
-    "IMAGENET_STD": "prefetch",
     "available_backends": "decode",
     "measure_backends": "decode",
+    "train_val_split": "sources",
+    "evenly_spread": "sources",
 }
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS, "IMAGENET_MEAN", "IMAGENET_STD"]
 
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)

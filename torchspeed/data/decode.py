@@ -13,13 +13,18 @@ torchvision.io on the CPU, PyTurboJPEG where its system library loads, and nvjpe
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from torchspeed.args import as_list
+from torchspeed.data._progress import say
 from torchspeed.measure import compare
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -170,29 +175,32 @@ def get_decoder(name: str) -> Decoder:
     return _INSTANCES[name]
 
 
-def available_backends() -> list[str]:
-    """CPU decoders that load on this machine."""
-    names = []
+def available_backends() -> dict[str, str | None]:
+    """CPU decoder -> None when it loads on this machine, else why not (with the install hint)."""
+    out: dict[str, str | None] = {}
     for name in BACKENDS:
         try:
             get_decoder(name)
-            names.append(name)
-        except ImportError:
-            pass
-    return names
+            out[name] = None
+        except ImportError as e:
+            out[name] = str(e)
+    return out
 
 
-def measure_backends(samples: Sequence[Any], backends: Sequence[str] | None = None, min_size: int = 0,
-                     repeats: int = 7) -> list[dict[str, Any]]:
+def measure_backends(samples: Sequence[Any], backends: Sequence[str] | str | None = None, min_size: int = 0,
+                     repeats: int = 7, progress: bool | Callable[[str], None] = False) -> list[dict[str, Any]]:
     """Time each backend decoding `samples` (JPEG bytes): median of `repeats`, per image.
 
-    The backends run interleaved (measure.compare), so background load hits them alike. Each row
-    also gives the PSNR against the accurate simplejpeg (or PIL) decode, so a faster but less exact
-    decoder is visible as such (100 dB: identical pixels).
+    `backends`: a list or a comma string (default: every available one). The backends run
+    interleaved (measure.compare), so background load hits them alike. Each row also gives the
+    PSNR against the accurate simplejpeg (or PIL) decode, so a faster but less exact decoder is
+    visible as such (100 dB: identical pixels). `progress`: True (stderr) or a callable taking a message.
     """
     if not samples:
         raise ValueError("measure_backends needs at least one JPEG sample")
-    names = list(backends) if backends is not None else available_backends()
+    say_ = say(progress)
+    names = as_list(backends, name="backends") if backends is not None else \
+        [n for n, why in available_backends().items() if why is None]
     reference_name = "simplejpeg" if "simplejpeg" in names else "pil"
     reference = [get_decoder(reference_name).decode(b, min_size, min_size) for b in samples]
     rows: dict[str, dict[str, Any]] = {}
@@ -209,21 +217,27 @@ def measure_backends(samples: Sequence[Any], backends: Sequence[str] | None = No
                       "psnr_db": float(np.mean(psnr)) if len(psnr) == len(out) else None}
         contenders[name] = lambda dec=dec: [dec.decode(b, min_size, min_size) for b in samples]
     if contenders:
+        say_(f"timing JPEG decoders {', '.join(contenders)} on {len(samples)} images, interleaved")
         timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0)
         for t in timed.timings:
             rows[t.name]["us_per_image"] = t.median_s / len(samples) * 1e6
     return [rows[n] for n in names]
 
 
-def choose_backend(samples: Sequence[Any], key: Any = None, min_size: int = 0) -> tuple[str, list[dict[str, Any]]]:
-    """The fastest available decoder on `samples`, measured once per `key` in this process."""
+def choose_backend(samples: Sequence[Any], key: Any = None, min_size: int = 0,
+                   progress: bool | Callable[[str], None] = False) -> tuple[str, list[dict[str, Any]]]:
+    """The fastest available decoder on `samples`, measured once per `key` in this process (logged at INFO)."""
     if key is not None and key in _CHOICES:
         return _CHOICES[key]
-    table = measure_backends(samples, min_size=min_size)
+    table = measure_backends(samples, min_size=min_size, progress=progress)
     timed = [r for r in table if r["us_per_image"] is not None]
     if not timed:
         raise ValueError("no JPEG decoder could read the sample images: " + "; ".join(r.get("error", "") for r in table))
-    best = min(timed, key=lambda r: r["us_per_image"])["decoder"]
+    chosen = min(timed, key=lambda r: r["us_per_image"])
+    best = chosen["decoder"]
+    others = ", ".join(f"{r['decoder']} {r['us_per_image']:.0f}" for r in timed if r is not chosen)
+    log.info("decoder: %s (%.0f us/image; %s) measured on %d JPEGs", best, chosen["us_per_image"],
+             others or "no other decoder", len(samples))
     if key is not None:
         _CHOICES[key] = (best, table)
     return best, table

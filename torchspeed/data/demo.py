@@ -88,12 +88,13 @@ def make_photo_folder(
     seed: int = 0,
     size: tuple[int, int] = (500, 375),
     quality: int = 90,
-    workers: int | None = None,
+    num_workers: int | None = None,
 ) -> str:
     """Write `n_images` photo-like JPEGs as an ImageFolder (`root/class_XX/img_NNNNNN.jpg`).
 
     Deterministic for (index, seed, size): the same call writes the same bytes. `size` is (width,
     height). Images are spread evenly over the classes (image i has label i % n_classes).
+    `num_workers` processes write them (default: cores, at most 8; the bytes do not depend on it).
     Returns `root`.
     """
     if not isinstance(n_images, int) or n_images < 1:
@@ -110,12 +111,12 @@ def make_photo_folder(
             os.makedirs(os.path.join(root, class_name(c)), exist_ok=True)
     except OSError as e:
         raise OSError(f"cannot create the demo folder {root!r}: {e.strerror}") from None
-    workers = workers or min(os.cpu_count() or 1, 8)
-    if workers <= 1 or n_images < 64:
+    num_workers = num_workers or min(os.cpu_count() or 1, 8)
+    if num_workers <= 1 or n_images < 64:
         _write_range(root, range(n_images), n_classes, seed, size, quality)
     else:
         chunks = [range(s, min(s + 64, n_images)) for s in range(0, n_images, 64)]
-        with ProcessPoolExecutor(workers) as pool:
+        with ProcessPoolExecutor(num_workers) as pool:
             for f in [pool.submit(_write_range, root, c, n_classes, seed, size, quality) for c in chunks]:
                 f.result()
     return root

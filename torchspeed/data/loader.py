@@ -16,10 +16,11 @@ The path of one batch, and what each step buys (figures: `torchspeed bench data`
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,13 +29,16 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, sample_rng
 from torchspeed.data.decode import choose_backend, get_decoder, jpeg_size
-from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.sources import as_source
 from torchspeed.data.threads import ThreadedBatches
+from torchspeed.data.tune import LoaderSettings, as_counts, dataloader_factory, measure_settings
+from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.runtime import resolve_device
 
-__all__ = ["fast_loader", "FastLoader", "AugmentedDataset", "EpochBatchSampler"]
+__all__ = ["fast_loader", "tune_loader", "FastLoader", "AugmentedDataset", "EpochBatchSampler"]
+
+log = logging.getLogger(__name__)
 
 
 class AugmentedDataset(Dataset):
@@ -269,7 +273,7 @@ def fast_loader(
     std: Sequence[float] | None = IMAGENET_STD,
     channels_last: bool = True,
     dtype: torch.dtype | None = None,
-    num_workers: int | str = "auto",
+    num_workers: int | str | Sequence[int] = "auto",
     seed: int = 0,
     drop_last: bool | None = None,
     decoder: str = "auto",
@@ -282,8 +286,8 @@ def fast_loader(
     rank: int | None = None,
     tune_seconds: float = 0.4,
     multiprocessing_context: Any = None,
-    threads: int | str = "auto",
-    max_workers: int | None = None,
+    threads: int | str | Sequence[int] = "auto",
+    progress: bool | Callable[[str], None] = False,
 ) -> FastLoader:
     """The whole fast input pipeline in one call (see the module docstring for what each step buys).
 
@@ -292,11 +296,13 @@ def fast_loader(
     crop/0.875 + centre crop, in order, every sample kept. `num_workers=0` makes the batches in
     `threads` threads of this process (the decoders release the GIL; no shared memory, no pickling),
     `num_workers>0` in worker processes of one thread each. `num_workers="auto"` measures both
-    briefly with `tune_loader` (1..cores+1 threads, then 1..cores+1 worker processes) and keeps the
-    fastest; `threads="auto"` is then measured too, else it means 1. `max_workers` caps the threads
-    and worker processes tried (default cores + 1): the measurement times the loader alone, so a
-    training loop whose model needs the cores may want fewer. `decoder="auto"` measures the JPEG
-    decoders once in this process. Under an initialised torch.distributed (or with explicit
+    briefly (1..cores+1 threads, then 1..cores+1 worker processes, see `tune_loader`) and keeps the
+    fastest; `threads="auto"` is then measured too, else it means 1. A list of counts (or a comma
+    string) instead of "auto" is what gets measured, e.g. `num_workers=[0, 1], threads=[1, 2]`: the
+    measurement times the loader alone, so a training loop whose model needs the cores may want
+    fewer. `decoder="auto"` measures the JPEG decoders once in this process. Each measured choice
+    is logged at INFO on "torchspeed.data.*"; `progress` (True: stderr, or a callable taking a
+    message) reports the measuring as it goes. Under an initialised torch.distributed (or with explicit
     `num_replicas`/`rank`) each rank gets a disjoint shard; as DistributedSampler does, the last
     shard is padded by repeating the first samples when the size does not divide evenly.
     """
@@ -304,12 +310,9 @@ def fast_loader(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not isinstance(crop, int) or crop < 1:
         raise ValueError(f"crop must be a positive integer, got {crop!r}")
-    if not (num_workers == "auto" or (isinstance(num_workers, int) and num_workers >= 0)):
-        raise ValueError(f"num_workers must be 'auto' or a non-negative integer, got {num_workers!r}")
-    if not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
-        raise ValueError(f"threads must be 'auto' or a positive integer, got {threads!r}")
-    if max_workers is not None and not (isinstance(max_workers, int) and max_workers >= 1):
-        raise ValueError(f"max_workers must be None or a positive integer, got {max_workers!r}")
+    num_workers = as_counts(num_workers, "num_workers", 0)
+    threads = as_counts(threads, "threads", 1)
+    tuned = num_workers == "auto" or isinstance(num_workers, list) or (num_workers == 0 and isinstance(threads, list))
     source = as_source(data, in_memory=in_memory)
     if len(source) == 0:
         raise ValueError("the dataset is empty")
@@ -321,7 +324,7 @@ def fast_loader(
         samples = _jpeg_samples(source)
         if samples:
             key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))))
-            decoder, decoder_table = choose_backend(samples, key=key)
+            decoder, decoder_table = choose_backend(samples, key=key, progress=progress)
         else:
             decoder = "simplejpeg"  # nothing to decode (raw pixels or decoded arrays): any name will do
         if hasattr(source, "close"):
@@ -353,22 +356,81 @@ def fast_loader(
         return FastLoader(augmented, sampler, dl, pf, decoder_table=decoder_table, threads=threads)
 
     settings = None
-    if num_workers == "auto":
-        from torchspeed.data.tune import tune_loader
-
+    if tuned:
         key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))), len(source),
                batch_size, crop, train, str(dev), channels_last, decoder, prefetch_factor, persistent_workers, pin,
-               threads, max_workers)
+               str(threads), str(num_workers))
         if key not in _TUNED:  # measured once per process for the same data and settings
-            _TUNED[key] = tune_loader(build, batch_size, seconds=tune_seconds, device=dev, max_workers=max_workers,
-                                      prefetch_factors=(prefetch_factor,) if prefetch_factor else (2, 4),
-                                      persistent=(persistent_workers,) if persistent_workers is not None else (True,),
-                                      threads=threads)
+            settings = measure_settings(build, num_workers=num_workers, seconds=tune_seconds, device=dev,
+                                        prefetch_factors=(prefetch_factor,) if prefetch_factor else (2, 4),
+                                        persistent=(persistent_workers,) if persistent_workers is not None else (True,),
+                                        pin_memory=(pin,), threads=threads, progress=progress)
+            log.info("fast_loader: %s (%.0f img/s), tuned in %.1f s on %d images (%d settings timed)",
+                     settings.describe(), settings.throughput, settings.tuning_s, len(source), len(settings.table))
+            _TUNED[key] = settings
         settings = _TUNED[key]
         loader = build(settings.num_workers, settings.prefetch_factor, settings.persistent_workers, pin,
                        settings.threads)
     else:
         loader = build(num_workers, prefetch_factor or 2, True if persistent_workers is None else persistent_workers, pin,
-                       1 if threads == "auto" else threads)
+                       threads if isinstance(threads, int) else 1)
     loader.settings = settings
     return loader
+
+
+def tune_loader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    num_workers: str | int | Sequence[int] = "auto",
+    threads: str | int | Sequence[int] | None = None,
+    seconds: float = 1.0,
+    device: str | torch.device = "auto",
+    prefetch_factors: Sequence[int] = (2, 4),
+    persistent: Sequence[bool] = (True, False),
+    pin_memory: str | bool = "auto",
+    collate_fn: Callable | None = None,
+    crop: int = 224,
+    train: bool = True,
+    progress: bool | Callable[[str], None] = False,
+    patience: int = 2,
+) -> LoaderSettings:
+    """Measure loader throughput over settings; return the fastest with the whole table (`LoaderSettings`).
+
+    `dataset`: a map-style Dataset (timed as a plain shuffled DataLoader), an ImageFolder or store
+    path (timed as the torchspeed pipeline, `fast_loader` with `crop` and `train`), or a factory
+    `build(num_workers, prefetch_factor, persistent_workers, pin_memory[, threads]) -> iterable of batches`.
+    `num_workers`: the counts tried, "auto" (0..cores+1) or a list of candidates (or a comma string
+    "0,1,2"), walked upward until throughput falls (`patience` successive counts slower than the best
+    so far: one noisy measurement does not end the search); prefetch_factor and persistent_workers
+    are then tried at the best worker count, and pin_memory only with CUDA. Each configuration runs
+    two passes of `seconds` after a warm-up. `threads` (torchspeed pipelines, whose factory takes
+    `threads=`; "auto" for a path): with "auto" (1..cores+1) or a list, num_workers=0 is tried with
+    those threads making batches in this process before the worker processes, and the best of each
+    then run again, interleaved, three passes each (rows marked `final`); an integer fixes the
+    threads used at num_workers=0. The result is logged at INFO on "torchspeed.data.loader";
+    `progress` (True: stderr, or a callable taking a message) reports each configuration timed.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds!r}")
+    dev = resolve_device(device)
+    num_workers = as_counts(num_workers, "num_workers", 0)
+    if isinstance(dataset, (str, os.PathLike)):
+        threads = "auto" if threads is None else threads  # the torchspeed pipeline: its threads are searched too
+
+        def build(w: int, pf: int | None, persist: bool, pin: bool, threads: int = 1) -> Any:
+            return fast_loader(dataset, batch_size, train=train, crop=crop, device=dev, num_workers=w,
+                               prefetch_factor=pf, persistent_workers=persist, pin_memory=pin, threads=threads)
+    elif callable(dataset) and not hasattr(dataset, "__getitem__"):
+        build = dataset
+    else:
+        build = dataloader_factory(dataset, batch_size, collate_fn)
+    pins = [False, True] if (pin_memory == "auto" and dev.type == "cuda") else [bool(pin_memory) and pin_memory != "auto"]
+    settings = measure_settings(build, num_workers=num_workers, threads=threads, seconds=seconds, device=dev,
+                                prefetch_factors=prefetch_factors, persistent=persistent, pin_memory=pins,
+                                progress=progress, patience=patience)
+    log.info("tune_loader: %s (%.0f items/s), %d settings timed in %.1f s", settings.describe(), settings.throughput,
+             len(settings.table), settings.tuning_s)
+    return settings

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -153,9 +153,9 @@ def pack(
     format: str = "jpeg",
     quality: int = 90,
     on_error: str = "fail",
-    workers: int | None = None,
+    num_workers: int | None = None,
     overwrite: bool = False,
-    progress: bool = True,
+    progress: bool | Callable[[str], None] = True,
     classes: list[str] | None = None,
 ) -> PackReport:
     """Pack an ImageFolder directory or a map-style Dataset into the store at `dst`.
@@ -165,7 +165,8 @@ def pack(
     decoded pixels (no decoding at train time, about 10x the bytes); `format="jpeg"` re-encodes at
     `quality` (4:2:0). `on_error="skip"` leaves out samples that fail to load and lists them in the
     report; `"fail"` stops at the first, naming it. `classes` names the labels of a Dataset source
-    (default: its `.classes`, else "0", "1", ...).
+    (default: its `.classes`, else "0", "1", ...). `num_workers` encoding processes (default: cores, at
+    most 8). `progress`: True shows a progress bar, a callable is given a message after each chunk.
     """
     t0 = time.perf_counter()
     if format not in ENCODING_CODES:
@@ -197,9 +198,11 @@ def pack(
         tasks_items = [(i, None, -1) for i in range(n)]
         names = [f"sample {i}" for i in range(n)]
         _DATASET = src
-    workers = max(1, workers if workers is not None else min(os.cpu_count() or 1, 8))
+    if num_workers is not None and not (isinstance(num_workers, int) and num_workers >= 0):
+        raise ValueError(f"num_workers must be None or a non-negative integer, got {num_workers!r}")
+    num_workers = max(1, num_workers if num_workers is not None else min(os.cpu_count() or 1, 8))
     if src_path is None and "fork" not in mp.get_all_start_methods():
-        workers = 1  # without fork a Dataset would have to be pickled to the workers
+        num_workers = 1  # without fork a Dataset would have to be pickled to the workers
     chunks = [tasks_items[s:s + CHUNK] for s in range(0, len(tasks_items), CHUNK)]
     tasks = [(c, format, short_side, quality) for c in chunks]
 
@@ -215,7 +218,7 @@ def pack(
         labels: list[int] = []
         crcs: list[int] = []
         label_max = -1
-        for results in _run(tasks, workers, progress, len(tasks_items)):
+        for results in _run(tasks, num_workers, progress, len(tasks_items)):
             batch = []
             for i, record, error in results:
                 if record is None:
@@ -284,13 +287,14 @@ def pack(
     return report
 
 
-def _run(tasks: list[Any], workers: int, progress: bool, total: int) -> Iterator[list[Any]]:
-    """Yield each chunk's results in order, from a fork pool (or in-process), with a progress bar."""
+def _run(tasks: list[Any], num_workers: int, progress: bool | Callable[[str], None], total: int) -> Iterator[list[Any]]:
+    """Yield each chunk's results in order, from a fork pool (or in-process), with a progress bar or messages."""
     pool = None
-    if workers > 1 and len(tasks) > 1:  # fork before any progress-bar thread exists
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"))
+    if num_workers > 1 and len(tasks) > 1:  # fork before any progress-bar thread exists
+        pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"))
     bar = None
-    if progress:
+    done = 0
+    if progress is True:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
         bar = Progress("packing", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True)
@@ -299,8 +303,11 @@ def _run(tasks: list[Any], workers: int, progress: bool, total: int) -> Iterator
     try:
         results: Iterator[Any] = pool.map(_work, tasks) if pool is not None else map(_work, tasks)
         for r in results:
+            done += len(r)
             if bar is not None:
                 bar.advance(job, len(r))
+            elif callable(progress):
+                progress(f"packed {done}/{total} samples")
             yield r
     finally:
         if pool is not None:

@@ -1,14 +1,19 @@
-"""tune_loader(): time the loader itself over num_workers, prefetch_factor, persistent_workers, pin_memory.
+"""Measuring loader settings: a loader factory timed over num_workers, threads, prefetch_factor,
+persistent_workers and pin_memory (what `tune_loader` and `fast_loader(num_workers="auto")` run).
 
 Why (article 004): the best setting is found by timing the loader alone on this machine, and it is
 not the largest: past the core count, workers only compete with each other and with the model. So
-the search walks num_workers upward from 0 and stops as soon as throughput falls.
+the search walks the candidate counts upward and stops as soon as throughput falls.
+
+This module measures whatever factory it is given and knows nothing of `fast_loader` (which calls
+it): the factory is `build(num_workers, prefetch_factor, persistent_workers, pin_memory[, threads])
+-> iterable of batches`.
 """
 from __future__ import annotations
 
-import os
+import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,23 +21,78 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from torchspeed.args import as_list
+from torchspeed.data._progress import say
 from torchspeed.measure import time_iterable
-from torchspeed.runtime import resolve_device, usable_cores
+from torchspeed.runtime import usable_cores
 
-__all__ = ["tune_loader", "LoaderSettings"]
+__all__ = ["LoaderSettings", "LoaderTrial", "measure_settings", "dataloader_factory", "as_counts"]
+
+
+def as_counts(value: Any, name: str, minimum: int) -> str | int | list[int]:
+    """num_workers / threads as given: "auto", one count, or the candidate counts to measure (a list or
+    a comma string such as "0,1,2"; sorted, duplicates dropped)."""
+    if isinstance(value, str) and value.strip() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be 'auto', a count or a list of counts, got {value!r}")
+    if isinstance(value, int):
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return value
+    try:
+        items = as_list(value, name=name) if isinstance(value, (str, Iterable)) else None
+        counts = sorted({int(v) for v in items}) if items is not None else None
+    except ValueError:
+        counts = None
+    if counts is None or any(c < minimum for c in counts):
+        raise ValueError(f"{name} must be 'auto', a count >= {minimum} or a list of them (e.g. [0, 1, 2] or "
+                         f"'0,1,2'), got {value!r}")
+    return counts
+
+
+def _candidates(value: str | int | list[int], auto: Iterable[int]) -> list[int]:
+    return list(auto) if value == "auto" else [value] if isinstance(value, int) else list(value)
+
+
+@dataclass
+class LoaderTrial:
+    """One loader configuration timed (a row of `LoaderSettings.table`)."""
+
+    num_workers: int
+    threads: int  # batch-making threads of the main process (1 unless num_workers is 0)
+    prefetch_factor: int | None
+    persistent_workers: bool
+    pin_memory: bool
+    items_per_s: float
+    final: bool = False  # a row of the interleaved final round between the walks' winners
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
 class LoaderSettings:
-    """The fastest DataLoader settings measured, with every configuration tried (`table`)."""
+    """The fastest loader settings measured, with every configuration tried (`table`)."""
 
     num_workers: int
     prefetch_factor: int | None
     persistent_workers: bool
     pin_memory: bool
     throughput: float  # items/s of the chosen settings
-    table: list[dict[str, Any]] = field(default_factory=list)
+    table: list[LoaderTrial] = field(default_factory=list)
     threads: int = 1  # fast_loader's batch-making threads when num_workers is 0
+    tuning_s: float = 0.0  # how long the measurement took
+
+    @property
+    def best(self) -> LoaderTrial | None:
+        """The row that measured the chosen settings."""
+        rows = [r for r in self.table if (r.num_workers, r.threads, r.prefetch_factor, r.persistent_workers,
+                                          r.pin_memory) == (self.num_workers, self.threads, self.prefetch_factor,
+                                                            self.persistent_workers, self.pin_memory)]
+        return max(rows, key=lambda r: (r.items_per_s == self.throughput, r.final, r.items_per_s), default=None)
 
     def dataloader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `torch.utils.data.DataLoader`."""
@@ -41,8 +101,16 @@ class LoaderSettings:
             kw.update(prefetch_factor=self.prefetch_factor, persistent_workers=self.persistent_workers)
         return kw
 
+    def describe(self) -> str:
+        """The chosen settings as fast_loader/DataLoader arguments: 'num_workers=0, threads=2, pin_memory=False'."""
+        kw = self.dataloader_kwargs()
+        best = {"num_workers": kw.pop("num_workers"), **({"threads": self.threads} if self.num_workers == 0 else {}), **kw}
+        return ", ".join(f"{k}={v}" for k, v in best.items())
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["table"] = [r.to_dict() for r in self.table]
+        return d
 
 
 @contextmanager
@@ -62,74 +130,66 @@ def _shutdown(loader: Any) -> None:
         dl._iterator = None
 
 
-def tune_loader(
-    dataset: Any,
-    batch_size: int,
+def dataloader_factory(dataset: Any, batch_size: int, collate_fn: Callable | None = None) -> Callable[..., DataLoader]:
+    """A factory of plain shuffled DataLoaders over a map-style `dataset`, for `measure_settings`."""
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ValueError(f"dataset must be a map-style Dataset, a data path or a loader factory, got {type(dataset).__name__}")
+
+    def build_plain(w: int, pf: int | None, persist: bool, pin: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=w,
+                          collate_fn=collate_fn, pin_memory=pin, prefetch_factor=pf, persistent_workers=persist)
+
+    return build_plain
+
+
+def measure_settings(
+    build: Callable[..., Any],
     *,
-    max_workers: int | None = None,
+    num_workers: str | int | Sequence[int] = "auto",
+    threads: str | int | Sequence[int] | None = None,
     seconds: float = 1.0,
-    device: str | torch.device = "auto",
+    device: torch.device,
     prefetch_factors: Sequence[int] = (2, 4),
     persistent: Sequence[bool] = (True, False),
-    pin_memory: str | bool = "auto",
-    collate_fn: Callable | None = None,
-    crop: int = 224,
-    train: bool = True,
-    progress: Callable[[str], None] | None = None,
+    pin_memory: Sequence[bool] = (False,),
+    progress: bool | Callable[[str], None] = False,
     patience: int = 2,
-    threads: int | str | None = None,
 ) -> LoaderSettings:
-    """Measure loader throughput over settings; return the fastest with the whole table.
+    """Time the loaders `build` makes over settings; return the fastest with the whole table.
 
-    `dataset`: a map-style Dataset (timed as a plain shuffled DataLoader), an ImageFolder or store
-    path (timed as the torchspeed pipeline, `fast_loader` with `crop` and `train`), or a factory
-    `build(num_workers, prefetch_factor, persistent_workers, pin_memory) -> iterable of batches`.
-    num_workers goes from 0 up to `max_workers` (default: cores + 1) and stops when throughput
-    falls (`patience` successive counts slower than the best so far: one noisy measurement does
-    not end the search); prefetch_factor and persistent_workers are then tried at the best worker count, and
-    pin_memory only with CUDA. Each configuration runs two passes of `seconds` after a warm-up.
-    `threads` (torchspeed pipelines, whose factory takes `threads=`): with "auto", num_workers=0 is
-    tried with 1, 2, ... threads making batches in this process (same stopping rule) before the
-    worker processes, and the best of each then run again, interleaved, three passes each (rows
-    marked `final`); an integer fixes the threads used at num_workers=0.
+    `num_workers`: the counts tried ("auto": 0..cores+1, or a list of candidates), walked upward until
+    `patience` successive counts are slower than the best so far. `threads` (factories taking
+    `threads=`): with "auto" (1..cores+1) or a list, num_workers=0 is walked over those threads counts
+    and the worker processes over the positive num_workers candidates, then the two winners run
+    again, interleaved, three passes each (rows marked `final`); an integer fixes the threads used
+    at num_workers=0; None: the factory takes no threads. prefetch_factor and persistent_workers are
+    then tried at the best worker count, and the `pin_memory` options last. Each configuration runs
+    two passes of `seconds` after a warm-up.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if seconds <= 0:
-        raise ValueError(f"seconds must be positive, got {seconds!r}")
-    dev = resolve_device(device)
-    build = _factory(dataset, batch_size, dev, collate_fn, crop, train)
-    max_workers = usable_cores() + 1 if max_workers is None else max_workers
-    if max_workers < 0:
-        raise ValueError(f"max_workers must be >= 0, got {max_workers}")
-    pins = [False, True] if (pin_memory == "auto" and dev.type == "cuda") else [bool(pin_memory) and pin_memory != "auto"]
-    table: list[dict[str, Any]] = []
-
-    if isinstance(dataset, (str, os.PathLike)) and threads is None:
-        threads = "auto"  # the torchspeed pipeline: its threads are part of the search
-    if not (threads is None or threads == "auto" or (isinstance(threads, int) and threads >= 1)):
-        raise ValueError(f"threads must be None, 'auto' or a positive integer, got {threads!r}")
+    t_start = time.perf_counter()
+    say_ = say(progress)
+    cores = usable_cores()
+    worker_counts = _candidates(as_counts(num_workers, "num_workers", 0), range(0, cores + 2))
+    thread_spec = None if threads is None else as_counts(threads, "threads", 1)
+    pins = list(pin_memory) or [False]
+    table: list[LoaderTrial] = []
 
     def make(w: int, pf: int | None, persist: bool, pin: bool, t: int) -> Any:
         with _more_workers_than_cores_on_purpose():  # DataLoader warns when it is built and when iterated
-            return build(w, pf if w else None, persist and w > 0, pin, *(() if threads is None else (t if w == 0 else 1,)))
+            return build(w, pf if w else None, persist and w > 0, pin, *(() if thread_spec is None else (t if w == 0 else 1,)))
 
     def run(loader: Any, w: int, passes: int) -> Any:
         with _more_workers_than_cores_on_purpose():
             return time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=passes,
-                                 min_pass_s=seconds, device=dev)
+                                 min_pass_s=seconds, device=device)
 
-    def record(w: int, pf: int | None, persist: bool, pin: bool, t: int, rate: float, **extra: Any) -> None:
-        row = {"num_workers": w, "prefetch_factor": pf if w else None, "persistent_workers": persist and w > 0,
-               "pin_memory": pin, "items_per_s": rate, **extra}
-        if threads is not None:
-            row["threads"] = t if w == 0 else 1
-        table.append(row)
+    def record(w: int, pf: int | None, persist: bool, pin: bool, t: int, rate: float, final: bool = False) -> None:
+        table.append(LoaderTrial(num_workers=w, threads=t if w == 0 else 1, prefetch_factor=pf if w else None,
+                                 persistent_workers=persist and w > 0, pin_memory=pin, items_per_s=rate, final=final))
 
     def measure(w: int, pf: int | None, persist: bool, pin: bool, t: int = 1) -> float:
-        if progress:
-            progress(f"timing num_workers={w}, threads={t if w == 0 else 1}, prefetch_factor={pf}, "
-                     f"persistent={persist}, pin={pin}")
+        say_(f"timing num_workers={w}, threads={t if w == 0 else 1}, prefetch_factor={pf}, "
+             f"persistent={persist}, pin={pin}")
         loader = make(w, pf, persist, pin, t)
         try:
             timing = run(loader, w, passes=2)
@@ -144,8 +204,7 @@ def tune_loader(
 
         Scored by items over seconds of all their passes (what an epoch gets), so a setting that is
         fast in most passes but stalls in some loses against a steady one."""
-        if progress:
-            progress(f"final: {', '.join(f'num_workers={w}, threads={t}' for w, t in candidates)}, interleaved")
+        say_(f"final: {', '.join(f'num_workers={w}, threads={t}' for w, t in candidates)}, interleaved")
         loaders = {c: make(c[0], pf0, persist0, pin0, c[1]) for c in candidates}
         items = {c: 0.0 for c in candidates}
         spent = {c: 0.0 for c in candidates}
@@ -179,12 +238,19 @@ def tune_loader(
         return best
 
     pf0, persist0, pin0 = prefetch_factors[0] if prefetch_factors else 2, persistent[0] if persistent else True, pins[0]
-    if threads == "auto":  # threads in this process first, then worker processes; keep the faster
-        in_process = walk(range(1, max(1, max_workers) + 1), lambda c: (0, c))
-        in_workers = walk(range(1, max_workers + 1), lambda c: (c, 1))
-        rate, w, t = final([(0, in_process[2]), (in_workers[1], 1)]) if in_workers[0] > 0 else in_process
-    else:
-        rate, w, t = walk(range(0, max_workers + 1), lambda c: (c, threads or 1))
+    if thread_spec is None or isinstance(thread_spec, int):
+        rate, w, t = walk(worker_counts, lambda c: (c, thread_spec or 1))
+    else:  # threads in this process first, then worker processes; keep the faster
+        thread_counts = _candidates(thread_spec, range(1, cores + 2))
+        processes = [c for c in worker_counts if c > 0]
+        in_process = walk(thread_counts, lambda c: (0, c)) if 0 in worker_counts else None
+        in_workers = walk(processes, lambda c: (c, 1)) if processes else None
+        if in_process is None or in_workers is None:
+            rate, w, t = in_process or in_workers  # type: ignore[misc]
+        elif in_workers[0] > 0:
+            rate, w, t = final([(0, in_process[2]), (in_workers[1], 1)])
+        else:
+            rate, w, t = in_process
     best = (rate, w, pf0, persist0, pin0)
     if w > 0:
         for option in prefetch_factors[1:]:
@@ -201,26 +267,5 @@ def tune_loader(
             best = (r, best[1], best[2], best[3], option)
     rate, w, pf, persist, pin = best
     return LoaderSettings(num_workers=w, prefetch_factor=pf if w else None, persistent_workers=persist and w > 0,
-                          pin_memory=pin, throughput=rate, table=table, threads=t if w == 0 else 1)
-
-
-def _factory(dataset: Any, batch_size: int, dev: torch.device, collate_fn: Callable | None, crop: int,
-             train: bool) -> Callable[[int, int | None, bool, bool], Any]:
-    if callable(dataset) and not hasattr(dataset, "__getitem__"):
-        return dataset
-    if isinstance(dataset, (str, os.PathLike)):
-        from torchspeed.data.loader import fast_loader
-
-        def build_fast(w: int, pf: int | None, persist: bool, pin: bool, threads: int = 1) -> Any:
-            return fast_loader(dataset, batch_size, train=train, crop=crop, device=dev, num_workers=w,
-                               prefetch_factor=pf, persistent_workers=persist, pin_memory=pin, threads=threads)
-
-        return build_fast
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise ValueError(f"dataset must be a map-style Dataset, a data path or a loader factory, got {type(dataset).__name__}")
-
-    def build_plain(w: int, pf: int | None, persist: bool, pin: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=w,
-                          collate_fn=collate_fn, pin_memory=pin, prefetch_factor=pf, persistent_workers=persist)
-
-    return build_plain
+                          pin_memory=pin, throughput=rate, table=table, threads=t if w == 0 else 1,
+                          tuning_s=time.perf_counter() - t_start)
