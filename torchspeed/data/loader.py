@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, sample_rng
-from torchspeed.data.decode import choose_backend, get_decoder, jpeg_size
+from torchspeed.data.decode import choose_backend, get_decoder
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.sources import as_source
 from torchspeed.data.threads import ThreadedBatches

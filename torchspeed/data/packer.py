@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from torchspeed.atomic import fsync_dir
-from torchspeed.images import IMAGE_EXTENSIONS, scan_folder
+from torchspeed.images import scan_folder
 from torchspeed.data.store import (ENCODING_CODES, FORMAT_VERSION, HEADER, MAGIC, MANIFEST, STORE_KIND, key_of,
                                    lmdb_module)
 
