@@ -12,7 +12,7 @@ def photo_folder(tmp_path_factory):
     """24 photo-like JPEGs, 3 classes, 96x72: an ImageFolder (ROOT/CLASS/IMAGE.jpg). Read only."""
     from torchspeed.data import make_photo_folder
 
-    return make_photo_folder(tmp_path_factory.mktemp("photos"), 24, n_classes=3, seed=0, size=(96, 72), workers=1)
+    return make_photo_folder(tmp_path_factory.mktemp("photos"), 24, n_classes=3, seed=0, size=(96, 72), num_workers=1)
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def small_photo_folder(tmp_path_factory):
     """8 photo-like JPEGs, 2 classes, 48x36: for tests that only need a few images. Read only."""
     from torchspeed.data import make_photo_folder
 
-    return make_photo_folder(tmp_path_factory.mktemp("small_photos"), 8, n_classes=2, seed=0, size=(48, 36), workers=1)
+    return make_photo_folder(tmp_path_factory.mktemp("small_photos"), 8, n_classes=2, seed=0, size=(48, 36), num_workers=1)
 
 
 @pytest.fixture(scope="session")
