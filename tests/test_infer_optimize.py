@@ -1,4 +1,7 @@
-"""optimize(): INT8 accuracy on a trained task, the guard, failures reported, artifacts, clear errors."""
+"""optimize(): INT8 accuracy on a trained task, the guard, failures reported, artifacts, clear errors,
+the variant registry, logging, thread count, artifact safety, the command line."""
+import json
+import logging
 import os
 
 import pytest
@@ -83,16 +86,16 @@ def test_guard_rejects_broken_variant(result):
 
 
 def test_table_has_latency_and_exact_variants_verified(result):
-    for name in ("eager fp32", "fused fp32", "onnxruntime fp32", "openvino f32"):
+    for name in ("eager fp32", "fused fp32", "onnxruntime fp32", "openvino fp32"):
         c = result[name]
         assert c.status == "ok" and c.max_rel_error <= 1e-3
         assert c.p50_ms(1) > 0 and c.p50_ms(4) > 0
-    assert result.best is result.fastest(1)
+    assert result.best is result.fastest_at(1)
     d = result.to_dict()
     assert d["best"] == result.best.name and len(d["candidates"]) == len(result.table)
 
 
-@pytest.mark.parametrize("name", ["onnxruntime int8", "openvino int8", "openvino f32"])
+@pytest.mark.parametrize("name", ["onnxruntime int8", "openvino int8", "openvino fp32"])
 def test_saved_artifact_reproduces_outputs(result, tmp_path, name):
     c = result[name]
     c.save(tmp_path / "a")
@@ -138,7 +141,7 @@ class CustomOpNet(nn.Module):
 def test_unsupported_operator_marks_candidates_failed_not_raised():
     r = optimize(CustomOpNet().eval(), torch.randn(1, 3, 8, 8), backends=["torch", "onnxruntime", "openvino"],
                  precisions=["fp32"], batch_sizes=(1,), repeats=1, exporter="torchscript")
-    for name in ("onnxruntime fp32", "openvino f32"):
+    for name in ("onnxruntime fp32", "openvino fp32"):
         assert r[name].status == "failed" and "scramble" in r[name].reason, r[name].reason
     assert r["eager fp32"].status == "ok" and r.best is not None and r.best.backend == "torch"
 
@@ -184,8 +187,6 @@ def test_cli_optimize_end_to_end(tmp_path, capsys):
     code = main(["optimize", "resnet18", "--num-classes", "4", "--input-shape", "1,3,32,32", "--backends", "torch",
                  "--precisions", "fp32", "--batch-sizes", "1,2", "--out", str(out), "--json", str(js)])
     assert code == 0, capsys.readouterr()
-    import json
-
     assert json.loads(js.read_text())["best"] in ("eager fp32", "fused fp32")
     runner = ts.infer.load(out)
     assert runner(torch.randn(3, 3, 32, 32)).shape == (3, 4)
@@ -213,3 +214,171 @@ def test_calibration_methods_selectable(trained, tmp_path, method):
     assert eval_fn(model) - eval_fn(run) <= 0.03
     with pytest.raises(ValueError, match="calibration method must be one of"):
         quantize_onnx_static(str(tmp_path / "m.onnx"), str(tmp_path / "r.onnx"), calib, method="mse")
+
+
+def test_result_vocabulary(result):
+    """`.table` is a list of VariantResult rows; `.best` a property; labels spell fp32/bf16/fp16/int8."""
+    assert all(isinstance(r, ts.infer.VariantResult) for r in result.table)
+    assert isinstance(type(result).best, property)
+    assert not any("f32" in r.name.replace("fp32", "") for r in result.table)
+    assert {r.precision for r in result.table} <= {"fp32", "bf16", "fp16", "int8", "int8-dynamic", "custom"}
+    assert result["onnxruntime int8"].label and result["openvino int8"].label
+
+
+def test_backends_and_precisions_take_a_comma_string(trained):
+    model = trained[0]
+    r = optimize(model, torch.randn(1, 3, 16, 16), backends="torch, onnxruntime", precisions="fp32",
+                 batch_sizes=(1,), exporter="torchscript", measure=False)
+    assert r["onnxruntime fp32"].status == "ok"
+    assert r["openvino fp32"].status == "skipped" and r["openvino fp32"].reason == "backend not requested"
+    assert r["bf16 + channels_last"].reason == "precision not requested"
+    with pytest.raises(ValueError, match="unknown backend 'tensorflow'"):
+        optimize(model, torch.randn(1, 3, 16, 16), backends="torch,tensorflow")
+
+
+def test_a_variant_that_does_not_apply_is_skipped_with_its_reason(trained, monkeypatch):
+    from torchspeed.infer import search
+
+    seen = []
+
+    def applicable(machine, model):
+        seen.append((machine, model))
+        return "needs a quantum accelerator"
+
+    extra = search.Variant("quantum fp32", "torch", "fp32", "a variant for no machine",
+                           build=lambda ctx: pytest.fail("a skipped variant must not be built"),
+                           applicable=applicable)
+    monkeypatch.setattr(search, "VARIANTS", (*search.VARIANTS, extra))
+    r = optimize(trained[0], torch.randn(1, 3, 16, 16), backends="torch", precisions="fp32", batch_sizes=(1,),
+                 measure=False)
+    row = r["quantum fp32"]
+    assert row.status == "skipped" and row.reason == "needs a quantum accelerator"
+    assert isinstance(seen[0][0], search.Machine) and isinstance(seen[0][1], search.ModelFacts)
+    assert seen[0][1].calibrated is False
+
+
+def test_thread_count_restored_even_when_a_variant_raises(trained):
+    model, calib, eval_fn = trained
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def explode(m):
+            raise RuntimeError("this variant cannot be built")
+
+        r = optimize(model, torch.randn(1, 3, 16, 16), backends="torch", precisions="fp32", batch_sizes=(1,),
+                     repeats=1, min_time_s=0.0, threads=2, extra_candidates={"explodes": explode})
+        assert r["explodes"].status == "failed" and "cannot be built" in r["explodes"].reason
+        assert r.threads == 2 and torch.get_num_threads() == 1
+
+        def broken_eval(run):
+            raise RuntimeError("the evaluation itself is broken")
+
+        with pytest.raises(RuntimeError, match="evaluation itself"):
+            optimize(model, torch.randn(1, 3, 16, 16), eval_fn=broken_eval, backends="torch", precisions="fp32",
+                     batch_sizes=(1,), threads=2)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_info_line_per_variant_and_one_for_the_choice(trained, caplog):
+    model, calib, eval_fn = trained
+    with caplog.at_level(logging.INFO, logger="torchspeed"):
+        r = optimize(model, torch.randn(1, 3, 16, 16), eval_fn=eval_fn, backends="torch", precisions="fp32,bf16",
+                     batch_sizes=(1, 2), repeats=1, min_time_s=0.0)
+    lines = [rec.getMessage() for rec in caplog.records
+             if rec.name == "torchspeed.infer.search" and rec.levelno == logging.INFO]
+    built = [row for row in r.table if row.status != "skipped"]
+    for row in built:
+        mine = [ln for ln in lines if ln.startswith(f"optimize: {row.name}: ")]
+        assert len(mine) == 1, (row.name, lines)
+        if row.latency_ms:
+            assert "at batch 1" in mine[0] and "at batch 2" in mine[0]
+        assert ("passed" in mine[0]) == row.passed
+        if row.metric_drop is not None:
+            assert "metric drop" in mine[0]
+    chose = [ln for ln in lines if ln.startswith("optimize: chose ")]
+    assert len(chose) == 1 and r.best.name in chose[0]
+    assert len(lines) == len(built) + 1
+
+
+def test_quantization_leaves_root_and_nncf_loggers_alone(trained, tmp_path):
+    import nncf  # noqa: F401 - nncf sets up its own logger on import; compare after that
+
+    from torchspeed.infer.quantize import quantize_onnx_static, quantize_openvino
+
+    model, calib, _ = trained
+    root, nncf_logger = logging.getLogger(), logging.getLogger("nncf")
+    before = (root.level, list(root.handlers), list(root.filters), nncf_logger.level)
+    ts.infer.export_onnx(model, torch.randn(1, 3, 16, 16), tmp_path / "m.onnx", exporter="torchscript")
+    quantize_onnx_static(str(tmp_path / "m.onnx"), str(tmp_path / "q.onnx"), calib)
+    quantize_openvino(str(tmp_path / "m.onnx"), calib)
+    assert (root.level, list(root.handlers), list(root.filters), nncf_logger.level) == before
+
+
+def test_quiet_quantizer_logs_drops_only_onnxruntime_notices(caplog):
+    from torchspeed.infer.quantize import quiet_quantizer_logs
+
+    ours = logging.getLogger("torchspeed.test")
+    with caplog.at_level(logging.INFO):
+        with quiet_quantizer_logs():
+            ort_record = logging.LogRecord("root", logging.WARNING, os.path.join("x", "onnxruntime", "q.py"), 1,
+                                           "per-channel notice", None, None)
+            logging.getLogger().handle(ort_record)
+            ours.warning("our own warning")
+            assert logging.getLogger("nncf").level == logging.ERROR
+    messages = [r.getMessage() for r in caplog.records]
+    assert "our own warning" in messages and "per-channel notice" not in messages
+
+
+NETDEF = '''
+from torch import nn
+
+
+def make(width=8, num_classes=3):
+    return nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
+'''
+
+
+@pytest.fixture()
+def netdef(tmp_path):
+    path = tmp_path / "netdef.py"
+    path.write_text(NETDEF)
+    return f"{path}:make"
+
+
+def test_torch_artifact_from_user_code_needs_the_callers_model(netdef, tmp_path):
+    from torchspeed.infer.runtimes import TorchRunner
+
+    model = ts.models.create(netdef, width=8)
+    r = TorchRunner(model, {"fuse": True})
+    r.save(tmp_path / "a")
+    with pytest.raises(ValueError, match=r"built from your own code.*model=my_model.*trust_code=True"):
+        ts.infer.load(tmp_path / "a")
+    x = torch.randn(2, 3, 16, 16)
+    fresh = ts.models.create(netdef, width=8)
+    back = ts.infer.load(tmp_path / "a", model=fresh)
+    assert torch.allclose(back(x), r(x), rtol=1e-5, atol=1e-5)
+    trusted = ts.infer.load(tmp_path / "a", trust_code=True)
+    assert torch.allclose(trusted(x), r(x), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_user_model_with_weights_and_image_folders(netdef, photo_folder, tmp_path, capsys):
+    from torchspeed.cli import main
+
+    model = ts.models.create(netdef, width=6)
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    js = tmp_path / "r.json"
+    code = main(["optimize", netdef, "--model-kwargs", '{"width": 6}', "--weights", str(tmp_path / "w.pt"),
+                 "--input-shape", "1,3,32,32", "--calib", str(photo_folder), "--eval", str(photo_folder),
+                 "--max-calib-samples", "8", "--max-eval-samples", "12", "--backends", "torch,onnxruntime",
+                 "--precisions", "fp32,int8", "--batch-sizes", "1", "--max-metric-drop", "0.5", "--json", str(js)])
+    assert code == 0, capsys.readouterr()
+    d = json.loads(js.read_text())
+    rows = {c["name"]: c for c in d["candidates"]}
+    assert 0 <= d["baseline_metric"] <= 1
+    assert rows["onnxruntime int8"]["status"] in ("ok", "rejected") and rows["onnxruntime int8"]["metric"] is not None
+    with pytest.raises(SystemExit):
+        main(["optimize", "resnet18", "--max-metric-drop", "1.5"])
+    assert "expected a number in [0, 1)" in capsys.readouterr().err

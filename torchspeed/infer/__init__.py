@@ -22,7 +22,8 @@ _EXPORTS = {
     "OpenVINORunner": "runtimes",
     "optimize": "search",
     "OptimizeResult": "search",
-    "Candidate": "search",
+    "VariantResult": "search",
+    "Variant": "search",
     "load": "artifact",
 }
 __all__ = list(_EXPORTS)

@@ -3,19 +3,28 @@ from __future__ import annotations
 
 import os
 
-from torchspeed.infer.runtimes import RUNNERS, Runner, read_manifest
+from torch import nn
+
+from torchspeed.infer.runtimes import RUNNERS, Runner, TorchRunner, read_manifest
 
 __all__ = ["load"]
 
 
-def load(directory: str | os.PathLike) -> Runner:
+def load(directory: str | os.PathLike, *, model: nn.Module | None = None, trust_code: bool = False) -> Runner:
     """The artifact in `directory` as a callable `runner(batch) -> outputs` (any batch size it supports).
 
     The manifest says which runtime, precision and thread count to use; nothing is unpickled
-    (torch weights load with `weights_only=True`).
+    (torch weights load with `weights_only=True`). A torch artifact rebuilds its architecture with
+    `torchspeed.models.create`; one built from your own code (`package.module:factory` or
+    `file.py:factory`) is loaded only into `model=` (your freshly built instance) or with
+    `trust_code=True`, since rebuilding it would import the code its manifest names.
     """
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
-    runner = RUNNERS[manifest["backend"]].load(directory, manifest)
+    cls = RUNNERS[manifest["backend"]]
+    if issubclass(cls, TorchRunner):
+        runner: Runner = cls.load(directory, manifest, model=model, trust_code=trust_code)
+    else:
+        runner = cls.load(directory, manifest)
     runner.manifest_data = manifest  # type: ignore[attr-defined]
     return runner

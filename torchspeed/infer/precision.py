@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["PrecisionModel", "to_precision", "output_error", "DTYPES"]
+from torchspeed.runtime import PRECISIONS, precision_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["PrecisionModel", "to_precision", "output_error"]
 
 
 class PrecisionModel(nn.Module):
@@ -25,12 +25,12 @@ class PrecisionModel(nn.Module):
 
     def __init__(self, model: nn.Module, precision: str = "bf16", mode: str = "autocast", channels_last: bool = False):
         super().__init__()
-        if precision not in DTYPES:
-            raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if mode not in ("autocast", "weights"):
             raise ValueError(f"mode must be 'autocast' or 'weights', got {mode!r}")
         self.precision, self.mode, self.channels_last = precision, mode, channels_last
-        self.dtype = DTYPES[precision]
+        self.dtype = precision_dtype(precision)
         self.model = model.eval()
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 __all__ = ["calibration_arrays", "quantize_onnx_static", "quantize_onnx_dynamic", "quantize_openvino",
-           "CALIBRATION_METHODS"]
+           "quiet_quantizer_logs", "CALIBRATION_METHODS"]
 
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 
@@ -54,17 +54,47 @@ def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None
     return out
 
 
+log = logging.getLogger(__name__)
+
+
+class _DropThirdPartyNotices(logging.Filter):
+    """Drops records below ERROR that code under `package` logged straight on the root logger."""
+
+    def __init__(self, package: str):
+        super().__init__()
+        self.marker = os.sep + package + os.sep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or self.marker not in record.pathname
+
+
 @contextlib.contextmanager
-def _quiet_root_logger() -> Iterator[None]:
-    """ONNX Runtime's quantizer logs per-tensor warnings (e.g. per-channel axis on LayerNorm weights,
-    which it then quantizes per-tensor) on the root logger; keep them out of the user's console."""
+def quiet_quantizer_logs() -> Iterator[None]:
+    """Keep the quantizers' notices out of the user's console while they run, and change nothing for good.
+
+    ONNX Runtime's quantizer logs per-tensor notices (e.g. per-channel axis on LayerNorm weights,
+    which it then quantizes per-tensor) with `logging.warning(...)`, on the root logger: a filter on
+    the root logger drops those records below ERROR (nobody else's) for the duration, and the root
+    logger's level is left alone. `logging.warning` would also install a console handler on the root
+    logger for good (`basicConfig`) when it has none: a NullHandler stands in meanwhile. NNCF's own
+    logger is set to ERROR meanwhile. Every level, filter and handler is restored on exit.
+    """
     root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
+    nncf_logger = logging.getLogger("nncf")
+    nncf_level = nncf_logger.level
+    drop = _DropThirdPartyNotices("onnxruntime")
+    stand_in = logging.NullHandler() if not root.handlers else None
+    root.addFilter(drop)
+    if stand_in is not None:
+        root.addHandler(stand_in)
+    nncf_logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        root.setLevel(level)
+        nncf_logger.setLevel(nncf_level)
+        if stand_in is not None:
+            root.removeHandler(stand_in)
+        root.removeFilter(drop)
 
 
 def _ort_quant() -> Any:
@@ -107,7 +137,7 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
         extra = {"ActivationSymmetric": False, "WeightSymmetric": True}
         if method == "percentile":
             extra["CalibPercentile"] = 99.99
-        with _quiet_root_logger():
+        with quiet_quantizer_logs():
             q.quantize_static(pre, out_path, Reader(), quant_format=q.QuantFormat.QDQ, per_channel=per_channel,
                               activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8,
                               calibrate_method=methods[method], extra_options=extra)
@@ -122,7 +152,7 @@ def quantize_onnx_dynamic(onnx_path: str, out_path: str, per_channel: bool = Tru
         from onnxruntime.quantization.shape_inference import quant_pre_process
 
         quant_pre_process(onnx_path, pre, skip_symbolic_shape=False)
-        with _quiet_root_logger():
+        with quiet_quantizer_logs():
             q.quantize_dynamic(pre, out_path, weight_type=q.QuantType.QInt8, per_channel=per_channel,
                                op_types_to_quantize=["MatMul", "Gemm", "LSTM", "Attention"])
     return out_path
@@ -141,7 +171,7 @@ def quantize_openvino(model_path: str, calib_data: Iterable[Any] | None, method:
         raise ImportError("OpenVINO INT8 needs openvino and nncf: pip install 'torchspeed[infer]'") from None
     arrays = calibration_arrays(calib_data, max_samples)
     model = ov.Core().read_model(model_path)
-    logging.getLogger("nncf").setLevel(logging.ERROR)
-    # subset_size counts Dataset items, i.e. batches
-    return nncf.quantize(model, nncf.Dataset(arrays), subset_size=len(arrays), fast_bias_correction=True,
-                         preset=nncf.QuantizationPreset.PERFORMANCE)
+    with quiet_quantizer_logs():
+        # subset_size counts Dataset items, i.e. batches
+        return nncf.quantize(model, nncf.Dataset(arrays), subset_size=len(arrays), fast_bias_correction=True,
+                             preset=nncf.QuantizationPreset.PERFORMANCE)

@@ -161,13 +161,37 @@ class TorchRunner(Runner):
         return directory
 
     @classmethod
-    def load(cls, directory: str, manifest: dict[str, Any]) -> TorchRunner:
+    def load(cls, directory: str, manifest: dict[str, Any], model: nn.Module | None = None,
+             trust_code: bool = False) -> TorchRunner:
+        """Rebuild the architecture the manifest names (through `torchspeed.models.create`), load the
+        weights (`weights_only=True`) and re-apply the recipe.
+
+        A torchvision or timm architecture is rebuilt by name. The user's own architecture (a spec
+        whose source is 'module' or 'file') would import the Python code the manifest names, so it is
+        refused unless the caller passes `model=` (their own freshly built instance, which receives
+        the weights) or `trust_code=True`.
+        """
         from torchspeed.models import create
 
-        model = create(manifest["arch"])
+        arch = manifest.get("arch")
+        if not isinstance(arch, dict) or "source" not in arch or "name" not in arch:
+            raise ValueError(f"the torch artifact in {directory!r} names no architecture (manifest 'arch' is {arch!r})")
+        if model is None:
+            if arch["source"] in ("module", "file") and not trust_code:
+                raise ValueError(
+                    f"the torch artifact in {directory!r} was built from your own code ({arch['source']} "
+                    f"{arch['name']!r}); loading it would import that code, so it is not done on the manifest's "
+                    "word. Build the model yourself and pass it: ts.infer.load(dir, model=my_model) (on the "
+                    "command line: give the spec and --weights DIR/weights.pt), or pass trust_code=True if "
+                    "you trust this directory")
+            model = create(arch)
         state = torch.load(os.path.join(directory, manifest["file"]), weights_only=True, map_location="cpu")
-        model.load_state_dict(state)
-        return cls(model.eval(), manifest["recipe"], manifest.get("threads"), manifest["arch"])
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise ValueError(f"the weights in {directory!r} do not fit {type(model).__name__}: "
+                             f"{str(e).strip().splitlines()[0]}") from None
+        return cls(model.eval(), manifest["recipe"], manifest.get("threads"), arch)
 
 
 # ----------------------------------------------------------------------------------------- ONNX Runtime

@@ -1,21 +1,33 @@
-"""`optimize`: build every inference variant this machine can run, verify each, measure each, keep
-the fastest that passed.
+"""`optimize`: build every inference variant this machine can run, verify each, judge each, time each,
+keep the fastest that passed.
 
-Candidates: eager fp32 (the baseline), Conv+BN fused, bf16 + channels_last, torch.compile, ONNX
-Runtime fp32 / INT8 (static QDQ, or dynamic for Linear-heavy models), OpenVINO f32 / bf16 / INT8
-(NNCF), and ONNX Runtime's TensorRT provider where a GPU has it. The guard:
-- exact rewrites (fp32 everywhere) must match the eager outputs (max relative error <= `exact_tol`);
-- lossy ones (bf16, fp16, int8) are judged by `eval_fn` on held-out data against the fp32 model and
-  rejected when the metric drops by more than `max_metric_drop`; without `eval_fn`, by output
-  agreement (relative L2 error <= `max_output_error`).
-A candidate whose build fails (an operator a runtime does not support, a missing runtime) is
-recorded as failed with its message and the search goes on. Latency is measured with
-torchspeed.measure, interleaved, at every batch size, with the same explicit thread count for every runtime.
+The variants are a registry (`VARIANTS`): each `Variant` has a name, a label saying what it is, a
+`build(context) -> Runner` and an `applicable(machine, model)` that returns None or why it is skipped.
+Eager fp32 (the baseline), Conv+BN fused, bf16 / fp16 + channels_last, torch.compile, ONNX Runtime
+fp32 / INT8 (static QDQ, or dynamic for Linear-heavy models), OpenVINO fp32 / bf16 / INT8 (NNCF), and
+ONNX Runtime's TensorRT provider where a GPU has it.
+
+The search runs in separate steps:
+- export: the ONNX file every ONNX Runtime / OpenVINO variant starts from, made once on first need
+  (`OnnxExport`); a failed export fails those variants only;
+- verification (`verify`): each variant's outputs against eager fp32 on the same inputs. Exact
+  rewrites (fp32 everywhere) must match (max relative error <= `exact_tol`); lossy ones (bf16,
+  fp16, int8) without `eval_fn` must agree (relative L2 error <= `max_output_error`);
+- judging (`judge`): with `eval_fn`, lossy variants are scored on held-out data against the fp32
+  model and rejected when the metric drops by more than `max_metric_drop`;
+- timing (`time_variants`): torchspeed.measure, interleaved, at every batch size, with the same
+  explicit thread count for every runtime; torch's own thread count is restored afterwards.
+A variant whose build fails (an operator a runtime does not support, a missing runtime) is recorded
+as failed with its message and the search goes on. Every variant built logs one INFO line on
+`torchspeed.infer.search` (its p50 at each batch size, its metric drop, passed or why not), and the
+choice logs one more.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -25,24 +37,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchspeed import runtime
+from torchspeed.args import as_list
 from torchspeed.infer.precision import output_error
 from torchspeed.infer.runtimes import Runner, TorchRunner, available_backends
 from torchspeed.runtime import default_precision, usable_cores
 
-__all__ = ["optimize", "OptimizeResult", "Candidate", "BACKENDS", "PRECISIONS"]
+__all__ = ["optimize", "OptimizeResult", "VariantResult", "Variant", "VARIANTS", "Machine", "ModelFacts",
+           "BuildContext", "OnnxExport", "BACKENDS", "PRECISIONS"]
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "torch.compile", "onnxruntime", "openvino", "tensorrt")
-PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+PRECISIONS = (*runtime.PRECISIONS, "int8")
+BASELINE = "eager fp32"
+NO_CALIBRATION = "no calibration data (pass calib_data for INT8)"
 
 
+# ----------------------------------------------------------------------------------------- results
 @dataclass
-class Candidate:
-    """One variant: how it was built, whether it passed the guard, and what it measured."""
+class VariantResult:
+    """One row of the table: a variant, whether it passed its checks, and what it measured."""
 
     name: str
     backend: str
     precision: str
     exact: bool
+    label: str = ""
     status: str = "pending"        # ok | rejected | failed | skipped
     reason: str = ""
     max_rel_error: float | None = None
@@ -65,13 +86,13 @@ class Candidate:
 
     def __call__(self, x: Any) -> torch.Tensor:
         if self.runner is None:
-            raise ValueError(f"candidate {self.name!r} has no runnable model ({self.status}: {self.reason})")
+            raise ValueError(f"variant {self.name!r} has no runnable model ({self.status}: {self.reason})")
         return self.runner(x)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write a self-describing artifact (model file + manifest.json) that `ts.infer.load` runs."""
         if self.runner is None:
-            raise ValueError(f"candidate {self.name!r} cannot be saved: {self.status}: {self.reason}")
+            raise ValueError(f"variant {self.name!r} cannot be saved: {self.status}: {self.reason}")
         directory = os.fspath(directory)
         self.runner.save(directory)
         import json
@@ -88,19 +109,18 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "backend": self.backend, "precision": self.precision, "exact": self.exact,
-            "status": self.status, "reason": self.reason, "max_rel_error": self.max_rel_error,
-            "rel_l2_error": self.rel_l2_error, "metric": self.metric, "metric_drop": self.metric_drop,
-            "latency_ms": {str(b): v for b, v in self.latency_ms.items()}, "size_mb": self.size_mb,
-            "build_s": self.build_s, **({"extra": self.extra} if self.extra else {}),
+            "label": self.label, "status": self.status, "reason": self.reason,
+            "max_rel_error": self.max_rel_error, "rel_l2_error": self.rel_l2_error, "metric": self.metric,
+            "metric_drop": self.metric_drop, "latency_ms": {str(b): v for b, v in self.latency_ms.items()},
+            "size_mb": self.size_mb, "build_s": self.build_s, **({"extra": self.extra} if self.extra else {}),
         }
 
 
 @dataclass
 class OptimizeResult:
-    """The full table (rejected and failed candidates too) and `.best`, the chosen one."""
+    """The full table (rejected, failed and skipped variants too) and `.best`, the chosen row."""
 
-    table: list[Candidate]
-    best: Candidate | None
+    table: list[VariantResult]
     batch_sizes: tuple[int, ...]
     objective: str
     baseline_metric: float | None
@@ -108,37 +128,50 @@ class OptimizeResult:
     unavailable: dict[str, str]
     _workdir: Any = field(default=None, repr=False)  # keeps exported files alive while the result lives
 
-    def __getitem__(self, name: str) -> Candidate:
-        for c in self.table:
-            if c.name == name:
-                return c
-        raise KeyError(f"no candidate named {name!r}; have {[c.name for c in self.table]}")
+    @property
+    def best(self) -> VariantResult | None:
+        """The passed, timed row that wins the objective: lowest p50 at the first batch size
+        ('latency') or highest throughput at the largest ('throughput'); None if none passed."""
+        passed = [r for r in self.table if r.passed and r.latency_ms]
+        if self.objective == "latency":
+            return min(passed, key=lambda r: r.p50_ms(self.batch_sizes[0]), default=None)
+        big = max(self.batch_sizes)
+        return max(passed, key=lambda r: r.latency_ms[big]["throughput"] or 0.0, default=None)
 
-    def fastest(self, batch: int, passed_only: bool = True) -> Candidate | None:
-        pool = [c for c in self.table if (c.passed or not passed_only) and not math.isnan(c.p50_ms(batch))]
-        return min(pool, key=lambda c: c.p50_ms(batch), default=None)
+    def __getitem__(self, name: str) -> VariantResult:
+        for r in self.table:
+            if r.name == name:
+                return r
+        raise KeyError(f"no variant named {name!r}; have {[r.name for r in self.table]}")
+
+    def fastest_at(self, batch: int, passed_only: bool = True) -> VariantResult | None:
+        """The row with the lowest p50 at `batch` (among those that passed, unless `passed_only=False`)."""
+        pool = [r for r in self.table if (r.passed or not passed_only) and not math.isnan(r.p50_ms(batch))]
+        return min(pool, key=lambda r: r.p50_ms(batch), default=None)
 
     def to_dict(self) -> dict[str, Any]:
+        best = self.best
         return {
-            "best": self.best.name if self.best else None, "objective": self.objective,
+            "best": best.name if best else None, "objective": self.objective,
             "batch_sizes": list(self.batch_sizes), "baseline_metric": self.baseline_metric,
             "threads": self.threads, "unavailable": self.unavailable,
-            "candidates": [c.to_dict() for c in self.table],
+            "candidates": [r.to_dict() for r in self.table],
         }
 
     def rows(self) -> list[list[Any]]:
         base = self.table[0] if self.table else None
+        best = self.best
         out = []
-        for c in self.table:
-            if c.status == "skipped":
+        for r in self.table:
+            if r.status == "skipped":
                 continue
-            row: list[Any] = [c.name + (" *" if c is self.best else ""), c.status]
+            row: list[Any] = [r.name + (" *" if r is best else ""), r.status]
             for b in self.batch_sizes:
-                p = c.p50_ms(b)
+                p = r.p50_ms(b)
                 row += [None if math.isnan(p) else p,
                         None if (math.isnan(p) or base is None or math.isnan(base.p50_ms(b))) else base.p50_ms(b) / p]
-            row += [c.metric_drop if c.metric_drop is not None else c.rel_l2_error, c.size_mb,
-                    c.reason[:70] if c.reason else ""]
+            row += [r.metric_drop if r.metric_drop is not None else r.rel_l2_error, r.size_mb,
+                    r.reason[:70] if r.reason else ""]
             out.append(row)
         return out
 
@@ -149,18 +182,242 @@ class OptimizeResult:
         return cols + ["drop / err", "MB", "note"]
 
     def print(self, console: Any = None) -> None:
-        from torchspeed.tables import print_table
-
         from rich.console import Console
 
+        from torchspeed.tables import print_table
+
         console = console or Console()
-        print_table(f"optimize: {self.threads} threads, best = {self.best.name if self.best else 'none'}",
+        best = self.best
+        print_table(f"optimize: {self.threads} threads, best = {best.name if best else 'none'}",
                     self.columns(), self.rows(), console)
-        skipped = [f"{c.name} ({c.reason})" for c in self.table if c.status == "skipped"]
+        skipped = [f"{r.name} ({r.reason})" for r in self.table if r.status == "skipped"]
         if skipped:
             console.print("skipped: " + "; ".join(skipped), highlight=False)
 
 
+# ----------------------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Machine:
+    """What this machine offers the search: each backend (None when usable, else why not) and
+    whether its CPU runs bf16 natively."""
+
+    backends: dict[str, str | None]
+    native_bf16: bool
+
+    @classmethod
+    def detect(cls) -> Machine:
+        return cls(available_backends(), default_precision("cpu").name == "bf16")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a variant's applicability depends on besides the machine: the model and what came with it."""
+
+    linear_heavy: bool     # more weights in Linear/LSTM/attention than in convolutions
+    calibrated: bool       # calibration data was given
+    calibration: str       # the calibration method asked for
+
+
+class OnnxExport:
+    """The export step: the ONNX file every ONNX Runtime / OpenVINO variant starts from, made once on
+    first need; a failed export is remembered, so each variant that needs it fails with its message."""
+
+    def __init__(self, model: nn.Module, example: torch.Tensor, path: str, exporter: str,
+                 progress: Callable[[str], None]):
+        self.model, self.example, self.target, self.exporter, self.progress = model, example, path, exporter, progress
+        self.report: dict[str, Any] | None = None
+        self.seconds: float | None = None
+        self.error: str | None = None
+
+    def path(self) -> str:
+        if self.error is not None:
+            raise RuntimeError(f"needs the ONNX export, which failed: {self.error}")
+        if self.report is None:
+            from torchspeed.infer.export import export_onnx
+
+            t0 = time.perf_counter()
+            try:
+                rep = export_onnx(self.model, self.example, self.target, exporter=self.exporter)
+            except Exception as e:  # noqa: BLE001 - remembered; every ONNX variant fails with it
+                self.error = str(e)
+                raise
+            self.seconds = time.perf_counter() - t0
+            self.report = rep.to_dict()
+            self.progress(f"exported ONNX with the {rep.exporter} exporter ({self.seconds:.0f} s)")
+        return self.report["path"]
+
+
+@dataclass
+class BuildContext:
+    """Everything a variant's `build` needs: the model, the example, the shared settings, the export."""
+
+    model: nn.Module
+    example: torch.Tensor
+    threads: int
+    arch: dict[str, Any] | None
+    workdir: str
+    onnx: OnnxExport
+    calib_data: Iterable[Any] | None = None
+    calibration: str = "minmax"
+    max_calib_samples: int = 256
+
+    def torch(self, recipe: dict[str, Any]) -> Runner:
+        return TorchRunner(self.model, recipe, self.threads, self.arch)
+
+    def low_precision(self, precision: str, **more: Any) -> dict[str, Any]:
+        """The torch recipe for a bf16/fp16 variant: fused, autocast, channels_last for images."""
+        return {"fuse": True, "precision": precision, "channels_last": self.example.ndim == 4, **more}
+
+    def onnxruntime(self, precision: str, providers: list[str] | None = None) -> Runner:
+        from torchspeed.infer.quantize import quantize_onnx_dynamic, quantize_onnx_static
+        from torchspeed.infer.runtimes import OrtRunner
+
+        src = self.onnx.path()
+        if precision == "int8":
+            dst = os.path.join(self.workdir, "model-int8-static.onnx")
+            quantize_onnx_static(src, dst, self.calib_data, self.calibration, max_samples=self.max_calib_samples)
+            return OrtRunner(dst, "int8", self.threads)
+        if precision == "int8-dynamic":
+            dst = os.path.join(self.workdir, "model-int8-dynamic.onnx")
+            return OrtRunner(quantize_onnx_dynamic(src, dst), "int8-dynamic", self.threads)
+        return OrtRunner(src, precision, self.threads, providers)
+
+    def openvino(self, precision: str) -> Runner:
+        from torchspeed.infer.runtimes import OpenVINORunner
+
+        if precision == "int8":
+            from torchspeed.infer.quantize import quantize_openvino
+
+            quantized = quantize_openvino(self.onnx.path(), self.calib_data, self.calibration, self.max_calib_samples)
+            return OpenVINORunner(quantized, "int8", self.threads)
+        return OpenVINORunner(self.onnx.path(), precision, self.threads)
+
+
+def _always(machine: Machine, model: ModelFacts) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the model: `build(context) -> Runner`; `applicable(machine, model)` is None when
+    it should be built here, else why it is skipped. `backend` and `precision` are the row's labels
+    (the precision may carry a qualifier, 'int8-dynamic'); `label` says what the variant is."""
+
+    name: str
+    backend: str
+    precision: str
+    label: str
+    build: Callable[[BuildContext], Runner]
+    applicable: Callable[[Machine, ModelFacts], str | None] = _always
+    baseline: bool = False
+
+    @property
+    def backend_key(self) -> str:
+        """The name `backends=` and `available_backends()` use for this variant's runtime."""
+        return "tensorrt" if self.backend.startswith("onnxruntime-tensorrt") else self.backend
+
+    @property
+    def precision_key(self) -> str:
+        """The name `precisions=` uses: fp32, bf16, fp16 or int8."""
+        return self.precision.split("-")[0].split("+")[0]
+
+    @property
+    def exact(self) -> bool:
+        return self.precision == "fp32"
+
+
+def _compile_precision(wanted: str) -> Callable[[Machine, ModelFacts], str | None]:
+    # torch.compile costs a minute of compiling per model here: one precision only, the faster kind.
+    def applicable(machine: Machine, model: ModelFacts) -> str | None:
+        chosen = "bf16" if machine.native_bf16 else "fp32"
+        return None if wanted == chosen else f"torch.compile is tried at one precision only, {chosen} on this CPU"
+    return applicable
+
+
+def _needs_calibration(machine: Machine, model: ModelFacts) -> str | None:
+    return None if model.calibrated else NO_CALIBRATION
+
+
+def _needs_linear_heavy(machine: Machine, model: ModelFacts) -> str | None:
+    return None if model.linear_heavy else "static INT8 suits convolutional models better"
+
+
+def _nncf_calibration(machine: Machine, model: ModelFacts) -> str | None:
+    if not model.calibrated:
+        return NO_CALIBRATION
+    if model.calibration != "minmax":
+        return f"NNCF has no {model.calibration!r} calibration; only ONNX Runtime offers it"
+    return None
+
+
+_TENSORRT = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant(BASELINE, "torch", "fp32", "PyTorch eager, fp32", lambda c: c.torch({}), baseline=True),
+    Variant("fused fp32", "torch", "fp32", "Conv+BN folded (FX), fp32", lambda c: c.torch({"fuse": True})),
+    Variant("bf16 + channels_last", "torch", "bf16", "fused, bf16 autocast, channels_last",
+            lambda c: c.torch(c.low_precision("bf16"))),
+    Variant("fp16 + channels_last", "torch", "fp16", "fused, fp16 autocast, channels_last",
+            lambda c: c.torch(c.low_precision("fp16"))),
+    Variant("torch.compile bf16", "torch.compile", "bf16", "inductor, freezing, bf16 + channels_last",
+            lambda c: c.torch(c.low_precision("bf16", compile=True)), _compile_precision("bf16")),
+    Variant("torch.compile fp32", "torch.compile", "fp32", "inductor, freezing, fused fp32",
+            lambda c: c.torch({"fuse": True, "compile": True}), _compile_precision("fp32")),
+    Variant("onnxruntime fp32", "onnxruntime", "fp32", "ONNX, ONNX Runtime CPU, fp32",
+            lambda c: c.onnxruntime("fp32")),
+    Variant("onnxruntime int8", "onnxruntime", "int8", "ONNX Runtime quantize_static, QDQ per-channel U8S8",
+            lambda c: c.onnxruntime("int8"), _needs_calibration),
+    Variant("onnxruntime int8 dynamic", "onnxruntime", "int8-dynamic", "ONNX Runtime quantize_dynamic (MatMul/Gemm)",
+            lambda c: c.onnxruntime("int8-dynamic"), _needs_linear_heavy),
+    Variant("openvino fp32", "openvino", "fp32", "OpenVINO CPU, inference precision f32",
+            lambda c: c.openvino("fp32")),
+    Variant("openvino bf16", "openvino", "bf16", "OpenVINO CPU, inference precision bf16",
+            lambda c: c.openvino("bf16")),
+    Variant("openvino int8", "openvino", "int8", "NNCF nncf.quantize (PTQ), OpenVINO CPU",
+            lambda c: c.openvino("int8"), _nncf_calibration),
+    Variant("onnxruntime-tensorrt fp16", "onnxruntime-tensorrt", "fp16", "ONNX Runtime TensorRT provider, fp16",
+            lambda c: c.onnxruntime("fp16", _TENSORRT)),
+)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What the caller asked for: backends and precisions (None = auto)."""
+
+    backends: frozenset[str] | None
+    precisions: frozenset[str] | None
+
+    def skip_reason(self, variant: Variant, machine: Machine, model: ModelFacts) -> str | None:
+        """None when `variant` is to be built, else why not: not requested, runtime missing here,
+        not worth it by default on this machine, or not applicable to this model."""
+        if variant.baseline:
+            return None  # the baseline is always measured
+        if variant.backend_key in BACKENDS:  # extra_candidates are always built
+            if self.backends is not None and variant.backend_key not in self.backends:
+                return "backend not requested"
+            if self.precisions is not None and variant.precision_key not in self.precisions:
+                return "precision not requested"
+            if machine.backends.get(variant.backend_key):
+                return machine.backends[variant.backend_key]
+            if self.precisions is None:
+                reason = _auto_precision_skip(variant.precision_key, machine, model)
+                if reason:
+                    return reason
+        return variant.applicable(machine, model)
+
+
+def _auto_precision_skip(precision: str, machine: Machine, model: ModelFacts) -> str | None:
+    """Why `precisions='auto'` leaves out a precision here (it can still be asked for by name)."""
+    if precision == "bf16" and not machine.native_bf16:
+        return "no native bf16 on this CPU (would be emulated, slow)"
+    if precision == "fp16":
+        return "fp16 is emulated on CPU; ask for it with precisions=['fp16']"
+    if precision == "int8" and not (model.calibrated or model.linear_heavy):
+        return NO_CALIBRATION
+    return None
+
+
+# ----------------------------------------------------------------------------------------- the steps
 def _linear_heavy(model: nn.Module) -> bool:
     """More weights in Linear/LSTM/attention than in convolutions: dynamic INT8 pays off there."""
     lin = sum(p.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.LSTM, nn.GRU, nn.MultiheadAttention))
@@ -179,16 +436,131 @@ def _batch_of(example: torch.Tensor, b: int, gen: torch.Generator) -> torch.Tens
     return torch.cat([example.float(), extra])[:b].contiguous()
 
 
-def _resolve(choice: str | Sequence[str], allowed: Sequence[str], what: str) -> set[str] | None:
-    if choice == "auto":
+def _resolve(choice: str | Sequence[str], allowed: Sequence[str], what: str) -> frozenset[str] | None:
+    """A list or comma string of names ('torch,onnxruntime'), or 'auto' (None)."""
+    items = as_list(choice, name=f"{what}s")
+    if items == ["auto"]:
         return None
-    chosen = {choice} if isinstance(choice, str) else set(choice)
-    bad = sorted(chosen - set(allowed))
+    bad = sorted(set(items) - set(allowed))
     if bad:
         raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; choose from {', '.join(allowed)} or 'auto'")
-    return chosen
+    return frozenset(items)
 
 
+def _progress(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
+    if callable(progress):
+        return progress
+    if progress:
+        return lambda message: print(f"optimize: {message}", file=sys.stderr, flush=True)
+    return lambda message: None
+
+
+def build_variant(variant: Variant, ctx: BuildContext, verify_x: torch.Tensor) -> tuple[VariantResult, Any]:
+    """The build step: the row and the variant's outputs on `verify_x` (None when the build failed)."""
+    row = VariantResult(variant.name, variant.backend, variant.precision, variant.exact, variant.label,
+                        input_shape=list(ctx.example.shape))
+    t0 = time.perf_counter()
+    try:
+        row.runner = variant.build(ctx)
+        out = row.runner(verify_x)
+    except Exception as e:  # noqa: BLE001 - an unsupported op or runtime error fails this variant only
+        row.status, row.reason, row.runner = "failed", _first_line(e), None
+        return row, None
+    row.build_s = time.perf_counter() - t0
+    try:
+        row.size_mb = row.runner.size_bytes() / 2**20
+    except Exception:  # noqa: BLE001 - size is informative only
+        pass
+    return row, out
+
+
+def verify(row: VariantResult, out: Any, ref: torch.Tensor, exact_tol: float, max_output_error: float | None) -> None:
+    """The verification step: output error against eager fp32. Exact variants must match within
+    `exact_tol` (max relative error); lossy ones within `max_output_error` (relative L2) unless
+    `max_output_error` is None (they are judged by their metric instead)."""
+    try:
+        err = output_error(out, ref)
+    except ValueError as e:
+        row.status, row.reason = "rejected", str(e)
+        return
+    row.max_rel_error, row.rel_l2_error = err["max_rel"], err["rel_l2"]
+    row.status = "ok"
+    if not math.isfinite(err["rel_l2"]):
+        row.status, row.reason = "rejected", "outputs contain NaN or inf"
+    elif row.exact:
+        if err["max_rel"] > exact_tol:
+            row.status, row.reason = "rejected", f"fp32 output error {err['max_rel']:.2e} > {exact_tol:.0e}"
+    elif max_output_error is not None and err["rel_l2"] > max_output_error:
+        row.status, row.reason = "rejected", f"output error (rel. L2) {err['rel_l2']:.3f} > {max_output_error}"
+
+
+def judge(table: list[VariantResult], eval_fn: Callable[[Callable[[Any], Any]], float], max_metric_drop: float,
+          progress: Callable[[str], None]) -> float:
+    """The judging step: score the baseline (the table's first row) and every lossy row still ok with
+    `eval_fn`; reject a row whose metric drops by more than `max_metric_drop`. Returns the baseline's."""
+    progress(f"evaluating {table[0].name} (the reference metric)")
+    baseline_metric = float(eval_fn(table[0].runner))
+    table[0].metric, table[0].metric_drop = baseline_metric, 0.0
+    for row in table[1:]:
+        if row.status != "ok" or row.exact:
+            continue
+        progress(f"evaluating {row.name}")
+        try:
+            row.metric = float(eval_fn(row.runner))
+        except Exception as e:  # noqa: BLE001
+            row.status, row.reason = "failed", f"eval_fn raised {_first_line(e)}"
+            continue
+        row.metric_drop = baseline_metric - row.metric
+        if not row.metric_drop <= max_metric_drop:
+            row.status = "rejected"
+            row.reason = (f"metric drop {row.metric_drop:.4f} > {max_metric_drop} "
+                          f"({row.metric:.4f} vs {baseline_metric:.4f})")
+    return baseline_metric
+
+
+def time_variants(rows: list[VariantResult], example: torch.Tensor, batch_sizes: Sequence[int], gen: torch.Generator,
+                  repeats: int, min_time_s: float, progress: Callable[[str], None]) -> None:
+    """The timing step: every row with a runner, interleaved against the baseline, at each batch size."""
+    from torchspeed.measure import compare  # the one timing tool (house rule)
+
+    for b in batch_sizes if rows else ():
+        progress(f"timing {len(rows)} variants at batch {b}")
+        x = _batch_of(example, b, gen)
+        contenders = {r.name: (lambda r=r: r.runner(x)) for r in rows}
+        cmp = compare(contenders, baseline=BASELINE, repeats=repeats, min_time_s=min_time_s, items=b, cooldown_s=0.1)
+        for r in rows:
+            t = cmp[r.name]
+            r.latency_ms[b] = {"p50_ms": t.median_s * 1e3, "p90_ms": t.p90_s * 1e3, "min_ms": t.min_s * 1e3,
+                               "max_ms": t.max_s * 1e3, "throughput": t.throughput}
+
+
+def _log_rows(result: OptimizeResult) -> None:
+    """One INFO line per variant built (skipped ones at DEBUG) and one for the choice."""
+    for r in result.table:
+        if r.status == "skipped":
+            log.debug("optimize: %s skipped: %s", r.name, r.reason)
+            continue
+        timed = ", ".join(f"{r.p50_ms(b):.3g} ms at batch {b}" for b in result.batch_sizes if r.latency_ms.get(b))
+        parts = [f"p50 {timed}" if timed else "not timed"]
+        if r.metric_drop is not None:
+            parts.append(f"metric drop {r.metric_drop:.4f}")
+        elif r.rel_l2_error is not None:
+            parts.append(f"output error {r.rel_l2_error:.2e}")
+        parts.append("passed" if r.passed else f"{r.status}: {r.reason}")
+        log.info("optimize: %s: %s", r.name, "; ".join(parts))
+    best = result.best
+    if best is None:
+        log.info("optimize: no variant chosen (%s)",
+                 "no variant passed its checks" if any(r.latency_ms for r in result.table) else "nothing was timed")
+        return
+    b = result.batch_sizes[0] if result.objective == "latency" else max(result.batch_sizes)
+    base = result.table[0].p50_ms(b)
+    log.info("optimize: chose %s (objective %s): p50 %.3g ms at batch %d, %.2fx %s; %d of %d variants passed",
+             best.name, result.objective, best.p50_ms(b), b, base / best.p50_ms(b), BASELINE,
+             sum(r.passed for r in result.table), sum(r.status != "skipped" for r in result.table))
+
+
+# ----------------------------------------------------------------------------------------- optimize
 def optimize(
     model: nn.Module,
     example_input: torch.Tensor,
@@ -211,17 +583,19 @@ def optimize(
     extra_candidates: dict[str, Callable[[nn.Module], Any]] | None = None,
     arch: dict[str, Any] | None = None,
     measure: bool = True,
-    log: Callable[[str], None] | None = None,
+    progress: bool | Callable[[str], None] = False,
 ) -> OptimizeResult:
-    """Build, verify and time every inference variant of `model`; return the table and the best.
+    """Build, verify, judge and time every inference variant of `model`; return the table and the best.
 
     `example_input` fixes the input shape (the batch dimension stays dynamic where the runtime allows).
     `calib_data`: iterable of input batches or (input, label) pairs, for INT8. `eval_fn(run) -> float`
-    (higher is better) scores a candidate's `run(batch) -> outputs` on held-out data.
+    (higher is better) scores a variant's `run(batch) -> outputs` on held-out data.
+    `backends` / `precisions`: 'auto', a list, or a comma string ('torch,onnxruntime').
     `extra_candidates`: name -> function(model) returning an nn.Module or callable, judged as lossy.
-    `measure=False` verifies only (no timing, so no `.best`).
+    `measure=False` verifies only (no timing, so no `.best`). `progress`: True prints each step to
+    stderr; a callable receives each step's message.
     """
-    log = log or (lambda s: None)
+    report = _progress(progress)
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() expects an nn.Module, got {type(model).__name__}")
     if not isinstance(example_input, torch.Tensor) or example_input.ndim < 1:
@@ -233,14 +607,31 @@ def optimize(
         raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes}")
     if not 0 <= max_metric_drop < 1:
         raise ValueError(f"max_metric_drop must be in [0, 1), got {max_metric_drop}")
-    want_b = _resolve(backends, BACKENDS, "backend")
-    want_p = _resolve(precisions, PRECISIONS, "precision")
-    if want_p is not None and "int8" in want_p and calib_data is None and not _linear_heavy(model):
+    request = _Request(_resolve(backends, BACKENDS, "backend"), _resolve(precisions, PRECISIONS, "precision"))
+    facts = ModelFacts(linear_heavy=_linear_heavy(model), calibrated=calib_data is not None, calibration=calibration)
+    if request.precisions is not None and "int8" in request.precisions and calib_data is None and not facts.linear_heavy:
         raise ValueError("precisions includes 'int8' but no calibration set was given: pass calib_data= (an "
                          "iterable of input batches or (input, label) pairs), or use --calib DATA on the command line")
     threads = threads or usable_cores()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _search(model, example_input, calib_data, eval_fn, max_metric_drop, request, facts, batch_sizes,
+                       objective, calibration=calibration, max_calib_samples=max_calib_samples,
+                       max_output_error=max_output_error, exact_tol=exact_tol, exporter=exporter, threads=threads,
+                       repeats=repeats, min_time_s=min_time_s, extra_candidates=extra_candidates, arch=arch,
+                       measure=measure, report=report)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _search(model: nn.Module, example_input: torch.Tensor, calib_data: Iterable[Any] | None,
+            eval_fn: Callable[[Callable[[Any], Any]], float] | None, max_metric_drop: float, request: _Request,
+            facts: ModelFacts, batch_sizes: tuple[int, ...], objective: str, *, calibration: str,
+            max_calib_samples: int, max_output_error: float, exact_tol: float, exporter: str, threads: int,
+            repeats: int, min_time_s: float, extra_candidates: dict[str, Callable[[nn.Module], Any]] | None,
+            arch: dict[str, Any] | None, measure: bool, report: Callable[[str], None]) -> OptimizeResult:
+    """`optimize` once its arguments are checked and torch's thread count is set."""
     arch = arch if arch is not None else getattr(model, "_torchspeed_arch", None)
     model = model.eval().float()
     example = example_input.detach().float().cpu()
@@ -251,8 +642,7 @@ def optimize(
     if calib_data is not None:
         from torchspeed.infer.quantize import calibration_arrays
 
-        arrs = calibration_arrays(calib_data, 16)
-        verify_x = torch.cat([torch.from_numpy(a) for a in arrs])
+        verify_x = torch.cat([torch.from_numpy(a) for a in calibration_arrays(calib_data, 16)])
         if tuple(verify_x.shape[1:]) != tuple(example.shape[1:]):
             raise ValueError(f"calibration inputs have shape {tuple(verify_x.shape[1:])} per sample but "
                              f"example_input has {tuple(example.shape[1:])}: they must match")
@@ -264,202 +654,42 @@ def optimize(
                          f"(check --input-shape / example_input): {_first_line(e)}") from None
     ref = ref[0] if isinstance(ref, (tuple, list)) else ref
 
-    avail = available_backends()
-    unavailable = {b: why for b, why in avail.items() if why}
-    native_bf16 = default_precision("cpu").name == "bf16"
-    auto_int8 = calib_data is not None or _linear_heavy(model)
+    machine = Machine.detect()
     workdir = tempfile.TemporaryDirectory(prefix="torchspeed-optimize-")
-    table: list[Candidate] = []
+    ctx = BuildContext(model, example, threads, arch, workdir.name,
+                       OnnxExport(model, example, os.path.join(workdir.name, "model.onnx"), exporter, report),
+                       calib_data, calibration, max_calib_samples)
+    variants = list(VARIANTS) + [
+        Variant(name, "custom", "custom", "your variant", lambda c, fn=fn: _CallableRunner(fn(c.model)))
+        for name, fn in (extra_candidates or {}).items()]
 
-    def wanted(backend: str, precision: str) -> str | None:
-        """None if this candidate should be built, else why it is skipped."""
-        bkey = "tensorrt" if backend.startswith("onnxruntime-tensorrt") else backend
-        if want_b is not None and bkey not in want_b:
-            return "backend not requested"
-        if want_p is not None and precision.split("+")[0] not in want_p:
-            return "precision not requested"
-        if avail.get(bkey):
-            return avail[bkey]
-        if want_p is None:
-            if precision == "bf16" and not native_bf16:
-                return "no native bf16 on this CPU (would be emulated, slow)"
-            if precision == "fp16":
-                return "fp16 is emulated on CPU; ask for it with precisions=['fp16']"
-            if precision == "int8" and not auto_int8:
-                return "no calibration data (pass calib_data for INT8)"
-        return None
-
-    torch_bf16 = {"fuse": True, "precision": "bf16", "channels_last": example.ndim == 4}
-    specs: list[tuple[str, str, str, Callable[[], Runner]]] = [
-        ("eager fp32", "torch", "fp32", lambda: TorchRunner(model, {}, threads, arch)),
-        ("fused fp32", "torch", "fp32", lambda: TorchRunner(model, {"fuse": True}, threads, arch)),
-        ("bf16 + channels_last", "torch", "bf16", lambda: TorchRunner(model, torch_bf16, threads, arch)),
-        ("fp16 + channels_last", "torch", "fp16",
-         lambda: TorchRunner(model, {**torch_bf16, "precision": "fp16"}, threads, arch)),
-        ("torch.compile bf16", "torch.compile", "bf16",
-         lambda: TorchRunner(model, {**torch_bf16, "compile": True}, threads, arch)),
-        ("torch.compile fp32", "torch.compile", "fp32",
-         lambda: TorchRunner(model, {"fuse": True, "compile": True}, threads, arch)),
-    ]
-    # torch.compile costs a minute of compiling per model here: one precision only, the faster kind.
-    specs = [s for s in specs if s[0] != ("torch.compile fp32" if native_bf16 else "torch.compile bf16")]
-
-    onnx_state: dict[str, Any] = {}
-
-    def onnx_path() -> str:
-        if "error" in onnx_state:
-            raise RuntimeError(f"needs the ONNX export, which failed: {onnx_state['error']}")
-        if "path" not in onnx_state:
-            from torchspeed.infer.export import export_onnx
-
-            t0 = time.perf_counter()
-            try:
-                rep = export_onnx(model, example, os.path.join(workdir.name, "model.onnx"), exporter=exporter)
-            except Exception as e:  # noqa: BLE001
-                onnx_state["error"] = str(e)
-                raise
-            onnx_state.update(path=rep.path, report=rep.to_dict(), seconds=time.perf_counter() - t0)
-            log(f"exported ONNX with the {rep.exporter} exporter ({onnx_state['seconds']:.0f} s)")
-        return onnx_state["path"]
-
-    def ort(precision: str, providers: list[str] | None = None) -> Runner:
-        from torchspeed.infer.quantize import quantize_onnx_dynamic, quantize_onnx_static
-        from torchspeed.infer.runtimes import OrtRunner
-
-        src = onnx_path()
-        if precision == "int8":
-            dst = os.path.join(workdir.name, "model-int8-static.onnx")
-            quantize_onnx_static(src, dst, calib_data, calibration, max_samples=max_calib_samples)
-            return OrtRunner(dst, "int8", threads)
-        if precision == "int8-dynamic":
-            dst = os.path.join(workdir.name, "model-int8-dynamic.onnx")
-            return OrtRunner(quantize_onnx_dynamic(src, dst), "int8-dynamic", threads)
-        return OrtRunner(src, precision, threads, providers)
-
-    def openvino(precision: str) -> Runner:
-        from torchspeed.infer.runtimes import OpenVINORunner
-
-        if precision == "int8":
-            from torchspeed.infer.quantize import quantize_openvino
-
-            return OpenVINORunner(quantize_openvino(onnx_path(), calib_data, calibration, max_calib_samples), "int8", threads)
-        return OpenVINORunner(onnx_path(), precision, threads)
-
-    specs += [
-        ("onnxruntime fp32", "onnxruntime", "fp32", lambda: ort("fp32")),
-        ("onnxruntime int8", "onnxruntime", "int8", lambda: ort("int8")),
-        ("onnxruntime int8 dynamic", "onnxruntime", "int8", lambda: ort("int8-dynamic")),
-        ("openvino f32", "openvino", "fp32", lambda: openvino("fp32")),
-        ("openvino bf16", "openvino", "bf16", lambda: openvino("bf16")),
-        ("openvino int8", "openvino", "int8", lambda: openvino("int8")),
-        ("onnxruntime-tensorrt fp16", "onnxruntime-tensorrt", "fp16",
-         lambda: ort("fp16", ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"])),
-    ]
-    for name, fn in (extra_candidates or {}).items():
-        def build(fn=fn) -> Runner:
-            return _CallableRunner(fn(model))
-        specs.append((name, "custom", "custom", build))
-
-    for name, backend, precision, build in specs:
-        exact = precision == "fp32"
-        cand = Candidate(name, backend, "int8-dynamic" if name.endswith("dynamic") else precision, exact,
-                         input_shape=list(example.shape))
-        skip = wanted(backend, precision) if backend != "custom" else None
-        if name == "onnxruntime int8 dynamic" and skip is None:
-            skip = None if _linear_heavy(model) else "static INT8 suits convolutional models better"
-        if name == "onnxruntime int8" and skip is None and calib_data is None:
-            skip = "no calibration data (pass calib_data for INT8)"
-        if name == "openvino int8" and skip is None:
-            if calib_data is None:
-                skip = "no calibration data (pass calib_data for INT8)"
-            elif calibration != "minmax":
-                skip = f"NNCF has no {calibration!r} calibration; only ONNX Runtime offers it"
-        if name == "eager fp32":
-            skip = None  # the baseline is always measured
+    table: list[VariantResult] = []
+    for variant in variants:
+        skip = request.skip_reason(variant, machine, facts)
         if skip:
-            cand.status, cand.reason = "skipped", skip
-            table.append(cand)
+            table.append(VariantResult(variant.name, variant.backend, variant.precision, variant.exact, variant.label,
+                                       status="skipped", reason=skip, input_shape=list(example.shape)))
             continue
-        log(f"building {name}")
-        t0 = time.perf_counter()
-        try:
-            cand.runner = build()
-            out = cand.runner(verify_x)
-        except Exception as e:  # noqa: BLE001 - an unsupported op or runtime error fails this candidate only
-            cand.status, cand.reason = "failed", _first_line(e)
-            cand.runner = None
-            table.append(cand)
-            log(f"  failed: {cand.reason}")
-            continue
-        cand.build_s = time.perf_counter() - t0
-        try:
-            err = output_error(out, ref)
-        except ValueError as e:
-            cand.status, cand.reason = "rejected", str(e)
-            table.append(cand)
-            continue
-        cand.max_rel_error, cand.rel_l2_error = err["max_rel"], err["rel_l2"]
-        cand.status = "ok"
-        if not math.isfinite(err["rel_l2"]):
-            cand.status, cand.reason = "rejected", "outputs contain NaN or inf"
-        elif exact:
-            if err["max_rel"] > exact_tol:
-                cand.status, cand.reason = "rejected", f"fp32 output error {err['max_rel']:.2e} > {exact_tol:.0e}"
-        elif eval_fn is not None:
-            pass  # judged below, once the fp32 metric is known
-        elif err["rel_l2"] > max_output_error:
-            cand.status, cand.reason = "rejected", f"output error (rel. L2) {err['rel_l2']:.3f} > {max_output_error}"
-        try:
-            cand.size_mb = cand.runner.size_bytes() / 2**20
-        except Exception:  # noqa: BLE001 - size is informative only
-            pass
-        table.append(cand)
+        report(f"building {variant.name}")
+        row, out = build_variant(variant, ctx, verify_x)
+        if row.runner is None:
+            report(f"  failed: {row.reason}")
+        else:
+            verify(row, out, ref, exact_tol, None if eval_fn is not None else max_output_error)
+        table.append(row)
 
-    baseline_metric = None
-    if eval_fn is not None:
-        log("evaluating eager fp32 (the reference metric)")
-        baseline_metric = float(eval_fn(table[0].runner))
-        table[0].metric, table[0].metric_drop = baseline_metric, 0.0
-        for cand in table[1:]:
-            if cand.status != "ok" or cand.exact:
-                continue
-            log(f"evaluating {cand.name}")
-            try:
-                cand.metric = float(eval_fn(cand.runner))
-            except Exception as e:  # noqa: BLE001
-                cand.status, cand.reason = "failed", f"eval_fn raised {_first_line(e)}"
-                continue
-            cand.metric_drop = baseline_metric - cand.metric
-            if not cand.metric_drop <= max_metric_drop:
-                cand.status = "rejected"
-                cand.reason = f"metric drop {cand.metric_drop:.4f} > {max_metric_drop} ({cand.metric:.4f} vs {baseline_metric:.4f})"
-
-    measured = [c for c in table if c.runner is not None] if measure else []
-    from torchspeed.measure import compare  # the one timing tool (house rule)
-
-    for b in batch_sizes if measured else ():
-        log(f"timing {len(measured)} variants at batch {b}")
-        x = _batch_of(example, b, gen)
-        contenders = {c.name: (lambda c=c: c.runner(x)) for c in measured}
-        cmp = compare(contenders, baseline="eager fp32", repeats=repeats, min_time_s=min_time_s, items=b,
-                      cooldown_s=0.1)
-        for c in measured:
-            t = cmp[c.name]
-            c.latency_ms[b] = {"p50_ms": t.median_s * 1e3, "p90_ms": t.p90_s * 1e3, "min_ms": t.min_s * 1e3,
-                               "max_ms": t.max_s * 1e3, "throughput": t.throughput}
-    torch.set_num_threads(old_threads)
-
-    passed = [c for c in table if c.passed and c.latency_ms]
-    if objective == "latency":
-        best = min(passed, key=lambda c: c.p50_ms(batch_sizes[0]), default=None)
-    else:
-        big = max(batch_sizes)
-        best = max(passed, key=lambda c: c.latency_ms[big]["throughput"] or 0.0, default=None)
-    if onnx_state.get("report"):
-        for c in table:
-            if c.backend.startswith(("onnxruntime", "openvino")) and c.runner is not None:
-                c.extra["export"] = {k: onnx_state["report"][k] for k in ("exporter", "fallback_reason")}
-    return OptimizeResult(table, best, batch_sizes, objective, baseline_metric, threads, unavailable, workdir)
+    baseline_metric = judge(table, eval_fn, max_metric_drop, report) if eval_fn is not None else None
+    if measure:
+        time_variants([r for r in table if r.runner is not None], example, batch_sizes, gen, repeats, min_time_s,
+                      report)
+    if ctx.onnx.report:
+        for r in table:
+            if r.backend.startswith(("onnxruntime", "openvino")) and r.runner is not None:
+                r.extra["export"] = {k: ctx.onnx.report[k] for k in ("exporter", "fallback_reason")}
+    unavailable = {b: why for b, why in machine.backends.items() if why}
+    result = OptimizeResult(table, batch_sizes, objective, baseline_metric, threads, unavailable, workdir)
+    _log_rows(result)
+    return result
 
 
 class _CallableRunner(Runner):
@@ -479,4 +709,4 @@ class _CallableRunner(Runner):
         return 0
 
     def save(self, directory: str | os.PathLike) -> str:
-        raise ValueError("a custom candidate cannot be saved as an artifact")
+        raise ValueError("a custom variant cannot be saved as an artifact")
