@@ -7,14 +7,14 @@ from torchspeed.bench import runner, suites
 
 
 def _fake_suite(name, rows, keys):
-    def run(quick, step):
-        step("measuring")
+    def run(quick, progress):
+        progress("measuring")
         return {**keys, "rows": rows}
     return types.SimpleNamespace(TITLE=f"fake {name}", run=run)
 
 
 def _broken_suite():
-    def run(quick, step):
+    def run(quick, progress):
         raise RuntimeError("the accelerator caught fire")
     return types.SimpleNamespace(TITLE="broken", run=run)
 

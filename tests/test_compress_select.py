@@ -30,26 +30,30 @@ def ranked():
 
 
 def test_obviously_smaller_model_ranks_faster(ranked):
-    assert [c.name for c in ranked.candidates] == ["tiny", "big"]
-    tiny, big = ranked.candidates
+    from torchspeed.compress import BackboneTiming
+
+    assert [c.name for c in ranked.table] == ["tiny", "big"]
+    assert all(isinstance(c, BackboneTiming) for c in ranked.table)
+    tiny, big = ranked.table
     assert tiny.latency_ms < big.latency_ms and tiny.macs < big.macs and tiny.params < big.params
     assert big.params == 11_689_512
     assert tiny.macs == 8 * 3 * 9 * 64 * 64 + 80  # per sample
-    assert ranked.fastest is tiny and tiny.precision == "fp32" and set(tiny.tried_ms) == {"fp32"}
+    assert ranked.best is tiny and ranked.fastest is tiny  # properties, the same row
+    assert tiny.precision == "fp32" and set(tiny.tried_ms) == {"fp32"}
     assert tiny.throughput == pytest.approx(1e3 / tiny.latency_ms, rel=0.5)
 
 
 def test_budget_fit_is_marked_by_measured_latency(ranked):
-    assert all(c.fits for c in ranked.candidates)  # a budget of 1e6 ms fits everything
+    assert all(c.fits for c in ranked.table)  # a budget of 1e6 ms fits everything
     result = select_backbone({"tiny": _tiny()}, (1, 3, 64, 64), budget_ms=1e-6, repeats=2, warmup=1, precision="fp32")
-    assert result.candidates[0].fits is False and result.fitting == []
+    assert result.table[0].fits is False and result.fitting == []
     d = ranked.to_dict()
-    assert d["budget_ms"] == 1e6 and [c["name"] for c in d["candidates"]] == ["tiny", "big"]
+    assert d["budget_ms"] == 1e6 and [c["name"] for c in d["table"]] == ["tiny", "big"] and d["best"] == "tiny"
 
 
 def test_no_budget_means_fits_is_none_and_batch_size_overrides():
     result = select_backbone([_tiny()], (1, 3, 8, 8), batch_size=4, repeats=2, warmup=1, precision="fp32")
-    c = result.candidates[0]
+    c = result.table[0]
     assert c.fits is None and result.fitting == [c] and result.batch_size == 4 and result.input_shape == (4, 3, 8, 8)
     assert c.name == "Sequential#0"
 
@@ -58,9 +62,35 @@ def test_auto_precision_tries_fp32_and_the_mixed_precision():
     from torchspeed.runtime import default_precision
 
     result = select_backbone([_tiny()], (1, 3, 8, 8), repeats=2, warmup=1)
-    tried = set(result.candidates[0].tried_ms)
+    tried = set(result.table[0].tried_ms)
     assert "fp32" in tried and default_precision("cpu").name in tried
-    assert result.candidates[0].precision == min(result.candidates[0].tried_ms, key=result.candidates[0].tried_ms.get)
+    assert result.best.precision == min(result.best.tried_ms, key=result.best.tried_ms.get)
+
+
+def test_candidates_as_a_comma_string_and_the_choice_logged(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="torchspeed"):
+        result = select_backbone(" mobilenet_v3_small, resnet18 ,", (1, 3, 32, 32), repeats=2, warmup=1,
+                                 precision="fp32")
+    assert sorted(c.name for c in result.table) == ["mobilenet_v3_small", "resnet18"]
+    records = [r for r in caplog.records if r.name == "torchspeed.compress.selection"]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    line = records[0].getMessage()
+    assert line.startswith(f"select_backbone: fastest {result.best.name} at fp32")
+    assert f"{result.best.latency_ms:.2f} ms" in line and result.table[1].name in line
+    with pytest.raises(ValueError, match="candidates is empty"):
+        select_backbone(" , ", (1, 3, 32, 32))
+
+
+def test_progress_true_prints_and_a_callable_receives_messages(capsys):
+    seen = []
+    select_backbone([_tiny()], (1, 3, 8, 8), repeats=2, warmup=1, precision="fp32", progress=seen.append)
+    assert seen and any("timing" in m for m in seen)
+    select_backbone([_tiny()], (1, 3, 8, 8), repeats=2, warmup=1, precision="fp32", progress=True)
+    assert "timing" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="progress must be"):
+        select_backbone([_tiny()], (1, 3, 8, 8), progress="yes")
 
 
 def test_names_resolve_to_torchvision_and_timm():
@@ -69,12 +99,18 @@ def test_names_resolve_to_torchvision_and_timm():
     assert build_model("tv:resnet18", num_classes=7).fc.out_features == 7
 
 
-@pytest.mark.parametrize("name, extra", [("resnet-18", "Did you mean 'resnet18'"), ("resnet_does_not_exist", ""), ("timm:nonet", ""), ("foo:resnet18", "prefix")])
-def test_unknown_name_says_how_to_name_models(name, extra):
+HOW = ("torchvision", "timm:NAME", "file.py:factory", "nn.Module")
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("resnet-18", HOW + ("did you mean resnet18",)), ("resnet_does_not_exist", HOW),
+    ("timm:nonet", HOW), ("foo:resnet18", ("cannot import module 'foo'", "nn.Module")),
+])
+def test_unknown_name_says_how_to_name_models(name, expected):
     with pytest.raises(ValueError) as e:
         select_backbone([name], (1, 3, 32, 32))
     msg = str(e.value)
-    assert repr(name) in msg and "torchvision" in msg and "'timm:" in msg and "nn.Module" in msg and extra in msg
+    assert repr(name) in msg and all(part in msg for part in expected), msg
 
 
 @pytest.mark.parametrize("shape, message", [((3,), "input_shape"), ((1, 3, 0, 4), "input_shape"), ("abc", "input_shape")])
@@ -94,7 +130,7 @@ def test_cli_select_writes_json(tmp_path, capsys):
                  "--repeats", "2", "--precision", "fp32", "--json", str(path)])
     assert code == 0
     d = json.loads(path.read_text())
-    assert d["candidates"][0]["name"] == "mobilenet_v3_small" and d["candidates"][0]["fits"] is True
+    assert d["table"][0]["name"] == "mobilenet_v3_small" and d["table"][0]["fits"] is True
     assert "within 100000 ms: mobilenet_v3_small" in capsys.readouterr().out
 
 

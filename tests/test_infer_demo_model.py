@@ -37,6 +37,42 @@ def test_evaluate_counts_top1_for_tensor_and_ndarray_runs():
     assert d.evaluate(lambda x: torch.zeros(len(x), 10).numpy(), batch_size=64) == pytest.approx(0.1)
 
 
+def test_image_loader_is_deterministic_crops_and_normalises():
+    images = torch.randint(0, 256, (10, 3, 16, 16), dtype=torch.uint8)
+    labels = torch.arange(10)
+    a = dm.ImageTensorLoader(images, labels, 4, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), crop=8, seed=1)
+    b = dm.ImageTensorLoader(images, labels, 4, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), crop=8, seed=1)
+    assert len(a) == 2
+    for (xa, ya), (xb, yb) in zip(a, b):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and xa.shape == (4, 3, 8, 8)
+    a.set_epoch(1)
+    assert not torch.equal(next(iter(a))[1], next(iter(b))[1])
+    whole = dm.ImageTensorLoader(images, labels, 10, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    x, y = next(iter(whole))
+    flipped = torch.stack([img if torch.allclose(x[i], (img.float() / 255 - 0.5) / 0.25, atol=1e-5)
+                           else img.flip(2) for i, img in enumerate(images[[int(v) for v in y]])])
+    torch.testing.assert_close(x, (flipped.float() / 255 - 0.5) / 0.25)
+    shifted = dm.ImageTensorLoader(images, labels, 10, (0.0,) * 3, (1 / 255,) * 3, pad=2, seed=3)
+    xs, ys = next(iter(shifted))
+    assert xs.shape == (10, 3, 16, 16)
+    # every output is a (possibly flipped) translation of its source image by at most 2 pixels
+    for img, out in zip(images[[int(v) for v in ys]].float(), xs):
+        padded = torch.nn.functional.pad(img[None], (2, 2, 2, 2), mode="reflect")[0]
+        windows = [padded[:, i:i + 16, j:j + 16] for i in range(5) for j in range(5)]
+        assert any(torch.allclose(out, w, atol=1e-3) or torch.allclose(out, w.flip(2), atol=1e-3) for w in windows)
+    with pytest.raises(ValueError, match="crop 32"):
+        dm.ImageTensorLoader(images, labels, 4, (0.5,) * 3, (0.25,) * 3, crop=32)
+
+
+def test_train_loader_is_the_training_split_shuffled_and_augmented():
+    d = _fake()
+    loader = d.train_loader(8, pad=1, seed=4)
+    assert isinstance(loader, dm.ImageTensorLoader) and len(loader) == 2  # 20 images: the partial batch dropped
+    xs, ys = zip(*loader)
+    assert all(x.shape == (8, 3, 8, 8) and x.dtype == torch.float32 for x in xs)
+    assert len(set(torch.cat(ys).tolist())) == 10 and torch.equal(torch.cat(ys), torch.cat(list(zip(*d.train_loader(8, pad=1, seed=4)))[1]))
+
+
 @pytest.mark.slow
 def test_trained_demo_model_contract_and_int8_accuracy():
     from torchspeed.infer.search import optimize

@@ -2,7 +2,7 @@
 
 Accuracy checks (INT8, pruning, distillation) need a model that has learnt something, or a lossy
 variant's "drop" means nothing. No weights may be downloaded, so one is trained here, on the demo
-data, with a plain bf16-autocast + channels_last loop, and cached under
+data, with a plain fp32 loop, and cached under
 `torchspeed.runtime.cache_dir("models")`. The cache key is the demo data's name (its version and
 settings) plus a hash of this file (the recipe), so a changed recipe or data set builds afresh.
 
@@ -13,12 +13,18 @@ are still clear. Exported models have fixed spatial sizes, so accuracy is judged
 the inference benchmark times the same variants separately at 224x224 (see bench/suites/infer.py).
 Training precision: fp32, because on this CPU (AVX-512 bf16 dot products, no AMX) bf16 autocast
 training measured ~1.8x slower than fp32, and channels_last slower too.
+
+The demo data is held in memory as uint8 NCHW tensors; `DemoModel.batches` gives normalised batches
+of a split in a fixed order, `DemoModel.train_loader` shuffled and augmented ones (the augmentation of
+the recipe: random flips and translations, or random crops), and `DemoModel.evaluate` top-1 accuracy
+computed by `torchspeed.metrics`.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -34,11 +40,15 @@ import torch
 import torch.nn.functional as F
 
 from torchspeed.atomic import write_json
-from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
+from torchspeed.compress._progress import progress_fn
+from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD, scan_folder
+from torchspeed.metrics import correct_top1, top1_accuracy
 from torchspeed.runtime import cache_dir, seed_everything, usable_cores
 
-__all__ = ["DemoModel", "load_demo_model", "IMAGENET_MEAN", "IMAGENET_STD"]
+__all__ = ["DemoModel", "ImageTensorLoader", "load_demo_model", "demo_model_dir", "IMAGENET_MEAN", "IMAGENET_STD"]
 
+
+log = logging.getLogger(__name__)
 
 N_IMAGES = 4000        # demo_folder(4000): image i has label i % 10
 N_TRAIN = 3000         # the rest (1000) is the held-out split
@@ -80,17 +90,16 @@ class DemoModel:
             j = min(i + batch_size, n)
             yield self.normalise(images[i:j]), labels[i:j]
 
+    def train_loader(self, batch_size: int, crop: int | None = None, pad: int = 0, seed: int = 0
+                     ) -> ImageTensorLoader:
+        """Shuffled, augmented, normalised batches of the training split (see `ImageTensorLoader`)."""
+        return ImageTensorLoader(self.train_images, self.train_labels, batch_size, self.mean, self.std, crop=crop,
+                                 pad=pad, seed=seed)
+
     def evaluate(self, run: Callable[[torch.Tensor], Any], split: str = "heldout", batch_size: int = 64,
                  limit: int | None = None) -> float:
-        """Top-1 accuracy of `run(batch) -> logits` (tensor or ndarray) on a split."""
-        correct = total = 0
-        with torch.inference_mode():
-            for x, y in self.batches(split, batch_size, limit):
-                out = run(x)
-                out = torch.from_numpy(np.asarray(out)) if not isinstance(out, torch.Tensor) else out
-                correct += int((out.float().argmax(1) == y).sum())
-                total += len(y)
-        return correct / max(total, 1)
+        """Top-1 accuracy of `run(batch) -> logits` (tensor or ndarray) on a split (torchspeed.metrics)."""
+        return top1_accuracy(run, self.batches(split, batch_size, limit))
 
     def _split(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         if split == "heldout":
@@ -98,6 +107,36 @@ class DemoModel:
         if split == "train":
             return self.train_images, self.train_labels
         raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
+
+
+class ImageTensorLoader:
+    """Shuffled, augmented, normalised batches from uint8 NCHW images in memory: random horizontal
+    flip, random translation by up to `pad` pixels (reflect padding), or random `crop` x `crop`
+    crops. The same seed and epoch give the same batches, so the two arms of a comparison see
+    exactly the same data."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean: tuple, std: tuple,
+                 crop: int | None = None, pad: int = 0, seed: int = 0):
+        if crop is not None and crop > min(images.shape[-2:]):
+            raise ValueError(f"crop {crop} is larger than the images {tuple(images.shape[-2:])}")
+        self.images, self.labels, self.batch_size, self.crop, self.pad = images, labels, batch_size, crop, pad
+        self.mean = torch.tensor(mean).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(std).view(1, 3, 1, 1) * 255
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.images) // self.batch_size  # drop the last partial batch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(len(self.images), generator=gen)
+        for b in range(len(self)):
+            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            x = _augment(self.images[idx], gen, self.crop, self.pad)
+            yield (x.float() - self.mean) / self.std, self.labels[idx]
 
 
 def _normalise(images: torch.Tensor, mean, std) -> torch.Tensor:
@@ -135,29 +174,33 @@ def _load_image(path: str, size: int) -> np.ndarray:
 
 def _load_images(root: str, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The demo folder as (uint8 NCHW, int64 labels), ordered by image index (label = index % 10)."""
-    files: list[tuple[int, int, str]] = []
-    for label, cls in enumerate(sorted(os.listdir(root))):
-        for name in os.listdir(os.path.join(root, cls)):
-            files.append((int(name.split("_")[1].split(".")[0]), label, os.path.join(root, cls, name)))
-    files.sort()
+    _, samples = scan_folder(root)
+    files = sorted((int(os.path.basename(path).split("_")[1].split(".")[0]), label, path) for path, label in samples)
     # PIL releases the GIL while decoding and resizing, so threads use every core.
     with ThreadPoolExecutor(max(1, usable_cores())) as pool:
         arrays = list(pool.map(lambda f: _load_image(f[2], size), files, chunksize=32))
     return torch.from_numpy(np.stack(arrays)), torch.tensor([f[1] for f in files], dtype=torch.int64)
 
 
-def _augment(images: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random flip and translation (reflect-pad, crop). No colour jitter: hue is the label."""
-    n, _, h, w = images.shape
-    padded = F.pad(images.float(), (PAD, PAD, PAD, PAD), mode="reflect")
-    ys = torch.randint(0, 2 * PAD + 1, (n,), generator=gen).tolist()
-    xs = torch.randint(0, 2 * PAD + 1, (n,), generator=gen).tolist()
-    flip = (torch.rand(n, generator=gen) < 0.5).tolist()
-    crops = [padded[i, :, y:y + h, x:x + w] for i, (y, x) in enumerate(zip(ys, xs))]
-    return torch.stack([c.flip(2) if f else c for c, f in zip(crops, flip)])
+def _augment(x: torch.Tensor, gen: torch.Generator, crop: int | None = None, pad: int = 0) -> torch.Tensor:
+    """Random translation by up to `pad` pixels (reflect-pad, crop back to size; float result) or a
+    random `crop` x `crop` crop, then a random horizontal flip. No colour jitter: hue is the label."""
+    n, _, h, w = x.shape
+    if pad > 0:  # translation: reflect-pad, then crop back to the original size
+        x = F.pad(x.float(), (pad, pad, pad, pad), mode="reflect")
+        crop_h, crop_w = h, w
+        h, w = h + 2 * pad, w + 2 * pad
+    elif crop is not None:
+        crop_h = crop_w = crop
+    if pad > 0 or crop is not None:
+        top = torch.randint(0, h - crop_h + 1, (n,), generator=gen).tolist()
+        left = torch.randint(0, w - crop_w + 1, (n,), generator=gen).tolist()
+        x = torch.stack([x[i, :, top[i]:top[i] + crop_h, left[i]:left[i] + crop_w] for i in range(n)])
+    flip = torch.rand(n, generator=gen) < 0.5
+    return torch.where(flip.view(n, 1, 1, 1), x.flip(3), x)
 
 
-def _train(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, log: Callable[[str], None]
+def _train(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, say: Callable[[str], Any]
            ) -> list[dict[str, float]]:
     """Plain loop: SGD + nesterov, one-cycle LR, label smoothing, fp32, flip + translation."""
     gen = torch.Generator().manual_seed(SEED)
@@ -174,7 +217,7 @@ def _train(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, l
         t0, loss_sum, correct = time.perf_counter(), 0.0, 0
         for i in range(0, len(images), BATCH_SIZE):
             idx = order[i:i + BATCH_SIZE]
-            x = _normalise(_augment(images[idx], gen), IMAGENET_MEAN, IMAGENET_STD)
+            x = _normalise(_augment(images[idx], gen, pad=PAD), IMAGENET_MEAN, IMAGENET_STD)
             y = labels[idx]
             out = model(x)
             loss = F.cross_entropy(out, y, label_smoothing=LABEL_SMOOTHING)
@@ -183,11 +226,11 @@ def _train(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, l
             opt.step()
             sched.step()
             loss_sum += float(loss.detach()) * len(y)
-            correct += int((out.detach().argmax(1) == y).sum())
+            correct += correct_top1(out.detach(), y)
         row = {"epoch": epoch + 1, "train_loss": loss_sum / len(images), "train_acc": correct / len(images),
                "seconds": time.perf_counter() - t0}
         history.append(row)
-        log(f"epoch {epoch + 1}/{EPOCHS} at {INPUT_SIZE}px: loss {row['train_loss']:.3f}, "
+        say(f"epoch {epoch + 1}/{EPOCHS} at {INPUT_SIZE}px: loss {row['train_loss']:.3f}, "
             f"train acc {row['train_acc']:.3f} ({row['seconds']:.0f} s)")
     return history
 
@@ -205,21 +248,21 @@ def _build_lock(path: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build(final: str, data_root: str, log: Callable[[str], None]) -> None:
+def _build(final: str, data_root: str, say: Callable[[str], Any]) -> None:
     t0 = time.perf_counter()
     torch.set_num_threads(max(1, usable_cores()))
-    log(f"decoding {N_IMAGES} demo images at {INPUT_SIZE}px")
+    say(f"decoding {N_IMAGES} demo images at {INPUT_SIZE}px")
     images, labels = _load_images(data_root, INPUT_SIZE)
-    log(f"decoded in {time.perf_counter() - t0:.0f} s")
+    say(f"decoded in {time.perf_counter() - t0:.0f} s")
     if len(images) != N_IMAGES:
         raise ValueError(f"the demo folder {data_root!r} holds {len(images)} images, expected {N_IMAGES}; delete it to regenerate")
     seed_everything(SEED)
     model = _build_model()
-    history = _train(model, images[:N_TRAIN], labels[:N_TRAIN], log)
+    history = _train(model, images[:N_TRAIN], labels[:N_TRAIN], say)
     model = model.to(memory_format=torch.contiguous_format).eval()
     demo = DemoModel(model, images[:N_TRAIN], labels[:N_TRAIN], images[N_TRAIN:], labels[N_TRAIN:], INPUT_SIZE,
                      IMAGENET_MEAN, IMAGENET_STD, accuracy=0.0)
-    log("evaluating the fp32 model on the held-out split")
+    say("evaluating the fp32 model on the held-out split")
     accuracy = demo.evaluate(model)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=".build-")
     try:
@@ -235,14 +278,16 @@ def _build(final: str, data_root: str, log: Callable[[str], None]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"demo model built: held-out accuracy {accuracy:.3f} ({time.perf_counter() - t0:.0f} s)")
+    log.info("demo model built: held-out top-1 %.3f at %d px (%.0f s)", accuracy, INPUT_SIZE, time.perf_counter() - t0)
+    say(f"demo model built: held-out accuracy {accuracy:.3f} ({time.perf_counter() - t0:.0f} s)")
 
 
-def demo_model_dir(log: Callable[[str], None] | None = None) -> str:
-    """The cache directory of the built demo model (building it first if needed)."""
+def demo_model_dir(progress: bool | Callable[[str], Any] = False) -> str:
+    """The cache directory of the built demo model (building it first if needed; `progress`: True
+    prints the build's stages to stderr, a callable receives them)."""
     from torchspeed.data.demo import demo_folder
 
-    log = log or (lambda s: None)
+    say = progress_fn(progress)
     data_root = demo_folder(N_IMAGES)
     key = f"resnet18-{os.path.basename(data_root)}-{_recipe_hash()}"
     root = cache_dir("models")
@@ -250,16 +295,17 @@ def demo_model_dir(log: Callable[[str], None] | None = None) -> str:
     if not os.path.isfile(os.path.join(final, "meta.json")):
         with _build_lock(os.path.join(root, f".demo-{key}.lock")):
             if not os.path.isfile(os.path.join(final, "meta.json")):
-                _build(final, data_root, log)
+                _build(final, data_root, say)
     return final
 
 
-def load_demo_model(log: Callable[[str], None] | None = None) -> DemoModel:
+def load_demo_model(progress: bool | Callable[[str], Any] = False) -> DemoModel:
     """The trained demo ResNet-18 with its data split; built on first call (a few minutes), then cached.
 
+    `progress`: True prints the build's stages to stderr, a callable receives them.
     `model` is a fresh fp32 copy in eval mode on every call, so callers may modify it freely.
     """
-    path = demo_model_dir(log)
+    path = demo_model_dir(progress)
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
     model = _build_model()
@@ -275,5 +321,5 @@ def load_demo_model(log: Callable[[str], None] | None = None) -> DemoModel:
 
 
 if __name__ == "__main__":  # python -m torchspeed.bench.demo_model: build (if needed) and describe
-    d = load_demo_model(log=lambda s: print(s, flush=True))
+    d = load_demo_model(progress=lambda s: print(s, flush=True))
     print(f"held-out accuracy {d.accuracy:.3f} at {d.input_size}px; built in {d.info['build_seconds']:.0f} s")

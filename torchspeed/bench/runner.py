@@ -44,12 +44,12 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
         module = suites.load(name)
         t0 = time.perf_counter()
         with console.status(f"[{i}/{len(todo)}] {name}: starting") as status:
-            def step(text: str, _name: str = name, _i: int = i) -> None:
+            def progress(text: str, _name: str = name, _i: int = i) -> None:
                 elapsed = time.perf_counter() - t0
                 left = max(expected[_name] - elapsed, 0) + sum(expected[n] for n in todo[_i:])
                 status.update(f"[{_i}/{len(todo)}] {_name}: {text}  ({elapsed:.0f} s in suite, ~{left / 60:.1f} min left)")
             try:
-                results[name] = module.run(quick=quick, step=step)
+                results[name] = module.run(quick=quick, progress=progress)
             except Exception as e:  # one suite's failure must not lose the others
                 results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 console.print(f"[red]suite {name} failed:[/] {type(e).__name__}: {e}")

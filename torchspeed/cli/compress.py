@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="auto: time fp32 and the device's mixed precision, keep the faster (default auto)")
     p.add_argument("--device", default="cpu", help="device to measure on (default cpu; 'auto' picks a GPU if present)")
     p.add_argument("--repeats", type=positive_int, default=15, help="timed repeats per candidate (default 15)")
+    p.add_argument("--warmup", type=positive_int, default=3, help="untimed runs per candidate first (default 3)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+                   help="time 4-D inputs and models in channels_last memory format (default on)")
     add_json_option(p)
     p.set_defaults(func=run_select)
 
@@ -43,17 +46,15 @@ def run_select(args: argparse.Namespace) -> int:
 
     from torchspeed.compress.selection import select_backbone
 
-    names = [n.strip() for n in args.candidates.split(",") if n.strip()]
-    if not names:
-        raise ValueError("--candidates is empty: give comma-separated model names such as resnet18,mobilenet_v3_small")
     console = Console()
     with console.status("measuring") as status:
-        result = select_backbone(names, args.input_shape, budget_ms=args.budget_ms, batch_size=args.batch_size,
-                                 precision=args.precision, device=args.device, repeats=args.repeats,
+        result = select_backbone(args.candidates, args.input_shape, budget_ms=args.budget_ms,
+                                 batch_size=args.batch_size, precision=args.precision, device=args.device,
+                                 channels_last=args.channels_last, repeats=args.repeats, warmup=args.warmup,
                                  progress=status.update)
     result.print(console)
     if args.budget_ms is not None:
-        fit = [c.name for c in result.candidates if c.fits]
+        fit = [c.name for c in result.fitting]
         console.print(f"within {args.budget_ms:g} ms: {', '.join(fit) if fit else 'none'}")
     if args.json:
         from torchspeed.atomic import write_json

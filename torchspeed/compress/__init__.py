@@ -1,4 +1,5 @@
-"""Compression and model choice: structural pruning, knowledge distillation, backbone selection by latency.
+"""Compression and model choice: structural pruning, knowledge distillation, backbone selection by latency,
+BatchNorm statistics re-estimated on data.
 
 Modules are named pruning / distillation / selection so that importing one never shadows the
 function of the same name (`ts.compress.prune` is always the function).
@@ -20,6 +21,8 @@ _EXPORTS = {
     "DistillResult": "distillation",
     "select_backbone": "selection",
     "SelectResult": "selection",
+    "BackboneTiming": "selection",
+    "recalibrate_bn": "batchnorm",
     "count_params": "cost",
     "count_macs": "cost",
 }

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchspeed.runtime import synchronize
+from torchspeed.runtime import precision_dtype, synchronize
 
 __all__ = ["count_params", "count_macs", "inference_fn"]
 
@@ -46,7 +46,8 @@ def inference_fn(model: nn.Module, example_input: torch.Tensor, precision: str =
     if precision == "fp32":
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     elif precision in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        dtype = precision_dtype(precision)
+
         def autocast() -> contextlib.AbstractContextManager:
             return torch.autocast(device.type, dtype=dtype)
     else:

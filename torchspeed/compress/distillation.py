@@ -111,14 +111,14 @@ def _device_of(model: nn.Module) -> torch.device:
 
 def _fit(model: nn.Module, loss_fn: Any, train_loader: Iterable[Any], val_loader: Iterable[Any] | None,
          optimizer: torch.optim.Optimizer | None, lr: float, weight_decay: float, epochs: int, max_steps: int | None,
-         precision: str, callbacks: Sequence[Any] | None, resume: Any, device: Any,
+         precision: str, callbacks: Sequence[Any] | None, resume: Any, device: Any, progress: Any,
          trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
     from torchspeed.train import Trainer
 
     if optimizer is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay)
     trainer = Trainer(model, optimizer, loss_fn, precision=precision, callbacks=list(callbacks or []), device=device,
-                      **trainer_kwargs)
+                      progress=progress, **trainer_kwargs)
     metrics = dict(trainer.fit(train_loader, val_loader=val_loader, epochs=epochs, max_steps=max_steps, resume=resume)
                    or {})
     report = trainer.report
@@ -144,20 +144,22 @@ def distill(
     callbacks: Sequence[Any] | None = None,
     resume: Any = None,
     device: str | torch.device = "auto",
+    progress: bool | Callable[[str], Any] = True,
     **trainer_kwargs: Any,
 ) -> DistillResult:
     """Train `student` on `train_loader` against `teacher`'s softened outputs and the labels.
 
     `temperature` softens both distributions; `alpha` weighs the distillation term against
     cross-entropy. The optimizer defaults to SGD with Nesterov momentum at `lr`. Callbacks
-    (`ts.train.EarlyStopping`, `ts.train.Checkpoint`), `precision`, `resume` and further keyword
-    arguments go to `ts.train.Trainer` / `fit`. The teacher follows the inputs to the training device.
+    (`ts.train.EarlyStopping`, `ts.train.Checkpoint`), `precision`, `resume`, `progress` (the
+    Trainer's: True shows its progress, False nothing, or a callable) and further keyword arguments
+    go to `ts.train.Trainer` / `fit`. The teacher follows the inputs to the training device.
     """
     if not isinstance(student, nn.Module):
         raise ValueError(f"student must be an nn.Module, got {type(student).__name__}")
     loss = KDLoss(teacher, temperature=temperature, alpha=alpha)
     metrics = _fit(student, loss, train_loader, val_loader, optimizer, lr, weight_decay, epochs, max_steps,
-                   precision, callbacks, resume, device, trainer_kwargs)
+                   precision, callbacks, resume, device, progress, trainer_kwargs)
     return DistillResult(model=student, metrics=metrics)
 
 
@@ -176,16 +178,19 @@ def finetune(
     precision: str = "auto",
     callbacks: Sequence[Any] | None = None,
     device: str | torch.device = "auto",
+    progress: bool | Callable[[str], Any] = True,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Recover accuracy after pruning: a short run through the Trainer, with cross-entropy on the
     labels or, given a `teacher` (e.g. the unpruned model), distillation from it. Returns the metrics.
+    `progress` is the Trainer's (True shows its progress, False nothing, or a callable).
 
     Use between pruning steps: `prune(..., steps=3, finetune=lambda m, step: finetune(m, loader, max_steps=200))`.
     """
     if teacher is not None:
         return distill(teacher, model, train_loader, val_loader, temperature=temperature, alpha=alpha, epochs=epochs,
                        max_steps=max_steps, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
-                       precision=precision, callbacks=callbacks, device=device, **trainer_kwargs).metrics
+                       precision=precision, callbacks=callbacks, device=device, progress=progress,
+                       **trainer_kwargs).metrics
     return _fit(model, cross_entropy, train_loader, val_loader, optimizer, lr, weight_decay, epochs, max_steps,
-                precision, callbacks, None, device, trainer_kwargs)
+                precision, callbacks, None, device, progress, trainer_kwargs)

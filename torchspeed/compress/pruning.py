@@ -11,6 +11,7 @@ about what 64 do.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,10 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.measure import compare
+from torchspeed.compress._progress import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
+from torchspeed.measure import compare
 
 __all__ = ["PruneReport", "PruneResult", "prune", "output_layers", "IMPORTANCES"]
+
+log = logging.getLogger(__name__)
 
 # importance name -> (class name in torch_pruning.importance, kwargs): how a channel's worth is scored
 IMPORTANCES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -135,6 +139,7 @@ def prune(
     measure: bool = True,
     repeats: int = 10,
     inplace: bool = False,
+    progress: bool | Callable[[str], Any] = False,
 ) -> PruneResult:
     """Remove `ratio` of the channels of every prunable layer; return the smaller model and a report.
 
@@ -146,10 +151,12 @@ def prune(
     - `round_to`: keep channel counts multiples of this (None: exact ratio).
     - `eval_fn(model) -> metric` (higher is better) is recorded before and after, in the report.
     - `measure`: time the original and the pruned model on `example_input` (fp32, eval mode,
-      interleaved by torchspeed.measure).
+      interleaved by torchspeed.measure); the measured speed-up is logged at INFO on this module's logger.
+    - `progress`: True prints each stage to stderr; a callable receives those messages.
     The caller's model is left untouched unless `inplace=True`.
     """
     tp = _torch_pruning()
+    say = progress_fn(progress)
     if not isinstance(model, nn.Module):
         raise ValueError(f"prune() needs an nn.Module, got {type(model).__name__}")
     if not isinstance(example_input, torch.Tensor):
@@ -192,9 +199,11 @@ def prune(
         ignored_layers=keep, round_to=round_to, global_pruning=global_pruning,
     )
     for step in range(steps):
+        say(f"pruning step {step + 1}/{steps}: {importance} importance")
         work.eval()
         pruner.step()
         if finetune is not None:
+            say(f"fine-tuning after step {step + 1}/{steps}")
             finetune(work, step)
     work.eval()
     with torch.no_grad():
@@ -211,6 +220,7 @@ def prune(
         ignored=_module_names(work, keep),
     )
     if measure:
+        say("timing the original and the pruned model, interleaved")
         reference.eval()
         timing = compare({"original": inference_fn(reference, example_input), "pruned": inference_fn(work, example_input)},
                          repeats=repeats, warmup=3, min_time_s=0.02, device=example_input.device)
@@ -218,4 +228,5 @@ def prune(
         report.latency_after_ms = timing["pruned"].median_s * 1e3
         reference.train(was_training)
     work.train(was_training)
+    log.log(logging.INFO if measure else logging.DEBUG, "prune: %s", report)
     return PruneResult(model=work, report=report)

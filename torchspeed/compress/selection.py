@@ -7,27 +7,32 @@ through torchspeed.measure, all candidates interleaved in one run so background 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchspeed.measure import compare
-from torchspeed.tables import print_table
+from torchspeed.args import as_list
+from torchspeed.compress._progress import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
+from torchspeed.measure import compare
 from torchspeed.models import HOW_TO_NAME, create
-from torchspeed.runtime import default_precision, resolve_device
+from torchspeed.runtime import PRECISIONS, default_precision, resolve_device
+from torchspeed.tables import print_table
 
-__all__ = ["Candidate", "SelectResult", "select_backbone"]
+__all__ = ["BackboneTiming", "SelectResult", "select_backbone"]
+
+log = logging.getLogger(__name__)
 
 _HOW_TO_NAME = f"{HOW_TO_NAME}, or pass an nn.Module (a dict {{label: module}} names several)"
 
 
 @dataclass
-class Candidate:
-    """One measured candidate. `latency_ms` is the median (p50) per batch at the faster precision tried."""
+class BackboneTiming:
+    """One measured backbone. `latency_ms` is the median (p50) per batch at the faster precision tried."""
 
     name: str
     params: int
@@ -39,31 +44,40 @@ class Candidate:
     fits: bool | None  # within the budget (None when no budget was given)
     tried_ms: dict[str, float] = field(default_factory=dict)  # precision -> median ms
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
 
 @dataclass
 class SelectResult:
-    """Candidates ranked fastest first, with the settings they were measured at."""
+    """The measured backbones ranked fastest first (`table`), with the settings they were measured at."""
 
-    candidates: list[Candidate]
+    table: list[BackboneTiming]
     input_shape: tuple[int, ...]
     batch_size: int
     budget_ms: float | None
     device: str
 
     @property
-    def fastest(self) -> Candidate:
-        return self.candidates[0]
+    def best(self) -> BackboneTiming:
+        """The fastest backbone measured (within the budget whenever any backbone is)."""
+        return self.table[0]
 
     @property
-    def fitting(self) -> list[Candidate]:
-        """Candidates within the budget (all of them when no budget was given), fastest first."""
-        return [c for c in self.candidates if c.fits is not False]
+    def fastest(self) -> BackboneTiming:
+        """The same row as `best`: backbones are ranked by measured latency alone."""
+        return self.table[0]
+
+    @property
+    def fitting(self) -> list[BackboneTiming]:
+        """Backbones within the budget (all of them when no budget was given), fastest first."""
+        return [c for c in self.table if c.fits is not False]
 
     def rows(self) -> list[tuple[Any, ...]]:
         return [
             (c.name, f"{c.params / 1e6:.2f}", f"{c.macs / 1e9:.3f}", c.latency_ms, c.latency_p90_ms, c.throughput,
              c.precision, "-" if c.fits is None else ("yes" if c.fits else "no"))
-            for c in self.candidates
+            for c in self.table
         ]
 
     COLUMNS = ("model", "params M", "GMACs", "p50 ms", "p90 ms", "per s", "prec", "fits")
@@ -80,7 +94,8 @@ class SelectResult:
             "batch_size": self.batch_size,
             "budget_ms": self.budget_ms,
             "device": self.device,
-            "candidates": [asdict(c) for c in self.candidates],
+            "best": self.best.name,
+            "table": [c.to_dict() for c in self.table],
         }
 
 
@@ -104,7 +119,7 @@ def _label(candidate: Any, i: int) -> str:
 
 
 def select_backbone(
-    candidates: Sequence[str | nn.Module] | Mapping[str, str | nn.Module],
+    candidates: str | Sequence[str | nn.Module] | Mapping[str, str | nn.Module],
     input_shape: Sequence[int],
     budget_ms: float | None = None,
     batch_size: int | None = None,
@@ -113,19 +128,22 @@ def select_backbone(
     channels_last: bool = True,
     repeats: int = 15,
     warmup: int = 3,
-    progress: Any = None,
+    progress: bool | Callable[[str], Any] = False,
 ) -> SelectResult:
     """Measure untrained candidates at `input_shape` and rank them by median latency.
 
-    `candidates`: torchvision / timm names ('resnet18', 'timm:efficientnet_b0'), modules, or a dict
-    {label: name or module}. `input_shape` is (N, C, H, W); `batch_size`, when given, replaces N.
+    `candidates`: model names as a list or a comma string ('resnet18,timm:efficientnet_b0'; any name
+    `torchspeed.models.create` takes), modules, or a dict {label: name or module}. `input_shape` is (N, C, H, W); `batch_size`, when given, replaces N.
     `precision`: "auto" times fp32 and the device's mixed precision and keeps the faster for each
     candidate (the table says which); or one of "fp32", "bf16", "fp16". `budget_ms` marks which
-    candidates' p50 latency per batch fits. `progress(text)` is called as work proceeds.
+    candidates' p50 latency per batch fits. `progress`: True prints what is being done to stderr, a
+    callable receives those messages. The choice is logged at INFO on this module's logger.
     """
     shape, batch = _input_shape(input_shape, batch_size)
     if budget_ms is not None and not budget_ms > 0:
         raise ValueError(f"budget_ms must be a positive number of milliseconds, got {budget_ms!r}")
+    if isinstance(candidates, str):
+        candidates = as_list(candidates, name="candidates")
     items = list(candidates.items()) if isinstance(candidates, Mapping) else [(_label(c, i), c) for i, c in enumerate(candidates)]
     if not items:
         raise ValueError(f"select_backbone needs at least one candidate; {_HOW_TO_NAME}")
@@ -136,11 +154,11 @@ def select_backbone(
     if precision == "auto":
         mixed = default_precision(dev).name
         precisions = ["fp32"] + ([mixed] if mixed != "fp32" else [])
-    elif precision in ("fp32", "bf16", "fp16"):
+    elif precision in PRECISIONS:
         precisions = [precision]
     else:
-        raise ValueError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16', got {precision!r}")
-    say = progress or (lambda text: None)
+        raise ValueError(f"precision must be 'auto', {', '.join(repr(p) for p in PRECISIONS)}, got {precision!r}")
+    say = progress_fn(progress)
 
     x = torch.randn(shape, device=dev)
     if channels_last and x.dim() == 4:
@@ -149,7 +167,11 @@ def select_backbone(
     contenders = {}
     for label, cand in items:
         say(f"building {label}")
-        model = create(cand) if isinstance(cand, str) else cand
+        try:
+            model = create(cand) if isinstance(cand, str) else cand
+        except ValueError as e:  # the factory's message, plus what else select_backbone takes
+            raise ValueError(f"{e} (select_backbone also takes nn.Modules; a dict {{label: module}} names several)"
+                             ) from None
         if not isinstance(model, nn.Module):
             raise ValueError(f"candidate {label!r} is a {type(model).__name__}; {_HOW_TO_NAME}")
         model = model.to(dev).eval()
@@ -172,11 +194,19 @@ def select_backbone(
         best_p = min(timings, key=lambda p: timings[p].median_s)
         t = timings[best_p]
         latency = t.median_s * 1e3
-        ranked.append(Candidate(
+        ranked.append(BackboneTiming(
             name=label, params=sizes[label][0], macs=sizes[label][1], latency_ms=latency,
             latency_p90_ms=t.p90_s * 1e3, throughput=t.throughput or batch / t.median_s, precision=best_p,
             fits=None if budget_ms is None else latency <= budget_ms,
             tried_ms={p: tm.median_s * 1e3 for p, tm in timings.items()},
         ))
     ranked.sort(key=lambda c: c.latency_ms)
-    return SelectResult(candidates=ranked, input_shape=shape, batch_size=batch, budget_ms=budget_ms, device=str(dev))
+    result = SelectResult(table=ranked, input_shape=shape, batch_size=batch, budget_ms=budget_ms, device=str(dev))
+    best = result.best
+    budget = ("" if budget_ms is None else
+              f"; {len(result.fitting)} of {len(ranked)} within {budget_ms:g} ms")
+    others = ", ".join(f"{c.name} {c.latency_ms:.2f} ms" for c in ranked[1:])
+    log.info("select_backbone: fastest %s at %s, p50 %.2f ms per batch of %d on %s (%s params, %.3f GMACs per "
+             "sample)%s%s", best.name, best.precision, best.latency_ms, batch, dev, f"{best.params / 1e6:.2f}M",
+             best.macs / 1e9, budget, f"; then {others}" if others else "")
+    return result

@@ -3,7 +3,7 @@
 A suite module defines:
 
     TITLE: str                      # one line, e.g. "Data loading: images/s into the model"
-    def run(quick: bool, step: Callable[[str], None]) -> dict
+    def run(quick: bool, progress: bool | Callable[[str], None] = False) -> dict
 
 `run` returns the suite's JSON: the figures its issue names at the top level (e.g. `ratio`), plus
 `"rows"`, a list of table rows for the report, each a dict with
@@ -11,7 +11,8 @@ A suite module defines:
     ratio (float | None: speed-up over plain PyTorch, >1 is faster), cumulative (float | None),
     metric_drop (float | None: accuracy lost vs the fp32 baseline), what (str: one line, what it is)
 optionally "headline": True on the row that sums the suite up in the report's summary (default: the
-row with the largest cumulative or ratio), and optionally "notes" (list of str). `step(text)` reports progress ("packing the store").
+row with the largest cumulative or ratio), and optionally "notes" (list of str). `progress` follows the
+library's convention: a callable receives messages ("packing the store"), True prints them, False is silent.
 `quick=True` must keep the suite within its share of `torchspeed bench --quick`'s 8 minutes.
 """
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Compression benchmark: structural pruning + a short fine-tune, and knowledge distillation, on CPU.
 
 The teacher is the shared demo ResNet-18 (trained on the demo photos; evaluated, like every model
-here, in fp32 on the 1000 held-out images, whole, at its 224 px input size).
+here, in fp32 on the 1000 held-out images, whole, at its input size).
 
 - Pruning: 50% of the channels of every layer removed through Torch-Pruning's dependency graph
   (channel counts rounded to multiples of 8, the classifier's outputs kept), then a short
-  fine-tune through the Trainer, distilling from the unpruned model. Latency: batch 1 at 224 px,
-  fp32, original and pruned timed interleaved by torchspeed.measure.
+  fine-tune through the Trainer, distilling from the unpruned model. Latency: batch 1 at the demo
+  input size, fp32, original and pruned timed interleaved by torchspeed.measure.
 - Distillation: a half-width ResNet-18 (every layer's channels halved, randomly initialised)
   trained from scratch for the same steps on the same batches, once with the teacher (Hinton KD)
   and once on the labels alone, over several seeds; `kd_gain` is the mean held-out accuracy gain,
@@ -15,20 +15,19 @@ here, in fp32 on the 1000 held-out images, whole, at its 224 px input size).
 Training sees whole images at the demo model's input size with random flips and translations.
 Above MAX_TRAIN_SIDE px it would be too slow for a CPU, so it then trains on random native-scale
 crops (objects as many pixels wide as at test time; a convolutional net with global pooling applies
-unchanged to the whole image) and re-estimates BatchNorm statistics on whole images afterwards. The
-first run of each part lets the Trainer measure its settings ("auto"); the later runs of that part
-reuse what it chose, so trials are paid once.
+unchanged to the whole image) and re-estimates BatchNorm statistics on whole images afterwards
+(`torchspeed.compress.recalibrate_bn`). The first run of each part lets the Trainer measure its
+settings ("auto"); the later runs of that part reuse what it chose, so trials are paid once.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 TITLE = "Compression: pruning + fine-tune, knowledge distillation (CPU, at the demo model's input size)"
@@ -42,68 +41,6 @@ MAX_TRAIN_SIDE = 96    # larger demo images are trained on crops of this side
 BATCH = 64
 BN_RECALIB = 512       # whole training images used to re-estimate BatchNorm statistics
 TEMPERATURE, ALPHA = 4.0, 0.5
-
-
-class ImageTensorLoader:
-    """Shuffled, augmented, normalised batches from uint8 NCHW images in memory: random horizontal
-    flip, random translation by up to `pad` pixels (reflect padding), or random `crop` x `crop`
-    crops. The same seed and epoch give the same batches, so the two arms of a comparison see
-    exactly the same data."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean: tuple, std: tuple,
-                 crop: int | None = None, pad: int = 0, seed: int = 0):
-        if crop is not None and crop > min(images.shape[-2:]):
-            raise ValueError(f"crop {crop} is larger than the images {tuple(images.shape[-2:])}")
-        self.images, self.labels, self.batch_size, self.crop, self.pad = images, labels, batch_size, crop, pad
-        self.mean = torch.tensor(mean).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(std).view(1, 3, 1, 1) * 255
-        self.seed, self.epoch = seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return len(self.images) // self.batch_size  # drop the last partial batch
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        order = torch.randperm(len(self.images), generator=gen)
-        for b in range(len(self)):
-            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
-            x = _augment(self.images[idx], gen, self.crop, self.pad)
-            yield (x.float() - self.mean) / self.std, self.labels[idx]
-
-
-def _augment(x: torch.Tensor, gen: torch.Generator, crop: int | None, pad: int) -> torch.Tensor:
-    n, _, h, w = x.shape
-    if pad > 0:  # translation: reflect-pad, then crop back to the original size
-        x = F.pad(x.float(), (pad, pad, pad, pad), mode="reflect")
-        crop_h, crop_w = h, w
-        h, w = h + 2 * pad, w + 2 * pad
-    elif crop is not None:
-        crop_h = crop_w = crop
-    if pad > 0 or crop is not None:
-        top = torch.randint(0, h - crop_h + 1, (n,), generator=gen).tolist()
-        left = torch.randint(0, w - crop_w + 1, (n,), generator=gen).tolist()
-        x = torch.stack([x[i, :, top[i]:top[i] + crop_h, left[i]:left[i] + crop_w] for i in range(n)])
-    flip = torch.rand(n, generator=gen) < 0.5
-    return torch.where(flip.view(n, 1, 1, 1), x.flip(3), x)
-
-
-def recalibrate_bn(model: nn.Module, batches: Iterator[tuple[torch.Tensor, Any]]) -> None:
-    """Re-estimate BatchNorm running statistics (forward only) on the given batches: after training
-    on crops, the statistics of whole images differ (the borders)."""
-    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None  # cumulative average over all batches
-    model.train()
-    with torch.no_grad():
-        for x, _ in batches:
-            model(x)
-    for m in bns:
-        m.momentum = 0.1
-    model.eval()
 
 
 def half_width_resnet18(num_classes: int, example: torch.Tensor) -> nn.Module:
@@ -152,11 +89,10 @@ def _train(model: nn.Module, demo: Any, steps: int, lr: float, seed: int, teache
            setup: dict[str, Any] | None) -> dict[str, Any]:
     """`steps` SGD steps on crops (distilled from `teacher` if given), BatchNorm re-estimated on whole
     images, then held-out top-1 (fp32, whole 224 px images)."""
-    from torchspeed.compress import finetune
+    from torchspeed.compress import finetune, recalibrate_bn
 
     crop = MAX_TRAIN_SIDE if demo.input_size > MAX_TRAIN_SIDE else None
-    loader = ImageTensorLoader(demo.train_images, demo.train_labels, BATCH, demo.mean, demo.std, crop=crop,
-                               pad=0 if crop else max(1, demo.input_size // 12), seed=seed)
+    loader = demo.train_loader(BATCH, crop=crop, pad=0 if crop else max(1, demo.input_size // 12), seed=seed)
     opt, sched = _sgd(model, lr, steps)
     t0 = time.perf_counter()
     metrics = finetune(model, loader, max_steps=steps, epochs=math.ceil(steps / len(loader)), teacher=teacher,
@@ -175,28 +111,29 @@ def _batched_speedup(original: nn.Module, pruned: nn.Module, x: torch.Tensor, re
     from torchspeed.measure import compare
     from torchspeed.compress.cost import inference_fn
 
-    original.eval(), pruned.eval()
+    original.eval()
+    pruned.eval()
     c = compare({"original": inference_fn(original, x), "pruned": inference_fn(pruned, x)}, repeats=repeats,
                 warmup=2, items=len(x), unit="img")
     return {"batch": len(x), "original_ms": c["original"].median_s * 1e3, "pruned_ms": c["pruned"].median_s * 1e3,
             "speedup": c.speedup("pruned")}
 
 
-def _prune_part(demo: Any, quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+def _prune_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, Any]:
     from torchspeed.compress import prune
 
     steps = FINETUNE_STEPS[0 if quick else 1]
     size = demo.input_size
-    step(f"pruning {PRUNE_RATIO:.0%} of channels, timing both models")
+    say(f"pruning {PRUNE_RATIO:.0%} of channels, timing both models")
     t0 = time.perf_counter()
     small, report = prune(demo.model, torch.randn(1, 3, size, size), PRUNE_RATIO, importance="l1", round_to=8,
                           repeats=10 if quick else 30)
     prune_s = time.perf_counter() - t0
-    step(f"timing both models at batch {BATCH}")
+    say(f"timing both models at batch {BATCH}")
     batched = _batched_speedup(demo.model, small, torch.randn(BATCH, 3, size, size), repeats=5 if quick else 15)
-    step("held-out accuracy of the pruned model before fine-tuning")
+    say("held-out accuracy of the pruned model before fine-tuning")
     acc_pruned = demo.evaluate(small)
-    step(f"fine-tuning the pruned model ({steps} steps, distilled from the original)")
+    say(f"fine-tuning the pruned model ({steps} steps, distilled from the original)")
     ft = _train(small, demo, steps, lr=0.02, seed=0, teacher=demo.model, setup=None)
     return {
         "report": report.to_dict(), "batched": batched, "acc_before": demo.accuracy, "acc_pruned_no_finetune": acc_pruned,
@@ -204,7 +141,7 @@ def _prune_part(demo: Any, quick: bool, step: Callable[[str], None]) -> dict[str
     }
 
 
-def _kd_part(demo: Any, quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+def _kd_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, Any]:
     from torchspeed.runtime import seed_everything
 
     steps, seeds = KD_STEPS[0 if quick else 1], KD_SEEDS[0 if quick else 1]
@@ -214,7 +151,7 @@ def _kd_part(demo: Any, quick: bool, step: Callable[[str], None]) -> dict[str, A
     for seed in range(seeds):
         row: dict[str, Any] = {"seed": seed}
         for arm in ("alone", "distilled"):
-            step(f"seed {seed + 1}/{seeds}: half-width student, {arm} ({steps} steps)")
+            say(f"seed {seed + 1}/{seeds}: half-width student, {arm} ({steps} steps)")
             seed_everything(seed)  # the same initial weights for both arms of a seed
             student = half_width_resnet18(10, example)
             r = _train(student, demo, steps, lr=0.1, seed=seed, teacher=demo.model if arm == "distilled" else None,
@@ -232,14 +169,16 @@ def _kd_part(demo: Any, quick: bool, step: Callable[[str], None]) -> dict[str, A
     }
 
 
-def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
     from torchspeed.bench.demo_model import load_demo_model
+    from torchspeed.compress._progress import progress_fn
 
-    step("loading the demo model (built once, a few minutes)")
-    demo = load_demo_model(log=step)
+    say = progress_fn(progress)
+    say("loading the demo model (built once, a few minutes)")
+    demo = load_demo_model(progress=say)
     t0 = time.perf_counter()
-    p = _prune_part(demo, quick, step)
-    kd = _kd_part(demo, quick, step)
+    p = _prune_part(demo, quick, say)
+    kd = _kd_part(demo, quick, say)
     r = p["report"]
     speedup = r["latency_before_ms"] / r["latency_after_ms"]
     drop = p["acc_before"] - p["acc_after"]

@@ -78,7 +78,7 @@ def _torchvision(folder: str) -> Any:
     from torchvision import datasets
     from torchvision import transforms as T
 
-    from torchspeed.data import IMAGENET_MEAN, IMAGENET_STD
+    from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 
     tf = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(),
                     T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
@@ -96,26 +96,28 @@ def _check_output(name: str, batch: Any) -> None:
                            f"not the benchmark's float32 NCHW batch")
 
 
-def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
 
+    from torchspeed.compress._progress import progress_fn
     from torchspeed.measure import time_iterable
     from torchspeed.data import fast_loader, pack, tune_loader
     from torchspeed.data.demo import demo_folder
     from torchspeed.data.tune import _shutdown
     from torchspeed.runtime import usable_cores
 
+    say = progress_fn(progress)
     cores = usable_cores()
     pass_s, tune_s = (1.0, 0.3) if quick else (5.0, 1.0)
     n_images = 1000 if quick else 4000
-    step("demo photos (generated once)")
+    say("demo photos (generated once)")
     src = demo_folder(4000)
     if quick:
         src = _subset_folder(src, n_images)
-    step("resized copy of the folder (short side 160, cached)")
+    say("resized copy of the folder (short side 160, cached)")
     resized = _resized_folder(src, SHORT_SIDE)
-    step("extra stores for the comparison rows (cached)")
+    say("extra stores for the comparison rows (cached)")
     raw_store = _cached_store(src, f"raw{SHORT_SIDE}", short_side=SHORT_SIDE, format="raw")
     full_store = _cached_store(src, "jpeg-full", short_side=None, format="jpeg", quality=90)
 
@@ -123,7 +125,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     results: dict[str, Any] = {"images": n_images, "batch_size": BATCH, "crop": CROP, "short_side": SHORT_SIDE}
     work = tempfile.mkdtemp(prefix="torchspeed-bench-data-")
     try:
-        step(f"packing {n_images} images (short side {SHORT_SIDE}, JPEG q90)")
+        say(f"packing {n_images} images (short side {SHORT_SIDE}, JPEG q90)")
         report = pack(src, os.path.join(work, "store"), short_side=SHORT_SIDE, format="jpeg", quality=90, progress=False)
         results["pack_s"] = round(report.seconds, 2)
         store = report.dst
@@ -139,8 +141,8 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
                               persistent_workers=workers > 0)
 
         def tuned_workers(folder: str) -> int:
-            step(f"tuning torchvision num_workers on {os.path.basename(folder)}")
-            s = tune_loader(_torchvision(folder), BATCH, max_workers=cores, seconds=tune_s, device="cpu",
+            say(f"tuning torchvision num_workers on {os.path.basename(folder)}")
+            s = tune_loader(_torchvision(folder), BATCH, num_workers=list(range(cores + 1)), seconds=tune_s, device="cpu",
                             prefetch_factors=(2,), persistent=(True,))
             return s.num_workers
 
@@ -151,7 +153,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         w_resized = tuned_workers(resized)
         add("baseline_resized", plain(resized, w_resized),
             f"the same tuned loader (num_workers={w_resized}) on a folder resized offline to short side {SHORT_SIDE}")
-        step("torchspeed: choosing decoder and num_workers (measured)")
+        say("torchspeed: choosing decoder and num_workers (measured)")
         ts_loader = fast_loader(store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
                                 tune_seconds=tune_s)
         settings, decoder, decoder_table = ts_loader.settings, ts_loader.decoder, ts_loader.decoder_table
@@ -175,7 +177,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         timings: dict[str, list[Any]] = {name: [] for name in contenders}
         for r in range(3):
             for name, (loader, _) in contenders.items():
-                step(f"round {r + 1}/3: {name}")
+                say(f"round {r + 1}/3: {name}")
                 timings[name].append(time_iterable(lambda: loader, name=name, warmup_items=1, passes=1,
                                                    min_pass_s=pass_s, unit="img"))
         rates = {name: sorted(t.rates[0] for t in ts) for name, ts in timings.items()}
@@ -198,7 +200,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
         raw_img_s=raw, no_offline_resize_img_s=noresize, folder_img_s=folder,
         ratio_vs_tuned=fast / tuned, ratio_vs_resized=fast / base_resized, ratio_vs_baseline=fast / base,
         decoder=decoder, decoder_table=decoder_table, num_workers=w, threads=threads, baseline_tuned_workers=w_tuned,
-        baseline_resized_workers=w_resized, torchspeed_tuning=settings.table, rows=rows,
+        baseline_resized_workers=w_resized, torchspeed_tuning=[r.to_dict() for r in settings.table], rows=rows,
         notes=[f"pack of {n_images} images to the short-side-{SHORT_SIDE} JPEG store took {results['pack_s']:.1f} s (one-off)",
                f"torch {torch.__version__}; passes of >= {pass_s} s, median of 3"],
     )

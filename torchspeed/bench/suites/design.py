@@ -91,11 +91,13 @@ def _holds(name: str, med: list[float]) -> bool:
     return med[0] <= min(med[1:]) and med[-1] > med[0]
 
 
-def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
     import torch
 
+    from torchspeed.compress._progress import progress_fn
     from torchspeed.runtime import seed_everything
 
+    say = progress_fn(progress)
     seed_everything(0)
     batch = 1
     # quick: 28x28 maps, short repeats; full: the paper's 56x56 with longer, more repeats
@@ -104,19 +106,19 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(torch, quick, step, batch, hw, warm, reps, min_t, cool)
+        return _run(torch, quick, say, batch, hw, warm, reps, min_t, cool)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(torch: Any, quick: bool, step: Callable[[str], None], batch: int, hw: int, warm: int, reps: int,
+def _run(torch: Any, quick: bool, say: Callable[[str], Any], batch: int, hw: int, warm: int, reps: int,
          min_t: float, cool: float) -> dict[str, Any]:
     from torchspeed.measure import compare
 
     rows: list[dict[str, Any]] = []
     experiments: dict[str, Any] = {}
     for name, exp in _models(torch).items():
-        step(f"{name.upper()}: {exp['guideline']}")
+        say(f"{name.upper()}: {exp['guideline']}")
         inputs = {k: torch.randn(batch, c, hw, hw) for k, c in zip(exp["models"], exp["input_channels"])}
         flops = {}
         for k, m in exp["models"].items():

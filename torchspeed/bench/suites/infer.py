@@ -26,7 +26,7 @@ ROWS = (
     ("ONNX Runtime fp32", "onnxruntime fp32", "ONNX (dynamo exporter), ORT CPU, fp32"),
     ("ONNX Runtime INT8", "onnxruntime int8", "ORT quantize_static QDQ per-channel U8S8, min-max"),
     ("ONNX Runtime INT8 dynamic", "onnxruntime int8 dynamic", "ORT quantize_dynamic (MatMul/Gemm)"),
-    ("OpenVINO f32", "openvino f32", "OpenVINO CPU, INFERENCE_PRECISION_HINT=f32"),
+    ("OpenVINO fp32", "openvino fp32", "OpenVINO CPU, INFERENCE_PRECISION_HINT=f32"),
     ("OpenVINO bf16", "openvino bf16", "OpenVINO CPU, INFERENCE_PRECISION_HINT=bf16"),
     ("OpenVINO INT8", "openvino int8", "NNCF nncf.quantize (PTQ), OpenVINO CPU"),
 )
@@ -42,15 +42,17 @@ def _models(quick: bool) -> list[tuple[str, Callable[[], Any]]]:
     ]
 
 
-def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
     import torch
 
     from torchspeed.bench.demo_model import load_demo_model
+    from torchspeed.compress._progress import progress_fn
     from torchspeed.infer.search import optimize
     from torchspeed.runtime import usable_cores
 
-    step("loading the demo model (built once, a few minutes, on first use)")
-    demo = load_demo_model(log=step)
+    say = progress_fn(progress)
+    say("loading the demo model (built once, a few minutes, on first use)")
+    demo = load_demo_model(progress=say)
     size = 224
     calib_small = list(demo.batches("train", 32, limit=64 if quick else 256))
     calib = [torch.nn.functional.interpolate(x, size=(224, 224), mode="bilinear", align_corners=False)
@@ -66,21 +68,20 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     if quick:
         notes.append("--quick: torch.compile skipped (about a minute of compiling per model here)")
     for name, make in _models(quick):
-        step(f"{name}: building and verifying variants")
+        say(f"{name}: building and verifying variants")
         arch = {"source": "torchvision", "name": "resnet18", "kwargs": {"num_classes": 10}} if make is None else None
         model = demo.model if make is None else make()
         example = torch.randn(1, 3, size, size)
         res = optimize(model, example, calib_data=calib, max_metric_drop=0.01, backends=backends,
                        batch_sizes=(1, 8), repeats=3 if quick else 7, arch=arch,
-                       log=lambda s, n=name: step(f"{n} at 224: {s}"))
+                       progress=lambda s, n=name: say(f"{n} at 224: {s}"))
         if make is None:  # the accuracy guard, at the size the demo model was trained at
             s_ = demo.input_size
             guard = optimize(model, torch.randn(1, 3, s_, s_), calib_data=calib_small,
                              eval_fn=lambda run: demo.evaluate(run, "heldout", 100, limit=n_eval),
                              max_metric_drop=0.01, backends=backends, batch_sizes=(8,), measure=False, arch=arch,
-                             log=lambda s, n=name: step(f"{n} accuracy guard at {s_}px: {s}"))
-            _merge_guard(res, guard)
-            res.best = res.fastest(res.batch_sizes[0])
+                             progress=lambda s, n=name: say(f"{n} accuracy guard at {s_}px: {s}"))
+            _merge_guard(res, guard)  # res.best (a property) now counts the guard's verdicts
             results[f"{name}_guard_{s_}px"] = guard.to_dict()
         results[name] = res.to_dict()
         for b in (1, 8):
@@ -100,13 +101,13 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
                 status = "" if c.passed else f" [{c.status}: {c.reason}]"
                 rows.append(_row(f"{name} b{b}: {label}", lat, base / lat["p50_ms"], c.metric_drop, c.rel_l2_error,
                                  what + status))
-            best = res.fastest(b)
+            best = res.fastest_at(b)
             if best is not None:
                 rows.append(_row(f"{name} b{b}: torchspeed best", best.latency_ms[b], base / best.p50_ms(b),
                                  best.metric_drop, best.rel_l2_error, f"= {best.name}"))
                 rows[-1]["headline"] = (name, b) == ("resnet18", 8)  # the key figure
             if b == 1 and best is not None:
-                any_fast = res.fastest(1, passed_only=False)
+                any_fast = res.fastest_at(1, passed_only=False)
                 notes.append(f"{name} batch 1: chosen {best.name} p50 {best.p50_ms(1):.2f} ms; fastest of all "
                              f"{any_fast.name} {any_fast.p50_ms(1):.2f} ms "
                              f"({(best.p50_ms(1) / any_fast.p50_ms(1) - 1) * 100:+.0f}%)")

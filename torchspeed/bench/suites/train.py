@@ -32,8 +32,10 @@ def _torchvision_dataset(folder: str, indices: list[int]) -> Any:
     from torchvision import datasets
     from torchvision import transforms as T
 
+    from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
+
     tf = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     ds = datasets.ImageFolder(folder, tf)
     return torch.utils.data.Subset(ds, indices) if len(indices) < len(ds) else ds
 
@@ -102,6 +104,8 @@ def _hand_loop(model: Any, opt: Any, source: Callable[[], Any], k: int, precisio
     import torch
     import torch.nn.functional as F
 
+    from torchspeed.runtime import precision_dtype
+
     model.train()
 
     def chunk() -> None:
@@ -110,7 +114,7 @@ def _hand_loop(model: Any, opt: Any, source: Callable[[], Any], k: int, precisio
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             if precision != "fp32":
-                with torch.autocast(x.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16):
+                with torch.autocast(x.device.type, dtype=precision_dtype(precision)):
                     loss = F.cross_entropy(model(x), y)
             else:
                 loss = F.cross_entropy(model(x), y)
@@ -191,11 +195,12 @@ def _early_stopping(quick: bool) -> dict[str, Any]:
             "final_val_loss_full_run": full[-1], "patience": 10, "reason": es.reason}
 
 
-def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
+def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
     from torchvision.models import resnet18
 
+    from torchspeed.compress._progress import progress_fn
     from torchspeed.measure import compare, time_callable
     from torchspeed.data import fast_loader, tune_loader
     from torchspeed.data.demo import demo_folder
@@ -207,13 +212,13 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
     k, repeats = (2, 3) if quick else (4, 5)
     phases: dict[str, float] = {}
     clock = {"name": "start", "t": time.perf_counter()}
-    outer_step = step
+    report_progress = progress_fn(progress)
 
     def step(text: str) -> None:  # also records how long each phase took (results["phase_s"])
         now = time.perf_counter()
         phases[clock["name"]] = round(phases.get(clock["name"], 0.0) + now - clock["t"], 1)
         clock.update(name=text, t=now)
-        outer_step(text)
+        report_progress(text)
 
     device = torch.device("cpu")  # the suite measures the CPU path here; CUDA runs use the same code
     if torch.cuda.is_available():
@@ -263,7 +268,7 @@ def run(quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
                     "fp32, NCHW, torchvision ImageFolder + PIL transforms, num_workers=0, hand-written loop")
     # 2. + tuned loader (num_workers etc. measured by tune_loader)
     step("tuning the torchvision DataLoader (num_workers, prefetch; measured)")
-    s = tune_loader(_torchvision_dataset(folder, indices), BATCH, max_workers=usable_cores(),
+    s = tune_loader(_torchvision_dataset(folder, indices), BATCH, num_workers=list(range(usable_cores() + 1)),
                     seconds=0.5 if quick else 1.0, device=device, prefetch_factors=(2,), persistent=(True,))
     m, o = fresh()
     measure("+ tuned loader", _hand_loop(m, o, to_dev(_Stream(plain_loader(s.num_workers, pin_memory=s.pin_memory))),
