@@ -1,5 +1,6 @@
 """Trainer, accelerate and EarlyStopping: behaviour on tiny CPU tasks (seconds, not minutes)."""
 import json
+import logging
 import math
 
 import pytest
@@ -150,7 +151,7 @@ def test_early_stopping_stops_the_trainer_at_the_right_check():
     # lr=0: validation loss is flat from the first check, so patience=2 stops at check 3
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.functional.cross_entropy,
                  callbacks=[Count(), EarlyStopping(patience=2)], **FIXED)
-    out = tr.fit(_data(64), _data(64), epochs=20)
+    out = tr.fit(_data(64), _data(64, shuffle=False), epochs=20)  # unshuffled: the same float sums every check
     assert len(checks) == 3 and out["epochs"] == 3 and out["stopped_early"]
 
 
@@ -251,3 +252,171 @@ def test_accelerate_tries_compile_and_reports_its_cost():
     assert hasattr(acc.model, "_orig_mod") == acc.report.compile and acc.module is model
     out = acc.model(next(iter(_data()))[0])
     assert out.shape == (32, 2)
+
+
+# ------------------------------------------------------------------ the plain-loop API: backward / step
+def _hand_and_accelerated(precision, seed=0):
+    """Two identical nets and plain SGD optimizers: one for a hand-written loop, one through accelerate()."""
+    hand, mine = _net(seed), _net(seed)
+    ho = torch.optim.SGD(hand.parameters(), lr=0.1, momentum=0.9)
+    mo = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+    acc = accelerate(mine, mo, precision=precision, channels_last=False, compile=False, fused_optimizer=False)
+    return hand, ho, acc
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_backward_and_step_give_the_hand_loops_losses_gradients_and_weights(precision):
+    hand, ho, acc = _hand_and_accelerated(precision)
+    model, opt = acc
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    for x, y in list(_data(96, shuffle=False)):
+        with torch.autocast("cpu", dtype=dtype, enabled=precision != "fp32"):
+            ref = nn.functional.cross_entropy(hand(x), y)
+        ref.backward()
+        with acc.autocast():
+            loss = nn.functional.cross_entropy(model(acc.prepare_input(x)), acc.prepare_input(y))
+        acc.backward(loss)
+        assert torch.equal(loss.detach(), ref.detach())
+        for a, b in zip(hand.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        ho.step()
+        ho.zero_grad(set_to_none=True)
+        assert acc.step(opt) is True  # taken (no GradScaler here)
+        assert all(p.grad is None for p in model.parameters())  # step() clears the gradients
+    for a, b in zip(hand.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_step_clips_the_gradient_norm_before_stepping():
+    hand, ho, acc = _hand_and_accelerated("fp32", seed=4)
+    model, opt = acc
+    x, y = next(iter(_data(32, shuffle=False)))
+    before = [p.detach().clone() for p in model.parameters()]
+    nn.functional.cross_entropy(hand(x), y).backward()
+    total = torch.nn.utils.clip_grad_norm_(hand.parameters(), 1e-3)
+    assert total > 1e-2  # so the clipping below really changes the step
+    ho.step()
+    with acc.autocast():
+        loss = nn.functional.cross_entropy(model(x), y)
+    acc.backward(loss)
+    assert acc.step(max_grad_norm=1e-3)  # the optimizer given to accelerate() is the default
+    for a, b in zip(hand.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm()
+    assert moved <= 0.1 * 1e-3 * (1 + 1e-5)  # lr x max_grad_norm
+
+
+# ------------------------------------------------------------------ a model accelerate() prepared, given to the Trainer
+def test_trainer_takes_a_prepared_model_without_measuring_again(monkeypatch):
+    from torchspeed.train import acceleration
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    acc = accelerate(model, opt, example_batch=next(iter(_data())), loss_fn=nn.functional.cross_entropy,
+                     trial_steps=1, untried={"compile": "test budget"})
+    timers = []
+    real_init = acceleration._StepTimer.__init__
+    monkeypatch.setattr(acceleration._StepTimer, "__init__",
+                        lambda self, *a, **kw: (timers.append(1), real_init(self, *a, **kw))[1])
+    m, o = acc
+    tr = Trainer(m, o, nn.functional.cross_entropy, progress=False)
+    before = tr.evaluate(_data())["val_loss"]
+    out = tr.fit(_data(), _data(), epochs=2)
+    assert timers == [] and tr.report is acc.report  # no trials: the same report, the same choices
+    assert tr.model is m and tr.module is model and tr.optimizer is opt
+    assert out["val_loss"] < before
+    # the Accelerated itself, the optimizer taken from it
+    tr2 = Trainer(acc, loss_fn=nn.functional.cross_entropy, progress=False)
+    assert tr2.acc is acc and tr2.optimizer is opt
+    tr2.fit(_data(64), epochs=1)
+    assert timers == []
+    # a setting that contradicts the preparation is an error, not silently ignored
+    other = "fp32" if acc.report.precision != "fp32" else "bf16"
+    with pytest.raises(ValueError, match=f"prepared by accelerate\\(\\) with precision={acc.report.precision}"):
+        Trainer(m, o, nn.functional.cross_entropy, precision=other)
+    # the Trainer's own preparation is not taken for a user's: a new Trainer prepares the model afresh
+    plain = _net()
+    tr3 = Trainer(plain, torch.optim.SGD(plain.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED)
+    tr3.fit(_data(64), epochs=1)
+    assert acceleration.Accelerated.of(plain) is None
+
+
+def test_trainer_takes_a_wrapped_model_that_accelerate_returned():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m, o = accelerate(model, opt, precision="fp32", channels_last=False, compile=True)
+    assert hasattr(m, "_orig_mod")  # torch.compile's wrapper (compiles lazily, on the first call)
+    tr = Trainer(m, o, nn.functional.cross_entropy, progress=False)  # no "already wrapped" error
+    assert tr.model is m and tr.module is model and tr.report.compile
+    with pytest.raises(ValueError, match="already wrapped"):
+        accelerate(m, o, precision="fp32", channels_last=False, compile=False)
+
+
+# ------------------------------------------------------------------ the loss stays on the device
+class _CountedLoss(torch.Tensor):
+    """A loss tensor that counts every read to the host (and keeps doing so through detach/stack/...)."""
+
+    reads: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("item", "__float__", "tolist", "cpu", "numpy", "__bool__", "__int__",
+                                             "__format__"):
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_loss_is_read_at_logging_points_not_every_step(tmp_path):
+    _CountedLoss.reads = []
+    model = _net()
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out, y: nn.functional.cross_entropy(
+        out, y).as_subclass(_CountedLoss), log_every_n_steps=4, log_path=tmp_path / "m.jsonl", **FIXED)
+    out = tr.fit(_data(256), epochs=2)  # 8 steps per epoch
+    assert out["step"] == 16
+    # reading points: steps 4, 8, 12 and 16, one transfer each (the epoch ends at 8 and 16 find nothing unread)
+    assert len(_CountedLoss.reads) == 4, _CountedLoss.reads
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 8, 8, 12, 16, 16]  # every 4 steps, and each epoch's row
+    assert all(math.isfinite(r["train_loss"]) for r in rows)
+
+
+def test_a_nan_loss_found_later_still_names_its_step():
+    model = _Poison(at=2)
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                 log_every_n_steps=4, **FIXED)
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 2 \(epoch 1, batch 2\).*read every"):
+        tr.fit(_data(), epochs=1)
+    assert tr.global_step == 4  # found at the reading point after step 4
+
+
+def test_progress_callable_receives_short_lines():
+    lines = []
+    model = _net()
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                 precision="fp32", channels_last=False, compile=False, progress=lines.append, log_every_n_steps=4)
+    tr.fit(_data(256), _data(64), epochs=1)
+    assert lines[0].startswith("epoch 1 step 4 loss ") and lines[1].startswith("epoch 1 step 8 loss ")
+    assert lines[2].startswith("epoch 1 step 8 train_loss ") and "val_loss" in lines[2]
+    assert lines[-1].startswith("done: 8 steps")
+    with pytest.raises(ValueError, match="progress must be"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, progress="yes")
+
+
+# ------------------------------------------------------------------ logging
+def test_accelerate_logs_one_info_line_per_setting(caplog):
+    model = _net()
+    with caplog.at_level(logging.INFO, logger="torchspeed.train.acceleration"):
+        acc = accelerate(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=next(iter(_data())),
+                         loss_fn=nn.functional.cross_entropy, trial_steps=1, untried={"compile": "test budget"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchspeed.train.acceleration"]
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "torchspeed.train.acceleration")
+    settings = list(dict.fromkeys(c.setting for c in acc.report.candidates))
+    assert len(lines) == len(settings)
+    for setting, line in zip(settings, lines):
+        assert f", {setting}: " in line
+    measured = [c for c in acc.report.candidates if c.step_s is not None]
+    assert measured
+    joint = next(line for line in lines if f", {measured[0].setting}: " in line)
+    for c in measured:  # every option with its median and its decision
+        assert f"{c.value} {c.step_s * 1e3:.1f} ms ({c.decision})" in joint
+    assert "compile: True (not tried: test budget)" in next(line for line in lines if ", compile: " in line)

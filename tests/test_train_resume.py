@@ -185,17 +185,14 @@ def test_keep_last_and_bad_resume_paths(task, tmp_path):
                 compile=False, progress=False).fit(train, epochs=1, resume="last")
 
 
-def test_fast_loader_mid_epoch_resume(tmp_path):
-    data = pytest.importorskip("torchspeed.data")
-    if not hasattr(data, "fast_loader"):
-        pytest.skip("fast_loader not built yet")
+def test_fast_loader_mid_epoch_resume(tmp_path, photo_folder):
     from torch import nn
 
-    folder = data.make_photo_folder(tmp_path / "img", 40, n_classes=4, size=(40, 30))
+    from torchspeed.data import fast_loader
 
     def build(ckdir):
         seed_everything(0)
-        loader = data.fast_loader(str(folder), 8, train=True, crop=16, device="cpu", num_workers=0, seed=3)
+        loader = fast_loader(str(photo_folder), 8, train=True, crop=16, device="cpu", num_workers=0, seed=3)
         model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         return Trainer(model, opt, nn.functional.cross_entropy, precision="fp32", channels_last=False, compile=False,

@@ -4,41 +4,58 @@
 public function ts.train.accelerate once imported.)
 
 Each "auto" setting is decided by timing a few real training steps (forward, loss, backward) of the
-user's model on an example batch, and a candidate is kept only when it is faster by a clear margin;
+user's model on an example batch, and an option is kept only when it is faster by a clear margin;
 one-off costs (torch.compile's compile time) are charged against the expected length of the run.
-The model's weights, buffers and RNG state are restored after the trials, so trying candidates
-changes nothing about training. The report lists every candidate with its figures and decision.
+The model's weights, buffers and RNG state are restored after the trials, so trying options
+changes nothing about training. The report lists every option as a `Trial` row with its figures and
+decision, and each setting's outcome is logged as one INFO line on this module's logger.
+
+`accelerate` runs four steps in order, one function each: the precision and memory-format trials
+(`_choose_precision_and_layout`), the compile trial (`_choose_compile`), the distributed wrapper
+(`_wrap_for_strategy`) and the optimizer implementation (`_choose_optimizer_implementation`). The
+`Accelerated` it returns runs the training step the chosen way: `autocast()`, `backward(loss)`,
+`step(optimizer)`.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchspeed.runtime import default_precision, resolve_device, rng_state, set_rng_state, synchronize
+from torchspeed.batches import split_batch, to_device
+from torchspeed.runtime import (
+    PRECISIONS,
+    default_precision,
+    precision_dtype,
+    resolve_device,
+    rng_state,
+    set_rng_state,
+    synchronize,
+)
 from torchspeed.train import distributed
 
-__all__ = ["accelerate", "Accelerated", "AccelerateReport", "Candidate", "autocast_for", "to_device"]
+__all__ = ["accelerate", "Accelerated", "AccelerateReport", "Trial", "autocast_for"]
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class Candidate:
-    """One measured (or deliberately untried) option of one setting."""
+class Trial:
+    """One row of the report: one option of one setting, measured (or deliberately not tried)."""
 
-    setting: str                  # "precision" | "channels_last" | "compile" | "optimizer" | "strategy"
+    setting: str                  # "precision" | "channels_last" | "precision+channels_last" | "compile" | ...
     value: str
     step_s: float | None = None   # median measured step (forward + loss + backward), seconds
     one_off_s: float = 0.0        # one-off cost, e.g. compile time
-    decision: str = ""            # "kept", "rejected: ...", "not tried: ...", "given", ...
+    decision: str = ""            # "kept", "baseline", "rejected: ...", "not tried: ...", "given", ...
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,7 +63,7 @@ class Candidate:
 
 @dataclass
 class AccelerateReport:
-    """What accelerate() chose and every candidate it measured."""
+    """What accelerate() chose, and every option it considered (`candidates`, a list of `Trial` rows)."""
 
     device: str
     precision: str = "fp32"
@@ -54,7 +71,7 @@ class AccelerateReport:
     compile: bool = False
     strategy: str | None = None
     optimizer: str = "unchanged"
-    candidates: list[Candidate] = field(default_factory=list)
+    candidates: list[Trial] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -76,7 +93,15 @@ class AccelerateReport:
 
 @dataclass
 class Accelerated:
-    """The prepared model and optimizer (unpack: `model, optimizer = acc`) plus how to run them."""
+    """The prepared model and optimizer (unpack: `model, optimizer = acc`) plus how to run a step.
+
+    A plain training loop with the chosen settings::
+
+        with acc.autocast():
+            loss = loss_fn(model(acc.prepare_input(x)), y)
+        acc.backward(loss)      # scaled by the GradScaler under fp16
+        acc.step(optimizer)     # unscale, optional clipping, step, scaler update, zero_grad
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
@@ -101,28 +126,93 @@ class Accelerated:
         return autocast_for(self.device, self.report.precision)
 
     def prepare_input(self, x: Any) -> Any:
+        """Inputs moved to the device, 4-D float tensors in the chosen memory format."""
         return to_device(x, self.device, self.report.channels_last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, with the loss scaled by the GradScaler under fp16 (small fp16 gradients
+        would underflow to zero otherwise). For gradient accumulation, divide the loss by the number
+        of micro-batches and call backward on each; then one `step()`."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer | None = None, max_grad_norm: float | None = None) -> bool:
+        """One optimizer step on the gradients `backward()` left, then clear them (set to None).
+
+        Under fp16 the gradients are unscaled before clipping (so `max_grad_norm` applies to the
+        true gradients), the GradScaler skips a step whose gradients hold inf/NaN and adjusts its
+        scale. `max_grad_norm` clips the total norm of the optimizer's parameters' gradients.
+        Returns True when the step was taken, False when the scaler skipped it (read from the
+        scaler's own inf check; no extra device read outside fp16).
+        """
+        opt = optimizer if optimizer is not None else self.optimizer
+        if opt is None:
+            raise ValueError("Accelerated.step() needs the optimizer (none was given to accelerate())")
+        scaler = self.scaler
+        if max_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(_parameters(opt), max_grad_norm)
+        stepped = True
+        if scaler is not None:
+            scaler.step(opt)
+            # The scaler's own inf/NaN finding for this step (its per-optimizer state, cleared by
+            # update()); scaler.step already waited for it unless the optimizer is fused.
+            found = scaler._found_inf_per_device(opt)
+            stepped = not any(bool(v) for v in found.values())
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return stepped
+
+    @classmethod
+    def of(cls, model: Any) -> Accelerated | None:
+        """The preparation accelerate() made for `model` when `model` is what it returned, else None.
+
+        (The Trainer uses this to take a prepared model as it is instead of measuring again.)"""
+        if isinstance(model, Accelerated):
+            return model
+        try:
+            rec = _PREPARED.get(model)
+        except TypeError:  # not weak-referenceable: not ours
+            return None
+        if rec is None:
+            return None
+        module, optimizer = rec.module(), rec.optimizer() if rec.optimizer is not None else None
+        if module is None:
+            return None
+        return cls(model=model, optimizer=optimizer, report=rec.report, device=rec.device, module=module,
+                   scaler=rec.scaler)
+
+
+@dataclass
+class _Prepared:
+    """What accelerate() decided for a model it returned, held without keeping the model alive."""
+
+    report: AccelerateReport
+    device: torch.device
+    scaler: Any
+    module: weakref.ref[nn.Module]
+    optimizer: weakref.ref[torch.optim.Optimizer] | None
+
+
+# model returned by accelerate() -> its preparation; entries go when the model is garbage-collected
+_PREPARED: weakref.WeakKeyDictionary[nn.Module, _Prepared] = weakref.WeakKeyDictionary()
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """torch.autocast at `precision` on `device` (a no-op context for fp32)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_DTYPES[precision])
-
-
-def to_device(x: Any, device: torch.device, channels_last: bool | None = None) -> Any:
-    """Move a tensor (or a tuple/list/dict of them) to `device`; 4-D float tensors to NHWC (True) or
-    NCHW (False) memory format, left as they are with None (a no-op when already in that format)."""
-    if isinstance(x, torch.Tensor):
-        x = x.to(device, non_blocking=True)
-        if channels_last is not None and x.dim() == 4 and x.is_floating_point():
-            x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        return x
-    if isinstance(x, (list, tuple)):
-        return type(x)(to_device(v, device, channels_last) for v in x)
-    if isinstance(x, dict):
-        return {k: to_device(v, device, channels_last) for k, v in x.items()}
-    return x
+    return torch.autocast(device.type, dtype=precision_dtype(precision))
 
 
 def _default_loss(outputs: Any, targets: Any) -> torch.Tensor:
@@ -134,16 +224,17 @@ def _default_loss(outputs: Any, targets: Any) -> torch.Tensor:
     return out.float().mean()
 
 
-class _Trial:
-    """Times training steps of a model on one batch and restores everything it touched afterwards."""
+class _StepTimer:
+    """Times training steps (forward, loss, backward) of a model on one example batch."""
 
-    def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None,
-                 device: torch.device, steps: int):
-        self.model, self.device, self.steps = model, device, steps
+    def __init__(self, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, steps: int):
+        self.device, self.steps = device, steps
         self.loss_fn = loss_fn or _default_loss
-        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-            raise ValueError("example_batch must be (inputs, targets), e.g. one batch from the training loader")
-        self.inputs, self.targets = batch[0], batch[1]
+        try:
+            self.inputs, self.targets = split_batch(batch)
+        except ValueError:
+            raise ValueError("example_batch must be (inputs, targets) (or a dict batch), e.g. one batch from the "
+                             "training loader") from None
 
     def step_fn(self, model: nn.Module, precision: str, channels_last: bool) -> Callable[[], None]:
         x = to_device(self.inputs, self.device, channels_last)
@@ -171,18 +262,36 @@ class _Trial:
         return t.median_s, first
 
     def compare(self, steps: dict[str, Callable[[], None]]) -> dict[str, float]:
-        """Median step seconds of each candidate, timed interleaved (drifts hit all alike)."""
+        """Median step seconds of each option, timed interleaved (drifts hit all alike)."""
         from torchspeed.measure import compare
 
         c = compare(steps, warmup=1, repeats=self.steps, cooldown_s=0.05, device=self.device)
         return {name: c[name].median_s for name in steps}
 
 
+@contextlib.contextmanager
+def _leaving_no_trace(model: nn.Module) -> Iterator[None]:
+    """Trials run real training steps; afterwards put back the weights, buffers (BatchNorm
+    statistics), gradients, every RNG and train/eval mode, so trying options changes nothing."""
+    saved_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved_rng = rng_state()
+    was_training = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.load_state_dict(saved_state)
+        set_rng_state(saved_rng)
+        for p in model.parameters():
+            p.grad = None
+        model.train(was_training)
+
+
 def _margin_ok(base: float, new: float, margin: float) -> bool:
     return new < base * (1.0 - margin)
 
 
-def _precision_candidates(device: torch.device) -> list[str]:
+def _precision_options(device: torch.device) -> list[str]:
     best = default_precision(device).name
     return ["fp32"] if best == "fp32" else ["fp32", best]
 
@@ -191,24 +300,137 @@ def _has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) for m in model.modules())
 
 
-def _prefer_fused(optimizer: torch.optim.Optimizer, device: torch.device, dtensor: bool) -> str:
-    """Switch a fresh optimizer to its fused (else foreach) implementation, in place; say what was done."""
-    if optimizer.state:
-        return "unchanged (optimizer already has state)"
-    groups = optimizer.param_groups
-    if not groups or any("foreach" not in g for g in groups):
-        return "unchanged (no fused/foreach implementation)"
-    if "fused" in groups[0] and not dtensor and device.type in ("cpu", "cuda") and all(
-            p.is_floating_point() and p.device.type == device.type for g in groups for p in g["params"]):
-        if not any(g.get("differentiable") or g.get("capturable") for g in groups):
-            for g in groups:
-                g["fused"], g["foreach"] = True, False
-            optimizer._step_supports_amp_scaling = True  # as a fused optimizer built with fused=True
-            return "fused"
-    for g in groups:
-        if not g.get("fused"):
-            g["foreach"] = True
-    return "foreach"
+def _check_arguments(model: Any, precision: str, channels_last: Any, compile: Any, strategy: Any) -> None:  # noqa: A002
+    """Refuse bad settings before anything is moved or measured."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if precision not in ("auto", *PRECISIONS):
+        raise ValueError(f"precision must be 'auto', 'bf16', 'fp16' or 'fp32', got {precision!r}")
+    for name, v in (("channels_last", channels_last), ("compile", compile)):
+        if v not in ("auto", True, False):
+            raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
+    if strategy not in ("auto", "ddp", "fsdp", None, "none"):
+        raise ValueError(f"strategy must be 'auto', 'ddp', 'fsdp' or None, got {strategy!r}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        raise ValueError("model is already wrapped (DDP or torch.compile); pass the plain nn.Module to accelerate(), "
+                         "or pass the Accelerated that accelerate() returned (or its model) to the Trainer")
+
+
+def _resolve_strategy(strategy: str | None, dev: torch.device,
+                      untried: dict[str, str]) -> tuple[distributed.DistEnv, torch.device, str | None]:
+    """The process group first (under torchrun it also fixes this rank's device), then the wrapper
+    that will actually be used: DDP or FSDP only exist in a torchrun launch."""
+    denv, dev = distributed.setup(dev) if strategy in ("auto", "ddp", "fsdp") else (distributed.env(), dev)
+    if strategy in ("ddp", "fsdp") and not denv.distributed:
+        untried.setdefault("strategy", f"{strategy} needs a torchrun launch (WORLD_SIZE > 1)")
+        return denv, dev, None
+    if strategy == "auto":
+        return denv, dev, "ddp" if denv.distributed else None
+    return denv, dev, None if strategy == "none" else strategy
+
+
+def _choose_precision_and_layout(model: nn.Module, timer: _StepTimer | None, precision: str,
+                                 channels_last: bool | str, dev: torch.device, margin: float,
+                                 rows: list[Trial]) -> tuple[str, bool, float | None]:
+    """Precision and memory format, searched jointly: on CPUs bf16 may only pay off in NHWC (oneDNN
+    reorders NCHW bf16 activations), so a one-axis-at-a-time search could miss the best pair. The
+    plain way (fp32 when auto, NCHW when auto) is the baseline; another pair is kept only when it is
+    `margin` faster. Returns (precision, channels_last, measured step seconds of the choice or None)."""
+    precs = _precision_options(dev) if precision == "auto" else [precision]
+    layouts = [bool(channels_last)] if channels_last != "auto" else [False, True]
+    if channels_last == "auto" and not (_has_conv(model) and isinstance(timer.inputs, torch.Tensor)
+                                        and timer.inputs.dim() == 4):
+        layouts = [False]
+        rows.append(Trial("channels_last", "True", decision="not tried: no 2-D convolutions / 4-D input"))
+    precision_given = "given" if precision != "auto" else f"kept ({default_precision(dev).reason})"
+    if len(precs) * len(layouts) == 1:
+        rows.append(Trial("precision", precs[0], decision=precision_given))
+        if channels_last != "auto":
+            rows.append(Trial("channels_last", str(layouts[0]), decision="given"))
+        return precs[0], layouts[0], None
+
+    nhwc = copy.deepcopy(model).to(memory_format=torch.channels_last) if True in layouts else None
+    label = "+".join(n for n, many in (("precision", len(precs) > 1), ("channels_last", len(layouts) > 1)) if many)
+
+    def name(p: str, cl: bool) -> str:
+        return "+".join(v for v, many in ((p, len(precs) > 1), ("NHWC" if cl else "NCHW", len(layouts) > 1)) if many)
+
+    combos = {name(p, cl): (p, cl) for p in precs for cl in layouts}
+    times = timer.compare({n: timer.step_fn(nhwc if cl else model, p, cl) for n, (p, cl) in combos.items()})
+    del nhwc
+    base = name(precs[0], layouts[0])
+    best = min(times, key=times.__getitem__)
+    chosen = best if best != base and _margin_ok(times[base], times[best], margin) else base
+    for n, t in times.items():
+        why = "kept" if n == chosen else "baseline" if n == base else (
+            f"rejected: not {margin:.0%} faster than {base}" if n == best else f"rejected: slower than {chosen}")
+        rows.append(Trial(label, n, t, decision=why))
+    prec, cl = combos[chosen]
+    if len(precs) == 1:
+        rows.append(Trial("precision", prec, decision=precision_given))
+    if len(layouts) == 1 and channels_last != "auto":
+        rows.append(Trial("channels_last", str(cl), decision="given"))
+    return prec, cl, times[chosen]
+
+
+def _choose_compile(model: nn.Module, timer: _StepTimer | None, compile: bool | str,  # noqa: A002
+                    report: AccelerateReport, base_step: float | None, expected_steps: int | None,
+                    margin: float, min_compile_cost_s: float, untried: dict[str, str]) -> nn.Module | None:
+    """torch.compile only where it pays: its one-off compile time is charged against the expected
+    run, and a run too short to repay a typical compile (`min_compile_cost_s`) does not try it.
+    Sets report.compile; returns the compiled model when the trial kept it (reused, not recompiled)."""
+    rows = report.candidates
+    if compile != "auto":
+        report.compile = bool(compile)
+        rows.append(Trial("compile", str(report.compile), decision="given"))
+        return None
+    if "compile" in untried:
+        rows.append(Trial("compile", "True", decision=f"not tried: {untried['compile']}"))
+        return None
+    if base_step is None:
+        base_step, _ = timer.measure(timer.step_fn(model, report.precision, report.channels_last))
+    steps = expected_steps or 0
+    rows.append(Trial("compile", "False", base_step))
+    if steps and steps * base_step < min_compile_cost_s:
+        rows[-1].decision = "kept"
+        rows.append(Trial("compile", "True", decision=(
+            f"not tried: expected run ~{steps * base_step:.0f} s is too short to repay a compile "
+            f"(typically >= {min_compile_cost_s:.0f} s)")))
+        return None
+    compiled = _try_compile(model, timer, report.precision, report.channels_last, base_step, steps, margin, rows)
+    report.compile = compiled is not None
+    return compiled
+
+
+def _try_compile(model: nn.Module, timer: _StepTimer, precision: str, cl: bool, base_step: float, steps: int,
+                 margin: float, rows: list[Trial]) -> nn.Module | None:
+    """Compile, time, and keep only if the saving over the expected run repays the compile time."""
+    try:
+        compiled = torch.compile(model)
+        t_c, first = timer.measure(timer.step_fn(compiled, precision, cl))
+    except Exception as e:  # a model the compiler cannot handle is a rejected option, not a crash
+        rows[-1].decision = "kept"
+        rows.append(Trial("compile", "True", decision=f"rejected: compile failed ({type(e).__name__}: {e})"[:200]))
+        return None
+    one_off = max(0.0, first - t_c)
+    saving = (base_step - t_c) * steps if steps else None
+    if not _margin_ok(base_step, t_c, margin):
+        why = f"rejected: step not {margin:.0%} faster"
+    elif saving is not None and saving <= one_off:
+        why = f"rejected: saves {saving:.0f} s over {steps} steps, compile costs {one_off:.0f} s"
+    else:
+        why = "kept"
+    rows[-1].decision = "baseline" if why == "kept" else "kept"
+    rows.append(Trial("compile", "True", t_c, one_off, why))
+    return compiled if why == "kept" else None
+
+
+def _agree_across_ranks(report: AccelerateReport, model: nn.Module) -> None:
+    """Every rank must make the same choices, whatever its own timings said: rank 0's win."""
+    p_idx, cl, co = distributed.broadcast_ints(
+        [PRECISIONS.index(report.precision), int(report.channels_last), int(report.compile)])
+    report.precision, report.channels_last, report.compile = PRECISIONS[p_idx], bool(cl), bool(co)
+    model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: nn.Module) -> None:
@@ -229,6 +451,65 @@ def _fsdp_wrap(module: nn.Module) -> nn.Module:
             fully_shard(child)
     fully_shard(module)
     return module
+
+
+def _wrap_for_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy_eff: str | None,
+                       asked: str | None, dev: torch.device, denv: distributed.DistEnv,
+                       untried: dict[str, str], rows: list[Trial]) -> nn.Module:
+    """DDP or FSDP2 as asked (not measured: one process per device is the way to use several).
+    FSDP replaces the parameters by shards, so the optimizer is pointed at the new ones."""
+    if strategy_eff == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        rows.append(Trial("strategy", "ddp", decision=f"kept: torchrun world of {denv.world_size}"))
+        return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if strategy_eff == "fsdp":
+        names = {id(p): n for n, p in model.named_parameters()}
+        wrapped = _fsdp_wrap(model)
+        if optimizer is not None:
+            _rebind_optimizer(optimizer, names, model)
+        rows.append(Trial("strategy", "fsdp", decision=f"kept: fully_shard over {denv.world_size} ranks"))
+        return wrapped
+    if "strategy" in untried:
+        rows.append(Trial("strategy", str(asked), decision=f"not used: {untried['strategy']}"))
+    return model
+
+
+def _choose_optimizer_implementation(optimizer: torch.optim.Optimizer, device: torch.device, dtensor: bool) -> str:
+    """Switch a fresh optimizer to its fused (else foreach) implementation, in place; say what was done.
+
+    Not measured: one kernel over all parameters is never slower than a Python loop over them, and
+    the math is the same. An optimizer with state already is left as it is."""
+    if optimizer.state:
+        return "unchanged (optimizer already has state)"
+    groups = optimizer.param_groups
+    if not groups or any("foreach" not in g for g in groups):
+        return "unchanged (no fused/foreach implementation)"
+    if "fused" in groups[0] and not dtensor and device.type in ("cpu", "cuda") and all(
+            p.is_floating_point() and p.device.type == device.type for g in groups for p in g["params"]):
+        if not any(g.get("differentiable") or g.get("capturable") for g in groups):
+            for g in groups:
+                g["fused"], g["foreach"] = True, False
+            optimizer._step_supports_amp_scaling = True  # as a fused optimizer built with fused=True
+            return "fused"
+    for g in groups:
+        if not g.get("fused"):
+            g["foreach"] = True
+    return "foreach"
+
+
+def _log_choices(rows: Iterable[Trial], device: str) -> None:
+    """One INFO line per setting: every option with its measured median step and its decision."""
+    by_setting: dict[str, list[Trial]] = {}
+    for r in rows:
+        by_setting.setdefault(r.setting, []).append(r)
+    for setting, trials in by_setting.items():
+        parts = []
+        for t in trials:
+            figures = "" if t.step_s is None else f" {t.step_s * 1e3:.1f} ms"
+            figures += f" + {t.one_off_s:.1f} s one-off" if t.one_off_s else ""
+            parts.append(f"{t.value}{figures} ({t.decision})")
+        log.info("accelerate on %s, %s: %s", device, setting, "; ".join(parts))
 
 
 def accelerate(
@@ -254,177 +535,53 @@ def accelerate(
     precision: "auto" | "bf16" | "fp16" | "fp32" (mixed precision keeps fp32 weights and autocasts;
     fp16 brings a GradScaler on CUDA). channels_last / compile: "auto" | True | False. strategy:
     "auto" (DDP under torchrun, else none) | "ddp" | "fsdp" | None. "auto" settings need
-    `example_batch` = (inputs, targets); a candidate must beat the current choice by `margin`
+    `example_batch` = (inputs, targets); an option must beat the current choice by `margin`
     (fraction of step time). Compile's one-off cost must be repaid within `expected_steps` steps;
     with an expected run shorter than `min_compile_cost_s` it is not tried. `untried` maps a setting
     name to the reason it is deliberately not tried (e.g. {"compile": "quick mode budget"}).
+
+    The model returned can be given to `Trainer` as it is (or the `Accelerated` itself): the
+    Trainer then uses these choices and does not measure again.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if precision not in ("auto", *_PRECISIONS):
-        raise ValueError(f"precision must be 'auto', 'bf16', 'fp16' or 'fp32', got {precision!r}")
-    for name, v in (("channels_last", channels_last), ("compile", compile)):
-        if v not in ("auto", True, False):
-            raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
-    if strategy not in ("auto", "ddp", "fsdp", None, "none"):
-        raise ValueError(f"strategy must be 'auto', 'ddp', 'fsdp' or None, got {strategy!r}")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
-        raise ValueError("model is already wrapped (DDP or torch.compile); pass the plain nn.Module to accelerate()")
+    _check_arguments(model, precision, channels_last, compile, strategy)
     untried = dict(untried or {})
-    dev = resolve_device(device)
-    denv, dev = distributed.setup(dev) if strategy in ("auto", "ddp", "fsdp") else (distributed.env(), dev)
-    if strategy in ("ddp", "fsdp") and not denv.distributed:
-        strategy_eff = None
-        untried.setdefault("strategy", f"{strategy} needs a torchrun launch (WORLD_SIZE > 1)")
-    else:
-        strategy_eff = ("ddp" if denv.distributed else None) if strategy == "auto" else (
-            None if strategy == "none" else strategy)
+    denv, dev, strategy_eff = _resolve_strategy(strategy, resolve_device(device), untried)
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = not torch.are_deterministic_algorithms_enabled()  # static shapes: autotune
     model.to(dev)
     report = AccelerateReport(device=str(dev), strategy=strategy_eff)
-    cands = report.candidates
 
-    compiled: nn.Module | None = None
     needs_trials = "auto" in (precision, channels_last, compile)
-    trial = None
     if needs_trials and example_batch is None:
         raise ValueError("accelerate(): an 'auto' setting needs example_batch=(inputs, targets) to measure "
-                         "candidates on; pass one batch, or give precision/channels_last/compile explicitly")
-    if needs_trials:
-        trial = _Trial(model, example_batch, loss_fn, dev, trial_steps)
-        saved_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        saved_rng = rng_state()
-        was_training = model.training
-        model.train()
-
-    try:
-        # 1-2. precision and memory format, searched jointly: on CPUs bf16 may only pay off in NHWC
-        # (oneDNN reorders NCHW bf16 activations), so a one-axis-at-a-time search could miss the best pair.
-        if precision == "fp16" and dev.type != "cuda":
-            raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
-        precs = _precision_candidates(dev) if precision == "auto" else [precision]
-        layouts = [bool(channels_last)] if channels_last != "auto" else [False, True]
-        if channels_last == "auto" and not (_has_conv(model) and isinstance(trial.inputs, torch.Tensor)
-                                            and trial.inputs.dim() == 4):
-            layouts = [False]
-            cands.append(Candidate("channels_last", "True", decision="not tried: no 2-D convolutions / 4-D input"))
-        base_step = None
-        if len(precs) * len(layouts) > 1:
-            nhwc = copy.deepcopy(model).to(memory_format=torch.channels_last) if True in layouts else None
-            label = "+".join(n for n, many in (("precision", len(precs) > 1), ("channels_last", len(layouts) > 1))
-                             if many)
-
-            def name(p: str, cl: bool) -> str:
-                return "+".join(v for v, many in ((p, len(precs) > 1), ("NHWC" if cl else "NCHW", len(layouts) > 1))
-                                if many)
-
-            combos = {name(p, cl): (p, cl) for p in precs for cl in layouts}
-            times = trial.compare({n: trial.step_fn(nhwc if cl else model, p, cl) for n, (p, cl) in combos.items()})
-            del nhwc
-            base = name(precs[0], layouts[0])  # fp32 (when auto) in NCHW (when auto): the plain way
-            best = min(times, key=times.__getitem__)
-            chosen_name = best if best != base and _margin_ok(times[base], times[best], margin) else base
-            for n, t in times.items():
-                why = "kept" if n == chosen_name else "baseline" if n == base else (
-                    f"rejected: not {margin:.0%} faster than {base}" if n == best else
-                    f"rejected: slower than {chosen_name}")
-                cands.append(Candidate(label, n, t, decision=why))
-            chosen, report.channels_last = combos[chosen_name]
-            base_step = times[chosen_name]
-            if len(precs) == 1:
-                cands.append(Candidate("precision", chosen, decision="given" if precision != "auto" else
-                                       f"kept ({default_precision(dev).reason})"))
-            if len(layouts) == 1 and channels_last != "auto":
-                cands.append(Candidate("channels_last", str(report.channels_last), decision="given"))
-        else:
-            chosen, report.channels_last = precs[0], layouts[0]
-            reason = "given" if precision != "auto" else f"kept ({default_precision(dev).reason})"
-            cands.append(Candidate("precision", chosen, decision=reason))
-            if channels_last != "auto":
-                cands.append(Candidate("channels_last", str(report.channels_last), decision="given"))
-        report.precision = chosen
+                         "options on; pass one batch, or give precision/channels_last/compile explicitly")
+    if precision == "fp16" and dev.type != "cuda":
+        raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
+    timer = _StepTimer(example_batch, loss_fn, dev, trial_steps) if needs_trials else None
+    with _leaving_no_trace(model) if timer is not None else contextlib.nullcontext():
+        report.precision, report.channels_last, base_step = _choose_precision_and_layout(
+            model, timer, precision, channels_last, dev, margin, report.candidates)
         model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
-
-        # 3. compile: one-off compile time charged against the expected run
-        if compile == "auto":
-            if "compile" in untried:
-                cands.append(Candidate("compile", "True", decision=f"not tried: {untried['compile']}"))
-            else:
-                if base_step is None:
-                    base_step, _ = trial.measure(trial.step_fn(model, chosen, report.channels_last))
-                steps = expected_steps or 0
-                cands.append(Candidate("compile", "False", base_step))
-                if steps and steps * base_step < min_compile_cost_s:
-                    cands[-1].decision = "kept"
-                    cands.append(Candidate("compile", "True", decision=(
-                        f"not tried: expected run ~{steps * base_step:.0f} s is too short to repay a compile "
-                        f"(typically >= {min_compile_cost_s:.0f} s)")))
-                else:
-                    compiled = _try_compile(model, trial, chosen, report.channels_last, base_step, steps,
-                                            margin, cands)
-                    report.compile = compiled is not None
-        else:
-            report.compile = bool(compile)
-            cands.append(Candidate("compile", str(report.compile), decision="given"))
-    finally:
-        if trial is not None:
-            model.load_state_dict(saved_state)
-            set_rng_state(saved_rng)
-            for p in model.parameters():
-                p.grad = None
-            model.train(was_training)
-
-    # Every rank must make the same choices, whatever its own timings said.
+        compiled = _choose_compile(model, timer, compile, report, base_step, expected_steps, margin,
+                                   min_compile_cost_s, untried)
     if denv.distributed:
-        p_idx, cl, co = distributed.broadcast_ints(
-            [_PRECISIONS.index(report.precision), int(report.channels_last), int(report.compile)])
-        report.precision, report.channels_last, report.compile = _PRECISIONS[p_idx], bool(cl), bool(co)
-        model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
+        _agree_across_ranks(report, model)
 
-    module = model
-    wrapped: nn.Module = model
-    names = {id(p): n for n, p in model.named_parameters()}
-    if strategy_eff == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        wrapped = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-        cands.append(Candidate("strategy", "ddp", decision=f"kept: torchrun world of {denv.world_size}"))
-    elif strategy_eff == "fsdp":
-        wrapped = _fsdp_wrap(model)
-        if optimizer is not None:
-            _rebind_optimizer(optimizer, names, model)
-        cands.append(Candidate("strategy", "fsdp", decision=f"kept: fully_shard over {denv.world_size} ranks"))
-    elif "strategy" in untried:
-        cands.append(Candidate("strategy", str(strategy), decision=f"not used: {untried['strategy']}"))
-
+    wrapped = _wrap_for_strategy(model, optimizer, strategy_eff, strategy, dev, denv, untried, report.candidates)
     if optimizer is not None and fused_optimizer:
-        report.optimizer = _prefer_fused(optimizer, dev, dtensor=strategy_eff == "fsdp")
-        cands.append(Candidate("optimizer", report.optimizer, decision="preferred (one kernel over all parameters)"))
+        report.optimizer = _choose_optimizer_implementation(optimizer, dev, dtensor=strategy_eff == "fsdp")
+        report.candidates.append(Trial("optimizer", report.optimizer,
+                                       decision="preferred (one kernel over all parameters)"))
     if report.compile:
         wrapped = compiled if (compiled is not None and wrapped is model) else torch.compile(wrapped)
     scaler = torch.amp.GradScaler("cuda") if report.precision == "fp16" else None
-    return Accelerated(model=wrapped, optimizer=optimizer, report=report, device=dev, module=module, scaler=scaler)
+    _log_choices(report.candidates, report.device)
+    _PREPARED[wrapped] = _Prepared(report, dev, scaler, weakref.ref(model),
+                                   weakref.ref(optimizer) if optimizer is not None else None)
+    return Accelerated(model=wrapped, optimizer=optimizer, report=report, device=dev, module=model, scaler=scaler)
 
 
-def _try_compile(model: nn.Module, trial: _Trial, precision: str, cl: bool, base_step: float, steps: int,
-                 margin: float, cands: list[Candidate]) -> nn.Module | None:
-    """Compile, time, and keep only if the saving over the expected run repays the compile time."""
-    try:
-        compiled = torch.compile(model)
-        t_c, first = trial.measure(trial.step_fn(compiled, precision, cl))
-    except Exception as e:  # a model the compiler cannot handle is a rejected candidate, not a crash
-        cands[-1].decision = "kept"
-        cands.append(Candidate("compile", "True", decision=f"rejected: compile failed ({type(e).__name__}: {e})"[:200]))
-        return None
-    one_off = max(0.0, first - t_c)
-    saving = (base_step - t_c) * steps if steps else None
-    if not _margin_ok(base_step, t_c, margin):
-        why = f"rejected: step not {margin:.0%} faster"
-    elif saving is not None and saving <= one_off:
-        why = f"rejected: saves {saving:.0f} s over {steps} steps, compile costs {one_off:.0f} s"
-    else:
-        why = "kept"
-    cands[-1].decision = "baseline" if why == "kept" else "kept"
-    cands.append(Candidate("compile", "True", t_c, one_off, why))
-    return compiled if why == "kept" else None
+def _forget(model: nn.Module) -> None:
+    """Stop treating `model` as one accelerate() returned (the Trainer's own preparation: a later
+    Trainer given the same model prepares it afresh, with its own settings)."""
+    _PREPARED.pop(model, None)

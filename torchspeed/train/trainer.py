@@ -4,12 +4,18 @@ Gradient accumulation, clipping, LR scheduling, callbacks, a progress bar with s
 to CSV or JSONL, NaN/inf detection, exact resume, and torchrun (DDP / FSDP2) support. It accepts a
 plain DataLoader (batches are moved to the device here) or any loader whose class says
 `yields_device_batches = True` (a FastLoader: batches arrive on the device, normalised).
+
+The training step is the one `Accelerated` gives every plain loop (`autocast()`, `backward()`,
+`step()`): no scaling code of its own. The loss stays on the device between reading points (every
+`log_every_n_steps` optimizer steps, the end of an epoch, a checkpoint, the end of the run): reading
+it every step would make the host wait for the device each step.
 """
 from __future__ import annotations
 
 import contextlib
 import csv
 import json
+import logging
 import math
 import os
 import time
@@ -20,13 +26,19 @@ import torch
 from torch import nn
 
 from torchspeed.atomic import atomic_write
+from torchspeed.batches import split_batch, to_device
+from torchspeed.metrics import correct_top1
 from torchspeed.runtime import rng_state, set_rng_state
 from torchspeed.train import checkpoint as ckpt
 from torchspeed.train import distributed
-from torchspeed.train.acceleration import Accelerated, accelerate, autocast_for, to_device
+from torchspeed.train.acceleration import Accelerated, _forget, accelerate, autocast_for
 from torchspeed.train.callbacks import Callback, Checkpoint
 
 __all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
+
+_MAX_UNREAD = 1024  # losses kept on the device before they are read anyway (a very long log interval)
 
 _LOG_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_acc", "lr", "samples_per_s")
 
@@ -67,12 +79,61 @@ class _MetricsLog:
                 w.writerows(self.rows)
 
 
-class _Progress:
-    """A rich progress bar with loss and samples/s (rank 0 only; silent when disabled)."""
+class _LossMeter:
+    """Training losses kept on the device, read to the host in one transfer at reading points.
 
-    def __init__(self, enabled: bool):
+    Each micro-batch's loss is kept (detached, 0-d) with where it happened; `read()` stacks the
+    pending ones, reads them at once, raises FloatingPointError naming the first NaN/inf one (unless
+    a GradScaler handles those: then they are skipped and left out of the means), and adds the rest
+    to the epoch's and the log interval's sample-weighted sums.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, int, tuple[int, int, int]]] = []
+        self.epoch_sum = self.since_sum = 0.0
+        self.epoch_n = self.since_n = 0
+
+    def add(self, loss: torch.Tensor, samples: int, where: tuple[int, int, int]) -> None:
+        """`where` = (optimizer step, epoch, batch), 1-based, for the error message."""
+        self.pending.append((loss.detach().float().reshape(()), samples, where))
+
+    def read(self, nonfinite_is_error: bool) -> None:
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        values = torch.stack([t for t, _, _ in pending]).tolist()
+        for v, (_, k, (step, epoch, batch)) in zip(values, pending):
+            if not math.isfinite(v):
+                if nonfinite_is_error:
+                    raise FloatingPointError(
+                        f"loss is {v} at step {step} (epoch {epoch}, batch {batch}); lower the learning rate, "
+                        "clip gradients (max_grad_norm=...), or check the inputs for NaN/inf (the loss is read "
+                        "every log_every_n_steps steps and at epoch ends, so training went on until then)")
+                continue
+            self.epoch_sum += v * k
+            self.since_sum += v * k
+            self.epoch_n += k
+            self.since_n += k
+
+    def interval_mean(self) -> float:
+        """Mean loss since the previous call (NaN when every loss since was skipped); restarts the interval."""
+        mean = self.since_sum / self.since_n if self.since_n else math.nan
+        self.since_sum, self.since_n = 0.0, 0
+        return mean
+
+    def start_epoch(self) -> None:
+        """A new epoch: its sums and the first log interval start at zero (the epoch's row was the last)."""
+        self.epoch_sum, self.epoch_n = 0.0, 0
+        self.since_sum, self.since_n = 0.0, 0
+
+
+class _Progress:
+    """Progress on rank 0: a rich bar (progress=True), short text lines to a callable, or nothing."""
+
+    def __init__(self, progress: bool | Callable[[str], None]):
         self.bar = None
-        if enabled:
+        self.say = progress if callable(progress) else None
+        if progress is True:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -84,32 +145,76 @@ class _Progress:
         if self.bar is not None:
             self.task = self.bar.add_task(description, total=total, completed=done, info="")
 
-    def advance(self, info: str) -> None:
+    def advance(self) -> None:
         if self.bar is not None and self.task is not None:
-            self.bar.update(self.task, advance=1, info=info)
+            self.bar.update(self.task, advance=1)
+
+    def report(self, epoch: int, step: int, loss: float, rate: float) -> None:
+        """At a reading point: the loss and samples/s since the previous one."""
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, info=f"loss {loss:.4f}  {rate:,.0f} samples/s")
+        if self.say is not None:
+            self.say(f"epoch {epoch} step {step} loss {loss:.4g} {rate:,.0f} samples/s")
+
+    def line(self, text: str) -> None:
+        if self.say is not None:
+            self.say(text)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
 
 
+def _epoch_line(row: dict[str, Any]) -> str:
+    """'epoch 1 step 8 train_loss 0.693 val_loss 0.65 val_acc 0.75 ...': an epoch's row as one line."""
+    return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+
+
+def _check_agrees(acc: Accelerated, **given: Any) -> None:
+    """A prepared model comes with its settings: a Trainer setting that says otherwise is an error
+    (silently ignoring it, or preparing the model twice, would both surprise)."""
+    r = acc.report
+    chosen = {"precision": r.precision, "channels_last": r.channels_last, "compile": r.compile,
+              "strategy": r.strategy, "device": acc.device}
+    for name, want in given.items():
+        if want == "auto":
+            continue
+        got = chosen[name]
+        if name == "strategy":
+            want = None if want == "none" else want
+        elif name == "device":
+            want = torch.device(want)
+            if want.type == got.type and want.index is None:
+                continue
+        if want != got:
+            raise ValueError(f"the model was prepared by accelerate() with {name}={got}; the Trainer was given "
+                             f"{name}={want!r}. Leave {name} on 'auto' (the prepared choice is used), or pass "
+                             "the plain model to let the Trainer prepare it")
+
+
 class Trainer:
     """Train `model` with `optimizer` on `loss_fn(outputs, targets)`; settings on "auto" are measured.
 
+    `model` may be a model `accelerate()` returned, or the `Accelerated` itself: its choices are used
+    as they are (nothing is measured again; `optimizer` may then be left out). Settings given here
+    that contradict them are an error; "auto" ones follow them.
     `loss_fn` may instead take `(outputs, targets, inputs)` when it has `needs_inputs = True`
     (distillation). `scheduler` steps every optimizer step (`scheduler_interval="step"`) or epoch.
     `grad_accum_steps` micro-batches make one optimizer step; `max_grad_norm` clips gradients.
     `log_path` (.csv or .jsonl) receives train_loss / lr / samples_per_s every `log_every_n_steps`
-    steps and val_loss / val_acc after each validation. Under torchrun the loaders are sharded, the
+    steps and val_loss / val_acc after each validation; the train_loss of a row is the mean over the
+    batches since the previous row. `progress`: True for a progress bar and a summary table, a
+    callable to receive short text lines ("epoch 1 step 50 loss 2.31 840 samples/s") at the same
+    points, False for silence. Under torchrun the loaders are sharded, the
     model wrapped (DDP, or FSDP2 with `strategy="fsdp"`), metrics all-reduced, checkpoints written
     by rank 0 (sharded through torch.distributed.checkpoint under FSDP).
     """
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[..., torch.Tensor],
+        model: nn.Module | Accelerated,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
         precision: str = "auto",
         callbacks: Iterable[Callback] | None = None,
         device: str | torch.device = "auto",
@@ -123,9 +228,21 @@ class Trainer:
         max_grad_norm: float | None = None,
         log_path: str | os.PathLike | None = None,
         log_every_n_steps: int = 50,
-        progress: bool = True,
+        progress: bool | Callable[[str], None] = True,
         accelerate_kwargs: dict[str, Any] | None = None,
     ):
+        prepared = Accelerated.of(model)
+        if prepared is not None:
+            model = prepared.model
+            if optimizer is None:
+                optimizer = prepared.optimizer
+            if optimizer is not prepared.optimizer:  # another optimizer for a prepared model: as given
+                prepared = Accelerated(prepared.model, optimizer, prepared.report, prepared.device,
+                                       prepared.module, prepared.scaler)
+            _check_agrees(prepared, precision=precision, channels_last=channels_last, compile=compile,
+                          strategy=strategy, device=device)
+            log.debug("Trainer: the model was prepared by accelerate() (%s); nothing is measured again",
+                      ", ".join(f"{k}={v}" for k, v in prepared.report.to_dict().items() if k != "candidates"))
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -149,9 +266,12 @@ class Trainer:
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.log = _MetricsLog(os.fspath(log_path) if log_path else None)
         self.log_every_n_steps = max(1, int(log_every_n_steps))
+        if not (isinstance(progress, bool) or callable(progress)):
+            raise ValueError(f"progress must be True, False or a callable taking a text line, got {progress!r}")
         self.progress = progress
-        self.acc: Accelerated | None = None
+        self.acc: Accelerated | None = prepared
         self.dist = distributed.env()
+        self._losses = _LossMeter()
         # loop state (all of it goes into a checkpoint)
         self.epoch = 0
         self.batches_done = 0       # batches consumed in the current epoch
@@ -217,6 +337,7 @@ class Trainer:
             example = self._example_batch(loader)
         s.setdefault("expected_steps", expected_steps)
         self.acc = accelerate(self._raw_model, self.optimizer, example_batch=example, loss_fn=self.loss_fn, **s)
+        _forget(self.acc.model)
         self.dist = distributed.env()
 
     def prepare(self, loader: Iterable[Any], expected_steps: int | None = None) -> Accelerated:
@@ -229,14 +350,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- batches
     def _split(self, batch: Any) -> tuple[Any, Any]:
-        if isinstance(batch, dict):
-            for xk, yk in (("image", "label"), ("images", "labels"), ("input", "target"), ("inputs", "targets")):
-                if xk in batch and yk in batch:
-                    batch = (batch[xk], batch[yk])
-                    break
-        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-            raise ValueError(f"a batch must be (inputs, targets); the loader gave {type(batch).__name__}")
-        x, y = batch[0], batch[1]
+        x, y = split_batch(batch)
         if not getattr(self._loader, "yields_device_batches", False):
             x = to_device(x, self.device, self.acc.channels_last)
             y = to_device(y, self.device)
@@ -272,6 +386,8 @@ class Trainer:
         model = self.model
         was_training = model.training
         model.eval()
+        # Read per batch (correct_top1 reads anyway) and summed in float64 on the host: the result does
+        # not depend on the batches' order, as a float32 sum on the device would.
         loss_sum, correct, n, classify = 0.0, 0.0, 0.0, True
         try:
             with torch.inference_mode(), autocast_for(self.device, self.acc.precision):
@@ -282,7 +398,7 @@ class Trainer:
                     loss_sum += float(self._loss(out, y, x).float()) * k
                     if classify and isinstance(out, torch.Tensor) and out.dim() == 2 and isinstance(y, torch.Tensor) \
                             and y.dim() == 1 and not y.is_floating_point():
-                        correct += float((out.argmax(1) == y).sum())
+                        correct += correct_top1(out, y)
                     else:
                         classify = False
                     n += k
@@ -329,8 +445,11 @@ class Trainer:
         return state
 
     def save_checkpoint(self, directory: str | os.PathLike) -> str:
-        """Write a full checkpoint into `directory` (rank 0; every rank under FSDP). Returns its path."""
+        """Write a full checkpoint into `directory` (rank 0; every rank under FSDP). Returns its path.
+
+        The pending losses are read first, so a checkpoint never holds weights trained past a NaN loss."""
         directory = os.fspath(directory)
+        self._read_losses()
         if self.acc.report.strategy == "fsdp":
             return ckpt.save_sharded(directory, self.global_step, self.module, self.optimizer,
                                      self.state_dict(include_model=False), self.is_main)
@@ -435,22 +554,14 @@ class Trainer:
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)
 
+    def _read_losses(self) -> None:
+        """Read the losses kept on the device; a NaN/inf one is an error unless a GradScaler skips those."""
+        self._losses.read(nonfinite_is_error=self.acc is None or self.acc.scaler is None)
+
     def _optimizer_step(self) -> bool:
-        """Clip, step, update the scaler; False when GradScaler skipped the step (inf/NaN gradients)."""
-        scaler, opt = self.acc.scaler, self.optimizer
-        if self.max_grad_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        stepped = True
-        if scaler is not None:
-            before = scaler.get_scale()
-            scaler.step(opt)
-            scaler.update()
-            stepped = scaler.get_scale() >= before
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        """Accelerated.step (unscale, clip, step, scaler update, zero_grad) and the per-step scheduler;
+        False when the GradScaler skipped the step (inf/NaN gradients)."""
+        stepped = self.acc.step(self.optimizer, max_grad_norm=self.max_grad_norm)
         if self.scheduler is not None and self.scheduler_interval == "step" and stepped:
             self.scheduler.step()
         return stepped
@@ -483,11 +594,13 @@ class Trainer:
         resume_state = self._resume_state
         self.should_stop = False
         model, acc = self.model, self.acc
-        bar = _Progress(self.progress and self.is_main)
+        bar = _Progress(self.progress if self.is_main else False)
         t_run = time.perf_counter()
         run_samples = 0
         last: dict[str, Any] = {}
         self._loader = loader
+        losses = self._losses = _LossMeter()
+        world = self.dist.world_size
         self._call("on_train_start")
         try:
             while self.epoch < epochs and not self.should_stop and not (max_steps and self.global_step >= max_steps):
@@ -499,8 +612,10 @@ class Trainer:
                 resume_state = None
                 bar.epoch(f"epoch {self.epoch + 1}/{epochs}", n_batches, done_before)
                 self.batches_done = done_before
-                ep_loss, ep_n, ep_samples, t_ep = 0.0, 0, 0, time.perf_counter()
+                losses.start_epoch()
+                ep_samples, t_ep = 0, time.perf_counter()
                 t_step, step_samples, micro = time.perf_counter(), 0, 0
+                t_row, row_samples = t_step, 0
                 while True:
                     try:
                         batch = next(it)
@@ -516,17 +631,11 @@ class Trainer:
                         with acc.autocast():
                             out = model(x)
                             loss = self._loss(out, y, x)
-                        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
-                        (acc.scaler.scale(scaled) if acc.scaler is not None else scaled).backward()
-                    value = float(loss.detach())
+                        acc.backward(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss)
                     self.batches_done += 1
-                    if not math.isfinite(value) and acc.scaler is None:
-                        raise FloatingPointError(
-                            f"loss is {value} at step {self.global_step + 1} (epoch {self.epoch + 1}, batch "
-                            f"{self.batches_done}); lower the learning rate, clip gradients (max_grad_norm=...), "
-                            "or check the inputs for NaN/inf")
-                    ep_loss += value * k if math.isfinite(value) else 0.0
-                    ep_n += k if math.isfinite(value) else 0
+                    losses.add(loss, k, (self.global_step + 1, self.epoch + 1, self.batches_done))
+                    if len(losses.pending) >= _MAX_UNREAD:
+                        self._read_losses()
                     step_samples += k
                     ep_samples += k
                     if not sync:
@@ -536,14 +645,21 @@ class Trainer:
                         self.skipped_steps += 1
                     self.global_step += 1
                     now = time.perf_counter()
-                    rate = step_samples * self.dist.world_size / max(now - t_step, 1e-9)
-                    t_step, step_samples = now, 0
-                    metrics = {"train_loss": value, "lr": float(self.optimizer.param_groups[0]["lr"]),
-                               "samples_per_s": rate}
-                    if self.global_step % self.log_every_n_steps == 0:
-                        self.log.add({"epoch": self.epoch + 1, "step": self.global_step, **metrics})
-                    bar.advance(f"loss {value:.4f}  {rate:,.0f} samples/s")
-                    self._call("on_step_end", self.global_step, metrics)
+                    rate = step_samples * world / max(now - t_step, 1e-9)  # as the host saw it (no device wait)
+                    t_step, row_samples, step_samples = now, row_samples + step_samples, 0
+                    lr = float(self.optimizer.param_groups[0]["lr"])
+                    if self.global_step % self.log_every_n_steps == 0:  # a reading point
+                        self._read_losses()
+                        now = time.perf_counter()
+                        row = {"train_loss": losses.interval_mean(), "lr": lr,
+                               "samples_per_s": row_samples * world / max(now - t_row, 1e-9)}
+                        t_row, row_samples = now, 0
+                        self.log.add({"epoch": self.epoch + 1, "step": self.global_step, **row})
+                        bar.report(self.epoch + 1, self.global_step, row["train_loss"], row["samples_per_s"])
+                    bar.advance()
+                    # train_loss: this step's loss as a 0-d tensor on the device (float() it to read it)
+                    self._call("on_step_end", self.global_step,
+                               {"train_loss": loss.detach(), "lr": lr, "samples_per_s": rate})
                     if self.should_stop or (max_steps and self.global_step >= max_steps):
                         break
                 if micro:  # a last, partial accumulation group (a loader without len)
@@ -555,20 +671,22 @@ class Trainer:
                     break  # stopped mid-epoch: no validation, the position stays mid-epoch
                 if it is not None and n_batches is not None and self.batches_done >= n_batches:
                     next(it, None)  # end the pass as an uninterrupted run does (a sampler may draw RNG there)
+                self._read_losses()
                 it = None
                 self._epoch_finished = True
                 ep_time = time.perf_counter() - t_ep
-                s, n = distributed.all_reduce_sums([ep_loss, float(ep_n)])
+                s, n = distributed.all_reduce_sums([losses.epoch_sum, float(losses.epoch_n)])
                 last = {"epoch": self.epoch + 1, "step": self.global_step,
                         "train_loss": s / n if n else math.nan,
                         "lr": float(self.optimizer.param_groups[0]["lr"]),
-                        "samples_per_s": ep_samples * self.dist.world_size / max(ep_time, 1e-9)}
+                        "samples_per_s": ep_samples * world / max(ep_time, 1e-9)}
                 if val_loader is not None:
                     val = self.evaluate(val_loader)
                     last.update(val)
                     self._call("on_validation_end", val)
                 self.log.add(dict(last))
                 self.history.append(dict(last))
+                bar.line(_epoch_line(last))
                 if self.scheduler is not None and self.scheduler_interval == "epoch":
                     self.scheduler.step()
                 self.should_stop = distributed.any_rank(self.should_stop)
@@ -577,6 +695,7 @@ class Trainer:
                 self.epoch += 1
                 self.batches_done = 0
                 self._epoch_finished = False
+            self._read_losses()  # what a stop mid-epoch left unread
         finally:
             bar.close()
         self._call("on_train_end")
@@ -585,9 +704,11 @@ class Trainer:
         seconds = time.perf_counter() - t_run
         result = {**(self.history[-1] if self.history else last), "epochs": self.epoch, "step": self.global_step,
                   "stopped_early": bool(self.should_stop), "skipped_steps": self.skipped_steps,
-                  "seconds": seconds, "run_samples_per_s": run_samples * self.dist.world_size / max(seconds, 1e-9)}
-        if self.progress and self.is_main:
+                  "seconds": seconds, "run_samples_per_s": run_samples * world / max(seconds, 1e-9)}
+        if self.progress is True and self.is_main:
             self._summary(result)
+        bar.line(f"done: {self.global_step} steps in {seconds:.1f} s, "
+                 f"{result['run_samples_per_s']:,.0f} samples/s")
         return result
 
     def _summary(self, result: dict[str, Any]) -> None:
