@@ -418,5 +418,5 @@ def test_accelerate_logs_one_info_line_per_setting(caplog):
     assert measured
     joint = next(line for line in lines if f", {measured[0].setting}: " in line)
     for c in measured:  # every option with its median and its decision
-        assert f"{c.value} {c.step_s * 1e3:.1f} ms ({c.decision})" in joint
-    assert "compile: True (not tried: test budget)" in next(line for line in lines if ", compile: " in line)
+        assert f"{c.value} {c.step_s * 1e3:.1f} ms [{c.decision}]" in joint
+    assert "compile: True [not tried: test budget]" in next(line for line in lines if ", compile: " in line)

@@ -508,7 +508,7 @@ def _log_choices(rows: Iterable[Trial], device: str) -> None:
         for t in trials:
             figures = "" if t.step_s is None else f" {t.step_s * 1e3:.1f} ms"
             figures += f" + {t.one_off_s:.1f} s one-off" if t.one_off_s else ""
-            parts.append(f"{t.value}{figures} ({t.decision})")
+            parts.append(f"{t.value}{figures} [{t.decision}]")
         log.info("accelerate on %s, %s: %s", device, setting, "; ".join(parts))
 
 

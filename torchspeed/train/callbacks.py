@@ -16,13 +16,18 @@ __all__ = ["Callback", "EarlyStopping", "Checkpoint"]
 
 
 class Callback:
-    """Base class: override the hooks you need. Set `trainer.should_stop = True` to stop training."""
+    """Base class: override the hooks you need. Set `trainer.should_stop = True` to stop training.
+
+    `on_step_end`'s metrics: `train_loss` is that step's loss as a 0-d tensor on the device (the
+    Trainer does not read it every step; `float()` it to read it, at the cost of waiting for the
+    device), `lr` and `samples_per_s` are floats. `on_validation_end`'s metrics are floats.
+    """
 
     def on_train_start(self, trainer: Trainer) -> None: ...
     def on_train_end(self, trainer: Trainer) -> None: ...
     def on_epoch_start(self, trainer: Trainer) -> None: ...
     def on_epoch_end(self, trainer: Trainer) -> None: ...
-    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None: ...
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None: ...
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
@@ -113,7 +118,7 @@ class Checkpoint(Callback):
 
             prune(self.directory, self.keep_last)
 
-    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         if self.every_n_steps and step % self.every_n_steps == 0:
             self._save(trainer)
 
