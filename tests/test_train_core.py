@@ -420,3 +420,27 @@ def test_accelerate_logs_one_info_line_per_setting(caplog):
     for c in measured:  # every option with its median and its decision
         assert f"{c.value} {c.step_s * 1e3:.1f} ms [{c.decision}]" in joint
     assert "compile: True [not tried: test budget]" in next(line for line in lines if ", compile: " in line)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_reports_a_step_the_grad_scaler_skipped(fused):
+    # fp16 needs CUDA; the GradScaler logic is the same with a CPU scaler, so test it here
+    model = _net(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = accelerate(model, opt, precision="fp32", channels_last=False, compile=False, fused_optimizer=fused)
+    assert (acc.report.optimizer == "fused") == fused
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    x, y = next(iter(_data(32, shuffle=False)))
+    acc.backward(nn.functional.cross_entropy(model(x), y))
+    grads = [p.grad.clone() / 16.0 for p in model.parameters()]  # the loss was scaled by 16
+    before = [p.detach().clone() for p in model.parameters()]
+    assert acc.step(opt) is True and acc.scaler.get_scale() == 16.0
+    for p, b, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), b - 0.1 * g)  # stepped on the unscaled gradients
+    acc.backward(nn.functional.cross_entropy(model(x), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    assert acc.step(opt, max_grad_norm=1.0) is False  # skipped: inf in the gradients
+    assert acc.scaler.get_scale() == 8.0 and all(p.grad is None for p in model.parameters())
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
