@@ -6,7 +6,7 @@ import pytest
 def test_data_suite_quick_reports_the_issue_keys():
     from torchspeed.bench.suites import data
 
-    result = data.run(quick=True, step=lambda text: None)
+    result = data.run(quick=True, progress=lambda text: None)
     for key in ("baseline_img_s", "baseline_tuned_img_s", "baseline_resized_img_s", "torchspeed_img_s",
                 "ratio_vs_tuned", "ratio_vs_resized", "pack_s"):
         assert result[key] > 0, key

@@ -136,9 +136,9 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
             _check_output(name, next(iter(loader)))
             contenders[name] = (loader, what)
 
-        def plain(folder: str, workers: int) -> Any:
-            return DataLoader(_torchvision(folder), BATCH, shuffle=True, drop_last=True, num_workers=workers,
-                              persistent_workers=workers > 0)
+        def plain(folder: str, num_workers: int) -> Any:
+            return DataLoader(_torchvision(folder), BATCH, shuffle=True, drop_last=True, num_workers=num_workers,
+                              persistent_workers=num_workers > 0)
 
         def tuned_workers(folder: str) -> int:
             say(f"tuning torchvision num_workers on {os.path.basename(folder)}")

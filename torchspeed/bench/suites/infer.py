@@ -17,7 +17,7 @@ from typing import Any
 
 TITLE = "Inference: latency per variant at 224x224 (ms, lower is better), ratio vs eager fp32"
 
-# bench row -> optimize candidate name (the order of the table)
+# bench row -> optimize variant name (the order of the table)
 ROWS = (
     ("eager fp32", "eager fp32", "PyTorch eager, fp32"),
     ("fused", "fused fp32", "Conv+BN folded (FX), fp32"),
@@ -86,9 +86,9 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
         results[name] = res.to_dict()
         for b in (1, 8):
             base = res["eager fp32"].p50_ms(b)
-            for label, cand_name, what in ROWS:
+            for label, variant, what in ROWS:
                 try:
-                    c = res[cand_name]
+                    c = res[variant]
                 except KeyError:
                     continue
                 if c.status == "skipped" and label not in ("torch.compile", "ONNX Runtime INT8 dynamic"):

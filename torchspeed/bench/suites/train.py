@@ -258,9 +258,9 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
                      "headline": name == "torchspeed auto"})
         return float(t.throughput)
 
-    def plain_loader(workers: int, **kw: Any) -> Any:
+    def plain_loader(num_workers: int, **kw: Any) -> Any:
         return DataLoader(_torchvision_dataset(folder, indices), BATCH, shuffle=True, drop_last=True,
-                          num_workers=workers, persistent_workers=workers > 0, **kw)
+                          num_workers=num_workers, persistent_workers=num_workers > 0, **kw)
 
     # 1. plain PyTorch
     m, o = fresh()
