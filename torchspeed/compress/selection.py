@@ -133,7 +133,8 @@ def select_backbone(
     """Measure untrained candidates at `input_shape` and rank them by median latency.
 
     `candidates`: model names as a list or a comma string ('resnet18,timm:efficientnet_b0'; any name
-    `torchspeed.models.create` takes), modules, or a dict {label: name or module}. `input_shape` is (N, C, H, W); `batch_size`, when given, replaces N.
+    `torchspeed.models.create` takes), modules, or a dict {label: name or module}. `input_shape` is
+    (N, C, H, W); `batch_size`, when given, replaces N.
     `precision`: "auto" times fp32 and the device's mixed precision and keeps the faster for each
     candidate (the table says which); or one of "fp32", "bf16", "fp16". `budget_ms` marks which
     candidates' p50 latency per batch fits. `progress`: True prints what is being done to stderr, a
