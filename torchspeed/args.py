@@ -1,10 +1,11 @@
 """Argument conventions shared by the API and the command line."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["as_list"]
+__all__ = ["as_list", "progress_fn"]
 
 
 def as_list(value: str | Iterable[Any] | None, *, name: str = "argument") -> list[str] | None:
@@ -19,3 +20,23 @@ def as_list(value: str | Iterable[Any] | None, *, name: str = "argument") -> lis
     if not out:
         raise ValueError(f"{name} is empty: give a comma list or a list of names")
     return out
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _silent(message: str) -> None:
+    pass
+
+
+def progress_fn(progress: bool | Callable[[str], Any] | None) -> Callable[[str], Any]:
+    """The `progress=` convention: a callable taking a message is used as given, True prints messages
+    on stderr, False/None says nothing."""
+    if progress is None or progress is False:
+        return _silent
+    if progress is True:
+        return _stderr
+    if callable(progress):
+        return progress
+    raise ValueError(f"progress must be True, False or a callable taking a message, got {type(progress).__name__}")

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from torchspeed.atomic import write_json
-from torchspeed.compress._progress import progress_fn
+from torchspeed.args import progress_fn
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD, scan_folder
 from torchspeed.metrics import correct_top1, top1_accuracy
 from torchspeed.runtime import cache_dir, seed_everything, usable_cores

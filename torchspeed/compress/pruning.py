@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.compress._progress import progress_fn
+from torchspeed.args import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import compare
 

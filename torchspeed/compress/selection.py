@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from torchspeed.args import as_list
-from torchspeed.compress._progress import progress_fn
+from torchspeed.args import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import compare
 from torchspeed.models import HOW_TO_NAME, create

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from torchspeed.args import as_list
-from torchspeed.data._progress import say
+from torchspeed.args import progress_fn
 from torchspeed.measure import compare
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def measure_backends(samples: Sequence[Any], backends: Sequence[str] | str | Non
     """
     if not samples:
         raise ValueError("measure_backends needs at least one JPEG sample")
-    say_ = say(progress)
+    say_ = progress_fn(progress)
     names = as_list(backends, name="backends") if backends is not None else \
         [n for n, why in available_backends().items() if why is None]
     reference_name = "simplejpeg" if "simplejpeg" in names else "pil"

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchspeed.args import as_list
-from torchspeed.data._progress import say
+from torchspeed.args import progress_fn
 from torchspeed.measure import time_iterable
 from torchspeed.runtime import usable_cores
 
@@ -167,7 +167,7 @@ def measure_settings(
     two passes of `seconds` after a warm-up.
     """
     t_start = time.perf_counter()
-    say_ = say(progress)
+    say_ = progress_fn(progress)
     cores = usable_cores()
     worker_counts = _candidates(as_counts(num_workers, "num_workers", 0), range(0, cores + 2))
     thread_spec = None if threads is None else as_counts(threads, "threads", 1)

@@ -13,7 +13,6 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 

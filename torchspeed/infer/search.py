@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -38,7 +37,7 @@ import torch
 from torch import nn
 
 from torchspeed import runtime
-from torchspeed.args import as_list
+from torchspeed.args import as_list, progress_fn
 from torchspeed.infer.precision import output_error
 from torchspeed.infer.runtimes import Runner, TorchRunner, available_backends
 from torchspeed.runtime import default_precision, usable_cores
@@ -447,14 +446,6 @@ def _resolve(choice: str | Sequence[str], allowed: Sequence[str], what: str) -> 
     return frozenset(items)
 
 
-def _progress(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
-    if callable(progress):
-        return progress
-    if progress:
-        return lambda message: print(f"optimize: {message}", file=sys.stderr, flush=True)
-    return lambda message: None
-
-
 def build_variant(variant: Variant, ctx: BuildContext, verify_x: torch.Tensor) -> tuple[VariantResult, Any]:
     """The build step: the row and the variant's outputs on `verify_x` (None when the build failed)."""
     row = VariantResult(variant.name, variant.backend, variant.precision, variant.exact, variant.label,
@@ -595,7 +586,7 @@ def optimize(
     `measure=False` verifies only (no timing, so no `.best`). `progress`: True prints each step to
     stderr; a callable receives each step's message.
     """
-    report = _progress(progress)
+    report = progress_fn(progress)
     if not isinstance(model, nn.Module):
         raise ValueError(f"optimize() expects an nn.Module, got {type(model).__name__}")
     if not isinstance(example_input, torch.Tensor) or example_input.ndim < 1:

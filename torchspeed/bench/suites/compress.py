@@ -171,7 +171,7 @@ def _kd_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, Any
 
 def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
     from torchspeed.bench.demo_model import load_demo_model
-    from torchspeed.compress._progress import progress_fn
+    from torchspeed.args import progress_fn
 
     say = progress_fn(progress)
     say("loading the demo model (built once, a few minutes)")

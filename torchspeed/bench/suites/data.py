@@ -100,7 +100,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     import torch
     from torch.utils.data import DataLoader
 
-    from torchspeed.compress._progress import progress_fn
+    from torchspeed.args import progress_fn
     from torchspeed.measure import time_iterable
     from torchspeed.data import fast_loader, pack, tune_loader
     from torchspeed.data.demo import demo_folder

@@ -94,7 +94,7 @@ def _holds(name: str, med: list[float]) -> bool:
 def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
     import torch
 
-    from torchspeed.compress._progress import progress_fn
+    from torchspeed.args import progress_fn
     from torchspeed.runtime import seed_everything
 
     say = progress_fn(progress)

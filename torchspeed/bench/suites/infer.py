@@ -46,7 +46,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     import torch
 
     from torchspeed.bench.demo_model import load_demo_model
-    from torchspeed.compress._progress import progress_fn
+    from torchspeed.args import progress_fn
     from torchspeed.infer.search import optimize
     from torchspeed.runtime import usable_cores
 

@@ -200,7 +200,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     from torch.utils.data import DataLoader
     from torchvision.models import resnet18
 
-    from torchspeed.compress._progress import progress_fn
+    from torchspeed.args import progress_fn
     from torchspeed.measure import compare, time_callable
     from torchspeed.data import fast_loader, tune_loader
     from torchspeed.data.demo import demo_folder
