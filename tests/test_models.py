@@ -103,8 +103,10 @@ def test_weights_never_unpickle_code(tmp_path, monkeypatch):
 
 
 def test_spec_errors(user_file):
-    with pytest.raises(ValueError, match="did you mean resnet18"):
+    with pytest.raises(ValueError, match="did you mean resnet18") as e:
         create("resnett18")
+    hints = str(e.value).split("did you mean ")[1].rstrip("?").split(", ")
+    assert len(hints) == len(set(hints)), "each suggestion once"
     with pytest.raises(ValueError, match="package.module:factory"):
         create("no_such_net_xyz")
     with pytest.raises(ValueError, match="is a file, not a model spec"):

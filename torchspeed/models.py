@@ -81,7 +81,7 @@ def arch_spec(spec: str, **kwargs: Any) -> dict[str, Any]:
         return {"source": "timm", "name": name, "kwargs": kwargs}
     if source == "timm" and timm is None:
         raise ImportError(f"{spec!r} needs timm: pip install 'torchspeed[compress]'")
-    known = tv + (list(timm.list_models()) if timm is not None else [])
+    known = sorted(set(tv) | (set(timm.list_models()) if timm is not None else set()))
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ValueError(f"unknown model {spec!r}: {HOW_TO_NAME}{hint}")
