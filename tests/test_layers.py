@@ -18,7 +18,8 @@ PACKAGE = os.path.join(ROOT, "torchspeed")
 # Lowest first. Modules of one layer may not import each other's area (data, train and infer stand side
 # by side), except within the floor, whose modules form a small graph of their own (checked for cycles).
 LAYERS: list[set[str]] = [
-    {"_lazy", "args", "atomic", "images", "tables", "measure", "runtime", "batches", "metrics", "models"},
+    {"_lazy", "args", "atomic", "safeload", "images", "tables", "measure", "runtime", "batches", "metrics",
+     "models"},
     {"data", "train", "infer"},
     {"compress"},
     {"doctor", "bench"},

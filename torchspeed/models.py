@@ -161,16 +161,9 @@ def load_weights(model: nn.Module, path: str) -> nn.Module:
     Accepts a plain state dict, a torchspeed checkpoint (`{"model": ...}`) or a Lightning checkpoint
     (`{"state_dict": ...}`, its `model.` prefix removed).
     """
-    import torch
+    from torchspeed.safeload import load_torch_file
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"weights file {path!r} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- any unreadable file gets the same one-line message
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot read weights from {path!r}: a state dict saved with torch.save is expected, "
-                         f"holding tensors only ({first[:200]})") from None
+    state = load_torch_file(path, what="weights file")
     if isinstance(state, dict):
         for key in ("model", "state_dict"):
             if isinstance(state.get(key), dict):
