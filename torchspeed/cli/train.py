@@ -54,10 +54,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--out", default="torchspeed-train", metavar="DIR",
                    help="output directory: checkpoints/, metrics.csv, summary.json (default ./torchspeed-train)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest checkpoint that passes its check")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in --out even if it holds an earlier run's checkpoints (they are deleted)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json_option(p)
     p.set_defaults(func=run)
+
+
+def _check_out(out: str, resume: bool, overwrite: bool) -> str:
+    """Before any data is read: --out can be written, and a new run does not land on an earlier one.
+    Returns the checkpoint directory."""
+    import os
+    import tempfile
+
+    from torchspeed.train.checkpoint import holds_run, read_run
+
+    if resume and overwrite:
+        raise UserError("--resume continues the run in --out and --overwrite deletes it: give one of them")
+    ckdir = os.path.join(out, "checkpoints")
+    try:
+        os.makedirs(ckdir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=ckdir):  # can files be created there? (nothing is left behind)
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out!r} cannot be written: {e.strerror or e}") from None
+    if not resume and not overwrite and holds_run(ckdir):
+        run = read_run(ckdir)
+        raise UserError(f"--out {out!r} already holds checkpoints of an earlier run{f' (run {run})' if run else ''} "
+                        f"in {ckdir!r}: continue it with --resume, or start a new run there with --overwrite "
+                        "(deletes those checkpoints), or give another --out")
+    return ckdir
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--data {args.data!r} does not exist: give an ImageFolder directory or a packed store")
     if args.lr is not None and not args.lr > 0:
         raise UserError(f"--lr must be > 0, got {args.lr}")
+    ckdir = _check_out(args.out, args.resume, args.overwrite)  # before the process group and any data
     seed_everything(args.seed)
     # The process group first, so the loaders shard themselves per rank.
     denv, device = distributed.setup(resolve_device("auto")) if args.strategy != "none" else (distributed.env(),
@@ -96,12 +125,12 @@ def run(args: argparse.Namespace) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5, nesterov=True)
     total = args.max_steps or max(1, len(train) * args.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    ckdir = os.path.join(args.out, "checkpoints")
     stopper = EarlyStopping("val_loss", patience=args.patience)
+    checkpoints = Checkpoint(ckdir, keep_last=2, overwrite=args.overwrite)
     trainer = Trainer(model, opt, torch.nn.CrossEntropyLoss(label_smoothing=0.1), precision=args.precision,
                       channels_last=args.channels_last, compile=args.compile,
                       strategy=None if args.strategy == "none" else args.strategy,
-                      scheduler=sched, callbacks=[stopper, Checkpoint(ckdir, keep_last=2)],
+                      scheduler=sched, callbacks=[stopper, checkpoints],
                       log_path=os.path.join(args.out, "metrics.csv"), progress=not args.no_progress)
     if denv.is_main:
         console.print(f"training {args.model} on {len(train_src)} images ({len(classes)} classes), "
@@ -115,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                "world_size": denv.world_size, "lr": lr, "batch_size": args.batch_size, **result,
                "early_stopping": {"stopped": result["stopped_early"], "best_val_loss": stopper.best,
                                   "reason": stopper.reason},
-               "accelerate": trainer.report.to_dict(), "checkpoint": Checkpoint(ckdir).last()}
+               "accelerate": trainer.report.to_dict(), "checkpoint": checkpoints.last(), "run_id": trainer.run_id}
     if denv.is_main:
         console.print(str(trainer.report))
         if stopper.reason:

@@ -15,6 +15,7 @@ _EXPORTS = {
     "Checkpoint": "callbacks",
     "last_checkpoint": "checkpoint",
     "load_file": "checkpoint",
+    "CheckpointError": "checkpoint",
 }
 __all__ = list(_EXPORTS)
 

@@ -93,21 +93,43 @@ class EarlyStopping(Callback):
 
 class Checkpoint(Callback):
     """Save the full training state to `directory` every `every_n_steps` optimizer steps and after
-    every epoch, keeping the newest `keep_last`.
+    every epoch, keeping the newest `keep_last` of this run.
 
     The state holds the model, optimizer, GradScaler, scheduler, every RNG (python, numpy, torch,
     each CUDA device), epoch, step and the loader position, so `Trainer.fit(resume="last")` continues
     with the next unseen batch and gives the same parameters as an uninterrupted run (under
-    deterministic mode). Writes are atomic; see torchspeed.train.checkpoint.
+    deterministic mode). Writes are atomic and verified; see torchspeed.train.checkpoint.
+
+    The directory belongs to one run (its id is in `run.json` and in every checkpoint). A fit that
+    does not resume is a new run: it refuses a directory holding another run's checkpoints (a
+    ValueError naming it, raised before any data is read) unless `overwrite=True`, which deletes
+    those checkpoints first. `resume="last"` continues the directory's own run; pruning deletes only
+    this run's checkpoints.
     """
 
-    def __init__(self, directory: str | os.PathLike, every_n_steps: int | None = None, keep_last: int = 3):
+    def __init__(self, directory: str | os.PathLike, every_n_steps: int | None = None, keep_last: int = 3,
+                 overwrite: bool = False):
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ValueError(f"Checkpoint every_n_steps must be a positive integer or None, got {every_n_steps!r}")
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"Checkpoint keep_last must be a positive integer, got {keep_last!r}")
         self.directory, self.every_n_steps, self.keep_last = os.fspath(directory), every_n_steps, keep_last
+        self.overwrite = bool(overwrite)
         self.saved: list[str] = []
+        self._lock: Any = None
+
+    def claim(self, run_id: str, resuming: bool = False) -> None:
+        """Take the directory for run `run_id` (the Trainer calls this at the start of fit, on rank 0)."""
+        from torchspeed.train.checkpoint import claim
+
+        if self._lock is None:
+            self._lock = claim(self.directory, run_id, overwrite=self.overwrite, resuming=resuming)
+
+    def release(self) -> None:
+        """Let the directory go (the Trainer calls this when fit ends, however it ends)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _save(self, trainer: Trainer) -> None:
         path = trainer.save_checkpoint(self.directory)
@@ -116,7 +138,7 @@ class Checkpoint(Callback):
         if trainer.is_main:
             from torchspeed.train.checkpoint import prune
 
-            prune(self.directory, self.keep_last)
+            prune(self.directory, self.keep_last, run_id=trainer.run_id)
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         if self.every_n_steps and step % self.every_n_steps == 0:
@@ -126,7 +148,7 @@ class Checkpoint(Callback):
         self._save(trainer)
 
     def last(self) -> str | None:
-        """The newest complete checkpoint in this callback's directory (None if there is none)."""
+        """The newest complete checkpoint of the directory's run (None if there is none)."""
         from torchspeed.train.checkpoint import last_checkpoint
 
         return last_checkpoint(self.directory)

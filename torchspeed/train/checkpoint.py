@@ -1,110 +1,315 @@
-"""Checkpoint files: atomic, pickle-free, and never picked as "last" when incomplete.
+"""Checkpoint files: atomic, pickle-free, verified, and owned by one run.
 
-A checkpoint is `torch.save` of tensors and plain types only, so it loads with
-`torch.load(weights_only=True)` (no code can run from a checkpoint file). It is written to a temp
-file, fsynced and renamed (torchspeed.atomic), so a crash mid-write leaves at most a hidden
-`.step-*.tmp` file that `last_checkpoint()` ignores.
+A checkpoint is `torch.save` of tensors and plain types only, read back through
+`torchspeed.safeload.load_torch_file` (`weights_only=True`: no code can run from a checkpoint file;
+one holding pickled objects is refused). It is written to a temp file, fsynced and renamed
+(torchspeed.atomic), so a crash mid-write leaves at most a hidden `.step-*.tmp` file, never a file
+under the final name; those temp files are removed when the next run takes the directory.
+
+**Verified.** While a checkpoint is written its bytes are hashed (sha256, streamed: no second pass);
+the hash, the size, the step and the run id go into a record beside it, `step-NNNNNNNN.pt.json`.
+A checkpoint without its record, or whose size differs from it, is not complete and is never listed;
+`load_file` hashes the whole file again and refuses one whose bytes changed (a flipped block, a torn
+write), naming it (`CheckpointError`). Every checkpoint is checked, whatever its size.
+
+**Owned by a run.** Each run has a run id, written in every checkpoint (its state and its record)
+and in the directory's run file `run.json`. `claim()` gives a directory to a run: a new run refuses
+a directory that holds another run's checkpoints (unless `overwrite=True`, which deletes them: only
+torchspeed's own files, `step-*`, their records and `run.json`), a resumed run continues its own.
+Listing, "last" and pruning see only the checkpoints of the directory's run, so a run never deletes
+or resumes another's. While a run trains it holds an exclusive lock on `DIR/.lock` (flock, released
+by the kernel when the process dies), so two live processes never write into one directory, and any
+temp file found when the lock is taken is a dead process's (or this one's) and is removed.
 
 Under FSDP each rank holds a shard, so the model and optimizer go through
 `torch.distributed.checkpoint` (DCP) into a directory `step-NNNNNNNN/` (written as a hidden temp
-directory and renamed by rank 0 once every rank has finished). The one exception to "no pickle":
-DCP's own `.metadata` file, which torch writes with pickle; load such checkpoints only from
-sources you trust. The rest of the state (`state.pt`) is pickle-free as above.
+directory and renamed by rank 0 once every rank has finished); its record, `checksums.json` inside
+it, hashes every file of it. The one exception to "no pickle": DCP's own `.metadata` file, which
+torch writes with pickle; load such checkpoints only from sources you trust. The rest of the state
+(`state.pt`) is pickle-free as above.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import logging
 import os
 import re
+import secrets
 import shutil
-import zipfile
-from typing import Any
+import time
+from typing import IO, Any
 
 import torch
 
-from torchspeed.atomic import atomic_write, fsync_dir
+from torchspeed.atomic import atomic_write, fsync_dir, write_json
+from torchspeed.safeload import load_torch_file
 
-__all__ = ["checkpoint_name", "list_checkpoints", "last_checkpoint", "save_file", "load_file", "FORMAT"]
+__all__ = ["checkpoint_name", "list_checkpoints", "candidates", "last_checkpoint", "save_file", "load_file", "verify",
+           "claim", "holds_run", "read_run", "new_run_id", "prune", "CheckpointError", "FORMAT", "RUN_FILE"]
+
+log = logging.getLogger(__name__)
 
 FORMAT = "torchspeed-checkpoint-v1"
+RECORD_FORMAT = "torchspeed-checkpoint-record-v1"
+RUN_FORMAT = "torchspeed-run-v1"
+RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
+SHARDED_RECORD = "checksums.json"  # inside a sharded checkpoint directory
 _NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")
+_OURS = re.compile(r"^step-\d{8,}(\.pt)?(\.json)?$")  # checkpoints and their records
+_TEMP = re.compile(r"^\.(step-\d{8,}|run\.json).*\.tmp$")  # atomic_write's and save_sharded's temp names
+_CHUNK = 8 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, damaged or changed since it was written (it fails its check)."""
 
 
 def checkpoint_name(step: int, sharded: bool = False) -> str:
     return f"step-{step:08d}" + ("" if sharded else ".pt")
 
 
-def _complete(path: str) -> bool:
-    """A whole checkpoint: a readable zip (torch.save format), or a DCP directory with its metadata."""
-    if os.path.isdir(path):
-        return os.path.isfile(os.path.join(path, ".metadata")) and _complete(os.path.join(path, "state.pt"))
+def new_run_id() -> str:
+    return secrets.token_hex(8)
+
+
+def record_path(path: str | os.PathLike) -> str:
+    """Where a checkpoint's record (hashes, size, step, run id) lives."""
+    path = os.fspath(path)
+    return os.path.join(path, SHARDED_RECORD) if os.path.isdir(path) else path + ".json"
+
+
+# ---------------------------------------------------------------- hashing
+class _HashingWriter:
+    """A write-only file object that hashes what passes through it (torch.save only writes and flushes)."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.h, self.size = f, hashlib.sha256(), 0
+
+    def write(self, b: Any) -> int:
+        self.h.update(b)
+        n = self.f.write(b)
+        self.size += memoryview(b).nbytes
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def entry(self) -> dict[str, Any]:
+        return {"bytes": self.size, "sha256": self.h.hexdigest()}
+
+
+def _hash_file(path: str) -> dict[str, Any]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def _read_record(path: str) -> dict[str, Any] | None:
+    """The record of checkpoint `path`, or None when it is missing or unreadable."""
     try:
-        with zipfile.ZipFile(path) as z:
-            return z.testzip() is None if os.path.getsize(path) < (64 << 20) else True
-    except (OSError, zipfile.BadZipFile):
-        return False
+        with open(record_path(path), encoding="utf-8") as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT or not isinstance(rec.get("files"), dict):
+        return None
+    return rec
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint in `directory`, oldest first."""
+def _files_of(path: str) -> tuple[str, str]:
+    """(base directory the record's file names are relative to, record file)."""
+    return (path, os.path.join(path, SHARDED_RECORD)) if os.path.isdir(path) else (os.path.dirname(path),
+                                                                                   path + ".json")
+
+
+def _sizes_match(path: str, rec: dict[str, Any]) -> bool:
+    base, _ = _files_of(path)
+    for name, entry in rec["files"].items():
+        try:
+            size = os.path.getsize(os.path.join(base, name))
+        except OSError:
+            return False
+        ok = [entry] + ([rec["previous"][name]] if name in rec.get("previous", {}) else [])
+        if not any(isinstance(e, dict) and e.get("bytes") == size for e in ok):
+            return False
+    return True
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """Hash every file of checkpoint `path` and compare with its record; returns the record.
+
+    CheckpointError (naming the file) when the record is missing, or a file is missing, has another
+    size or other bytes than when it was written."""
+    path = os.fspath(path)
+    base, rec_file = _files_of(path)
+    rec = _read_record(path)
+    if rec is None:
+        raise CheckpointError(
+            f"checkpoint {path!r} cannot be verified: its record {rec_file!r} is missing or unreadable (a write "
+            "that was interrupted, or the file was copied without it); it may be corrupt, truncated or not a "
+            "torchspeed checkpoint: resume from another one")
+    for name, entry in rec["files"].items():
+        file = os.path.join(base, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: {file!r} is missing; resume from another one")
+        got = _hash_file(file)
+        ok = [entry] + ([rec["previous"][name]] if name in rec.get("previous", {}) else [])
+        if got not in ok:
+            what = ("is truncated or was extended" if all(got["bytes"] != e.get("bytes") for e in ok)
+                    else "is corrupt: its sha256 differs from the one recorded when it was written")
+            raise CheckpointError(f"checkpoint file {file!r} {what} ({rec_file!r}); resume from another one")
+    return rec
+
+
+# ---------------------------------------------------------------- listing
+def read_run(directory: str | os.PathLike) -> str | None:
+    """The run id in `directory`'s run file, or None when there is none."""
+    path = os.path.join(os.fspath(directory), RUN_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the run file {path!r} cannot be read ({e}); delete it, or start a new run in that "
+                         "directory with overwrite") from None
+    if not isinstance(run, dict) or run.get("format") != RUN_FORMAT or not isinstance(run.get("run_id"), str):
+        raise ValueError(f"{path!r} is not a torchspeed run file; delete it, or start a new run in that directory "
+                         "with overwrite")
+    return run["run_id"]
+
+
+def list_checkpoints(directory: str | os.PathLike, run_id: str | None = None) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint of one run in `directory`, oldest first.
+
+    `run_id`: the run whose checkpoints are listed; None for the directory's run (its `run.json`;
+    every run when it has none). Complete: its record is there and every file has the recorded size
+    (the bytes themselves are hashed when it is loaded)."""
+    return [(step, path) for step, path in candidates(directory, run_id)
+            if (rec := _read_record(path)) is not None and _sizes_match(path, rec)]
+
+
+def candidates(directory: str | os.PathLike, run_id: str | None = None) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint of one run in `directory` that has a record, oldest first,
+    whether or not its files are whole (what resume tries, verifying each; see list_checkpoints)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return []
+    if run_id is None:
+        run_id = read_run(directory)
     found = []
     for name in os.listdir(directory):
         m = _NAME.match(name)
         if m:
-            path = os.path.join(directory, name)
-            if _complete(path):
-                found.append((int(m.group(1)), path))
+            rec = _read_record(os.path.join(directory, name))
+            if rec is not None and (run_id is None or rec.get("run_id") == run_id):
+                found.append((int(m.group(1)), os.path.join(directory, name)))
     return sorted(found)
 
 
-def last_checkpoint(directory: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint in `directory`, or None. Partial writes are never returned."""
-    found = list_checkpoints(directory)
+def last_checkpoint(directory: str | os.PathLike, run_id: str | None = None) -> str | None:
+    """The newest complete checkpoint of the directory's run (or of `run_id`), or None. Partial writes
+    are never returned; a file damaged after it was written is found out when it is loaded."""
+    found = list_checkpoints(directory, run_id)
     return found[-1][1] if found else None
 
 
-def save_file(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """torch.save `state` atomically (temp file beside `path`, fsync, rename)."""
-    with atomic_write(path, "wb") as f:
-        torch.save(state, f)
-
-
-def load_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint written by `save_file`, with weights_only=True (tensors and plain types only)."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "state.pt")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+def holds_run(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds anything of a torchspeed run (a run file, checkpoints, records)."""
+    directory = os.fspath(directory)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path!r} ({type(e).__name__}: {str(e)[:200]}); it is corrupt, "
-                         "truncated or not a torchspeed checkpoint: resume from another one") from None
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(n == RUN_FILE or _OURS.match(n) for n in names)
+
+
+# ---------------------------------------------------------------- writing
+def save_file(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """torch.save `state` atomically (temp file beside `path`, fsync, rename), hashed as it is written,
+    and its record beside it (`path` + ".json").
+
+    Rewriting a checkpoint under the same name (the same step saved again at the epoch's end) keeps
+    the old bytes valid in the record until the rename, so a crash at any point leaves a pair that
+    verifies."""
+    path = os.fspath(path)
+    name = os.path.basename(path)
+    old = _read_record(path) if os.path.isfile(path) else None
+    record = {"format": RECORD_FORMAT, "run_id": state.get("run_id"), "step": state.get("global_step"),
+              "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": {}}
+    both = False
+    with atomic_write(path, "wb") as f:
+        w = _HashingWriter(f)
+        torch.save(state, w)
+        record["files"][name] = w.entry()
+        both = old is not None and old["files"].get(name) not in (None, record["files"][name])
+        # before the rename: old bytes and new both verify; with no file under the name yet, the record
+        # alone lists nothing
+        write_json(path + ".json", {**record, "previous": {name: old["files"][name]}} if both else record)
+    if both:
+        write_json(path + ".json", record)  # after the rename: only the new bytes
+
+
+def _load_state(path: str) -> dict[str, Any]:
+    state = load_torch_file(path, what="checkpoint")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path!r} is not a torchspeed checkpoint (no format tag {FORMAT!r})")
+        raise CheckpointError(f"{path!r} is not a torchspeed checkpoint (no format tag {FORMAT!r})")
     return state
 
 
-def prune(directory: str, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (and stale temp files)."""
-    found = list_checkpoints(directory)
-    for _, path in found[:-keep_last] if keep_last > 0 else []:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
+def load_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Verify a checkpoint against its record (CheckpointError naming the file if it fails), then load it
+    through safeload (weights_only=True: tensors and plain types only; pickled objects refused)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    verify(path)
+    return _load_state(os.path.join(path, "state.pt") if os.path.isdir(path) else path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def prune(directory: str, keep_last: int, run_id: str | None = None) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints of one run (the directory's run when
+    `run_id` is None), and that run's older leftovers of interrupted writes; other runs' checkpoints
+    are never touched. A kill mid-way leaves nothing that is listed or that the next prune misses."""
+    complete = list_checkpoints(directory, run_id)
+    if keep_last < 1 or len(complete) <= keep_last:
+        return
+    keep = {p for _, p in complete[-keep_last:]}
+    newest = complete[-1][0]
+    for step, path in candidates(directory, run_id):
+        if path in keep or step >= newest:
+            continue
+        if os.path.isdir(path):  # renamed out of the way first: a kill mid-rmtree leaves a temp dir
+            tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+            _remove(tmp)
+            os.replace(path, tmp)
+            _remove(tmp)
         else:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            _remove(path)  # then its record: a record without its file is not listed, and goes next time
+            _remove(path + ".json")
     fsync_dir(directory)
 
 
 def save_sharded(directory: str, step: int, model: torch.nn.Module, optimizer: Any, state: dict[str, Any],
                  is_main: bool) -> str:
-    """FSDP: every rank writes its shards with DCP into a temp dir; rank 0 adds state.pt and renames."""
+    """FSDP: every rank writes its shards with DCP into a temp dir; rank 0 adds state.pt and the record
+    (hashes of every file) and renames."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -119,7 +324,19 @@ def save_sharded(directory: str, step: int, model: torch.nn.Module, optimizer: A
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
     dist.barrier()
     if is_main:
-        save_file(os.path.join(tmp, "state.pt"), state)
+        files = {}
+        with atomic_write(os.path.join(tmp, "state.pt"), "wb") as f:
+            w = _HashingWriter(f)
+            torch.save(state, w)
+            files["state.pt"] = w.entry()
+        for root, _, names in os.walk(tmp):
+            for n in names:
+                rel = os.path.relpath(os.path.join(root, n), tmp)
+                if rel not in files:
+                    files[rel] = _hash_file(os.path.join(root, n))
+        write_json(os.path.join(tmp, SHARDED_RECORD),
+                   {"format": RECORD_FORMAT, "run_id": state.get("run_id"), "step": step,
+                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files})
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -139,3 +356,106 @@ def load_sharded(path: str, model: torch.nn.Module, optimizer: Any) -> None:
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+# ---------------------------------------------------------------- a run's directory
+class RunLock:
+    """An exclusive flock on `DIR/.lock` for as long as a run trains there (the kernel drops it when the
+    process dies, however it dies)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_FILE)
+        self.fd: int | None = None
+        try:
+            import fcntl
+        except ImportError:  # no flock on this platform: no lock, no cleaning of others' temp files
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):  # no flock on this file system
+                os.close(fd)
+                return
+            try:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise ValueError(f"checkpoint directory {directory!r} is in use by another training process (pid "
+                             f"{holder}); wait for it to end, or write this run's checkpoints elsewhere") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the message above
+        self.fd = fd
+
+    @property
+    def exclusive(self) -> bool:
+        return self.fd is not None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
+def clean_stale(directory: str) -> list[str]:
+    """Remove the hidden temp files and directories of interrupted checkpoint writes in `directory`.
+
+    Call it only while holding the directory's RunLock: then no other live process writes there, and
+    every temp file is a dead process's or this one's. Returns the names removed."""
+    removed = []
+    for name in os.listdir(directory):
+        if _TEMP.match(name):
+            _remove(os.path.join(directory, name))
+            removed.append(name)
+    if removed:
+        log.info("removed %d temp file(s) of interrupted checkpoint writes from %s", len(removed), directory)
+        fsync_dir(directory)
+    return removed
+
+
+def claim(directory: str | os.PathLike, run_id: str, overwrite: bool = False, resuming: bool = False) -> RunLock:
+    """Give `directory` to run `run_id` for as long as it trains; returns the lock (release() it at the end).
+
+    The directory is locked, stale temp files are removed, and then: a directory whose run file names
+    `run_id` is this run's (continued); an empty one (or one with no torchspeed files) becomes this
+    run's; one holding another run's checkpoints is refused with a ValueError naming it, unless
+    `overwrite` (its torchspeed files, `step-*`, their records and `run.json`, are deleted first;
+    nothing else in it is touched)."""
+    directory = os.fspath(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create checkpoint directory {directory!r}: {e.strerror}") from None
+    lock = RunLock(directory)
+    try:
+        if lock.exclusive:
+            clean_stale(directory)
+        try:
+            current = read_run(directory)
+        except ValueError:
+            if not overwrite:
+                raise
+            current = None
+        if current != run_id and holds_run(directory):
+            if not overwrite:
+                whose = f"run {current}" if current else "an earlier run (or an older torchspeed)"
+                raise ValueError(
+                    f"checkpoint directory {directory!r} already holds checkpoints of {whose}"
+                    + (", not of the checkpoint being resumed" if resuming else "")
+                    + ": continue that run with resume='last' (`torchspeed train --resume`), or start a new run "
+                    "there with Checkpoint(..., overwrite=True) (`--overwrite`), which deletes them; or use "
+                    "another directory")
+            for name in os.listdir(directory):
+                if name == RUN_FILE or _OURS.match(name):
+                    _remove(os.path.join(directory, name))
+            fsync_dir(directory)
+            log.warning("overwrite: deleted the checkpoints of %s in %s", f"run {current}" if current else
+                        "an earlier run", directory)
+        if current != run_id:
+            write_json(os.path.join(directory, RUN_FILE),
+                       {"format": RUN_FORMAT, "run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    except BaseException:
+        lock.release()
+        raise
+    return lock

@@ -279,6 +279,7 @@ class Trainer:
         self.skipped_steps = 0      # optimizer steps GradScaler skipped (fp16 overflow)
         self.should_stop = False
         self.history: list[dict[str, Any]] = []
+        self.run_id: str | None = None  # this run's id: in every checkpoint and in the checkpoint directory
         self._epoch_start: dict[str, Any] | None = None
         self._epoch_finished = False
         self._loader: Any = None
@@ -438,6 +439,7 @@ class Trainer:
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "history": self.history,
             "world_size": self.dist.world_size,
+            "run_id": self.run_id,
         }
         if include_model:
             state["model"] = self.module.state_dict()
@@ -450,6 +452,8 @@ class Trainer:
         The pending losses are read first, so a checkpoint never holds weights trained past a NaN loss."""
         directory = os.fspath(directory)
         self._read_losses()
+        if self.run_id is None:
+            self.run_id = ckpt.new_run_id()
         if self.acc.report.strategy == "fsdp":
             return ckpt.save_sharded(directory, self.global_step, self.module, self.optimizer,
                                      self.state_dict(include_model=False), self.is_main)
@@ -459,27 +463,71 @@ class Trainer:
         distributed.barrier()
         return path
 
-    def _resolve_resume(self, resume: str | os.PathLike) -> str | None:
+    def _checkpoint_callbacks(self) -> list[Checkpoint]:
+        return [cb for cb in self.callbacks if isinstance(cb, Checkpoint)]
+
+    def _claim(self, resuming: bool) -> None:
+        """Rank 0 takes every Checkpoint directory for this run (refusing another run's, see Checkpoint)."""
+        if self.is_main:
+            for cb in self._checkpoint_callbacks():
+                cb.claim(self.run_id, resuming=resuming)
+
+    def _release(self) -> None:
+        for cb in self._checkpoint_callbacks():
+            cb.release()
+
+    def _resume(self, resume: str | os.PathLike) -> str | None:
+        """Load the checkpoint `resume` names; returns its path (None: "last" found none, a fresh start).
+
+        A directory or "last": its run's newest checkpoint that passes its check; one that fails
+        (damaged, torn) is skipped with a warning naming it, and the previous one is loaded; when none
+        passes, CheckpointError lists them. An explicit file is loaded or refused, never replaced."""
         resume = os.fspath(resume)
         if resume == "last":
-            dirs = [cb.directory for cb in self.callbacks if isinstance(cb, Checkpoint)]
+            dirs = [cb.directory for cb in self._checkpoint_callbacks()]
             if not dirs:
                 raise ValueError("resume='last' needs a Checkpoint callback (its directory is searched); "
                                  "or pass the checkpoint's path")
-            return ckpt.last_checkpoint(dirs[0])
-        if os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, ".metadata")):
-            found = ckpt.last_checkpoint(resume)
-            if found is None:
-                raise FileNotFoundError(f"no complete checkpoint (step-*.pt) in {resume!r}")
-            return found
-        if not os.path.exists(resume):
-            raise FileNotFoundError(f"checkpoint {resume!r} does not exist")
-        return resume
+            directory = dirs[0]
+            candidates = [p for _, p in reversed(ckpt.candidates(directory))]
+            if not candidates:
+                if self.run_id is None:  # the directory's run, if one started there without a checkpoint yet
+                    self.run_id = ckpt.read_run(directory) if os.path.isdir(directory) else None
+                return None
+        elif os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, ".metadata")):
+            directory = resume
+            candidates = [p for _, p in reversed(ckpt.candidates(resume))]
+            if not candidates:
+                raise FileNotFoundError(f"no complete checkpoint (step-*.pt with its record) in {resume!r}")
+        else:
+            if not os.path.exists(resume):
+                raise FileNotFoundError(f"checkpoint {resume!r} does not exist")
+            self.load_checkpoint(resume)
+            return resume
+        failed = []
+        for path in candidates:
+            try:
+                state = ckpt.load_file(path)
+            except ckpt.CheckpointError as e:
+                failed.append(str(e))
+                log.warning("%s; resuming from the checkpoint before it instead", e)
+                continue
+            if failed:
+                log.warning("resuming from %s (%d newer checkpoint(s) failed their check)", path, len(failed))
+            self._restore(path, state)
+            return path
+        raise ckpt.CheckpointError(f"no checkpoint in {directory!r} passes its check, so there is nothing to resume "
+                                   f"from: {'; '.join(failed)}")
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by save_checkpoint (weights_only=True); training continues from it."""
+        """Restore a checkpoint written by save_checkpoint; training continues from it.
+
+        It is verified against its record first (CheckpointError naming the file when its bytes changed
+        or it is incomplete) and read with weights_only=True (pickled objects refused)."""
         path = os.fspath(path)
-        state = ckpt.load_file(path)
+        self._restore(path, ckpt.load_file(path))
+
+    def _restore(self, path: str, state: dict[str, Any]) -> None:
         if state.get("world_size", 1) != self.dist.world_size and state.get("epoch_start") is not None:
             raise ValueError(f"checkpoint {path!r} was written by {state['world_size']} processes mid-epoch; resume "
                              f"it with the same number ({self.dist.world_size} now), or from an epoch-end checkpoint")
@@ -503,6 +551,7 @@ class Trainer:
         self.epoch, self.batches_done = state["epoch"], state["batches_done"]
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.history = list(state.get("history") or [])
+        self.run_id = state.get("run_id") or self.run_id
         self._resume_state = state
         self.log.restore(self.global_step)
 
@@ -571,13 +620,31 @@ class Trainer:
         """Train for `epochs` (or until `max_steps` optimizer steps / a callback stops); returns final metrics.
 
         `resume`: a checkpoint path, a directory of checkpoints, or "last" (the newest complete one
-        in the Checkpoint callback's directory; a fresh start when there is none yet).
+        of the run in the Checkpoint callback's directory; a fresh start when there is none yet). A
+        directory or "last" skips a checkpoint that fails its check (bit flip, torn write) with a
+        warning naming it and loads the one before; CheckpointError when none passes. A checkpoint
+        path given explicitly is loaded or refused (CheckpointError naming it), never replaced.
+
+        Without `resume` this is a new run (unless this Trainer has run before): a Checkpoint
+        directory holding another run's checkpoints is refused before any data is read, unless the
+        callback has `overwrite=True`.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}")
+        try:
+            return self._fit(train_loader, val_loader, epochs, max_steps, resume)
+        finally:
+            self._release()
+
+    def _fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int,
+             max_steps: int | None, resume: str | os.PathLike | None) -> dict[str, Any]:
         self.dist = distributed.env()
+        if resume is None:  # a new run, or this Trainer's own run going on: the directory is checked now
+            if self.run_id is None:
+                self.run_id = ckpt.new_run_id()
+            self._claim(resuming=False)
         loader = self._shard(train_loader)
         try:
             n_batches = len(loader)  # type: ignore[arg-type]
@@ -588,9 +655,10 @@ class Trainer:
         self.dist = distributed.env()
         self._resume_state = None
         if resume is not None:
-            path = self._resolve_resume(resume)
-            if path is not None:
-                self.load_checkpoint(path)
+            self._resume(resume)
+            if self.run_id is None:
+                self.run_id = ckpt.new_run_id()
+            self._claim(resuming=self._resume_state is not None)
         resume_state = self._resume_state
         self.should_stop = False
         model, acc = self.model, self.acc

@@ -1,0 +1,317 @@
+"""Faults in training and checkpoints: a run never deletes or resumes another run's checkpoints, every
+checkpoint is verified (bit flips and torn files named), interrupted writes are cleaned, a checkpoint
+cannot run code, an unwritable --out fails first, and a SIGKILL during a checkpoint write loses nothing.
+
+The resume task, its straight run and the comparison come from test_train_resume (SIGKILL mid-epoch
+then a bit-identical resume is tested there).
+"""
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import test_train_resume as resume_tests
+import torch
+from torch import nn
+
+from torchspeed.cli import main
+from torchspeed.runtime import deterministic, seed_everything
+from torchspeed.safeload import UnsafeFileError
+from torchspeed.train import Checkpoint, Trainer, last_checkpoint, load_file
+from torchspeed.train import checkpoint as ckpt
+
+N, _assert_same = resume_tests.N, resume_tests._assert_same
+task, straight = resume_tests.task, resume_tests.straight  # its fixtures: the resume task and its straight run
+
+
+class NeverRead:
+    """A loader that fails the test if anything iterates it."""
+
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        raise AssertionError("data was read before the checkpoint directory was checked")
+
+
+def _steps(d, run_id=None):
+    return [s for s, _ in ckpt.list_checkpoints(d, run_id)]
+
+
+def _files(d):
+    return {n: (d / n).read_bytes() for n in sorted(os.listdir(d)) if n.startswith("step-")}
+
+
+# ------------------------------------------------------------------ item 4: one run per directory
+def test_new_run_into_used_directory_refuses_then_overwrite_starts_clean(task, tmp_path):
+    d = tmp_path / "ck"
+    old, train, val = task.build(d, every=1)
+    old.fit(train, val, epochs=3, max_steps=12)  # the earlier run: steps 11 and 12 kept
+    assert _steps(d) == [11, 12]
+    before = _files(d)
+
+    new, train, val = task.build(d, every=1)
+    with pytest.raises(ValueError) as e:
+        new.fit(NeverRead(), val, epochs=3, max_steps=2)  # refused before any data is read
+    msg = str(e.value)
+    assert repr(str(d)) in msg and "resume" in msg and "overwrite" in msg
+    assert _files(d) == before and load_file(last_checkpoint(d))["global_step"] == 12  # nothing lost
+
+    # overwrite: a clean start; the new run's checkpoints survive its own pruning (they used to be
+    # deleted at once because the old run's step numbers were higher)
+    new, train, val = task.build(None, extra=[Checkpoint(d, every_n_steps=1, keep_last=2, overwrite=True)])
+    new.fit(train, val, epochs=3, max_steps=3)
+    assert _steps(d) == [2, 3] and ckpt.read_run(d) == new.run_id != old.run_id
+    assert not (d / "step-00000011.pt").exists() and not (d / "step-00000012.pt.json").exists()
+    assert load_file(last_checkpoint(d))["run_id"] == new.run_id
+
+
+def test_resume_and_pruning_see_only_their_own_run(task, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    tr, train, val = task.build(a, every=1)
+    tr.fit(train, val, epochs=3, max_steps=3)
+    other, train, val = task.build(b, every=1)
+    other.fit(train, val, epochs=3, max_steps=9)
+    for n in ("step-00000009.pt", "step-00000009.pt.json"):  # another run's newer checkpoint lands in a
+        (a / n).write_bytes((b / n).read_bytes())
+    assert _steps(a) == [2, 3] and _steps(a, other.run_id) == [9]
+
+    tr2, train, val = task.build(a, every=1)
+    tr2.fit(train, val, epochs=3, max_steps=5, resume="last")
+    assert tr2.run_id == tr.run_id and tr2.global_step == 5  # resumed step 3 of its own run, not step 9
+    assert _steps(a) == [4, 5] and (a / "step-00000009.pt").is_file()  # pruning left the other run alone
+
+
+def test_cli_train_into_used_out(task, tmp_path, photo_folder, monkeypatch, capsys):
+    import torchspeed.data
+
+    out = tmp_path / "run"
+    old, train, val = task.build(out / "checkpoints", every=1)
+    old.fit(train, val, epochs=3, max_steps=12)  # an earlier run with higher step numbers
+    before = _files(out / "checkpoints")
+    fast = ["--model", "mobilenet_v3_small", "--crop", "32", "--batch-size", "8", "--num-workers", "0",
+            "--threads", "1", "--precision", "fp32", "--channels-last", "off", "--compile", "off", "--no-progress"]
+    real_split = torchspeed.data.train_val_split
+
+    def never(*a, **k):
+        raise AssertionError("data was read")
+
+    monkeypatch.setattr(torchspeed.data, "train_val_split", never)
+    assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(out), *fast]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert repr(str(out)) in err and "--resume" in err and "--overwrite" in err and "Traceback" not in err
+    assert _files(out / "checkpoints") == before
+
+    assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(out), "--resume",
+                 "--overwrite", *fast]) == 2
+    assert "give one of them" in capsys.readouterr().err
+
+    blocked = tmp_path / "file.txt"
+    blocked.write_text("not a directory")
+    assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(blocked / "run"), *fast]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert repr(str(blocked / "run")) in err and "cannot be written" in err and "Traceback" not in err
+    assert blocked.read_text() == "not a directory"
+
+    monkeypatch.setattr(torchspeed.data, "train_val_split", real_split)
+    assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(out), "--overwrite", *fast]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["step"] == 22 // 8 and s["checkpoint"].endswith(f"step-{s['step']:08d}.pt")  # the new run's own
+    assert os.path.isfile(s["checkpoint"]) and s["run_id"] == ckpt.read_run(out / "checkpoints") != old.run_id
+
+
+# ------------------------------------------------------------------ item 6: every checkpoint verified
+def _big_run(d, max_steps, resume=None):
+    """A 64 MiB model (the size the old check skipped), two optimizer steps."""
+    seed_everything(0)
+    model = nn.Linear(4096, 4096, bias=False)  # 4096 * 4096 * 4 bytes = 64 MiB
+    x = torch.randn(4, 4096)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=2)
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3), nn.functional.mse_loss, precision="fp32",
+                 channels_last=False, compile=False, callbacks=[Checkpoint(d, every_n_steps=1, keep_last=2)],
+                 progress=False)
+    tr.fit(loader, epochs=1, max_steps=max_steps, resume=resume)
+    return tr
+
+
+def test_bit_flip_in_a_64mib_checkpoint_is_caught_and_resume_falls_back(tmp_path, caplog):
+    d = tmp_path / "ck"
+    tr = _big_run(d, 2)
+    good, bad = d / "step-00000001.pt", d / "step-00000002.pt"
+    assert bad.stat().st_size >= 64 << 20
+    weights_1 = load_file(good)["model"]
+    data = bytearray(bad.read_bytes())
+    mid = len(data) // 2 // 4096 * 4096
+    data[mid:mid + 4096] = bytes(b ^ 0xFF for b in data[mid:mid + 4096])  # a flipped 4 KiB block
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="corrupt") as e:
+        load_file(bad)
+    assert repr(str(bad)) in str(e.value)
+    with pytest.raises(ckpt.CheckpointError, match="corrupt"):
+        tr.load_checkpoint(bad)  # an explicit path: refused, not replaced
+
+    with caplog.at_level(logging.WARNING, logger="torchspeed.train"):
+        tr2 = _big_run(d, 1, resume="last")  # the newest fails its check: the one before is loaded
+    assert tr2.global_step == 1
+    _assert_same(tr2.module.state_dict(), weights_1)
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert str(bad) in warned and "before it instead" in warned
+
+
+def test_torn_checkpoints_are_named_and_none_good_is_an_error(task, tmp_path, caplog):
+    tr, train, val = task.build(tmp_path, every=1)
+    tr.fit(train, val, epochs=1, max_steps=4)
+    three, four = tmp_path / "step-00000003.pt", tmp_path / "step-00000004.pt"
+    four.write_bytes(four.read_bytes()[:-3000])  # torn: the end is missing
+    with pytest.raises(ckpt.CheckpointError, match="truncated") as e:
+        load_file(four)
+    assert repr(str(four)) in str(e.value)
+    assert last_checkpoint(tmp_path) == str(three)  # never listed as complete
+    with caplog.at_level(logging.WARNING, logger="torchspeed.train"):
+        tr2, train, val = task.build(tmp_path, every=1)
+        tr2.fit(train, val, epochs=1, max_steps=3, resume="last")
+    assert tr2.global_step == 3 and str(four) in caplog.text
+
+    data = bytearray(three.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    three.write_bytes(bytes(data))
+    tr3, train, val = task.build(tmp_path, every=1)
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint in .* passes its check") as e:
+        tr3.fit(train, val, epochs=1, max_steps=5, resume="last")
+    assert str(three) in str(e.value) and str(four) in str(e.value)
+    os.unlink(str(three) + ".json")  # and one without its record
+    with pytest.raises(ckpt.CheckpointError, match="cannot be verified"):
+        load_file(three)
+
+
+# ------------------------------------------------------------------ item 10: nothing in a checkpoint runs
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # loading with pickle would create the marker file
+
+
+def test_malicious_pickle_in_a_checkpoint_is_refused_and_runs_nothing(task, tmp_path):
+    tr, train, val = task.build(tmp_path, every=2)
+    tr.fit(train, val, epochs=1, max_steps=2)
+    path = tmp_path / "step-00000002.pt"
+    state = load_file(path)
+    marker = tmp_path / "pwned"
+    state["evil"] = _Evil(str(marker))
+    torch.save(state, path)
+    rec = json.loads((tmp_path / "step-00000002.pt.json").read_text())
+    rec["files"]["step-00000002.pt"] = ckpt._hash_file(str(path))  # even with a record that matches
+    (tmp_path / "step-00000002.pt.json").write_text(json.dumps(rec))
+    for attempt in (lambda: load_file(path), lambda: tr.fit(train, val, epochs=1, max_steps=4, resume=path),
+                    lambda: task.build(tmp_path)[0].fit(train, val, epochs=1, max_steps=4, resume="last")):
+        with pytest.raises(UnsafeFileError) as e:
+            attempt()
+        assert repr(str(path)) in str(e.value) and "weights_only=False" not in str(e.value)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------ item 9: stale temp files
+def test_stale_temps_are_cleaned_only_when_no_live_process_holds_the_directory(task, tmp_path):
+    tr, train, val = task.build(tmp_path, every=2)
+    tr.fit(train, val, epochs=1, max_steps=2)
+    stale = [tmp_path / ".step-00000004.pt.x1y2.tmp", tmp_path / ".step-00000004.pt.json.abcd.tmp"]
+    for p in stale:
+        p.write_bytes(b"PK\x03\x04 partial")
+    (tmp_path / ".step-00000006.tmp").mkdir()  # a sharded write's temp directory
+    keep = tmp_path / "notes.txt"
+    keep.write_text("mine")
+
+    fd = os.open(tmp_path / ".lock", os.O_RDWR)  # as if another live process trained here
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(ValueError, match="in use by another training process"):
+            tr.fit(train, val, epochs=1, max_steps=4, resume="last")
+        assert all(p.exists() for p in stale)  # a live writer's temp files are left alone
+    finally:
+        os.close(fd)
+    tr.fit(train, val, epochs=1, max_steps=4, resume="last")
+    assert not any(p.exists() for p in stale) and not (tmp_path / ".step-00000006.tmp").exists()
+    assert keep.read_text() == "mine" and _steps(tmp_path) == [2, 4]
+
+
+# ------------------------------------------------------------------ SIGKILL during a checkpoint write
+CHILD = r'''
+import os, sys, time
+import torch
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import resume_task
+from torchspeed.runtime import deterministic
+
+K = int(sys.argv[4])
+real_save = torch.save
+
+
+class Stalls:
+    """Passes the first bytes through, then announces itself and waits to be killed mid-write."""
+
+    def __init__(self, f):
+        self.f, self.n = f, 0
+
+    def write(self, b):
+        if self.n > 4096:
+            print("mid-write", flush=True)
+            time.sleep(600)
+        self.n += memoryview(b).nbytes
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
+def save(obj, f, *a, **kw):
+    if isinstance(obj, dict) and obj.get("global_step") == K:
+        f = Stalls(f)
+    return real_save(obj, f, *a, **kw)
+
+
+torch.save = save
+deterministic(True)
+tr, train, val = resume_task.build(sys.argv[2])
+tr.fit(train, val, epochs=3, max_steps=int(sys.argv[3]))
+'''
+
+
+def test_sigkill_during_a_checkpoint_write_loses_nothing(task, straight, tmp_path):
+    child, d, k = tmp_path / "child.py", tmp_path / "ck", 5
+    child.write_text(CHILD)
+    proc = subprocess.Popen([sys.executable, str(child), task.PATH, str(d), str(N), str(k)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if line.strip() == "mid-write":
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            assert time.monotonic() < deadline, "the child did not reach the write in time"
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+    temps = [n for n in os.listdir(d) if n.startswith(f".step-{k:08d}.pt.") and n.endswith(".tmp")]
+    assert temps  # the half-written file, hidden
+    assert not (d / f"step-{k:08d}.pt").exists()
+    assert last_checkpoint(d) == str(d / f"step-{k - 1:08d}.pt")
+    assert load_file(last_checkpoint(d))["global_step"] == k - 1  # the previous checkpoint still loads
+
+    deterministic(True)
+    try:
+        seed_everything(7)
+        tr, train, val = task.build(d)
+        tr.fit(train, val, epochs=3, max_steps=N, resume="last")
+        _assert_same(tr.module.state_dict(), straight[0])  # bit-identical to the run never killed
+    finally:
+        deterministic(False)
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]  # the dead process's temp file is gone
