@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-__all__ = ["atomic_write", "build_directory", "write_json", "fsync_dir"]
+__all__ = ["atomic_write", "build_directory", "write_json", "fsync_dir", "publish_files"]
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -101,3 +101,81 @@ def build_directory(final: str | os.PathLike, build: Callable[[str], None]) -> s
         if not (isinstance(e, OSError) and os.path.isdir(final)):  # lost a race: the winner's copy stands
             raise
     return final
+
+
+_PUBLISH_PREFIX = ".torchspeed-save.partial-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _clean_stale_partials(directory: str) -> None:
+    """Remove `publish_files` temp dirs left in `directory` by a process that no longer runs."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_PUBLISH_PREFIX):
+            continue
+        pid = name[len(_PUBLISH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_files(directory: str | os.PathLike, build: Callable[[str], None], last: str | None = None) -> str:
+    """Write a set of files into `directory` so that a crash never leaves a mix that looks whole.
+
+    `build(tmp)` writes the files into a temporary directory inside `directory` (any writer: a
+    library's own `save`, a copy). Then each file is fsynced and renamed into `directory` (each rename
+    atomic), `last` (e.g. the manifest that says the set is complete) after the others, and it is
+    removed from `directory` before the others move in, so an interruption leaves either the old
+    complete set, no `last` file (an incomplete set that says so), or the new complete set. Other
+    files in `directory` are left alone. Temp dirs of processes that died are removed on the next call.
+    """
+    directory = os.fspath(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create directory {directory!r}: {e.strerror}") from None
+    _clean_stale_partials(directory)
+    tmp = tempfile.mkdtemp(dir=directory, prefix=f"{_PUBLISH_PREFIX}{os.getpid()}-")
+    try:
+        build(tmp)
+        names = sorted(os.listdir(tmp))
+        for name in names:
+            src = os.path.join(tmp, name)
+            if os.path.isdir(src):
+                raise ValueError(f"publish_files moves files only; {name!r} is a directory")
+            _fsync_file(src)
+        if last is not None:
+            if last not in names:
+                raise ValueError(f"the files written hold no {last!r}")
+            if os.path.lexists(os.path.join(directory, last)):
+                os.unlink(os.path.join(directory, last))  # the old set stops claiming to be complete
+                fsync_dir(directory)
+            names.remove(last)
+            names.append(last)
+        for name in names:
+            if name == last:
+                fsync_dir(directory)  # the others are in place before `last` says the set is complete
+            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+        fsync_dir(directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory

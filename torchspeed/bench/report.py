@@ -86,6 +86,12 @@ def suite_table(result: dict[str, Any]) -> str:
                       "what this is"], rows)
 
 
+def _save_png(fig: Any, path: str) -> None:
+    """A figure as a PNG, written atomically (an interrupted report leaves the old plot, not half a new one)."""
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=110)
+
+
 def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     """PNG plots for one suite; returns the file names written (relative to `out`)."""
     import matplotlib
@@ -119,7 +125,7 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     for i, v in enumerate(values):
         ax.text(v, i, f" {format_number(float(v))}", va="center", fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, fname), dpi=110)
+    _save_png(fig, os.path.join(out, fname))
     plt.close(fig)
     written.append(fname)
     scatter = [r for r in rows if isinstance(r.get("metric_drop"), (int, float)) and r.get("unit") == "ms"]
@@ -134,7 +140,7 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
         ax.set_ylabel("accuracy drop vs fp32 (percentage points)")
         ax.set_title("Inference candidates: accuracy vs latency", fontsize=10)
         fig.tight_layout()
-        fig.savefig(os.path.join(out, "infer_accuracy_vs_latency.png"), dpi=110)
+        _save_png(fig, os.path.join(out, "infer_accuracy_vs_latency.png"))
         plt.close(fig)
         written.append("infer_accuracy_vs_latency.png")
     return written

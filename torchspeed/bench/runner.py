@@ -1,11 +1,26 @@
 """Run benchmark suites, keep going when one fails, collect their JSON under the suite names, and
-write the report."""
+write the report.
+
+Each suite runs in its own Python process, so a native crash in one suite (a segfault in a runtime)
+is reported as that suite's failure while the others still run and the report is still written, and
+one suite's runtime thread pools cannot share the cores with the next suite's timings. The parent
+writes `results.json` after every suite and renders the report from it; `render_report(DIR)`
+(`torchspeed bench --report-only DIR`) renders it again from `DIR/results.json`.
+"""
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 from rich.console import Console
@@ -13,19 +28,25 @@ from rich.console import Console
 from torchspeed.atomic import write_json
 from torchspeed.bench import suites
 from torchspeed.tables import print_table
-from torchspeed.runtime import describe, describe_line
 
 # Expected seconds per suite on a 2-core machine with warm caches (quick, full): the time-left estimate.
 EXPECTED_S = {"data": (75, 300), "train": (100, 600), "infer": (130, 900), "compress": (100, 600), "design": (30, 180)}
+
+RESULTS = "results.json"
+_MARK = "\x1etorchspeed-bench-progress:"  # a progress line on the child's stdout
 
 
 def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed-report",
                json_path: str | None = None, console: Console | None = None,
                command: str = "torchspeed bench") -> dict[str, Any]:
-    """Run each suite in turn; a failing suite is recorded with its error and the others still run.
+    """Run each suite in turn, each in its own process; a failing (or crashing) suite is recorded with
+    its error and the others still run.
 
-    Writes `results.json` (and `--json PATH`), `report.md` and the plots into `out`.
+    Writes `results.json` (after each suite, and `--json PATH` at the end), `report.md` and the plots
+    into `out`. A suite given as an object that is not an importable module runs in this process.
     """
+    from torchspeed.runtime import describe, describe_line
+
     console = console or Console()
     try:
         os.makedirs(out, exist_ok=True)
@@ -33,48 +54,192 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
         raise OSError(f"cannot create the report directory {out!r}: {e.strerror}") from None
     machine = describe()
     console.print(f"[bold]Machine:[/] {describe_line(machine)}")
-    results: dict[str, Any] = {"machine": machine, "quick": quick}
-    todo = [n for n in names if suites.load(n) is not None]
+    results: dict[str, Any] = {"machine": machine, "quick": quick, "command": command}
+    modules = {n: suites.load(n) for n in names}
+    todo = [n for n in names if modules[n] is not None]
     missing = [n for n in names if n not in todo]
     if missing:
         console.print(f"not built into this version yet: {', '.join(missing)}")
     expected = {n: EXPECTED_S.get(n, (60, 300))[0 if quick else 1] for n in todo}
     start = time.perf_counter()
-    for i, name in enumerate(todo, 1):
-        module = suites.load(name)
-        t0 = time.perf_counter()
-        with console.status(f"[{i}/{len(todo)}] {name}: starting") as status:
-            def progress(text: str, _name: str = name, _i: int = i) -> None:
-                elapsed = time.perf_counter() - t0
-                left = max(expected[_name] - elapsed, 0) + sum(expected[n] for n in todo[_i:])
-                status.update(f"[{_i}/{len(todo)}] {_name}: {text}  ({elapsed:.0f} s in suite, ~{left / 60:.1f} min left)")
-            try:
-                results[name] = module.run(quick=quick, progress=progress)
-            except Exception as e:  # one suite's failure must not lose the others
-                results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-                console.print(f"[red]suite {name} failed:[/] {type(e).__name__}: {e}")
-        results[name]["seconds"] = round(time.perf_counter() - t0, 1)
-        print_suite(name, results[name], console)
-        write_json(os.path.join(out, "results.json"), results)  # after each suite: an interrupted run keeps the rest
+    results_path = os.path.join(out, RESULTS)
+    try:
+        for i, name in enumerate(todo, 1):
+            module = modules[name]
+            title = getattr(module, "TITLE", name)
+            t0 = time.perf_counter()
+            with console.status(f"[{i}/{len(todo)}] {name}: starting") as status:
+                def progress(text: str, _name: str = name, _i: int = i) -> None:
+                    elapsed = time.perf_counter() - t0
+                    left = max(expected[_name] - elapsed, 0) + sum(expected[n] for n in todo[_i:])
+                    status.update(f"[{_i}/{len(todo)}] {_name}: {text}  ({elapsed:.0f} s in suite, "
+                                  f"~{left / 60:.1f} min left)")
+                if isinstance(module, ModuleType):
+                    results[name], title = run_in_child(name, module.__name__, quick, progress, console, title)
+                else:
+                    results[name] = _run_here(module, quick, progress)
+            if "error" in results[name]:
+                console.print(f"[red]suite {name} failed:[/] {results[name]['error']}", highlight=False)
+            results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+            print_suite(name, results[name], console, title)
+            write_json(results_path, results)  # after each suite: a crash later keeps the rest
+    except KeyboardInterrupt:
+        results["interrupted"] = True
+        write_json(results_path, results)
+        console.print(f"[red]interrupted:[/] the finished suites are in {results_path}; "
+                      f"the report of those: torchspeed bench --report-only {out}")
+        raise
     results["seconds"] = round(time.perf_counter() - start, 1)
-    write_json(os.path.join(out, "results.json"), results)
+    write_json(results_path, results)
     if json_path:
         write_json(json_path, results)
     from torchspeed.bench.report import summary_rows, write_report
 
-    report = write_report(results, out, command=command)
+    report = write_report(read_results(out), out, command=command)  # from the file, as --report-only does
     print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
                 ["suite", "technique", "measured", "speed-up", "accuracy drop"], summary_rows(results), console)
     console.print(f"report: {report} ({results['seconds'] / 60:.1f} min)")
     return results
 
 
-def print_suite(name: str, result: dict[str, Any], console: Console) -> None:
+def _run_here(module: Any, quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
+    try:
+        return module.run(quick=quick, progress=progress)
+    except Exception as e:  # noqa: BLE001 - one suite's failure must not lose the others
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+def _death(status: int) -> str:
+    """Why a child process ended, in words."""
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return (f"the suite's process was killed by {name} (signal {-status}) before it reported: a native crash "
+                "(the faulthandler trace above says where) or the system ran out of memory")
+    return f"the suite's process exited with status {status} before it reported (its error output is above)"
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONFAULTHANDLER"] = "1"  # a native crash in the child prints where it happened
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[str], None], console: Console,
+                 title: str = "") -> tuple[dict[str, Any], str]:
+    """Run the suite module `module_name` in a fresh Python process: (its JSON, its title).
+
+    The child's progress lines drive `progress`; its other output is passed on; a child that dies
+    (a signal, an exit without a report) gives a result with "error" saying how it died.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tmp = tempfile.mkdtemp(prefix=f"torchspeed-bench-{name}-")
+    result_path = os.path.join(tmp, "suite.json")
+    code = (f"import sys; sys.path.append({root!r}); "
+            "from torchspeed.bench.runner import child_main; child_main()")
+    argv = [sys.executable, "-c", code, module_name, name, result_path, "quick" if quick else "full"]
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=_child_env())
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                if line.startswith(_MARK):
+                    progress(line[len(_MARK):])
+                else:
+                    console.print(line, markup=False, highlight=False)
+            status = proc.wait()
+        except BaseException:  # Ctrl-C reached the child too: give it a moment to stop, then end it
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+        payload = None
+        if os.path.exists(result_path):
+            try:
+                with open(result_path, encoding="utf-8") as f:
+                    payload = json.load(f)
+            except ValueError:
+                payload = None
+        if not isinstance(payload, dict) or not isinstance(payload.get("result"), dict):
+            return {"error": _death(status)}, title
+        result = payload["result"]
+        if status != 0 and "error" not in result:
+            note = f"the suite reported its results, then its process ended badly: {_death(status)}"
+            result["notes"] = [*result.get("notes", []), note]
+        return result, payload.get("title") or title
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def child_main(argv: Sequence[str] | None = None) -> None:
+    """The child side of `run_in_child`: argv is MODULE NAME RESULT_PATH quick|full."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
+    module_name, name, result_path, mode = list(argv if argv is not None else sys.argv[1:])
+
+    def progress(text: str) -> None:
+        sys.stdout.write(_MARK + " ".join(str(text).split("\n")) + "\n")
+        sys.stdout.flush()
+
+    title = name
+    try:
+        module = importlib.import_module(module_name)
+        title = getattr(module, "TITLE", name)
+        result = module.run(quick=mode == "quick", progress=progress)
+        if not isinstance(result, dict):
+            raise TypeError(f"suite {name} returned {type(result).__name__}, not a dict")
+    except Exception as e:  # noqa: BLE001 - recorded as the suite's failure
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    write_json(result_path, {"title": title, "result": result})
+
+
+def read_results(out: str) -> dict[str, Any]:
+    """`out/results.json` as written by `run_suites`; one clear error naming the file otherwise."""
+    path = os.path.join(out, RESULTS)
+    if not os.path.isdir(out):
+        raise FileNotFoundError(f"report directory {out!r} does not exist")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{out!r} holds no {RESULTS}: run `torchspeed bench --out {out}` first")
+    try:
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path!r}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"{path!r} is damaged (not valid JSON: {str(e).splitlines()[0][:160]})") from None
+    if not isinstance(results, dict) or not isinstance(results.get("machine"), dict):
+        raise ValueError(f"{path!r} is not a torchspeed bench results file (no 'machine' record)")
+    return results
+
+
+def render_report(out: str, console: Console | None = None) -> dict[str, Any]:
+    """Write `out/report.md` and the plots again from `out/results.json`; returns the results."""
+    from torchspeed.bench.report import summary_rows, write_report
+
+    console = console or Console()
+    results = read_results(out)
+    report = write_report(results, out, command=results.get("command") or "torchspeed bench")
+    print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
+                ["suite", "technique", "measured", "speed-up", "accuracy drop"], summary_rows(results), console)
+    console.print(f"report: {report}")
+    return results
+
+
+def print_suite(name: str, result: dict[str, Any], console: Console, title: str | None = None) -> None:
     if "error" in result:
         return
     rows = [
         (r["technique"], r.get("median"), r.get("unit", ""), r.get("ratio"), r.get("cumulative"), r.get("metric_drop"))
         for r in result.get("rows", [])
     ]
-    title = getattr(suites.load(name), "TITLE", name)
+    if title is None:
+        title = getattr(suites.load(name), "TITLE", name)
     print_table(title, ["technique", "median", "unit", "ratio", "cumulative", "metric drop"], rows, console)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import pickle
+import re
 import sys
 from collections.abc import Sequence
 
@@ -44,10 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SENTENCE_PART = r"(?:[^.;()\n]|\.(?!\s|$))*"  # up to a sentence end (". "), "torch.load" stays whole
+_UNSAFE_ADVICE = re.compile(_SENTENCE_PART + r"weights_only\W*(?:=|set to)\W*False" + _SENTENCE_PART + r"[.;]?",
+                            re.IGNORECASE)
+
+
+def _scrub(message: str) -> str:
+    """Drop any sentence advising to load a file with weights_only=False (torch's hint) from a message."""
+    scrubbed = _UNSAFE_ADVICE.sub("", message)
+    if scrubbed == message:
+        return message
+    scrubbed = re.sub(r"\(\s*\)|\s+(?=[.,;)])", "", " ".join(scrubbed.split())).strip(" :;,")
+    return scrubbed or "the file holds pickled Python objects, which torchspeed never loads because they could run code"
+
+
 def error(message: str) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]torchspeed: error:[/] {message}", highlight=False, markup=True)
+    Console(stderr=True).print(f"[bold red]torchspeed: error:[/] {escape(_scrub(message))}", highlight=False,
+                               markup=True)
     return 2
 
 
@@ -85,10 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     handler, previous_level = _log_to_stderr(args)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        return 128 - status if status < 0 else status  # a child killed by signal N: 128 + N, as the shell says
     except KeyboardInterrupt:
-        return error("interrupted") or 130
-    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError) as e:
+        error("interrupted")
+        return 130  # 128 + SIGINT, as the shell reports Ctrl-C
+    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError,
+            pickle.UnpicklingError) as e:
         if args.debug:
             raise
         return error(str(e))

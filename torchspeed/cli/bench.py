@@ -4,21 +4,33 @@ from __future__ import annotations
 import argparse
 import logging
 
-from torchspeed.cli import add_json_option
+from torchspeed.cli import UserError, add_json_option
 
 SUITES = ("data", "train", "infer", "compress", "design")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure each technique's speed-up over plain PyTorch here (the report)")
+    p = sub.add_parser("bench", help="measure each technique's speed-up over plain PyTorch here (the report)",
+                       description="Run the benchmark suites, each in its own process, and write report.md, the "
+                                   "plots and results.json into --out. A suite that fails or crashes is reported "
+                                   "as failed; the others still run and the report is still written.")
     p.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="which suite (default all)")
     p.add_argument("--quick", action="store_true", help="short runs (the whole report in about 8 minutes)")
     p.add_argument("--out", default="torchspeed-report", metavar="DIR", help="report directory (default ./torchspeed-report)")
+    p.add_argument("--report-only", metavar="DIR",
+                   help="run nothing: write report.md and the plots again from DIR/results.json")
     add_json_option(p)
     p.set_defaults(func=run, log_level=logging.WARNING)  # the suites print their own progress; -v shows more
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report_only:
+        if args.suite != "all" or args.quick or args.json:
+            raise UserError("--report-only DIR renders an existing results.json; it takes no suite, --quick or --json")
+        from torchspeed.bench.runner import render_report
+
+        render_report(args.report_only)
+        return 0
     from torchspeed.bench.runner import run_suites
 
     names = SUITES if args.suite == "all" else (args.suite,)

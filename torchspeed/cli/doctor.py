@@ -49,8 +49,10 @@ def run_doctor(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise ValueError("doctor needs the script to run after `--`: torchspeed doctor -- python your_train.py ARGS")
-    status, _ = _run(command, steps=args.steps, out=args.out, json_path=args.json, trace=args.trace,
-                     cprofile=args.cprofile, timeout=args.timeout)
+    status, payload = _run(command, steps=args.steps, out=args.out, json_path=args.json, trace=args.trace,
+                           cprofile=args.cprofile, timeout=args.timeout)
+    if payload.get("status") == "timeout":
+        return 124  # as timeout(1)
     return status
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -62,8 +63,11 @@ def child_command(command: list[str]) -> list[str]:
     else:
         raise ValueError("no script given: torchspeed doctor -- python your_train.py ARGS")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(instrument.__file__))))
-    boot = (f"import sys; sys.path.insert(0, {root!r}); from torchspeed.doctor.instrument import main; "
-            f"sys.path.remove({root!r}); sys.path.append({root!r}); main()")
+    # Ctrl-C or doctor's --timeout (SIGINT) ends the child with status 130 and no traceback of doctor's
+    # frames; the report of what ran is written before (instrument.main) when the script had started.
+    boot = (f"import sys\ntry:\n    sys.path.insert(0, {root!r}); from torchspeed.doctor.instrument import main; "
+            f"sys.path.remove({root!r}); sys.path.append({root!r}); main()\n"
+            "except KeyboardInterrupt:\n    sys.exit(130)")
     return [exe, *opts, "-c", boot, mode, target, *args]
 
 
@@ -114,6 +118,37 @@ def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> 
     }
 
 
+def _no_report(status: int) -> str:
+    if status > 128:
+        try:
+            name = signal.Signals(status - 128).name
+        except ValueError:
+            name = f"signal {status - 128}"
+        return f"the script was killed by {name} (exit status {status}) before doctor could report"
+    return f"the script ended (exit status {status}) before doctor could report: see its error output above"
+
+
+def check_interpreter(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """The child interpreter must import torch (doctor instruments it): one clear error naming it if not."""
+    exe = argv[0]
+    where = shutil.which(exe) or exe
+    if os.path.abspath(where) == os.path.abspath(sys.executable):
+        return  # this interpreter runs torchspeed, so it has torch (a venv's python may link to one without)
+    opts = argv[1:argv.index("-c")]
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"
+    try:
+        r = subprocess.run([exe, *opts, "-c", probe], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the script's interpreter {exe!r} was not found") from None
+    except (OSError, subprocess.TimeoutExpired):
+        return  # let the real run say what is wrong
+    if r.returncode == 3:
+        raise ValueError(f"the script's interpreter {exe!r} ({where}) cannot import torch: install torch for it, or "
+                         f"run the script with an interpreter that has it, e.g. torchspeed doctor -- "
+                         f"{sys.executable} your_train.py")
+
+
 def run_doctor(command: list[str], steps: int | None = None, out: str | None = None, json_path: str | None = None,
                trace: bool = False, cprofile: bool = False, console: Any = None,
                timeout: float | None = None) -> tuple[int, dict[str, Any]]:
@@ -138,18 +173,28 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
     trace_path = os.path.abspath(os.path.join(out or ".", "doctor-trace.json")) if trace else ""
     env[instrument.ENV_TRACE] = trace_path
+    try:
+        check_interpreter(argv, env)
+    except BaseException:
+        os.rmdir(tmpdir)
+        raise
     proc = subprocess.Popen(argv, env=env)
+    timed_out = interrupted = False
     try:
         status = proc.wait(timeout=timeout)
     except KeyboardInterrupt:  # the child got the SIGINT too: let it write its report
+        interrupted = True
         status = proc.wait()
     except subprocess.TimeoutExpired:
+        timed_out = True
         proc.send_signal(signal.SIGINT)
         try:
             status = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             status = proc.wait()
+    if status < 0:
+        status = 128 - status  # killed by signal N: 128 + N, as the shell reports it
     raw: dict[str, Any] = {}
     if os.path.exists(raw_path):
         import json
@@ -159,8 +204,16 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
         os.unlink(raw_path)
     os.rmdir(tmpdir)
     payload = build_payload(raw, command, status)
-    if not raw:
-        payload["error"] = payload["error"] or f"the script ended (status {status}) without reporting (killed?)"
+    if timed_out:
+        payload["status"], payload["timed_out_s"] = "timeout", timeout
+        if str(payload.get("error") or "").startswith("KeyboardInterrupt"):
+            payload["error"] = None  # doctor's own interruption, not the script's error
+    elif interrupted:
+        payload["status"] = "interrupted"
+        if str(payload.get("error") or "").startswith("KeyboardInterrupt"):
+            payload["error"] = None
+    if not raw and not payload.get("error") and not (timed_out or interrupted):
+        payload["error"] = _no_report(status)
     # what a person reads: the steady steps (the first step's one-time costs are in the JSON's totals)
     shown = {**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
              "phases": payload["steady"]["phases"]}
@@ -175,6 +228,9 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
         print_profile(shown, con)
         if payload.get("trace"):
             con.print(f"torch.profiler trace (open in https://ui.perfetto.dev or chrome://tracing): {payload['trace']}")
+        if timed_out:
+            con.print(f"torchspeed doctor: the script ran past --timeout {timeout:g} s and was stopped; the report "
+                      "covers the steps it ran (exit status 124, as timeout(1))", highlight=False, markup=False)
     if json_path:
         write_json(json_path, payload)
     if out:

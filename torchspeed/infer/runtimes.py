@@ -16,13 +16,14 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from torchspeed.atomic import write_json
+from torchspeed.atomic import publish_files, write_json
 from torchspeed.runtime import usable_cores
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "available_backends", "build_torch_module",
@@ -93,6 +94,11 @@ class Runner:
     def _write_manifest(self, directory: str, extra: dict[str, Any]) -> None:
         write_json(os.path.join(directory, MANIFEST), {**self.manifest(), **extra})
 
+    def _publish(self, directory: str | os.PathLike, write: Callable[[str], None]) -> str:
+        """`write(tmp)` writes the model file(s) and the manifest; they replace the artifact in
+        `directory` all at once (manifest last), so an interrupted save never leaves a mix."""
+        return publish_files(directory, write, last=MANIFEST)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.backend} {self.precision}>"
 
@@ -151,14 +157,14 @@ class TorchRunner(Runner):
                 "this torch variant cannot be saved without pickle: its architecture has no name. Create the model "
                 "with torchspeed.models.create('resnet18', ...) (or pass arch= to optimize), or save an "
                 "ONNX Runtime / OpenVINO variant instead")
-        os.makedirs(directory, exist_ok=True)
-        from torchspeed.atomic import atomic_write
+        state = {k: v.detach().contiguous() for k, v in self.source.state_dict().items()}
 
-        with atomic_write(os.path.join(directory, "weights.pt")) as f:
-            torch.save({k: v.detach().contiguous() for k, v in self.source.state_dict().items()}, f)
-        self._write_manifest(directory, {"file": "weights.pt", "arch": self.arch, "recipe": self.recipe,
-                                         "threads": self.threads})
-        return directory
+        def write(tmp: str) -> None:
+            torch.save(state, os.path.join(tmp, "weights.pt"))
+            self._write_manifest(tmp, {"file": "weights.pt", "arch": self.arch, "recipe": self.recipe,
+                                       "threads": self.threads})
+
+        return self._publish(directory, write)
 
     @classmethod
     def load(cls, directory: str, manifest: dict[str, Any], model: nn.Module | None = None,
@@ -176,6 +182,8 @@ class TorchRunner(Runner):
         arch = manifest.get("arch")
         if not isinstance(arch, dict) or "source" not in arch or "name" not in arch:
             raise ValueError(f"the torch artifact in {directory!r} names no architecture (manifest 'arch' is {arch!r})")
+        if not isinstance(manifest.get("recipe"), dict):
+            raise ValueError(f"the torch artifact in {directory!r} is damaged: its manifest has no recipe")
         if model is None:
             if arch["source"] in ("module", "file") and not trust_code:
                 raise ValueError(
@@ -185,7 +193,12 @@ class TorchRunner(Runner):
                     "command line: give the spec and --weights DIR/weights.pt), or pass trust_code=True if "
                     "you trust this directory")
             model = create(arch)
-        state = torch.load(os.path.join(directory, manifest["file"]), weights_only=True, map_location="cpu")
+        from torchspeed.safeload import load_torch_file
+
+        state = load_torch_file(os.path.join(directory, manifest["file"]), what="the artifact's weights")
+        if not isinstance(state, dict):
+            raise ValueError(f"the artifact's weights {os.path.join(directory, manifest['file'])!r} are not a "
+                             f"state dict (found {type(state).__name__}); re-save the artifact")
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
@@ -228,25 +241,27 @@ class OrtRunner(Runner):
         return torch.from_numpy(self.session.run(None, {self.input_name: _as_numpy(x)})[0])
 
     def save(self, directory: str | os.PathLike) -> str:
-        directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-        dst = os.path.join(directory, "model.onnx")
-        if os.path.abspath(dst) != os.path.abspath(self.path):
-            tmp = dst + ".tmp"
-            shutil.copyfile(self.path, tmp)
-            os.replace(tmp, dst)
-        self._write_manifest(directory, {"file": "model.onnx", "threads": self.threads, "providers": self.providers,
-                                         "input_shape": [d if isinstance(d, int) else None
-                                                         for d in self.session.get_inputs()[0].shape]})
-        return directory
+        def write(tmp: str) -> None:
+            shutil.copyfile(self.path, os.path.join(tmp, "model.onnx"))  # fsynced by publish_files
+            self._write_manifest(tmp, {"file": "model.onnx", "threads": self.threads, "providers": self.providers,
+                                       "input_shape": [d if isinstance(d, int) else None
+                                                       for d in self.session.get_inputs()[0].shape]})
+
+        return self._publish(directory, write)
 
     @classmethod
     def load(cls, directory: str, manifest: dict[str, Any]) -> OrtRunner:
         import onnxruntime as ort
 
-        providers = [p for p in manifest.get("providers", []) if p in ort.get_available_providers()]
-        return cls(os.path.join(directory, manifest["file"]), manifest["precision"], manifest.get("threads"),
-                   providers or ["CPUExecutionProvider"])
+        providers = [p for p in manifest.get("providers") or [] if p in ort.get_available_providers()]
+        path = os.path.join(directory, manifest["file"])
+        try:
+            return cls(path, manifest["precision"], manifest.get("threads"), providers or ["CPUExecutionProvider"])
+        except ImportError:
+            raise
+        except Exception as e:  # noqa: BLE001 - ORT's InvalidProtobuf, NoSuchFile, Fail...: one line naming the file
+            raise ValueError(f"ONNX model {path!r} cannot be loaded by ONNX Runtime (damaged, truncated or not an "
+                             f"ONNX model? re-save the artifact): {_first_line(e)}") from None
 
 
 # ----------------------------------------------------------------------------------------- OpenVINO
@@ -287,10 +302,13 @@ class OpenVINORunner(Runner):
         import openvino as ov
 
         directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-        ov.save_model(self.model, os.path.join(directory, "model.xml"), compress_to_fp16=False)
+
+        def write(tmp: str) -> None:
+            ov.save_model(self.model, os.path.join(tmp, "model.xml"), compress_to_fp16=False)
+            self._write_manifest(tmp, {"file": "model.xml", "threads": self.threads, "config": self.config})
+
+        self._publish(directory, write)
         self.files = (os.path.join(directory, "model.xml"), os.path.join(directory, "model.bin"))
-        self._write_manifest(directory, {"file": "model.xml", "threads": self.threads, "config": self.config})
         return directory
 
     def size_bytes(self) -> int:
@@ -306,7 +324,19 @@ class OpenVINORunner(Runner):
 
     @classmethod
     def load(cls, directory: str, manifest: dict[str, Any]) -> OpenVINORunner:
-        return cls(os.path.join(directory, manifest["file"]), manifest["precision"], manifest.get("threads"))
+        path = os.path.join(directory, manifest["file"])
+        try:
+            return cls(path, manifest["precision"], manifest.get("threads"))
+        except (ImportError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - OpenVINO raises RuntimeError (or its own types) on a damaged .xml / .bin
+            raise ValueError(f"OpenVINO model {path!r} (with its .bin beside it) cannot be loaded (damaged, "
+                             f"truncated or not an OpenVINO IR? re-save the artifact): {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:200]
 
 
 RUNNERS: dict[str, type[Runner]] = {
@@ -326,11 +356,21 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path!r}: {e}") from None
-    if manifest.get("format") != FORMAT or manifest.get("backend") not in RUNNERS:
-        raise ValueError(f"{path!r} is not a torchspeed inference manifest (format {manifest.get('format')!r}, "
-                         f"backend {manifest.get('backend')!r})")
-    if not os.path.isfile(os.path.join(directory, manifest.get("file", ""))):
-        raise FileNotFoundError(f"the artifact in {directory!r} is incomplete: {manifest.get('file')!r} is missing")
+    except OSError as e:
+        raise ValueError(f"cannot read the artifact manifest {path!r}: {e.strerror}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"the artifact manifest {path!r} is damaged (not valid JSON: {_first_line(e)}); "
+                         "re-save the artifact") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("backend") not in RUNNERS:
+        fmt = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        backend = manifest.get("backend") if isinstance(manifest, dict) else None
+        raise ValueError(f"{path!r} is not a torchspeed inference manifest (format {fmt!r}, backend {backend!r})")
+    bad = [k for k in ("file", "precision") if not isinstance(manifest.get(k), str) or not manifest.get(k)]
+    if bad or os.path.basename(manifest["file"]) != manifest["file"]:
+        raise ValueError(f"the artifact manifest {path!r} is damaged: "
+                         f"{', '.join(bad) + ' missing' if bad else 'file must name a file in the artifact directory'}; "
+                         "re-save the artifact")
+    if not os.path.isfile(os.path.join(directory, manifest["file"])):
+        raise FileNotFoundError(f"the artifact in {directory!r} is incomplete: {manifest['file']!r} is missing "
+                                "(an interrupted save? re-save the artifact)")
     return manifest

@@ -1,0 +1,142 @@
+"""Fault suite, the command line: a suite that crashes natively still leaves the report, Ctrl-C exits 130,
+doctor's --timeout exits 124 with one clear line, and an interpreter without torch is named
+(issue 13 items 2 and 10)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import textwrap
+import types
+
+import pytest
+
+from torchspeed.bench import runner, suites
+from torchspeed.cli import main
+
+OK_SUITE = '''
+TITLE = "fake data suite"
+
+def run(quick, progress):
+    progress("measuring\\nthings")
+    return {"ratio": 2.0, "rows": [
+        {"technique": "baseline", "median": 100.0, "min": 90.0, "max": 110.0, "unit": "img/s", "ratio": 1.0},
+        {"technique": "torchspeed", "median": 200.0, "min": 190.0, "max": 210.0, "unit": "img/s", "ratio": 2.0,
+         "headline": True}]}
+'''
+
+SEGV_SUITE = '''
+import os, signal
+TITLE = "a suite whose runtime segfaults"
+
+def run(quick, progress):
+    progress("about to crash")
+    os.kill(os.getpid(), signal.SIGSEGV)
+'''
+
+
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "500")
+
+
+@pytest.fixture
+def crashing_suites(tmp_path, monkeypatch):
+    """'data' is a fine suite, 'design' kills its own process with SIGSEGV; the others are not built.
+    They are real modules, so each runs in its own process as the real suites do."""
+    pkg = tmp_path / "fakesuites"
+    pkg.mkdir()
+    (pkg / "ts_fake_ok_suite.py").write_text(OK_SUITE)
+    (pkg / "ts_fake_segv_suite.py").write_text(SEGV_SUITE)
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")])))
+    import importlib
+
+    fakes = {"data": importlib.import_module("ts_fake_ok_suite"), "design": importlib.import_module("ts_fake_segv_suite")}
+    monkeypatch.setattr(suites, "load", lambda name: fakes.get(name))
+    return fakes
+
+
+def test_a_suite_that_segfaults_still_leaves_the_report(tmp_path, crashing_suites, capfd):
+    out = tmp_path / "report"
+    assert main(["bench", "--quick", "--out", str(out)]) == 1
+    captured = capfd.readouterr()
+    assert "Fatal Python error: Segmentation fault" in captured.err  # faulthandler reached the child
+    assert "design failed" in captured.out and "SIGSEGV" in captured.out
+    data = json.loads((out / "results.json").read_text())
+    assert data["data"]["ratio"] == 2.0 and data["data"]["rows"][1]["technique"] == "torchspeed"
+    assert "SIGSEGV" in data["design"]["error"]
+    report = (out / "report.md").read_text()
+    assert "| data | torchspeed | 200 img/s | 2.00x |" in report
+    assert "This suite failed" in report and "SIGSEGV" in report
+    assert (out / "data.png").read_bytes()[:4] == b"\x89PNG"
+    assert not [f for f in os.listdir(out) if f.startswith(".")]  # no temporaries
+
+    # the report renders again from results.json alone, in a fresh command
+    os.unlink(out / "report.md")
+    os.unlink(out / "data.png")
+    assert main(["bench", "--report-only", str(out)]) == 0
+    assert (out / "report.md").read_text() == report
+    assert (out / "data.png").exists()
+
+
+def test_report_only_names_a_missing_or_damaged_results_file(tmp_path, capsys):
+    assert main(["bench", "--report-only", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "results.json" in err and str(tmp_path) in err and "Traceback" not in err
+    (tmp_path / "results.json").write_text('{"machine": {"cpu": ')
+    assert main(["bench", "--report-only", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "results.json" in err and "damaged" in err and "Traceback" not in err
+
+
+def test_ctrl_c_exits_130_and_keeps_finished_suites(tmp_path, monkeypatch, capsys):
+    def done(quick, progress):
+        return {"rows": [{"technique": "plain", "median": 1.0, "unit": "ms", "ratio": 1.0}]}
+
+    def interrupted(quick, progress):
+        raise KeyboardInterrupt
+
+    fakes = {"data": types.SimpleNamespace(TITLE="d", run=done), "train": types.SimpleNamespace(TITLE="t", run=interrupted)}
+    monkeypatch.setattr(suites, "load", lambda name: fakes.get(name))
+    out = tmp_path / "r"
+    assert main(["bench", "--out", str(out)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert data["data"]["rows"][0]["technique"] == "plain" and data["interrupted"] is True
+    assert main(["bench", "--report-only", str(out)]) == 0
+
+
+def test_ctrl_c_before_any_suite_exits_130(monkeypatch):
+    monkeypatch.setattr(runner, "run_suites", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert main(["bench", "--out", "x"]) == 130
+
+
+@pytest.mark.timeout(120)
+def test_doctor_timeout_exits_124_with_one_clear_line(tmp_path, capfd):
+    script = tmp_path / "forever.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(0.05)\n")
+    status = main(["doctor", "--timeout", "1", "--out", str(tmp_path / "rep"), "--", sys.executable, str(script)])
+    captured = capfd.readouterr()
+    assert status == 124
+    assert "--timeout 1 s" in captured.out
+    assert "Traceback" not in captured.err and "instrument.py" not in captured.err, captured.err
+    assert json.loads((tmp_path / "rep" / "doctor.json").read_text())["status"] == "timeout"
+
+
+def test_doctor_names_an_interpreter_without_torch(tmp_path, capsys):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "python3"  # a Python that cannot see the site-packages holding torch
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        exec {sys.executable} -I -S "$@"
+        """))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    script = tmp_path / "train.py"
+    script.write_text("print('hello')\n")
+    assert main(["doctor", "--", str(fake), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import torch" in err and str(fake) in err
+    assert "killed?" not in err and "ModuleNotFoundError" not in err and len(err.strip().splitlines()) == 1
