@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="an unreadable image: stop naming it (fail, default) or leave it out and report it (skip)")
     p.add_argument("--num-workers", type=positive_int, default=None, metavar="N",
                    help="encoding processes (default: cores, at most 8)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new store is whole)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it is a torchspeed store (only once the new store is whole); "
+                        "any other DST, or one equal to, inside or around SRC, is refused")
     add_json_option(p)
     p.set_defaults(func=run_pack)
 

@@ -39,7 +39,7 @@ class Record:
 
 
 __all__ = ["Record", "Decoder", "BACKENDS", "available_backends", "get_decoder", "measure_backends", "choose_backend",
-           "decode_record", "jpeg_size", "decode_jpeg_batch_cuda"]
+           "decode_record", "jpeg_size", "jpeg_info", "decode_jpeg_batch_cuda"]
 
 
 def _dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
@@ -250,6 +250,11 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def jpeg_size(buf: Any) -> tuple[int, int]:
     """(height, width) from a JPEG's SOF marker, without decoding."""
+    return jpeg_info(buf)[:2]
+
+
+def jpeg_info(buf: Any) -> tuple[int, int, int]:
+    """(height, width, colour components) from a JPEG's SOF marker, without decoding (4: CMYK or YCCK)."""
     data = memoryview(buf)
     if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
         raise ValueError("not JPEG data (no SOI marker)")
@@ -264,7 +269,7 @@ def jpeg_size(buf: Any) -> tuple[int, int]:
             continue
         length = (data[i + 2] << 8) | data[i + 3]
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
+            return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8], data[i + 9]
         i += 2 + length
     raise ValueError("JPEG data has no frame header (truncated or corrupt)")
 

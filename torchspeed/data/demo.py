@@ -75,10 +75,41 @@ def _render(index: int, n_classes: int, seed: int, size: tuple[int, int]) -> tup
     return label, Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
 
 
-def _write_range(root: str, indices: range, n_classes: int, seed: int, size: tuple[int, int], quality: int) -> None:
+def _write_range(root: str, indices: range, n_classes: int, seed: int, size: tuple[int, int], quality: int,
+                 atomic: bool = True) -> None:
+    """Write images `indices`; `atomic`: each through atomic_write (into a folder that may be in use),
+    else plainly (into a build directory that is renamed into place only when whole)."""
+    from torchspeed.atomic import atomic_write
+
     for i in indices:
         label, im = _render(i, n_classes, seed, size)
-        im.save(os.path.join(root, class_name(label), f"img_{i:06d}.jpg"), quality=quality)
+        path = os.path.join(root, class_name(label), f"img_{i:06d}.jpg")
+        if atomic:
+            with atomic_write(path) as f:
+                im.save(f, format="JPEG", quality=quality)
+        else:
+            im.save(path, format="JPEG", quality=quality)
+
+
+def _fill(root: str, n_images: int, n_classes: int, seed: int, size: tuple[int, int], quality: int,
+          num_workers: int | None, atomic: bool) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        if not atomic:
+            os.chmod(root, 0o777 & ~umask)  # a build directory (mkdtemp) is 0700; the folder gets the usual mode
+        for c in range(n_classes):
+            os.makedirs(os.path.join(root, class_name(c)), exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the demo folder {root!r}: {e.strerror}") from None
+    num_workers = num_workers or min(os.cpu_count() or 1, 8)
+    if num_workers <= 1 or n_images < 64:
+        _write_range(root, range(n_images), n_classes, seed, size, quality, atomic)
+    else:
+        chunks = [range(s, min(s + 64, n_images)) for s in range(0, n_images, 64)]
+        with ProcessPoolExecutor(num_workers) as pool:
+            for f in [pool.submit(_write_range, root, c, n_classes, seed, size, quality, atomic) for c in chunks]:
+                f.result()
 
 
 def make_photo_folder(
@@ -95,7 +126,8 @@ def make_photo_folder(
     Deterministic for (index, seed, size): the same call writes the same bytes. `size` is (width,
     height). Images are spread evenly over the classes (image i has label i % n_classes).
     `num_workers` processes write them (default: cores, at most 8; the bytes do not depend on it).
-    Returns `root`.
+    Nothing half-written is ever left under a final name: a new `root` is built beside it and renamed
+    into place when whole; into an existing `root` each image is written atomically. Returns `root`.
     """
     if not isinstance(n_images, int) or n_images < 1:
         raise ValueError(f"n_images must be a positive integer, got {n_images!r}")
@@ -105,20 +137,21 @@ def make_photo_folder(
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if not 1 <= quality <= 100:
         raise ValueError(f"quality must be in 1..100, got {quality}")
+    from torchspeed.atomic import build_directory
+
     root = os.fspath(root)
+    if os.path.isdir(root):
+        _fill(root, n_images, n_classes, seed, size, quality, num_workers, atomic=True)
+        return root
+    if os.path.lexists(root):
+        raise OSError(f"cannot create the demo folder {root!r}: it exists and is not a directory")
     try:
-        for c in range(n_classes):
-            os.makedirs(os.path.join(root, class_name(c)), exist_ok=True)
+        build_directory(root, lambda tmp: _fill(tmp, n_images, n_classes, seed, size, quality, num_workers,
+                                                atomic=False))
     except OSError as e:
-        raise OSError(f"cannot create the demo folder {root!r}: {e.strerror}") from None
-    num_workers = num_workers or min(os.cpu_count() or 1, 8)
-    if num_workers <= 1 or n_images < 64:
-        _write_range(root, range(n_images), n_classes, seed, size, quality)
-    else:
-        chunks = [range(s, min(s + 64, n_images)) for s in range(0, n_images, 64)]
-        with ProcessPoolExecutor(num_workers) as pool:
-            for f in [pool.submit(_write_range, root, c, n_classes, seed, size, quality) for c in chunks]:
-                f.result()
+        if "demo folder" in str(e):
+            raise
+        raise OSError(f"cannot create the demo folder {root!r}: {e.strerror or e}") from None
     return root
 
 
@@ -129,4 +162,4 @@ def demo_folder(n_images: int = 2000, n_classes: int = 10, seed: int = 0, size: 
 
     name = f"photos-v2-n{n_images}-c{n_classes}-s{seed}-{size[0]}x{size[1]}"
     return build_directory(os.path.join(cache_dir("data"), name),
-                           lambda tmp: make_photo_folder(tmp, n_images, n_classes, seed, size))
+                           lambda tmp: _fill(tmp, n_images, n_classes, seed, size, 90, None, atomic=False))

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, sample_rng
 from torchspeed.data.decode import choose_backend, get_decoder
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
-from torchspeed.data.sources import as_source
+from torchspeed.data.sources import as_source, sample_name
 from torchspeed.data.threads import ThreadedBatches
 from torchspeed.data.tune import LoaderSettings, as_counts, dataloader_factory, measure_settings
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
@@ -60,7 +60,10 @@ class AugmentedDataset(Dataset):
             # ask the decoder for just enough pixels: the box must still cover the output size
             min_h = math.ceil(rec.height * self.size / box.height)
             min_w = math.ceil(rec.width * self.size / box.width)
-            img = get_decoder(self.decoder).decode(rec.payload, min_h, min_w)
+            try:
+                img = get_decoder(self.decoder).decode(rec.payload, min_h, min_w)
+            except Exception as e:  # truncated or corrupt JPEG data: the error names the file (or record)
+                raise ValueError(f"cannot decode {sample_name(self.source, index)}: {type(e).__name__}: {e}") from None
         else:
             img = rec.payload
         render(img, box, out, None, img.shape[0] / rec.height, img.shape[1] / rec.width, chw=self.layout == "NCHW")
@@ -230,9 +233,16 @@ class FastLoader:
             self.epoch, start = self.epoch + 1, 0
         self.batches_done = start
         self.batch_sampler.epoch, self.batch_sampler.start = self.epoch, start
-        for batch in self._batches:
-            self.batches_done += 1
-            yield batch
+        try:
+            for batch in self._batches:
+                self.batches_done += 1
+                yield batch
+        except ValueError as e:  # a bad sample in a worker process: its one-line message, not the worker's traceback
+            text = str(e)
+            if "Original Traceback" not in text:
+                raise
+            last = [line for line in text.strip().splitlines() if line.strip()][-1]
+            raise ValueError(last[len("ValueError: "):] if last.startswith("ValueError: ") else last) from None
         self.epoch, self.batches_done = self.epoch + 1, 0
 
     def __repr__(self) -> str:
@@ -244,17 +254,32 @@ class FastLoader:
 _TUNED: dict[Any, Any] = {}
 
 
-def _jpeg_samples(source: Any, k: int = 16) -> list[Any]:
+def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, bytes]]:
+    """Up to `k` (index, JPEG bytes) spread over the source (none when it holds no JPEGs)."""
     n = len(source)
     out = []
     for i in range(0, n, max(1, n // k)):
         rec = source.record(i)
         if rec.kind != "jpeg":
             return []
-        out.append(bytes(rec.payload))
+        out.append((i, bytes(rec.payload)))
         if len(out) >= k:
             break
     return out
+
+
+def _choose_decoder(source: Any, samples: list[tuple[int, bytes]], progress: Any) -> tuple[str, list]:
+    """choose_backend on the samples; when they cannot be decoded, the error names the sample that fails."""
+    key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))))
+    try:
+        return choose_backend([b for _, b in samples], key=key, progress=progress)
+    except Exception as e:
+        for index, data in samples:
+            try:
+                get_decoder("pil").decode(data)
+            except Exception as bad:
+                raise ValueError(f"cannot decode {sample_name(source, index)}: {type(bad).__name__}: {bad}") from None
+        raise e
 
 
 def _distributed() -> tuple[int, int]:
@@ -323,8 +348,7 @@ def fast_loader(
     if decoder == "auto":
         samples = _jpeg_samples(source)
         if samples:
-            key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))))
-            decoder, decoder_table = choose_backend(samples, key=key, progress=progress)
+            decoder, decoder_table = _choose_decoder(source, samples, progress)
         else:
             decoder = "simplejpeg"  # nothing to decode (raw pixels or decoded arrays): any name will do
         if hasattr(source, "close"):

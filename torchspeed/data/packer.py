@@ -5,13 +5,22 @@ files into one memory-mapped file are the same work every epoch; doing them once
 off the training loop's critical path. Encoding runs in parallel processes; the store is built in a
 temporary directory beside `dst` and renamed into place only when complete, so an interrupted pack
 never leaves something at `dst` that looks like a whole store.
+
+Nothing of the user's is ever deleted: `overwrite=True` replaces `dst` only when `dst` is a torchspeed
+store (its manifest says so, and it holds nothing else), and a `dst` equal to, inside or around the
+source folder is refused before anything is written. Temporary directories carry the packing
+process's id (`.NAME.partial-PID-HOST-*`); the next pack into the same parent removes those whose
+process is gone (and puts back a previous store an interrupted overwrite had moved aside).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 import zlib
@@ -22,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from torchspeed.atomic import fsync_dir
-from torchspeed.images import scan_folder
+from torchspeed.atomic import atomic_write, fsync_dir
+from torchspeed.images import open_image, quoted, scan_folder, shown
 from torchspeed.data.store import (ENCODING_CODES, FORMAT_VERSION, HEADER, MAGIC, MANIFEST, STORE_KIND, key_of,
                                    lmdb_module)
 
@@ -79,9 +88,7 @@ def _to_hwc_uint8(x: Any) -> np.ndarray:
 
 
 def _load_file(path: str, short_side: int | None) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(path) as im:
+    with open_image(path) as im:  # the pixel limit is checked from the header, before decoding
         if short_side and im.format == "JPEG":
             w, h = im.size
             s = short_side / min(w, h)
@@ -142,7 +149,8 @@ def _work(task: tuple[list[tuple[int, Any, int]], str, int | None, int]) -> list
                 img = _resize_short(_to_hwc_uint8(x), short_side)
             out.append((i, _encode(img, int(label), encoding, quality), ""))
         except Exception as e:  # reported per sample; on_error decides whether it is fatal
-            out.append((i, None, f"{type(e).__name__}: {e}"))
+            text = str(e)  # the image-size guard's errors already name the file
+            out.append((i, None, text if path is not None and quoted(path) in text else f"{type(e).__name__}: {text}"))
     return out
 
 
@@ -167,6 +175,9 @@ def pack(
     report; `"fail"` stops at the first, naming it. `classes` names the labels of a Dataset source
     (default: its `.classes`, else "0", "1", ...). `num_workers` encoding processes (default: cores, at
     most 8). `progress`: True shows a progress bar, a callable is given a message after each chunk.
+    `overwrite=True` replaces `dst` only when it is a torchspeed store holding nothing else; a `dst`
+    equal to, inside or around the source folder is refused either way. Images over
+    `torchspeed.images.MAX_IMAGE_PIXELS` are refused from their header, before decoding.
     """
     t0 = time.perf_counter()
     if format not in ENCODING_CODES:
@@ -178,20 +189,18 @@ def pack(
     if short_side is not None and (not isinstance(short_side, int) or short_side < 1):
         raise ValueError(f"short_side must be a positive integer or None, got {short_side!r}")
     dst = os.path.abspath(os.fspath(dst))
-    if os.path.exists(dst) and not overwrite:
-        raise ValueError(f"{dst!r} already exists; remove it or pass overwrite=True (--overwrite)")
+    src_path = os.path.abspath(os.fspath(src)) if isinstance(src, (str, os.PathLike)) else None
+    _check_destination(src_path, dst, overwrite)  # before anything is written or deleted
     lmdb = lmdb_module()
 
     global _DATASET
-    if isinstance(src, (str, os.PathLike)):
-        src_path = os.path.abspath(os.fspath(src))
+    if src_path is not None:
         classes, samples = scan_folder(src_path)
         tasks_items = [(i, p, y) for i, (p, y) in enumerate(samples)]
-        names = [p for p, _ in samples]
+        names = [shown(p) for p, _ in samples]
     else:
         if not hasattr(src, "__getitem__") or not hasattr(src, "__len__"):
             raise ValueError(f"src must be an ImageFolder path or a map-style Dataset, got {type(src).__name__}")
-        src_path = None
         n = len(src)
         if n == 0:
             raise ValueError("the source Dataset is empty")
@@ -208,7 +217,9 @@ def pack(
 
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.partial-")
+    clean_stale_partials(parent)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.partial-{_owner()}-")
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the store gets the usual permissions
     env = None
     report = PackReport(dst=dst, written=0, encoding=format, short_side=short_side)
     try:
@@ -223,8 +234,8 @@ def pack(
             for i, record, error in results:
                 if record is None:
                     if on_error == "fail":
-                        raise ValueError(f"cannot read {names[i]}: {error}; fix or remove it, or pack with "
-                                         f"on_error='skip' (--on-error skip)")
+                        what = error if quoted(names[i]) in error else f"cannot read {quoted(names[i])}: {error}"
+                        raise ValueError(f"{what}; fix or remove it, or pack with on_error='skip' (--on-error skip)")
                     report.skipped.append({"path": names[i], "reason": error})
                     continue
                 batch.append((key_of(report.written + len(batch)), record))
@@ -260,16 +271,15 @@ def pack(
             "source": src_path, "bytes": report.bytes, "pack_seconds": round(report.seconds, 3),
             "skipped": len(report.skipped), "labels": labels, "crc32": crcs,
         }
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
+        with atomic_write(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f)  # ASCII (non-UTF-8 names escaped), so the locale's encoding cannot matter
         lock = os.path.join(tmp, "lock.mdb")
         if os.path.exists(lock):
             os.unlink(lock)  # readers open without locking
         fsync_dir(tmp)
-        if os.path.exists(dst):  # overwrite: move the old one aside only now that the new one is whole
-            old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.old-")
+        _check_destination(None, dst, overwrite)  # again: `dst` may have changed while packing
+        if os.path.lexists(dst):  # overwrite: move the old one aside only now that the new one is whole
+            old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.old-{_owner()}-")
             os.rename(dst, os.path.join(old, "store"))
             os.rename(tmp, dst)
             shutil.rmtree(old, ignore_errors=True)
@@ -285,6 +295,126 @@ def pack(
         _DATASET = None
     report.seconds = time.perf_counter() - t0
     return report
+
+
+STORE_FILES = frozenset({MANIFEST, "data.mdb", "lock.mdb"})
+_MANIFEST_TMP = re.compile(r"^\.manifest\.json\..*\.tmp$")  # atomic_write's temporary, if killed mid-write
+STALE_AFTER_S = 24 * 3600  # a temporary of another machine (or of no recorded process) is stale after this
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?:(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-)?[^-]+$")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _host() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _owner() -> str:
+    """This process, as written into the names of its temporary directories: PID-HOST."""
+    return f"{os.getpid()}-{_host()}"
+
+
+def _only_store_files(path: str) -> bool:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return all(n in STORE_FILES or _MANIFEST_TMP.match(n) for n in names)
+
+
+def _is_own_store(path: str) -> bool:
+    """True when `path` is a directory that torchspeed's pack made and holds nothing else: safe to replace."""
+    if not os.path.isdir(path) or not _only_store_files(path):
+        return False
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("kind") == STORE_KIND
+
+
+def _check_destination(src_path: str | None, dst: str, overwrite: bool) -> None:
+    """Refuse a destination that would write into the source or replace anything but a torchspeed store."""
+    if src_path is not None:
+        real_src, real_dst = os.path.realpath(src_path), os.path.realpath(dst)
+        where = ("is the source folder itself" if real_dst == real_src else
+                 "is inside the source folder" if real_dst.startswith(real_src.rstrip(os.sep) + os.sep) else
+                 "contains the source folder" if real_src.startswith(real_dst.rstrip(os.sep) + os.sep) else None)
+        if where:
+            raise ValueError(f"refusing to pack {src_path!r} into {dst!r}: the destination {where}; "
+                             f"choose a DST outside SRC (nothing was written or deleted)")
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise ValueError(f"{dst!r} already exists; remove it or pass overwrite=True (--overwrite)")
+        if not _is_own_store(dst):
+            raise ValueError(f"refusing to overwrite {dst!r}: it is not a torchspeed store (overwrite replaces only "
+                             f"a directory holding a store's {MANIFEST} and data.mdb and nothing else); remove it "
+                             f"yourself or choose another DST (nothing was written or deleted)")
+
+
+def _owner_gone(match: re.Match, path: str) -> bool:
+    """Is the process that made this temporary gone? Unknown (another machine, no pid): untouched for a day."""
+    pid, host = match.group("pid"), match.group("host")
+    if pid is not None and host == _host():
+        if int(pid) == os.getpid():
+            return False
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # exists, another user's
+            return False
+        return False
+    try:
+        newest = max([os.path.getmtime(path)] + [os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)])
+    except OSError:
+        return False
+    return time.time() - newest > STALE_AFTER_S
+
+
+def clean_stale_partials(parent: str) -> list[str]:
+    """Remove the temporaries that interrupted packs left in `parent`; return what was removed or restored.
+
+    Only directories named as pack names them, whose process is gone, and that hold nothing but store
+    files are touched. A previous store that an interrupted overwrite had moved aside (`.NAME.old-*`)
+    is put back at NAME when NAME is missing, else removed.
+    """
+    done = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return done
+    for entry in entries:
+        m = _TEMPORARY.match(entry.name)
+        if not m or not entry.is_dir(follow_symlinks=False) or not _owner_gone(m, entry.path):
+            continue
+        try:
+            if m.group("kind") == "partial":
+                if _only_store_files(entry.path):
+                    shutil.rmtree(entry.path)
+                    done.append(entry.path)
+            else:
+                inner = os.path.join(entry.path, "store")
+                if os.listdir(entry.path) != ["store"] or not _is_own_store(inner):
+                    continue
+                final = os.path.join(parent, m.group("name"))
+                if not os.path.lexists(final):
+                    os.rename(inner, final)  # the overwrite died between its two renames: the old store returns
+                    os.rmdir(entry.path)
+                    done.append(final)
+                else:
+                    shutil.rmtree(entry.path)
+                    done.append(entry.path)
+        except OSError:
+            continue
+    if done:
+        fsync_dir(parent)
+    return done
 
 
 def _run(tasks: list[Any], num_workers: int, progress: bool | Callable[[str], None], total: int) -> Iterator[list[Any]]:

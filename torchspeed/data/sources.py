@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from torchspeed.data.decode import decode_record, jpeg_size
-from torchspeed.data.store import PackedDataset, Record, is_store
-from torchspeed.images import IMAGE_EXTENSIONS, scan_folder
+from torchspeed.data.decode import decode_record, jpeg_info
+from torchspeed.data.store import PackedDataset, Record, is_store, looks_damaged
+from torchspeed.images import IMAGE_EXTENSIONS, check_image_size, open_image, quoted, scan_folder
 
-__all__ = ["FolderSource", "DatasetSource", "Subset", "as_source", "train_val_split", "evenly_spread"]
+__all__ = ["FolderSource", "DatasetSource", "Subset", "as_source", "sample_name", "train_val_split", "evenly_spread"]
 
 
 class FolderSource:
@@ -28,25 +28,42 @@ class FolderSource:
         return len(self.samples)
 
     def record(self, index: int) -> Record:
+        """The file's bytes (a JPEG stays encoded; its size is read from the header and checked against the
+        pixel limit before anything is decoded) or, for other formats, its decoded pixels."""
         path, label = self.samples[index]
         try:
             with open(path, "rb") as f:
                 data = f.read()
             if data[:2] == b"\xff\xd8":
-                h, w = jpeg_size(data)
-                return Record("jpeg", data, h, w, label)
+                h, w, components = jpeg_info(data)
+                check_image_size(w, h, path)
+                if components in (1, 3):  # grey or YCbCr: libjpeg decodes it to RGB (CMYK goes through PIL)
+                    return Record("jpeg", data, h, w, label)
             from torchspeed.data.packer import _to_hwc_uint8
-            from PIL import Image
-            import io
 
-            img = _to_hwc_uint8(Image.open(io.BytesIO(data)))
+            with open_image(data, path) as im:
+                img = _to_hwc_uint8(im)
             return Record("array", img, img.shape[0], img.shape[1], label)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read image {path!r}: {e}; remove it, or pack the folder with --on-error skip") from None
+        except Exception as e:  # corrupt, truncated, not an image, a bomb: one error naming the file
+            raise ValueError(self._error(index, e)) from None
+
+    def name(self, index: int) -> str:
+        """What sample `index` is, for error messages: its file."""
+        return f"image {quoted(self.samples[index][0])}"
+
+    def _error(self, index: int, e: Exception) -> str:
+        text = str(e)
+        what = self.name(index)
+        if quoted(self.samples[index][0]) not in text:
+            text = f"cannot read {what}: {type(e).__name__}: {text}"
+        return f"{text}; remove it, or pack the folder with --on-error skip to leave such files out"
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
         rec = self.record(index)
-        return decode_record(rec), rec.label
+        try:
+            return decode_record(rec), rec.label
+        except Exception as e:
+            raise ValueError(self._error(index, e)) from None
 
 
 class DatasetSource:
@@ -84,15 +101,24 @@ class Subset:
     def record(self, i: int) -> Any:
         return self.source.record(self.indices[i])
 
+    def name(self, i: int) -> str:
+        return sample_name(self.source, self.indices[i])
+
     def __getitem__(self, i: int) -> Any:
         return self.source[self.indices[i]]
+
+
+def sample_name(source: Any, index: int) -> str:
+    """How errors name sample `index` of a source: its file, its record in a store, or its index."""
+    name = getattr(source, "name", None)
+    return name(index) if callable(name) else f"sample {index} of {getattr(source, 'root', type(source).__name__)}"
 
 
 def as_source(data: Any, in_memory: bool = False) -> Any:
     """A store path -> PackedDataset, a folder path -> FolderSource, a Dataset -> itself or a DatasetSource."""
     if isinstance(data, (str, os.PathLike)):
         path = os.fspath(data)
-        if is_store(path):
+        if is_store(path) or looks_damaged(path):  # a broken store says so (not "no class sub-directories")
             return PackedDataset(path, in_memory=in_memory)
         if not os.path.exists(path):
             raise FileNotFoundError(f"no data at {path!r}: give an ImageFolder directory or a packed store")

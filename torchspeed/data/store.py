@@ -25,7 +25,8 @@ import numpy as np
 
 from torchspeed.data.decode import Record, decode_record
 
-__all__ = ["PackedDataset", "FORMAT_VERSION", "MANIFEST", "HEADER", "is_store", "read_manifest"]
+__all__ = ["PackedDataset", "FORMAT_VERSION", "MANIFEST", "HEADER", "is_store", "read_manifest", "looks_damaged",
+           "check_data_file"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -54,11 +55,79 @@ def is_store(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST)) and os.path.isfile(os.path.join(path, "data.mdb"))
 
 
+def looks_damaged(path: str | os.PathLike) -> str | None:
+    """Why the directory `path` is a broken store (one of its two files missing), or None.
+
+    A directory with data.mdb but no manifest (or the reverse) was a store: it must be reported as a
+    damaged store, not read as an image folder with "no class sub-directories".
+    """
+    path = os.fspath(path)
+    has_manifest = os.path.isfile(os.path.join(path, MANIFEST))
+    has_data = os.path.isfile(os.path.join(path, "data.mdb"))
+    if has_data and not has_manifest:
+        return f"its {MANIFEST} is missing (data.mdb is there)"
+    if has_manifest and not has_data:
+        try:
+            with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+                kind = json.load(f).get("kind")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if kind == STORE_KIND:
+            return "its data.mdb is missing (the manifest is there)"
+    return None
+
+
+# LMDB's meta pages (pages 0 and 1, 64-bit build): after a 16-byte page header, MDB_meta holds magic,
+# version, address, mapsize, two MDB_db records (the free DB's first field is the page size), the last
+# page number used and the transaction id. The newer of the two metas is the current one.
+_LMDB_META = struct.Struct("<IIQQ I4x40x 48x QQ")
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def check_data_file(path: str | os.PathLike) -> None:
+    """Refuse a store whose data.mdb is shorter than its own LMDB meta page says it is.
+
+    A truncated data.mdb is memory-mapped without complaint and then kills the reading process with
+    SIGBUS at the first record past the end; checking the size against (last page + 1) x page size at
+    open time turns that into a ValueError naming the store.
+    """
+    path = os.fspath(path)
+    data = os.path.join(path, "data.mdb")
+    hint = f"re-pack it (`torchspeed pack SRC {path} --overwrite`)"
+    try:
+        size = os.path.getsize(data)
+        with open(data, "rb") as f:
+            head = f.read(16 + _LMDB_META.size)
+            metas = []
+            if len(head) == 16 + _LMDB_META.size:
+                magic, _, _, _, page_size, last_page, txnid = _LMDB_META.unpack_from(head, 16)
+                if magic == _LMDB_MAGIC and page_size in (2 ** k for k in range(9, 17)):
+                    metas.append((txnid, last_page, page_size))
+                    f.seek(page_size)
+                    second = f.read(16 + _LMDB_META.size)
+                    if len(second) == 16 + _LMDB_META.size:
+                        magic, _, _, _, ps2, last2, txn2 = _LMDB_META.unpack_from(second, 16)
+                        if magic == _LMDB_MAGIC and ps2 == page_size:
+                            metas.append((txn2, last2, ps2))
+    except OSError as e:
+        raise ValueError(f"cannot read the data file of store {path!r} ({e.strerror}); {hint}") from None
+    if not metas:
+        raise ValueError(f"store {path!r} is damaged: its data.mdb ({size:,} bytes) has no valid LMDB header; {hint}")
+    _, last_page, page_size = max(metas)
+    needed = (last_page + 1) * page_size
+    if size < needed:
+        raise ValueError(f"store {path!r} is damaged: its data.mdb is truncated ({size:,} bytes, LMDB needs "
+                         f"{needed:,}); {hint}")
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The store's manifest, checked: a clear error for a non-store or an unknown format version."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no packed store at {path!r}: create one with `torchspeed pack SRC {path}`")
+    damaged = looks_damaged(path)
+    if damaged:
+        raise ValueError(f"store {path!r} is damaged: {damaged}; re-pack it (`torchspeed pack SRC {path} --overwrite`)")
     if not is_store(path):
         raise ValueError(f"{path!r} is not a torchspeed packed store (no {MANIFEST} and data.mdb); "
                          f"create one with `torchspeed pack SRC DST`")
@@ -94,6 +163,7 @@ def _acquire_env_locked(path: str) -> Any:
     key = (path, os.getpid())
     if key not in _ENVS:
         lmdb = lmdb_module()
+        check_data_file(path)  # also in workers that never ran __init__ (spawn): no SIGBUS on a truncated file
         try:
             env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
         except lmdb.Error as e:
@@ -138,6 +208,7 @@ class PackedDataset:
     def __init__(self, path: str | os.PathLike, in_memory: bool = False, verify: bool = True):
         self.path = os.path.abspath(os.fspath(path))
         self.manifest = read_manifest(self.path)
+        check_data_file(self.path)  # a truncated data.mdb would kill every reader with SIGBUS
         self.classes: list[str] = list(self.manifest["classes"])
         self.targets: list[int] = [int(t) for t in self.manifest["labels"]]
         self.encoding: str = self.manifest["encoding"]
@@ -220,9 +291,16 @@ class PackedDataset:
             payload = np.frombuffer(payload, np.uint8).reshape(height, width, channels)
         return Record(ENCODINGS[code], payload, height, width, label)
 
+    def name(self, index: int) -> str:
+        """What sample `index` is, for error messages: its record in this store."""
+        return f"record {index} of store {self.path!r}"
+
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
         rec = self.record(index)
-        return decode_record(rec), rec.label
+        try:
+            return decode_record(rec), rec.label
+        except Exception as e:
+            raise ValueError(f"cannot decode {self.name(index)}: {type(e).__name__}: {e}; re-pack the store") from None
 
     def close(self) -> None:
         """Drop this process's read handle (it reopens on the next access)."""
