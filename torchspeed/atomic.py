@@ -83,24 +83,40 @@ def write_json(path: str | os.PathLike, payload: Any) -> None:
 def build_directory(final: str | os.PathLike, build: Callable[[str], None]) -> str:
     """Return the directory `final`, building it first if it is missing.
 
-    `build(tmp)` fills a temporary directory beside `final`, which is renamed into place only when
-    complete, so an interrupted build never leaves a directory that looks whole. If another process
-    finished the same directory first, its result is kept and this one's discarded.
+    `build(tmp)` fills a temporary directory beside `final` (named with this process's id), whose files
+    are fsynced before it is renamed into place, so an interrupted build (or a power cut) never leaves a
+    directory that looks whole. Temporaries of the same `final` left by processes that died are removed
+    first. If another process finished the same directory first, its result is kept and this one's
+    discarded.
     """
     final = os.fspath(final)
     if os.path.isdir(final):
         return final
     parent = os.path.dirname(os.path.abspath(final))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(final)}.partial-")
+    prefix = f".{os.path.basename(final)}.build-"
+    _clean_stale_partials(parent, prefix)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f"{prefix}{os.getpid()}-")
     try:
         build(tmp)
+        for dirpath, _, files in os.walk(tmp):
+            for name in files:
+                _fsync_file(os.path.join(dirpath, name))
+            fsync_dir(dirpath)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make a shared cache private
         os.rename(tmp, final)
+        fsync_dir(parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (isinstance(e, OSError) and os.path.isdir(final)):  # lost a race: the winner's copy stands
             raise
     return final
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 _PUBLISH_PREFIX = ".torchspeed-save.partial-"
@@ -116,16 +132,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _clean_stale_partials(directory: str) -> None:
-    """Remove `publish_files` temp dirs left in `directory` by a process that no longer runs."""
+def _clean_stale_partials(directory: str, prefix: str = _PUBLISH_PREFIX) -> None:
+    """Remove temp dirs named `prefix` + PID + ... in `directory` left by a process that no longer runs."""
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in names:
-        if not name.startswith(_PUBLISH_PREFIX):
+        if not name.startswith(prefix):
             continue
-        pid = name[len(_PUBLISH_PREFIX):].split("-", 1)[0]
+        pid = name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
