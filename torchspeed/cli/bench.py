@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "plots and results.json into --out. A suite that fails or crashes is reported "
                                    "as failed; the others still run and the report is still written.")
     p.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="which suite (default all)")
-    p.add_argument("--quick", action="store_true", help="short runs (the whole report in about 8 minutes)")
+    p.add_argument("--quick", action="store_true", help="fewer images, steps and repeats (what `make demo` runs)")
     p.add_argument("--out", default="torchspeed-report", metavar="DIR", help="report directory (default ./torchspeed-report)")
     p.add_argument("--report-only", metavar="DIR",
                    help="run nothing: write report.md and the plots again from DIR/results.json")
