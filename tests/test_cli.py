@@ -93,3 +93,32 @@ def test_measured_choices_are_logged_to_stderr_only(flags, shown, capsys, monkey
     assert logging.getLogger("torchspeed").level == logging.NOTSET
     assert not any(isinstance(h, cli._LogHandler) for h in logging.getLogger("torchspeed").handlers)
     assert (logging.getLogger().level, list(logging.getLogger().handlers)) == root_before
+
+
+def test_json_dash_prints_json_alone_on_stdout(capsys, tmp_path):
+    """`--json -`: stdout is exactly the JSON (pipe it to jq); the table goes to stderr; no file named '-'."""
+    import json
+
+    assert main(["info", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["cores"] >= 1
+    assert "This machine" in err and "This machine" not in out
+    assert not os.path.exists("-")
+
+
+def test_info_lists_libraries_backends_and_no_blank_cells(capsys, monkeypatch):
+    """Every optional library with its version or 'not installed'; usable backends per area; CUDA 'none'."""
+    import json
+
+    from torchspeed.cli import info
+
+    monkeypatch.setattr(info, "LIBRARIES", info.LIBRARIES + (("not-a-lib", ("torchspeed-no-such-dist",)),))
+    assert main(["info", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    d = json.loads(out)
+    assert d["libraries"]["rich"] and d["libraries"]["not-a-lib"] is None
+    assert "not installed" in err
+    assert set(d["backends"]) == {"data (JPEG decoders)", "infer (runtimes)"}
+    assert d["backends"]["infer (runtimes)"]["torch"] is None  # torch always runs
+    if d["cuda"] is None:
+        assert "│ cuda " in err and "none" in err.split("│ cuda ")[1].split("\n")[0]

@@ -6,11 +6,14 @@ imports torch: `--help` and `--version` stay instant; commands import what they 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import pickle
 import re
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from torchspeed import __version__
@@ -102,8 +105,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler, previous_level = _log_to_stderr(args)
+    json_to_stdout = getattr(args, "json", None) == "-"
+    if json_to_stdout:  # the command writes its JSON to a temporary file; stdout gets it alone at the end
+        fd, args.json = tempfile.mkstemp(prefix="torchspeed-", suffix=".json")
+        os.close(fd)
+        os.unlink(args.json)
     try:
-        status = int(args.func(args) or 0)
+        with contextlib.redirect_stdout(sys.stderr) if json_to_stdout else contextlib.nullcontext():
+            status = int(args.func(args) or 0)
+        if json_to_stdout and os.path.exists(args.json):
+            with open(args.json, encoding="utf-8") as f:
+                sys.stdout.write(f.read())
+            sys.stdout.flush()
         return 128 - status if status < 0 else status  # a child killed by signal N: 128 + N, as the shell says
     except KeyboardInterrupt:
         error("interrupted")
@@ -121,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         logging.getLogger("torchspeed").removeHandler(handler)
         logging.getLogger("torchspeed").setLevel(previous_level)
+        if json_to_stdout and os.path.exists(args.json):
+            os.unlink(args.json)
 
 
 def positive_int(text: str) -> int:
@@ -178,7 +193,8 @@ def build_model(spec: str, args: argparse.Namespace, **defaults: object) -> obje
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", help="also write the measured figures as JSON to PATH")
+    p.add_argument("--json", metavar="PATH",
+                   help="also write the measured figures as JSON to PATH ('-': JSON alone on stdout, tables on stderr)")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,28 +1,78 @@
-"""`torchspeed info`: the machine as torchspeed sees it."""
+"""`torchspeed info`: the machine as torchspeed sees it: CPU and ISA, GPU, libraries, usable backends."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from torchspeed.cli import add_json_option
 
+# (what it is for, distribution names to look for): versions come from package metadata, nothing is imported
+LIBRARIES = (
+    ("torchvision", ("torchvision",)),
+    ("numpy", ("numpy",)),
+    ("pillow", ("pillow",)),
+    ("lmdb", ("lmdb",)),
+    ("simplejpeg", ("simplejpeg",)),
+    ("opencv", ("opencv-python-headless", "opencv-python")),
+    ("onnx", ("onnx",)),
+    ("onnxruntime", ("onnxruntime", "onnxruntime-gpu")),
+    ("openvino", ("openvino",)),
+    ("nncf", ("nncf",)),
+    ("torchao", ("torchao",)),
+    ("torch-pruning", ("torch-pruning",)),
+    ("timm", ("timm",)),
+    ("matplotlib", ("matplotlib",)),
+    ("rich", ("rich",)),
+)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="describe this machine (CPU, ISA, GPU, library versions, default precision)")
+    p = sub.add_parser("info", help="describe this machine (CPU, ISA, GPU, library versions, usable backends, "
+                                    "default precision)")
     add_json_option(p)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from torchspeed.tables import print_table
-    from torchspeed.runtime import default_precision, describe
+def library_versions() -> dict[str, str | None]:
+    """Each optional library's installed version, or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    info = describe()
+    out: dict[str, str | None] = {}
+    for name, dists in LIBRARIES:
+        out[name] = None
+        for dist in dists:
+            try:
+                out[name] = version(dist) + ("" if dist == dists[0] else f" ({dist})")
+                break
+            except PackageNotFoundError:
+                continue
+    return out
+
+
+def _backend_cell(backends: dict[str, str | None]) -> str:
+    usable = [name for name, why in backends.items() if why is None]
+    return ", ".join(usable) or "none"
+
+
+def run(args: argparse.Namespace) -> int:
+    from torchspeed.data import available_backends as data_backends
+    from torchspeed.infer import available_backends as infer_backends
+    from torchspeed.runtime import default_precision, describe
+    from torchspeed.tables import print_table
+
+    info: dict[str, Any] = describe()
     info["default_precision"] = default_precision().to_dict()
-    rows = [(k, v) for k, v in info.items() if k not in ("isa", "gpus", "default_precision")]
+    info["libraries"] = library_versions()
+    info["backends"] = {"data (JPEG decoders)": data_backends(), "infer (runtimes)": infer_backends()}
+    shown = {k: v for k, v in info.items() if k not in ("isa", "gpus", "default_precision", "libraries", "backends")}
+    rows = [(k, "none" if v is None else v) for k, v in shown.items()]
     rows.append(("isa", ", ".join(k for k, v in info["isa"].items() if v) or "-"))
     rows.append(("gpus", "; ".join(f"{g['name']} (sm {g['capability']})" for g in info["gpus"]) or "none"))
     rows.append(("default precision", f"{info['default_precision']['name']}: {info['default_precision']['reason']}"))
+    rows += [(f"backends: {area}", _backend_cell(b)) for area, b in info["backends"].items()]
     print_table("This machine", ["what", "value"], rows)
+    print_table("Libraries", ["library", "version"],
+                [(name, v or "not installed") for name, v in info["libraries"].items()])
     if args.json:
         from torchspeed.atomic import write_json
 
