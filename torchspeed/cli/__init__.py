@@ -11,7 +11,6 @@ import importlib
 import logging
 import os
 import pickle
-import re
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -49,25 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SENTENCE_PART = r"(?:[^.;()\n]|\.(?!\s|$))*"  # up to a sentence end (". "), "torch.load" stays whole
-_UNSAFE_ADVICE = re.compile(_SENTENCE_PART + r"weights_only\W*(?:=|set to)\W*False" + _SENTENCE_PART + r"[.;]?",
-                            re.IGNORECASE)
-
-
-def _scrub(message: str) -> str:
-    """Drop any sentence advising to load a file with weights_only=False (torch's hint) from a message."""
-    scrubbed = _UNSAFE_ADVICE.sub("", message)
-    if scrubbed == message:
-        return message
-    scrubbed = re.sub(r"\(\s*\)|\s+(?=[.,;)])", "", " ".join(scrubbed.split())).strip(" :;,")
-    return scrubbed or "the file holds pickled Python objects, which torchspeed never loads because they could run code"
-
-
 def error(message: str) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]torchspeed: error:[/] {escape(_scrub(message))}", highlight=False,
+    Console(stderr=True).print(f"[bold red]torchspeed: error:[/] {escape(message)}", highlight=False,
                                markup=True)
     return 2
 
@@ -187,9 +172,10 @@ def build_model(spec: str, args: argparse.Namespace, **defaults: object) -> obje
     from torchspeed.models import arch_spec, create, parse_kwargs
 
     kwargs = parse_kwargs(getattr(args, "model_kwargs", None))
-    source = arch_spec(spec)["source"]
-    kw = {**({k: v for k, v in defaults.items() if v is not None} if source in ("torchvision", "timm") else {}), **kwargs}
-    return create(spec, weights=getattr(args, "weights", None), **kw)
+    resolved = arch_spec(spec)  # resolved once; create() takes the resolved spec
+    library = resolved["source"] in ("torchvision", "timm")
+    kw = {**({k: v for k, v in defaults.items() if v is not None} if library else {}), **kwargs}
+    return create(resolved, weights=getattr(args, "weights", None), **kw)
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:

@@ -105,7 +105,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
             if best is not None:
                 rows.append(_row(f"{name} b{b}: torchspeed best", best.latency_ms[b], base / best.p50_ms(b),
                                  best.metric_drop, best.rel_l2_error, f"= {best.name}"))
-                rows[-1]["headline"] = (name, b) == ("resnet18", 8)  # the key figure
+                rows[-1]["headline"] = (name, b) == ("resnet18", 8)  # the headline figure: ResNet-18 at batch 8
             if b == 1 and best is not None:
                 any_fast = res.fastest_at(1, passed_only=False)
                 notes.append(f"{name} batch 1: chosen {best.name} p50 {best.p50_ms(1):.2f} ms; fastest of all "
