@@ -2,29 +2,30 @@
 its samples, and reading logits out of a model's output.
 
 A batch is `(inputs, targets)` (a tuple or list; extra items are ignored) or a dict with a known pair
-of keys (`image`/`label`, `images`/`labels`, `input`/`target`, `inputs`/`targets`).
+of keys (`image`/`label`, `images`/`labels`, `input`/`target`, `inputs`/`targets`). `BatchFormat` says
+otherwise for a model that takes several or named inputs (Hugging Face style) or returns a dict.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["split_batch", "to_device", "batch_size", "logits_of", "DICT_KEY_PAIRS"]
+__all__ = ["BatchFormat", "split_batch", "to_device", "batch_size", "logits_of", "DICT_KEY_PAIRS", "LABEL_KEYS"]
 
 DICT_KEY_PAIRS = (("image", "label"), ("images", "labels"), ("input", "target"), ("inputs", "targets"))
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
-    """(inputs, targets) of a batch; ValueError naming what the loader gave otherwise."""
-    if isinstance(batch, dict):
-        for xk, yk in DICT_KEY_PAIRS:
-            if xk in batch and yk in batch:
-                return batch[xk], batch[yk]
-        raise ValueError(f"a dict batch needs one of the key pairs {DICT_KEY_PAIRS}; it has {sorted(batch)}")
-    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-        raise ValueError(f"a batch must be (inputs, targets); the loader gave {type(batch).__name__}")
-    return batch[0], batch[1]
+    """(inputs, targets) of a batch by the auto rules of `BatchFormat`; ValueError naming what the
+    loader gave otherwise (a dict batch without a label is an error here)."""
+    x, y = BatchFormat().split(batch)
+    if y is None:
+        raise ValueError(f"a dict batch needs one of the key pairs {DICT_KEY_PAIRS} or a label key {LABEL_KEYS}; "
+                         f"it has {sorted(batch)}")
+    return x, y
 
 
 def to_device(x: Any, device: torch.device | str, channels_last: bool | None = None) -> Any:
@@ -70,3 +71,99 @@ def logits_of(output: Any) -> Any:
         return torch.from_numpy(np.asarray(output))
     except (TypeError, ValueError):
         raise ValueError(f"cannot find logits in a model output of type {type(output).__name__}") from None
+
+
+LABEL_KEYS = ("labels", "label", "targets", "target")
+
+
+def _pick(batch: Any, key: str | int) -> Any:
+    try:
+        return batch[key]
+    except (KeyError, IndexError, TypeError):
+        have = sorted(batch) if isinstance(batch, dict) else f"{type(batch).__name__} of {len(batch)}"
+        raise ValueError(f"batch_format names {key!r}, which the batch does not have (it has {have})") from None
+
+
+@dataclass(frozen=True)
+class BatchFormat:
+    """Which part of a batch is the model's input, which the label, and where the logits are in the
+    model's output: the one adapter that lets Trainer, profile and optimize run models that do not
+    take `(x, y)` and return a tensor (Hugging Face-style dict batches and outputs, multi-input models).
+
+    `inputs`: a key or index (the model gets that one value), or a tuple of them (a tuple of keys
+    becomes keyword arguments, a tuple of indices positional ones); None reads the batch by the auto
+    rules below. `target`: a key or index, None for auto. `logits`: an attribute/key of the output or a
+    function of it, None for `logits_of`.
+
+    Auto rules: a tuple/list batch is `(inputs, target, ...)`; a dict with a known pair of keys
+    (`DICT_KEY_PAIRS`) gives those two; any other dict with a label key (`labels`, `label`, `targets`,
+    `target`) gives that label and every other key as keyword inputs (`model(**inputs)`, the Hugging
+    Face convention); a dict without a label key is all inputs, target None.
+    """
+
+    inputs: str | int | tuple[str | int, ...] | None = None
+    target: str | int | None = None
+    logits: str | Callable[[Any], Any] | None = None
+
+    @classmethod
+    def of(cls, value: BatchFormat | dict | None) -> BatchFormat:
+        """Normalise a `batch_format=` argument: None (auto), a BatchFormat, or a dict of its fields."""
+        if value is None:
+            return cls()
+        if isinstance(value, BatchFormat):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"inputs", "target", "logits"}
+            if unknown:
+                raise ValueError(f"batch_format: unknown fields {sorted(unknown)}; use inputs, target, logits")
+            return cls(**value)
+        raise TypeError(f"batch_format must be a BatchFormat, a dict or None, not {type(value).__name__}")
+
+    def split(self, batch: Any) -> tuple[Any, Any]:
+        """(inputs, target) of a batch; target is None for an unlabelled dict batch."""
+        if self.inputs is None and self.target is None:
+            return self._auto_split(batch)
+        auto_x, auto_y = self._auto_split(batch) if (self.inputs is None or self.target is None) else (None, None)
+        if self.inputs is None:
+            x = auto_x
+        elif isinstance(self.inputs, tuple):
+            picked = [(k, _pick(batch, k)) for k in self.inputs]
+            x = dict(picked) if all(isinstance(k, str) for k, _ in picked) else tuple(v for _, v in picked)
+        else:
+            x = _pick(batch, self.inputs)
+        y = auto_y if self.target is None else _pick(batch, self.target)
+        return x, y
+
+    @staticmethod
+    def _auto_split(batch: Any) -> tuple[Any, Any]:
+        if isinstance(batch, dict):
+            for xk, yk in DICT_KEY_PAIRS:
+                if xk in batch and yk in batch:
+                    return batch[xk], batch[yk]
+            label = next((k for k in LABEL_KEYS if k in batch), None)
+            return {k: v for k, v in batch.items() if k != label}, (batch[label] if label else None)
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise ValueError(f"a batch must be (inputs, targets) or a dict; the loader gave {type(batch).__name__} "
+                             "(pass batch_format=BatchFormat(inputs=..., target=...) to say which part is which)")
+        return batch[0], batch[1]
+
+    def forward(self, model: Callable[..., Any], inputs: Any) -> Any:
+        """Call the model on split inputs: a dict as keyword arguments, a tuple as positional ones."""
+        if isinstance(inputs, dict):
+            return model(**inputs)
+        if isinstance(inputs, tuple):
+            return model(*inputs)
+        return model(inputs)
+
+    def logits_of(self, output: Any) -> Any:
+        """The logits in a model output, by this format's `logits` rule."""
+        if self.logits is None:
+            return logits_of(output)
+        if callable(self.logits):
+            return self.logits(output)
+        if isinstance(output, dict):
+            return _pick(output, self.logits)
+        if not hasattr(output, self.logits):
+            raise ValueError(f"batch_format logits={self.logits!r}: the model output "
+                             f"({type(output).__name__}) has no such attribute or key")
+        return getattr(output, self.logits)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from torchspeed.batches import logits_of, split_batch
+from torchspeed.batches import BatchFormat, logits_of
 
 __all__ = ["correct_top1", "top1_accuracy"]
 
@@ -17,19 +17,34 @@ def correct_top1(output: Any, targets: torch.Tensor) -> int:
     return int((logits.float().argmax(1).cpu() == targets.cpu()).sum())
 
 
-def top1_accuracy(predict: Callable[[Any], Any], batches: Iterable[Any], limit: int | None = None) -> float:
-    """Top-1 accuracy of `predict(inputs) -> logits` (tensor, ndarray or HF-style output) over
-    `(inputs, targets)` batches, under inference_mode; `limit` caps the samples counted."""
+def top1_accuracy(predict: Callable[[Any], Any], batches: Iterable[Any], limit: int | None = None,
+                  batch_format: BatchFormat | dict | None = None) -> float:
+    """Top-1 accuracy of `predict(inputs) -> logits` (tensor, ndarray or HF-style output) over labelled
+    batches split by `batch_format` (auto: `(inputs, targets)`), under inference_mode; `limit` caps the
+    samples counted."""
+    fmt = BatchFormat.of(batch_format)
     correct = total = 0
     with torch.inference_mode():
         for batch in batches:
-            x, y = split_batch(batch)
+            x, y = fmt.split(batch)
+            if y is None:
+                raise ValueError("top1_accuracy needs labelled batches; this batch has no label "
+                                 "(say which key is the label with batch_format=BatchFormat(target=...))")
             if limit is not None and total + len(y) > limit:
-                x, y = x[: limit - total], y[: limit - total]
-            correct += correct_top1(predict(x), y)
+                x, y = _head(x, limit - total), y[: limit - total]
+            correct += correct_top1(fmt.logits_of(predict(x)), y)
             total += len(y)
             if limit is not None and total >= limit:
                 break
     if total == 0:
         raise ValueError("top1_accuracy: no labelled samples to evaluate on")
     return correct / total
+
+
+def _head(x: Any, n: int) -> Any:
+    """The first n samples of a batch part (a tensor, or a tuple/list/dict of them)."""
+    if isinstance(x, dict):
+        return {k: _head(v, n) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_head(v, n) for v in x)
+    return x[:n]
