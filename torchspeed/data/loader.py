@@ -36,7 +36,7 @@ from torchspeed.data.tune import LoaderSettings, as_counts, dataloader_factory, 
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.runtime import resolve_device
 
-__all__ = ["fast_loader", "tune_loader", "FastLoader", "AugmentedDataset", "EpochBatchSampler"]
+__all__ = ["fast_loader", "tune_loader", "FastLoader", "AugmentedDataset", "EpochBatchSampler", "world"]
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +112,34 @@ class EpochBatchSampler:
     """Batches of (epoch, index) for epoch `epoch`, skipping the first `start` batches.
 
     The order is DistributedSampler's (a permutation seeded by seed + epoch, sharded by rank), also
-    for a single process (num_replicas=1), so one code path covers both.
+    for a single process (num_replicas=1), so one code path covers both. Every rank computes the same
+    permutation for the same epoch and takes every `num_replicas`-th index from its `rank`, so the
+    shards of one epoch are disjoint. When the sample count does not divide evenly, the permutation
+    is padded by wrapping around to its first samples (DistributedSampler(drop_last=False)): every
+    rank then has the same number of samples, hence of batches, whatever the batch size, and no
+    sample is left out of an epoch (a few are seen twice). `num_replicas`/`rank` not given are read
+    from the process group when one is initialised, else from WORLD_SIZE/RANK (see `world`), each
+    time they are needed, so a loader built before `init_process_group` follows it.
     """
 
     def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
-                 num_replicas: int = 1, rank: int = 0):
+                 num_replicas: int | None = 1, rank: int | None = 0):
         self.n, self.batch_size, self.shuffle, self.drop_last, self.seed = n, batch_size, shuffle, drop_last, seed
-        self.num_replicas, self.rank = num_replicas, rank
+        self._num_replicas, self._rank = num_replicas, rank
         self.epoch, self.start = 0, 0
+        world(num_replicas, rank)  # a bad explicit value or environment fails now, naming it
+
+    @property
+    def num_replicas(self) -> int:
+        return world(self._num_replicas, self._rank)[0]
+
+    @property
+    def rank(self) -> int:
+        return world(self._num_replicas, self._rank)[1]
 
     def _indices(self) -> list[int]:
-        s = DistributedSampler(range(self.n), num_replicas=self.num_replicas, rank=self.rank,  # type: ignore[arg-type]
+        replicas, rank = world(self._num_replicas, self._rank)
+        s = DistributedSampler(range(self.n), num_replicas=replicas, rank=rank,  # type: ignore[arg-type]
                                shuffle=self.shuffle, seed=self.seed, drop_last=False)
         s.set_epoch(self.epoch)
         return list(s)
@@ -282,10 +299,27 @@ def _choose_decoder(source: Any, samples: list[tuple[int, bytes]], progress: Any
         raise e
 
 
-def _distributed() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0
+def world(num_replicas: int | None = None, rank: int | None = None) -> tuple[int, int]:
+    """(num_replicas, rank) a loader shards by: each explicit argument wins; else an initialised
+    torch.distributed process group; else torchrun's WORLD_SIZE/RANK environment variables (a loader
+    built before `init_process_group` still shards); else (1, 0)."""
+    if num_replicas is None or rank is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            found = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        else:
+            try:
+                found = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+            except ValueError:
+                raise ValueError(f"the environment variables WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} and "
+                                 f"RANK={os.environ.get('RANK')!r} must be integers (torchrun sets them); or pass "
+                                 f"num_replicas= and rank=") from None
+        num_replicas = found[0] if num_replicas is None else num_replicas
+        rank = found[1] if rank is None else rank
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas (or WORLD_SIZE) must be a positive integer, got {num_replicas!r}")
+    if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank (or RANK) must be in 0..{num_replicas - 1} for {num_replicas} replicas, got {rank!r}")
+    return num_replicas, rank
 
 
 def fast_loader(
@@ -327,9 +361,11 @@ def fast_loader(
     measurement times the loader alone, so a training loop whose model needs the cores may want
     fewer. `decoder="auto"` measures the JPEG decoders once in this process. Each measured choice
     is logged at INFO on "torchspeed.data.*"; `progress` (True: stderr, or a callable taking a
-    message) reports the measuring as it goes. Under an initialised torch.distributed (or with explicit
-    `num_replicas`/`rank`) each rank gets a disjoint shard; as DistributedSampler does, the last
-    shard is padded by repeating the first samples when the size does not divide evenly.
+    message) reports the measuring as it goes. Distributed: each rank reads a disjoint shard of each
+    epoch's shuffle, sharded by `num_replicas`/`rank` when given, else by the initialised process group,
+    else by the WORLD_SIZE/RANK environment variables (torchrun's, so a loader built before
+    `init_process_group` shards too). As DistributedSampler does, an uneven split is padded by
+    wrapping around to the first samples, so every rank runs the same number of steps.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -358,11 +394,6 @@ def fast_loader(
     transform = RandomResizedCropFlip(crop, scale=scale) if train else ResizeCenterCrop(crop)
     # channels_last output: NHWC uint8 is already its memory order; else NCHW (see normalize_batch)
     augmented = AugmentedDataset(source, transform, decoder, seed, layout="NHWC" if channels_last else "NCHW")
-    world, r = _distributed()
-    num_replicas = num_replicas if num_replicas is not None else world
-    rank = rank if rank is not None else r
-    if not 0 <= rank < num_replicas:
-        raise ValueError(f"rank must be in 0..{num_replicas - 1}, got {rank}")
     drop_last = train if drop_last is None else drop_last
     sampler = EpochBatchSampler(len(source), batch_size, shuffle=train, drop_last=drop_last, seed=seed,
                                 num_replicas=num_replicas, rank=rank)
