@@ -4,11 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-slow install clean
+.PHONY: demo test test-slow test-gpu test-install install clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins torch/torchvision for this repository's own environment (reproducible tests and
+# figures); the package itself asks only for ranges, so `pip install torchspeed` keeps a user's torch.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,6 +23,13 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+# The built wheel installed into a fresh environment that already has torch: torch must stay.
+test-install: $(STAMP)
+	$(PY) -m pytest -q -m install tests/test_packaging.py
 
 clean:
 	rm -rf $(VENV) torchspeed-report .pytest_cache
