@@ -115,3 +115,15 @@ def test_wheel_installs_into_an_environment_with_torch_and_keeps_it(tmp_path):
                           str(py), str(script)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (out / "doctor.json").exists()
+
+
+def test_every_install_hint_names_an_extra_that_exists():
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    hinted = {m for path in (ROOT / "torchspeed").rglob("*.py")
+              for m in re.findall(r"torchspeed\[([a-z-]+)\]", path.read_text())}
+    assert hinted, "no install hints found: the pattern is out of date"
+    assert hinted <= extras, f"hints name extras that pyproject.toml lacks: {sorted(hinted - extras)}"
+    assert "pytest" not in json.dumps(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                                      ["project"]["optional-dependencies"]["all"])
