@@ -11,13 +11,20 @@ undo); `Recorder.install()` applies it and `Recorder.uninstall()` puts every ori
 - torchspeed's FastLoader: `__iter__`, the loop's wait for each batch: phase `data`, its num_workers
   and threads (its inner DataLoader, iterated by a prefetch thread, is not counted again);
 - module forward, via torch's global forward hooks: the outermost call is phase `forward` (autograd
-  on) or `eval` (no_grad / inference_mode); nn.Modules called while a batch is being loaded
-  (transforms) are not counted as forward;
-- `torch.autograd.backward` (so `loss.backward()` too): phase `backward`;
-- `Optimizer.step` via torch's global optimizer hooks, and `zero_grad`: phase `optimizer`; each
-  step ends a step window; with a step limit the script is stopped cleanly after that many;
+  on) or `eval` (no_grad / inference_mode), also inside `optimizer.step(closure)` (Lightning's
+  automatic optimisation); nn.Modules called while a batch is being loaded (transforms) or during
+  backward (activation checkpointing) are not counted as forward;
+- `torch.autograd.backward` (so `loss.backward()` too): phase `backward`; the first losses are kept
+  on their device (no sync) for `--try`'s numerics check;
+- `Optimizer.step` via torch's global optimizer hooks, and `zero_grad`: phase `optimizer`;
+  `Optimizer.__init__` tells whether the script has an optimizer at all;
+- step boundaries: each backward and each optimizer step closes a segment; a step is the segments up
+  to an optimizer step (so gradient accumulation is one step), or up to a backward call in a loop that
+  makes no torch.optim optimizer (manual `p.data` updates); with a step limit the script is stopped
+  cleanly after that many;
 - `Tensor.to` / `Tensor.cuda` called in the loop itself (not inside a phase): phase `copy`;
-- `.item()`, `.cpu()`, `.tolist()`, `.numpy()` on CUDA tensors: host syncs;
+- `.item()`, `.cpu()`, `.tolist()`, `.numpy()`, `float(t)`, `int(t)`, `bool(t)` in the loop: host reads,
+  host syncs when the tensor is on CUDA;
 - `F.cross_entropy` / `F.nll_loss` inputs (first calls only): softmax output fed to them;
 - settings: autocast in training forwards, GradScaler, cudnn.benchmark, torch.compile,
   DataParallel / DDP, forwards in eval mode with autograd on, no_grad forwards in train mode.
@@ -40,6 +47,9 @@ ENV_OUT = "TORCHSPEED_DOCTOR_OUT"
 ENV_STEPS = "TORCHSPEED_DOCTOR_STEPS"
 ENV_TRACE = "TORCHSPEED_DOCTOR_TRACE"
 ENV_CPROFILE = "TORCHSPEED_DOCTOR_CPROFILE"
+ENV_SEED = "TORCHSPEED_DOCTOR_SEED"  # --try: every run seeded alike, so losses compare
+ENV_FIXES = "TORCHSPEED_DOCTOR_FIXES"  # --try: JSON {fix name: value} applied by the bootstrap
+KEEP_LOSSES = 5  # first losses (and batch fingerprints) kept for the numerics check
 TRACE_STEPS = 3  # steps recorded by --trace, after the first (warm-up) step
 
 
@@ -67,7 +77,11 @@ class Recorder:
         self.in_loop = False
         self.t_start = time.perf_counter()
         self.steps = 0
-        self.windows: list[dict[str, Any]] = []  # per step: wall, phases, samples
+        self.segments: list[dict[str, Any]] = []  # closed by a backward or an optimizer step
+        self.opt_steps = 0
+        self.optimizers_made = 0
+        self.losses: list[Any] = []  # first KEEP_LOSSES losses, detached on their device
+        self.batch_prints: list[list[Any]] = []  # integer contents (labels) of the first batches
         self._samples = 0
         self.phase_names = PHASES
         self._fwd_stack: list[bool] = []
@@ -81,7 +95,8 @@ class Recorder:
             "autocast": False, "autocast_precision": None, "grad_scaler": False, "compiled": False,
             "parallel": "none", "eval_forwards_with_grad": 0, "train_mode_eval_forwards": 0,
             "host_syncs": 0, "copies": {"count": 0, "bytes": 0, "non_blocking": True, "from_pinned": True},
-            "input": None, "model": None, "optimizers": [], "loss_checks": [], "backward_calls": 0,
+            "input": None, "model": None, "optimizers": [], "optimizer_options": {}, "loss_checks": [],
+            "backward_calls": 0, "host_reads": 0,
         }
         self._undo: list[tuple[str, Callable[[], None]]] = []  # (patch name, its undo), in install order
 
@@ -106,7 +121,7 @@ class Recorder:
         info["epochs"] += 1
         info["_t_iter"], info["_first"] = time.perf_counter(), True
 
-    def _batch_received(self, key: int | None, t0: float) -> None:
+    def _batch_received(self, key: int | None, t0: float, batch: Any = None) -> None:
         """The loop got a batch from loader `key` after waiting since `t0`."""
         info = self.loaders.get(key)  # type: ignore[arg-type]
         if info is None:
@@ -114,6 +129,8 @@ class Recorder:
         now = time.perf_counter()
         info["batches"] += 1
         info["data_s"] += now - t0
+        if len(self.batch_prints) < KEEP_LOSSES and batch is not None:
+            self.batch_prints.append(_fingerprint(batch))
         if info.pop("_first", False):
             info["startup_s"].append(now - info.pop("_t_iter", t0))
         self._last_loader = key
@@ -126,14 +143,48 @@ class Recorder:
     def _exit(self) -> None:
         self.clock.exit()
 
-    def _step_done(self) -> None:
+    @property
+    def step_source(self) -> str:
+        """What ends a training step: "optimizer" (torch.optim steps) or "backward" (a loop without a
+        torch.optim optimizer, e.g. manual SGD on p.data: each backward call is a step)."""
+        return "optimizer" if self.opt_steps or self.optimizers_made else "backward"
+
+    @property
+    def windows(self) -> list[dict[str, Any]]:
+        """Per training step: wall, phases, samples (segments merged up to each step's end; a trailing
+        incomplete step is left out)."""
+        src = "optimizer" if self.opt_steps else "backward"
+        out: list[dict[str, Any]] = []
+        acc: dict[str, Any] | None = None
+        for seg in self.segments:
+            if acc is None:
+                acc = {"wall": seg["wall"], "phases": dict(seg["phases"]), "samples": seg["samples"]}
+            else:
+                acc["wall"] += seg["wall"]
+                acc["samples"] += seg["samples"]
+                for k, v in seg["phases"].items():
+                    acc["phases"][k] = acc["phases"].get(k, 0.0) + v
+            if seg["end"] == src:
+                out.append(acc)
+                acc = None
+        return out
+
+    def _segment_end(self, kind: str) -> None:
+        """A backward call or an optimizer step ended: close the segment; count a step if `kind` is
+        what ends steps in this script."""
         res = self.clock.boundary()
         if res is None:
             return
         wall, phases = res
-        self.steps += 1
-        self.windows.append({"wall": wall, "phases": phases, "samples": self._samples})
+        self.segments.append({"wall": wall, "phases": phases, "samples": self._samples, "end": kind})
         self._samples = 0
+        if kind == "optimizer":
+            self.opt_steps += 1
+            if self.opt_steps == 1:
+                self.steps = 0  # backward calls counted before an optimizer was known were not steps
+        if kind != self.step_source:
+            return
+        self.steps += 1
         if self.steps == 1 and self.cprofile is not None:
             self.cprofile.enable()  # hot spots of the steady loop, not of imports and set-up
         self._trace_tick()
@@ -270,8 +321,18 @@ class Recorder:
         s["cudnn_benchmark"] = bool(torch.backends.cudnn.benchmark)
         s["loaders"] = [{k: v for k, v in ld.items() if not k.startswith("_")} for ld in self.loaders.values()]
         s["device"] = "cuda" if self._cuda_seen else "cpu"
+        s["step_source"] = "optimizer" if self.opt_steps else "backward"
+        s["optimizers_made"] = self.optimizers_made
+        try:
+            from torchspeed.runtime import default_precision
+
+            s["mixed_precision"] = default_precision(s["device"]).to_dict()  # the capability, read first
+        except Exception:  # noqa: BLE001 - a capability probe must not cost the report
+            s["mixed_precision"] = {"name": "fp32", "reason": "capability unknown"}
         peak = PeakMemory("cuda" if self._cuda_seen else "cpu").peak()  # never reset: the script's whole run
+        losses = [float(t.float()) for t in self.losses]
         return {"steps_run": self.steps, "windows": self.windows, "settings": s, "peak_memory_bytes": peak,
+                "losses": losses, "batch_prints": self.batch_prints,
                 "script_s": time.perf_counter() - self.t_start, "trace": self.trace_path if self.trace_path
                 and os.path.exists(self.trace_path) else None}
 
@@ -378,7 +439,7 @@ def _dataloader_next(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., A
             batch = orig(it)
         finally:
             rec._exit()
-        rec._batch_received(getattr(it, "_ts_doctor_loader", None), t0)
+        rec._batch_received(getattr(it, "_ts_doctor_loader", None), t0, batch)
         return batch
     return dl_next
 
@@ -413,7 +474,7 @@ def _timed_batches(rec: Recorder, inner: Any, key: int) -> Any:
                 return
             finally:
                 rec._exit()
-            rec._batch_received(key, t0)
+            rec._batch_received(key, t0, batch)
             yield batch
     finally:
         inner.close()  # a loop left early stops the loader's threads now
@@ -428,7 +489,8 @@ def _forward_pre(rec: Recorder) -> Callable[..., None]:
     def pre(module, args):
         if not rec.enabled:
             return
-        if rec._fwd_stack or rec.clock.current is not None:  # inside loading, backward, a copy...
+        # inside loading, backward, a copy: not a forward of the loop; inside optimizer.step(closure) it is
+        if rec._fwd_stack or rec.clock.current not in (None, "optimizer"):
             rec._fwd_stack.append(False)
             return
         is_loss = isinstance(module, loss_types)
@@ -460,6 +522,8 @@ def _forward_post(rec: Recorder) -> Callable[..., None]:
 
 # backward: torch.autograd.backward (loss.backward() calls it) -----------------------------------
 def _backward(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
+
     def backward(*a, **k):
         if not rec.enabled:
             return orig(*a, **k)
@@ -467,12 +531,17 @@ def _backward(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
         rec.s["backward_calls"] += 1
         if rec._last_loader in rec.loaders:
             rec.loaders[rec._last_loader]["training"] = True
+        tensors = a[0] if a else k.get("tensors")
+        if len(rec.losses) < KEEP_LOSSES and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            rec.losses.append(tensors.detach().clone())  # read after the run: no sync now
         depth = len(rec.clock._stack)
         rec._enter("backward")
         try:
-            return orig(*a, **k)
+            out = orig(*a, **k)
         finally:
             rec.clock.unwind(depth)
+        rec._segment_end("backward")
+        return out
     return backward
 
 
@@ -484,6 +553,8 @@ def _optimizer_pre(rec: Recorder) -> Callable[..., None]:
         name = type(opt).__name__
         if name not in rec.s["optimizers"]:
             rec.s["optimizers"].append(name)
+            rec.s["optimizer_options"][name] = {k: opt.defaults.get(k) for k in ("fused", "foreach")
+                                                if k in opt.defaults}
         rec._enter("optimizer")
     return opt_pre
 
@@ -493,8 +564,15 @@ def _optimizer_post(rec: Recorder) -> Callable[..., None]:
         if not rec.enabled:
             return
         rec._exit()
-        rec._step_done()
+        rec._segment_end("optimizer")
     return opt_post
+
+
+def _optimizer_init(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def opt_init(opt, *a, **k):
+        rec.optimizers_made += 1
+        return orig(opt, *a, **k)
+    return opt_init
 
 
 def _zero_grad(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -514,7 +592,7 @@ def _copying(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
     import torch
 
     def copy(t, *a, **k):
-        if not rec.enabled or not rec.in_loop or rec.clock.current is not None:
+        if not rec.enabled or not rec.in_loop or rec.clock.current not in (None, "optimizer"):
             return orig(t, *a, **k)
         rec._enter("copy")
         try:
@@ -534,11 +612,31 @@ def _copying(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _syncing(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """A read of a tensor's value on the host (.item(), float(t), bool(t)...): on CUDA it waits for the
+    queue, a host sync."""
     def sync(t, *a, **k):
-        if rec.enabled and rec.in_loop and t.is_cuda:
-            rec.s["host_syncs"] += 1
+        if rec.enabled and rec.in_loop:
+            rec.s["host_reads"] += 1
+            if t.is_cuda:
+                rec.s["host_syncs"] += 1
         return orig(t, *a, **k)
     return sync
+
+
+def _fingerprint(batch: Any) -> list[Any]:
+    """The integer tensors of a batch (labels, token ids) as lists, other tensors by shape: equal for the
+    same samples in the same order whatever random augmentation drew."""
+    import torch
+
+    out: list[Any] = []
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]
+    for v in items:
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point() or v.numel() > 4096:
+                out.append(list(v.shape))
+            else:
+                out.append(torch._C.TensorBase.tolist(torch._C.TensorBase.cpu(v)))  # unpatched: not a loop read
+    return out
 
 
 # loss inputs: softmax output fed to cross_entropy / nll_loss (first calls only) -----------------
@@ -580,7 +678,9 @@ PATCHES: tuple[AttrPatch | HookPatch, ...] = (
     AttrPatch("torch.optim:Optimizer", "zero_grad", _zero_grad),
     AttrPatch("torch:Tensor", "to", _copying),
     AttrPatch("torch:Tensor", "cuda", _copying),
-    *(AttrPatch("torch:Tensor", name, _syncing) for name in ("item", "cpu", "tolist", "numpy")),
+    AttrPatch("torch.optim:Optimizer", "__init__", _optimizer_init),
+    *(AttrPatch("torch:Tensor", name, _syncing)
+      for name in ("item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__")),
     AttrPatch("torch.nn.functional", "cross_entropy", functools.partial(_loss_input_check, rule="double-softmax")),
     AttrPatch("torch.nn.functional", "nll_loss", functools.partial(_loss_input_check, rule="softmax-nll")),
     AttrPatch("torch.amp:GradScaler", "__init__", _grad_scaler_init, optional=True),
@@ -619,6 +719,8 @@ def main() -> None:
     from torchspeed.atomic import write_json
 
     out = os.environ.pop(ENV_OUT, None)
+    if out and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun worker: one record per rank
+        out = f"{out}.rank{os.environ.get('RANK', '0')}"
     steps = os.environ.pop(ENV_STEPS, "") or None
     trace = os.environ.pop(ENV_TRACE, "") or None
     use_cprofile = os.environ.pop(ENV_CPROFILE, "") == "1"

@@ -25,10 +25,41 @@ _PY = re.compile(r"^(python|pypy)(\d+(\.\d+)*)?(\.exe)?$")
 _OPTS_WITH_VALUE = {"-W", "-X", "-Q"}
 
 
+def _torchrun_split(command: list[str]) -> tuple[str, list[str], list[str]] | None:
+    """(interpreter, torchrun options, script and its args) for `torchrun ... script.py ARGS` or
+    `python -m torch.distributed.run ... script.py ARGS`; None for any other command."""
+    exe = command[0]
+    if os.path.basename(exe) == "torchrun":
+        py, rest = sys.executable, command[1:]
+        where = shutil.which(exe)
+        if where:
+            with open(where, "rb") as f:
+                first = f.readline().decode(errors="replace")
+            if first.startswith("#!") and "python" in first:
+                py = first[2:].strip().split()[0]
+    elif command[1:3] == ["-m", "torch.distributed.run"] or command[1:3] == ["-m", "torch.distributed.launch"]:
+        py, rest = exe, command[3:]
+    else:
+        return None
+    for i, a in enumerate(rest):
+        if a.endswith(".py") and not a.startswith("-"):
+            return py, rest[:i], rest[i:]
+    raise ValueError("doctor follows torchrun into its workers for a script: torchspeed doctor -- torchrun "
+                     "--nproc-per-node N your_train.py ARGS")
+
+
 def child_command(command: list[str]) -> list[str]:
-    """The instrumented child command for `command` (e.g. ['python', '-u', 'train.py', '--lr', '0.1'])."""
+    """The instrumented child command for `command` (e.g. ['python', '-u', 'train.py', '--lr', '0.1']).
+
+    Under torchrun each worker process runs the bootstrap (`torchrun --no-python python -c BOOT ...`)
+    and writes its own record (rank-suffixed)."""
     if not command:
         raise ValueError("doctor needs a command after `--`: torchspeed doctor -- python your_train.py ARGS")
+    tr = _torchrun_split(command)
+    if tr is not None:
+        py, tr_opts, script = tr
+        return [py, "-m", "torch.distributed.run", *[o for o in tr_opts if o not in ("--no-python", "--no_python")],
+                "--no-python", *child_command([py, *script])]
     exe, rest = command[0], list(command[1:])
     if exe.endswith(".py"):
         exe, rest = sys.executable, [exe, *rest]
@@ -112,7 +143,7 @@ def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> 
         "throughput": s_samples / s_wall if s_wall > 0 and s_samples else None,
         "peak_memory_bytes": raw.get("peak_memory_bytes"), "script_s": raw.get("script_s"),
         "verdict": v if windows else None, "evidence": evidence if windows else
-        ["no optimizer step was seen: doctor measures training steps (optimizer.step())"],
+        ["no training step was seen: doctor measures training steps (optimizer.step(), or loss.backward() in a loop without a torch.optim optimizer)"],
         "settings": settings, "findings": [f.to_dict() for f in findings], "hotspots": raw.get("hotspots", []),
         "trace": raw.get("trace"),
     }
@@ -126,6 +157,21 @@ def _no_report(status: int) -> str:
             name = f"signal {status - 128}"
         return f"the script was killed by {name} (exit status {status}) before doctor could report"
     return f"the script ended (exit status {status}) before doctor could report: see its error output above"
+
+
+def _read_raw(tmpdir: str, raw_path: str) -> tuple[dict[str, Any], int]:
+    """The child's record, and the number of ranks under torchrun (0 for one process): rank 0's record
+    is the report (each rank measures its own loop; they run in lockstep)."""
+    import json
+
+    ranks = sorted(f for f in os.listdir(tmpdir) if f.startswith("raw.json.rank"))
+    path = raw_path if os.path.exists(raw_path) else os.path.join(tmpdir, "raw.json.rank0")
+    raw: dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+    return raw, len(ranks)
 
 
 def check_interpreter(argv: list[str], env: dict[str, str] | None = None) -> None:
@@ -195,15 +241,10 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
             status = proc.wait()
     if status < 0:
         status = 128 - status  # killed by signal N: 128 + N, as the shell reports it
-    raw: dict[str, Any] = {}
-    if os.path.exists(raw_path):
-        import json
-
-        with open(raw_path, encoding="utf-8") as f:
-            raw = json.load(f)
-        os.unlink(raw_path)
-    os.rmdir(tmpdir)
+    raw, ranks = _read_raw(tmpdir, raw_path)
     payload = build_payload(raw, command, status)
+    if ranks:
+        payload["ranks"] = ranks
     if timed_out:
         payload["status"], payload["timed_out_s"] = "timeout", timeout
         if str(payload.get("error") or "").startswith("KeyboardInterrupt"):

@@ -1,0 +1,253 @@
+"""doctor's phases on every common kind of training loop (in this process, Recorder installed): a
+closure step (as Lightning's automatic optimisation runs it), manual updates on p.data without
+torch.optim, gradient accumulation, dict batches, Lightning's Trainer.fit, DDP under torchrun."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from torchspeed.doctor.instrument import Recorder
+from torchspeed.doctor.runner import build_payload
+
+
+def _loader(n=24, batch=4):
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)),
+                      batch_size=batch)
+
+
+def _recorded(loop, max_steps=None):
+    torch.manual_seed(0)
+    rec = Recorder(max_steps=max_steps)
+    rec.install()
+    try:
+        loop()
+    except SystemExit:
+        pass
+    finally:
+        rec.uninstall()
+    return rec
+
+
+def _assert_phases(rec, steps, source="optimizer"):
+    """`steps` steps, forward and backward both measured in the steady steps, phases <= wall."""
+    d = build_payload(rec.results(), ["python", "t.py"], 0)
+    assert d["steps"] >= steps and d["settings"]["step_source"] == source
+    ph = d["steady"]["phases"]
+    assert ph["forward"] > 0 and ph["backward"] > 0, ph
+    assert sum(v for k, v in ph.items() if k != "other") <= d["steady"]["wall_s"] * 1.001
+    return d
+
+
+def test_closure_step_counts_forward_and_backward_not_optimizer():
+    loader, model = _loader(), nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 3))
+
+    def loop():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in loader:
+            def closure():
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+
+    d = _assert_phases(_recorded(loop), 6)
+    ph = d["steady"]["phases"]
+    # the step's own work is small next to forward + backward (was: forward 0%, all of it 'optimizer')
+    assert ph["optimizer"] < ph["forward"] + ph["backward"]
+    assert d["steps"] == 6 and d["settings"]["backward_calls"] == 6
+
+
+def test_lbfgs_closure_several_evaluations_are_one_step():
+    loader, model = _loader(), nn.Linear(6, 3)
+
+    def loop():
+        opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
+        for x, y in loader:
+            def closure():
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+
+    rec = _recorded(loop)
+    d = _assert_phases(rec, 6)
+    assert d["steps"] == 6 and rec.s["backward_calls"] > 6
+
+
+def test_manual_sgd_without_torch_optim_steps_at_each_backward():
+    loader, model = _loader(), nn.Linear(6, 3)
+
+    def loop():
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data -= 0.1 * p.grad
+
+    rec = _recorded(loop, max_steps=4)
+    d = _assert_phases(rec, 4, source="backward")
+    assert d["steps"] == 4 and rec.s["backward_calls"] == 4  # --steps stops after 4 backward calls
+
+
+def test_gradient_accumulation_is_one_step_per_optimizer_step():
+    loader, model = _loader(n=32), nn.Linear(6, 3)
+
+    def loop():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(loader):
+            (nn.functional.cross_entropy(model(x), y) / 4).backward()
+            if (i + 1) % 4 == 0:
+                opt.step()
+                opt.zero_grad()
+
+    rec = _recorded(loop)
+    d = _assert_phases(rec, 2)
+    assert d["steps"] == 2 and rec.s["backward_calls"] == 8
+    assert all(w["samples"] == 16 for w in rec.windows)  # four micro-batches of 4 per step
+
+
+class _DictData(Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"pixel_values": torch.randn(6, generator=g), "labels": torch.tensor(i % 3)}
+
+
+class _HFLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 3)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.body(pixel_values)
+        return {"logits": logits, "loss": nn.functional.cross_entropy(logits, labels)}
+
+
+def test_dict_batches_model_called_with_keywords():
+    loader, model = DataLoader(_DictData(), batch_size=4), _HFLike()
+
+    def loop():
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for batch in loader:
+            out = model(**batch)
+            out["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+
+    rec = _recorded(loop, max_steps=5)
+    d = _assert_phases(rec, 5)
+    assert d["steps"] == 5 and d["settings"]["loaders"][0]["batches"] == 5
+    assert rec.batch_prints[0] == [[4, 6], [0, 1, 2, 0]]  # labels seen, images by shape
+
+
+def test_float_bool_int_of_tensors_are_host_reads():
+    loader, model = _loader(n=8), nn.Linear(6, 3)
+
+    def loop():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            float(loss), int(y[0]), bool(loss > 0), loss.item()
+
+    rec = _recorded(loop)
+    assert rec.s["host_reads"] >= 2 * 4  # four reads per step, two steps (torch's own reads may add)
+    assert rec.s["host_syncs"] == 0  # on CPU a read waits for nothing
+    base = rec.s["host_reads"]
+    float(torch.ones(()))  # uninstalled: not counted
+    assert rec.s["host_reads"] == base
+
+
+def test_losses_kept_without_sync_and_read_at_the_end():
+    loader, model = _loader(n=8), nn.Linear(6, 3)
+    seen = []
+
+    def loop():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen.append(float(loss))
+
+    raw = _recorded(loop).results()
+    assert raw["losses"] == pytest.approx(seen)
+
+
+@pytest.mark.timeout(120)
+def test_lightning_trainer_fit():
+    L = pytest.importorskip("lightning")
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def loop():
+        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Module(), _loader())
+
+    rec = _recorded(loop)
+    d = _assert_phases(rec, 6)
+    assert d["steps"] == 6 and d["settings"]["optimizers"] == ["SGD"]
+    assert d["settings"]["loaders"][0]["batches"] >= 6
+
+
+DDP_SCRIPT = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+    loader = DataLoader(data, batch_size=4, sampler=torch.utils.data.distributed.DistributedSampler(data))
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow  # two torch processes start: ~25 s on 2 busy cores
+@pytest.mark.timeout(180)
+def test_ddp_under_torchrun_gloo_cpu(tmp_path):
+    from torchspeed.cli import main
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    code = main(["doctor", "--steps", "4", "--json", str(tmp_path / "d.json"), "--", "torchrun", "--standalone",
+                 "--nproc-per-node", "2", str(script)])
+    assert code == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["steps"] == 4 and d["settings"]["parallel"] == "DistributedDataParallel"
+    assert d["steady"]["phases"]["forward"] > 0 and d["steady"]["phases"]["backward"] > 0
+    assert d["ranks"] == 2
