@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Box", "RandomResizedCropFlip", "ResizeCenterCrop", "SampleRandom", "sample_rng", "render"]
+__all__ = ["Box", "RandomResizedCropFlip", "ResizeCenterCrop", "SampleRandom", "sample_rng", "render", "render_tensor"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,25 @@ def render(img: np.ndarray, box: Box, out: np.ndarray, tmp: np.ndarray | None = 
         cv2.flip(tmp, 1, dst=tmp)
     if chw:
         cv2.split(tmp, [out[i] for i in range(c)])  # HWC -> CHW, written in place
+
+
+def render_tensor(img: Any, box: Box, out: Any, chw: bool = True) -> None:
+    """`render` for an image already on the device (CHW uint8 tensor, e.g. decoded by nvjpeg).
+
+    The box region is resized with torch's bilinear kernel (antialiased when it shrinks more than 2x,
+    where `render` uses INTER_AREA: nvjpeg decodes at full size, so larger shrinks are common), flipped
+    if asked and written into `out` (a CHW slot of the uint8 batch, or HWC with `chw=False`).
+    """
+    import torch.nn.functional as F
+
+    oh, ow = (out.shape[1], out.shape[2]) if chw else (out.shape[0], out.shape[1])
+    t, l = box.top, box.left
+    h = max(1, min(img.shape[1] - t, box.height))
+    w = max(1, min(img.shape[2] - l, box.width))
+    region = img[:, t:t + h, l:l + w]
+    if (h, w) != (oh, ow):
+        region = F.interpolate(region.unsqueeze(0).float(), size=(oh, ow), mode="bilinear", align_corners=False,
+                               antialias=h > 2 * oh or w > 2 * ow)[0].round_().clamp_(0, 255)
+    if box.flip:
+        region = region.flip(-1)
+    out.copy_(region if chw else region.permute(1, 2, 0))

@@ -39,7 +39,7 @@ class Record:
 
 
 __all__ = ["Record", "Decoder", "BACKENDS", "available_backends", "get_decoder", "measure_backends", "choose_backend",
-           "decode_record", "jpeg_size", "jpeg_info", "decode_jpeg_batch_cuda"]
+           "decode_record", "jpeg_size", "jpeg_info", "decode_jpeg_batch_cuda", "GPU_BACKENDS"]
 
 
 def _dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
@@ -149,6 +149,28 @@ class TurboJpegDecoder(Decoder):
         return self._tj.decode(bytes(buf), pixel_format=self._fmt, scaling_factor=(1, s))
 
 
+class NvjpegDecoder(Decoder):
+    """nvjpeg on the GPU (torchvision.io.decode_jpeg(device="cuda")). Its place is `decode_batch`: a
+    whole batch decoded at once, the pixels left on the device, which `fast_loader(decoder="nvjpeg")`
+    crops and resizes there; `decode` (one image, back to the host) exists for measuring and checks."""
+
+    name = "nvjpeg"
+    batched = True  # decodes whole batches on the device (see decode_batch)
+
+    def __init__(self, device: Any = "cuda") -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("nvjpeg needs a CUDA device (none here)")
+        self.device = device
+
+    def decode_batch(self, buffers: Sequence[Any], names: Sequence[str] | None = None) -> list[Any]:
+        return decode_jpeg_batch_cuda(buffers, self.device, names=names)
+
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:  # full size: no DCT scaling
+        return self.decode_batch([buf])[0].permute(1, 2, 0).cpu().numpy()
+
+
 # name -> factory; a factory raising ImportError/OSError means "not available here"
 BACKENDS: dict[str, Callable[[], Decoder]] = {
     "simplejpeg": SimpleJpegDecoder,
@@ -157,7 +179,9 @@ BACKENDS: dict[str, Callable[[], Decoder]] = {
     "pil": PILDecoder,
     "torchvision": TorchvisionDecoder,
     "turbojpeg": TurboJpegDecoder,
+    "nvjpeg": NvjpegDecoder,
 }
+GPU_BACKENDS = ("nvjpeg",)  # decode on the device: candidates only for a loader whose device is CUDA
 _INSTANCES: dict[str, Decoder] = {}
 _CHOICES: dict[Any, tuple[str, list[dict[str, Any]]]] = {}
 
@@ -170,13 +194,15 @@ def get_decoder(name: str) -> Decoder:
         try:
             _INSTANCES[name] = BACKENDS[name]()
         except (ImportError, OSError, RuntimeError) as e:
-            hint = "pip install 'torchspeed[data]'" if name != "turbojpeg" else "pip install PyTurboJPEG and the libturbojpeg system library"
+            hint = {"turbojpeg": "pip install PyTurboJPEG and the libturbojpeg system library",
+                    "nvjpeg": "use a CPU decoder, or a machine with CUDA and torch/torchvision built for it"}.get(
+                name, "pip install 'torchspeed[data]'")
             raise ImportError(f"decoder {name!r} is not available here ({e}); {hint}") from None
     return _INSTANCES[name]
 
 
 def available_backends() -> dict[str, str | None]:
-    """CPU decoder -> None when it loads on this machine, else why not (with the install hint)."""
+    """Decoder -> None when it loads on this machine, else why not (with the install hint)."""
     out: dict[str, str | None] = {}
     for name in BACKENDS:
         try:
@@ -188,48 +214,66 @@ def available_backends() -> dict[str, str | None]:
 
 
 def measure_backends(samples: Sequence[Any], backends: Sequence[str] | str | None = None, min_size: int = 0,
-                     repeats: int = 7, progress: bool | Callable[[str], None] = False) -> list[dict[str, Any]]:
+                     repeats: int = 7, progress: bool | Callable[[str], None] = False,
+                     device: Any = None) -> list[dict[str, Any]]:
     """Time each backend decoding `samples` (JPEG bytes): median of `repeats`, per image.
 
-    `backends`: a list or a comma string (default: every available one). The backends run
-    interleaved (measure.compare), so background load hits them alike. Each row also gives the
-    PSNR against the accurate simplejpeg (or PIL) decode, so a faster but less exact decoder is
-    visible as such (100 dB: identical pixels). `progress`: True (stderr) or a callable taking a message.
+    `backends`: a list or a comma string (default: every available one; the GPU decoder nvjpeg only
+    when `device` is a CUDA device, timed decoding the samples as one batch on it, the way
+    `fast_loader` uses it). The backends run interleaved (measure.compare), so background load hits
+    them alike. Each row also gives the PSNR against the accurate simplejpeg (or PIL) decode, so a
+    faster but less exact decoder is visible as such (100 dB: identical pixels). `progress`: True
+    (stderr) or a callable taking a message.
     """
     if not samples:
         raise ValueError("measure_backends needs at least one JPEG sample")
     say_ = progress_fn(progress)
+    on_gpu = device is not None and str(device).startswith("cuda")
     names = as_list(backends, name="backends") if backends is not None else \
-        [n for n, why in available_backends().items() if why is None]
+        [n for n, why in available_backends().items() if why is None and (on_gpu or n not in GPU_BACKENDS)]
     reference_name = "simplejpeg" if "simplejpeg" in names else "pil"
     reference = [get_decoder(reference_name).decode(b, min_size, min_size) for b in samples]
     rows: dict[str, dict[str, Any]] = {}
     contenders = {}
     for name in names:
         dec = get_decoder(name)
+        if getattr(dec, "batched", False):
+            def run(dec: Any = dec) -> list[Any]:
+                return dec.decode_batch(samples)
+
+            def to_host(images: list[Any]) -> list[np.ndarray]:
+                return [t.permute(1, 2, 0).cpu().numpy() for t in images]
+        else:
+            def run(dec: Any = dec) -> list[Any]:
+                return [dec.decode(b, min_size, min_size) for b in samples]
+
+            def to_host(images: list[Any]) -> list[np.ndarray]:
+                return images
         try:
-            out = [dec.decode(b, min_size, min_size) for b in samples]  # also a check that it reads them
+            out = to_host(run())  # also a check that it reads them
         except Exception as e:  # a backend that cannot read these files is simply not a candidate
             rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
             continue
         psnr = [_psnr(a, r) for a, r in zip(out, reference) if a.shape == r.shape]
         rows[name] = {"decoder": name, "us_per_image": None,
                       "psnr_db": float(np.mean(psnr)) if len(psnr) == len(out) else None}
-        contenders[name] = lambda dec=dec: [dec.decode(b, min_size, min_size) for b in samples]
+        contenders[name] = run
     if contenders:
         say_(f"timing JPEG decoders {', '.join(contenders)} on {len(samples)} images, interleaved")
-        timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0)
+        timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0, device=device if on_gpu else None)
         for t in timed.timings:
             rows[t.name]["us_per_image"] = t.median_s / len(samples) * 1e6
     return [rows[n] for n in names]
 
 
 def choose_backend(samples: Sequence[Any], key: Any = None, min_size: int = 0,
-                   progress: bool | Callable[[str], None] = False) -> tuple[str, list[dict[str, Any]]]:
-    """The fastest available decoder on `samples`, measured once per `key` in this process (logged at INFO)."""
+                   progress: bool | Callable[[str], None] = False, device: Any = None) -> tuple[str, list[dict[str, Any]]]:
+    """The fastest available decoder on `samples`, measured once per `key` in this process (logged at INFO).
+
+    With a CUDA `device`, nvjpeg competes too (see `measure_backends`)."""
     if key is not None and key in _CHOICES:
         return _CHOICES[key]
-    table = measure_backends(samples, min_size=min_size, progress=progress)
+    table = measure_backends(samples, min_size=min_size, progress=progress, device=device)
     timed = [r for r in table if r["us_per_image"] is not None]
     if not timed:
         raise ValueError("no JPEG decoder could read the sample images: " + "; ".join(r.get("error", "") for r in table))
@@ -282,20 +326,73 @@ def decode_record(rec: Record, decoder: str | Decoder = "simplejpeg", min_h: int
     return rec.payload
 
 
-def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda") -> list[Any]:
-    """Decode many JPEGs at once on the GPU with nvjpeg (torchvision.io.decode_jpeg, batched).
-
-    Returns RGB CHW uint8 tensors on `device`. For pipelines that move decoding off a starved CPU
-    onto the GPU (the articles' DALI idea); needs CUDA.
-    """
-    import torch
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    if not torch.cuda.is_available():
-        raise ValueError("nvjpeg decoding needs a CUDA device; none is available here (use a CPU decoder)")
+def _nvjpeg(data: list[Any], device: Any) -> list[Any]:
+    """torchvision's batched decode_jpeg (nvjpeg on a CUDA device): one failure fails the whole batch."""
     import warnings
 
-    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in buffers]
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs in favour of torchcodec
         warnings.simplefilter("ignore", DeprecationWarning)
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
+def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda", names: Sequence[str] | None = None,
+                           fallback: str = "simplejpeg") -> list[Any]:
+    """Decode many JPEGs at once on the GPU with nvjpeg (torchvision.io.decode_jpeg, batched).
+
+    Returns RGB CHW uint8 tensors on `device`, one per buffer, in order. nvjpeg fails a whole batch
+    for one image it cannot read, so one bad file does not cost the batch: the images nvjpeg cannot
+    decode (or whose header is not a baseline/progressive grey or YCbCr JPEG) are decoded on the CPU
+    (`fallback`, then PIL, which also reads CMYK and mislabelled PNGs) and copied to the device, with
+    a RuntimeWarning naming each one (`names[i]`, e.g. its file). Only an image that no decoder can
+    read raises a ValueError naming it. For pipelines that move decoding off a starved CPU onto the
+    GPU (`fast_loader(decoder="nvjpeg")`); needs CUDA.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("nvjpeg decoding needs a CUDA device; none is available here (use a CPU decoder)")
+    names = list(names) if names is not None else [f"image {i} of the batch" for i in range(len(buffers))]
+    if len(names) != len(buffers):
+        raise ValueError(f"got {len(names)} names for {len(buffers)} images")
+    out: list[Any] = [None] * len(buffers)
+    gpu = []
+    for i, buf in enumerate(buffers):
+        try:
+            if jpeg_info(buf)[2] in (1, 3):
+                gpu.append(i)
+        except ValueError:
+            pass  # not JPEG data, or no frame header: the CPU decoders say what it is
+    data = {i: torch.frombuffer(bytearray(buffers[i]), dtype=torch.uint8) for i in gpu}
+    try:
+        for i, img in zip(gpu, _nvjpeg([data[i] for i in gpu], device) if gpu else []):
+            out[i] = img
+    except Exception:  # one bad image fails the batch: decode them one by one to find it
+        for i in gpu:
+            try:
+                out[i] = _nvjpeg([data[i]], device)[0]
+            except Exception:
+                pass
+    for i in [i for i, img in enumerate(out) if img is None]:
+        out[i] = _decode_on_cpu(buffers[i], names[i], fallback).to(device)
+    return out
+
+
+def _decode_on_cpu(buf: Any, name: str, fallback: str) -> Any:
+    """One image nvjpeg could not decode, decoded on the CPU as CHW uint8 (a warning names it)."""
+    import warnings
+
+    import torch
+
+    errors = []
+    for decoder in dict.fromkeys((fallback, "pil")):
+        try:
+            img = get_decoder(decoder).decode(buf)
+        except Exception as e:
+            errors.append(f"{decoder}: {type(e).__name__}: {e}")
+            continue
+        warnings.warn(f"nvjpeg could not decode {name}; decoded it on the CPU with {decoder} instead",
+                      RuntimeWarning, stacklevel=3)
+        return torch.from_numpy(np.require(img, np.uint8, ["C", "W"])).permute(2, 0, 1)  # PIL arrays are read-only
+    raise ValueError(f"cannot decode {name}: neither nvjpeg nor the CPU decoders read it ({'; '.join(errors)})")

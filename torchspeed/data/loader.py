@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
-from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, sample_rng
-from torchspeed.data.decode import choose_backend, get_decoder
+from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
+from torchspeed.data.decode import GPU_BACKENDS, choose_backend, decode_jpeg_batch_cuda, get_decoder
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.sources import as_source, sample_name
 from torchspeed.data.threads import ThreadedBatches
@@ -44,11 +44,13 @@ log = logging.getLogger(__name__)
 class AugmentedDataset(Dataset):
     """What the DataLoader's workers run: keys (epoch, index) -> a whole uint8 NHWC batch + labels."""
 
-    def __init__(self, source: Any, transform: Any, decoder: str, seed: int, layout: str = "NCHW"):
+    def __init__(self, source: Any, transform: Any, decoder: str, seed: int, layout: str = "NCHW",
+                 device: Any = None):
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
         self.source, self.transform, self.decoder, self.seed, self.layout = source, transform, decoder, seed, layout
         self.size = transform.size
+        self.device = device  # where a GPU decoder (nvjpeg) decodes and crops: the batch is made there
 
     def __len__(self) -> int:
         return len(self.source)
@@ -84,8 +86,27 @@ class AugmentedDataset(Dataset):
         return torch.tensor([self._render(epoch, index, images[j]) for j, (epoch, index) in enumerate(keys)],
                             dtype=torch.int64)
 
+    def device_batch(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch made on `self.device` by a GPU decoder: the JPEGs of the batch decoded together
+        (nvjpeg; an image it cannot read is decoded on the CPU, with a warning naming it), each box
+        cropped and resized there (`render_tensor`); labels stay on the host (the prefetcher moves them)."""
+        records = [self.source.record(index) for _, index in keys]
+        jpegs = [j for j, rec in enumerate(records) if rec.kind == "jpeg"]
+        decoded = dict(zip(jpegs, decode_jpeg_batch_cuda([records[j].payload for j in jpegs], self.device,
+                                                         names=[sample_name(self.source, keys[j][1]) for j in jpegs])
+                                  if jpegs else []))
+        images = torch.empty(self.batch_shape(len(keys)), dtype=torch.uint8, device=self.device)
+        for j, ((epoch, index), rec) in enumerate(zip(keys, records)):
+            img = decoded[j] if j in decoded else torch.from_numpy(
+                np.require(rec.payload, np.uint8, ["C", "W"])).permute(2, 0, 1).to(self.device)  # raw: read-only
+            box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
+            render_tensor(img, box, images[j], chw=self.layout == "NCHW")
+        return images, torch.tensor([rec.label for rec in records], dtype=torch.int64)
+
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The collated batch: uint8 NCHW (or NHWC) images filled in place sample by sample, int64 labels."""
+        if self.decoder in GPU_BACKENDS:
+            return self.device_batch(keys)
         shape = self.batch_shape(len(keys))
         if get_worker_info() is not None:  # straight into shared memory: no copy when sent to the main process
             images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(math.prod(shape))).view(shape)
@@ -285,11 +306,14 @@ def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, bytes]]:
     return out
 
 
-def _choose_decoder(source: Any, samples: list[tuple[int, bytes]], progress: Any) -> tuple[str, list]:
-    """choose_backend on the samples; when they cannot be decoded, the error names the sample that fails."""
-    key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))))
+def _choose_decoder(source: Any, samples: list[tuple[int, bytes]], progress: Any,
+                    device: torch.device | None = None) -> tuple[str, list]:
+    """choose_backend on the samples (nvjpeg competing for a CUDA `device`); when they cannot be
+    decoded, the error names the sample that fails."""
+    key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))),
+           str(device) if device is not None and device.type == "cuda" else "cpu")
     try:
-        return choose_backend([b for _, b in samples], key=key, progress=progress)
+        return choose_backend([b for _, b in samples], key=key, progress=progress, device=device)
     except Exception as e:
         for index, data in samples:
             try:
@@ -359,7 +383,10 @@ def fast_loader(
     fastest; `threads="auto"` is then measured too, else it means 1. A list of counts (or a comma
     string) instead of "auto" is what gets measured, e.g. `num_workers=[0, 1], threads=[1, 2]`: the
     measurement times the loader alone, so a training loop whose model needs the cores may want
-    fewer. `decoder="auto"` measures the JPEG decoders once in this process. Each measured choice
+    fewer. `decoder="auto"` measures the JPEG decoders once in this process; on a CUDA device (and
+    without worker processes) nvjpeg competes too, decoding whole batches on the GPU where each crop
+    is resized (`decoder="nvjpeg"` asks for it; an image it cannot read is decoded on the CPU with a
+    warning naming the file; batches are then made by threads, `num_workers=0`). Each measured choice
     is logged at INFO on "torchspeed.data.*"; `progress` (True: stderr, or a callable taking a
     message) reports the measuring as it goes. Distributed: each rank reads a disjoint shard of each
     epoch's shuffle, sharded by `num_replicas`/`rank` when given, else by the initialised process group,
@@ -384,16 +411,28 @@ def fast_loader(
     if decoder == "auto":
         samples = _jpeg_samples(source)
         if samples:
-            decoder, decoder_table = _choose_decoder(source, samples, progress)
+            gpu_allowed = not (isinstance(num_workers, int) and num_workers > 0)  # worker processes decode on the CPU
+            decoder, decoder_table = _choose_decoder(source, samples, progress, dev if gpu_allowed else None)
         else:
             decoder = "simplejpeg"  # nothing to decode (raw pixels or decoded arrays): any name will do
         if hasattr(source, "close"):
             source.close()  # no LMDB handle left open in the parent when the workers fork
     else:
+        if decoder in GPU_BACKENDS and dev.type != "cuda":
+            raise ValueError(f"decoder={decoder!r} decodes on a CUDA device, but this loader's device is {dev}; "
+                             "use a CPU decoder (or decoder='auto')")
         get_decoder(decoder)  # a clear error now rather than in a worker
+    if decoder in GPU_BACKENDS:  # the batch is made on the GPU by threads of this process, never in workers
+        if isinstance(num_workers, int) and num_workers > 0:
+            raise ValueError(f"decoder={decoder!r} makes batches on the GPU in this process: use num_workers=0 "
+                             f"(with threads=N) or num_workers='auto', not {num_workers}")
+        if num_workers == "auto" or isinstance(num_workers, list):
+            num_workers = [0]  # only the threads are measured
+            tuned = True
     transform = RandomResizedCropFlip(crop, scale=scale) if train else ResizeCenterCrop(crop)
     # channels_last output: NHWC uint8 is already its memory order; else NCHW (see normalize_batch)
-    augmented = AugmentedDataset(source, transform, decoder, seed, layout="NHWC" if channels_last else "NCHW")
+    augmented = AugmentedDataset(source, transform, decoder, seed, layout="NHWC" if channels_last else "NCHW",
+                                 device=dev)
     drop_last = train if drop_last is None else drop_last
     sampler = EpochBatchSampler(len(source), batch_size, shuffle=train, drop_last=drop_last, seed=seed,
                                 num_replicas=num_replicas, rank=rank)

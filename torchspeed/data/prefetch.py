@@ -5,8 +5,11 @@ the conversion to float, the mean/std normalisation and the channels_last layout
 batch where they are cheapest. On CUDA (Apex's data_prefetcher idea): pinned memory, a side stream,
 non_blocking copies and the conversion on that stream, so the next batch moves while the current
 one trains; the main stream waits on the side stream and `record_stream` keeps the allocator from
-reusing the memory too early. On the CPU: the same conversion in a background thread (torch kernels
-release the GIL), so the next batch is ready when the training step ends.
+reusing the memory too early. A batch already on the GPU (nvjpeg decoding, a GPU augmentation) is
+not pinned (pin_memory() on it raises); the side stream first waits for the stream that queued it, and
+keeps its memory from being reused until it has read it. On the CPU: the same conversion in a
+background thread (torch kernels release the GIL), so the next batch is ready when the training
+step ends.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torchspeed.data.threads import put_unless_stopped
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.runtime import resolve_device, start_helper_threads
 
-__all__ = ["BufferPool", "DevicePrefetcher", "normalize_batch"]
+__all__ = ["BufferPool", "DevicePrefetcher", "normalize_batch", "needs_pinning", "device_tensors"]
 
 
 def _affine(mean: Sequence[float], std: Sequence[float], device: torch.device, uint8: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +114,18 @@ def normalize_batch(images: torch.Tensor, mean: Sequence[float] | None, std: Seq
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+def needs_pinning(t: Any) -> bool:
+    """Whether a batch element is copied through pinned memory: CPU tensors not pinned yet. A tensor
+    already on a GPU is not (pin_memory() on it raises), nor is anything that is not a tensor."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_pinned()
+
+
+def device_tensors(batch: Any) -> list[torch.Tensor]:
+    """The CUDA tensors of a batch (a tensor, or a tuple/list of elements): those whose stream matters."""
+    items = batch if isinstance(batch, (tuple, list)) else (batch,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+
+
 class BufferPool:
     """Float batch buffers, reused once nothing but the pool refers to them.
 
@@ -194,18 +209,28 @@ class DevicePrefetcher:
                 batch = next(it)
             except StopIteration:
                 return None
+            if isinstance(batch, (tuple, list)):
+                batch = [b.pin_memory() if needs_pinning(b) else b for b in batch]
+            elif needs_pinning(batch):
+                batch = batch.pin_memory()
+            made_on_device = device_tensors(batch)
+            if made_on_device:
+                # a batch already on the GPU (nvjpeg, a GPU augmentation) may still be in the making on
+                # the stream that queued it: this thread's current stream or, for decoding threads, the
+                # default one; the side stream waits for both before it reads the batch
+                for s in {torch.cuda.current_stream(self.device), torch.cuda.default_stream(self.device)}:
+                    stream.wait_stream(s)
             with torch.cuda.stream(stream):
-                if isinstance(batch, (tuple, list)):
-                    batch = [b.pin_memory() if isinstance(b, torch.Tensor) and not b.is_pinned() else b for b in batch]
+                for t in made_on_device:
+                    t.record_stream(stream)  # its memory is not handed out again while the side stream reads it
                 return self.convert(batch)
 
         nxt = preload()
         while nxt is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(stream)  # the copy and conversion of `nxt` are done before use
-            for t in (nxt if isinstance(nxt, (tuple, list)) else (nxt,)):
-                if isinstance(t, torch.Tensor):
-                    t.record_stream(current)  # its memory is not reused while the main stream needs it
+            for t in device_tensors(nxt):
+                t.record_stream(current)  # its memory is not reused while the main stream needs it
             batch, nxt = nxt, preload()
             yield batch
 

@@ -1,0 +1,136 @@
+"""The data area on a CUDA device: prefetcher stream safety, nvjpeg against simplejpeg (`make test-gpu`).
+
+The prefetcher converts batch k+1 on a side stream while the main stream still works on batch k.
+The main stream is stalled on purpose (torch.cuda._sleep) and the allocator kept busy: a missing
+wait_stream or record_stream then shows as wrong checksums, and a hidden host sync raises under
+torch.cuda.set_sync_debug_mode("error") (set after the first batch, whose constants are copied once).
+"""
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from torchspeed.data import DevicePrefetcher, fast_loader, normalize_batch
+from torchspeed.data.decode import _psnr, decode_jpeg_batch_cuda, get_decoder, measure_backends
+from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+STALL = 50_000_000  # cycles of torch.cuda._sleep: tens of milliseconds, far longer than one conversion
+
+
+def _batches(n=10, size=64):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 256, (16, 3, size, size), dtype=torch.uint8, generator=g), torch.arange(16) + 16 * i)
+            for i in range(n)]
+
+
+def _expected(batches):
+    return [float(normalize_batch(x, IMAGENET_MEAN, IMAGENET_STD).double().sum()) for x, _ in batches]
+
+
+def _consume(prefetcher, pressure):
+    """Checksums queued on the stalled main stream, read only at the end (no sync in the loop)."""
+    sums, labels = [], []
+    try:
+        for i, (x, y) in enumerate(prefetcher):
+            if i == 1:
+                torch.cuda.set_sync_debug_mode("error")  # from here on, any host sync raises
+            assert x.is_cuda and y.is_cuda
+            torch.cuda._sleep(STALL)  # the main stream falls behind the side stream
+            sums.append(x.double().sum())
+            labels.append(y.clone())
+            del x, y  # freed while the main stream has not read it yet: only record_stream protects it
+            if pressure:  # keep the caching allocator handing blocks out again
+                junk = [torch.empty(8 << 20, dtype=torch.uint8, device="cuda") for _ in range(8)]
+                del junk
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return [float(s) for s in sums], [t.cpu() for t in labels]
+
+
+@pytest.mark.parametrize("pressure", [False, True])
+def test_prefetcher_is_stream_safe_with_a_stalled_main_stream(pressure):
+    batches = _batches()
+    sums, labels = _consume(DevicePrefetcher(batches, "cuda"), pressure)
+    assert sums == pytest.approx(_expected(batches), rel=1e-5)
+    assert all(torch.equal(a, y) for a, (_, y) in zip(labels, batches))
+
+
+def test_prefetcher_takes_batches_made_on_the_gpu_without_pinning_and_waits_for_them():
+    batches = _batches()
+    on_gpu = [(x.cuda(), y.cuda()) for x, y in batches]
+    torch.cuda.synchronize()
+
+    def made_late():  # each batch is written by the main stream after a stall, as a GPU decoder would
+        for x, y in on_gpu:
+            torch.cuda._sleep(STALL)
+            yield x.clone(), y.clone()
+
+    class Loader:
+        def __iter__(self):
+            return made_late()
+
+        def __len__(self):
+            return len(on_gpu)
+
+    sums, labels = _consume(DevicePrefetcher(Loader(), "cuda"), pressure=True)
+    assert sums == pytest.approx(_expected(batches), rel=1e-5)
+    assert all(torch.equal(a, y) for a, (_, y) in zip(labels, batches))
+
+
+def _photo_jpegs(n=8):
+    from PIL import Image
+
+    out = []
+    for i in range(n):
+        rng = np.random.default_rng(i)
+        base = rng.integers(0, 255, (1, 1, 3)).astype(np.float32)
+        yy, xx = np.mgrid[0:120, 0:160]
+        img = np.clip(base + 60 * np.sin(xx[..., None] / (7 + i)) + 40 * np.cos(yy[..., None] / 9), 0, 255)
+        buf = io.BytesIO()
+        Image.fromarray(img.astype(np.uint8)).save(buf, "JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def test_nvjpeg_matches_simplejpeg_and_survives_a_bad_image():
+    good = _photo_jpegs()
+    bad = good[0][: len(good[0]) // 3]  # truncated: nvjpeg may refuse it, the CPU decoders must name it or read it
+    garbage = b"\xff\xd8\xff\xe0" + bytes(100)
+    buffers = good[:4] + [garbage] + good[4:]
+    names = [f"img{i}.jpg" for i in range(len(buffers))]
+    with pytest.raises(ValueError, match="img4.jpg"):
+        decode_jpeg_batch_cuda(buffers, names=names)
+    buffers[4] = bad
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        try:
+            out = decode_jpeg_batch_cuda(buffers, names=names)
+        except ValueError as e:  # the truncated image is unreadable for every decoder: named
+            assert "img4.jpg" in str(e)
+            out = decode_jpeg_batch_cuda(good, names=names[:4] + names[5:])
+            buffers = good
+    ref = get_decoder("simplejpeg")
+    for img, b in zip(out, buffers):
+        if b is bad:
+            continue
+        assert img.is_cuda and img.dtype == torch.uint8
+        assert _psnr(img.permute(1, 2, 0).cpu().numpy(), ref.decode(b)) > 30
+
+
+def test_nvjpeg_competes_on_cuda_and_the_loader_makes_batches_with_it(photo_store):
+    rows = measure_backends(_photo_jpegs(4), repeats=2, device="cuda")
+    nv = [r for r in rows if r["decoder"] == "nvjpeg"]
+    assert nv and nv[0]["us_per_image"] is not None and nv[0]["psnr_db"] > 30
+    gpu = fast_loader(photo_store, 8, crop=32, device="cuda", num_workers=0, threads=2, decoder="nvjpeg")
+    cpu = fast_loader(photo_store, 8, crop=32, device="cpu", num_workers=0, threads=1, decoder="simplejpeg")
+    for (xg, yg), (xc, yc) in zip(gpu, cpu):
+        assert xg.is_cuda and xg.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(yg.cpu(), yc)
+        assert torch.nn.functional.mse_loss(xg.cpu(), xc).item() < 0.05  # the same crops, resampled alike
+    with pytest.raises(ValueError, match="num_workers=0"):
+        fast_loader(photo_store, 8, crop=32, device="cuda", num_workers=2, decoder="nvjpeg")

@@ -1,0 +1,133 @@
+"""nvjpeg decoding on CPU terms: the per-image fallback, the GPU batch path of fast_loader, the checks.
+
+nvjpeg itself needs CUDA (tests/test_data_gpu.py); here torchvision's batched decode_jpeg runs on the
+CPU in its place (`decode._nvjpeg` monkeypatched), failing a whole batch for one image as nvjpeg does.
+"""
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from torchspeed.data import decode, fast_loader
+from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop
+from torchspeed.data.loader import AugmentedDataset
+from torchspeed.data.prefetch import device_tensors, needs_pinning
+from torchspeed.data.sources import as_source
+
+
+def _jpeg(seed, size=(40, 30)) -> bytes:
+    from PIL import Image
+
+    a = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (20, 10), (10, 200, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def fake_nvjpeg(monkeypatch):
+    """CUDA 'available', nvjpeg replaced by the CPU batch decode; buffers in `rejected` fail their batch."""
+    real = decode._nvjpeg
+    calls, rejected = [], set()
+
+    def nvjpeg(data, device):
+        calls.append(len(data))
+        if any(bytes(d.numpy()) in rejected for d in data):
+            raise RuntimeError("nvjpegDecodeBatched failed: NVJPEG_STATUS_BAD_JPEG")
+        return real(data, "cpu")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(decode, "_nvjpeg", nvjpeg)
+    return calls, rejected
+
+
+def test_one_bad_image_falls_back_on_the_cpu_named_in_a_warning(fake_nvjpeg):
+    calls, rejected = fake_nvjpeg
+    buffers = [_jpeg(0), _jpeg(1), _jpeg(2)]
+    rejected.add(buffers[1])
+    with pytest.warns(RuntimeWarning, match=r"nvjpeg could not decode b\.jpg; decoded it on the CPU with simplejpeg"):
+        out = decode.decode_jpeg_batch_cuda(buffers, "cpu", names=["a.jpg", "b.jpg", "c.jpg"])
+    assert calls == [3, 1, 1, 1]  # the batch, then one by one to find the bad image
+    assert [tuple(t.shape) for t in out] == [(3, 30, 40)] * 3 and all(t.dtype == torch.uint8 for t in out)
+    reference = [torch.from_numpy(decode.get_decoder("simplejpeg").decode(b)).permute(2, 0, 1) for b in buffers]
+    assert torch.equal(out[1], reference[1])  # the fallback is the CPU decode itself
+    for a, b in zip(out, reference):
+        assert decode._psnr(a.numpy(), b.numpy()) > 30
+
+
+def test_a_batch_nvjpeg_reads_whole_is_decoded_in_one_call(fake_nvjpeg):
+    calls, _ = fake_nvjpeg
+    out = decode.decode_jpeg_batch_cuda([_jpeg(0), _jpeg(1)], "cpu")
+    assert calls == [2] and len(out) == 2
+
+
+def test_not_a_jpeg_goes_to_the_cpu_and_undecodable_data_is_named(fake_nvjpeg):
+    calls, _ = fake_nvjpeg
+    with pytest.warns(RuntimeWarning, match=r"mislabelled\.jpg.*with pil"):
+        out = decode.decode_jpeg_batch_cuda([_jpeg(0), _png()], "cpu", names=["ok.jpg", "mislabelled.jpg"])
+    assert calls == [1]  # the PNG never reaches nvjpeg
+    assert tuple(out[1].shape) == (3, 10, 20) and out[1][:, 0, 0].tolist() == [10, 200, 30]
+    broken = b"\xff\xd8\xff\xe0" + bytes(64)
+    with pytest.raises(ValueError, match=r"cannot decode broken\.jpg: neither nvjpeg nor the CPU decoders"):
+        decode.decode_jpeg_batch_cuda([_jpeg(0), broken], "cpu", names=["ok.jpg", "broken.jpg"])
+
+
+def test_nvjpeg_needs_cuda_and_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        decode.decode_jpeg_batch_cuda([_jpeg(0)])
+    assert "CUDA" in decode.available_backends()["nvjpeg"]
+    rows = decode.measure_backends([_jpeg(0)], repeats=1)  # no CUDA device asked: nvjpeg does not compete
+    assert "nvjpeg" not in [r["decoder"] for r in rows]
+
+
+def test_fast_loader_refuses_nvjpeg_off_cuda_and_with_worker_processes(photo_store, monkeypatch):
+    with pytest.raises(ValueError, match="decodes on a CUDA device.*device is cpu"):
+        fast_loader(photo_store, 4, crop=16, device="cpu", num_workers=0, decoder="nvjpeg")
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("train", [True, False])
+def test_gpu_batch_path_matches_the_cpu_pipeline(photo_store, fake_nvjpeg, layout, train):
+    """The batch fast_loader(decoder="nvjpeg") makes: whole-batch decode, each box resized with torch."""
+    source = as_source(photo_store)
+    transform = RandomResizedCropFlip(32) if train else ResizeCenterCrop(32)
+    keys = [(1, i) for i in range(0, len(source), 3)]
+    gpu = AugmentedDataset(source, transform, "nvjpeg", seed=5, layout=layout, device="cpu")
+    cpu = AugmentedDataset(source, transform, "simplejpeg", seed=5, layout=layout)
+    (xg, yg), (xc, yc) = gpu.__getitems__(keys), cpu.__getitems__(keys)
+    assert xg.shape == xc.shape and xg.dtype == torch.uint8 and torch.equal(yg, yc)
+    # the same crops and flips; the pixels differ by the resampling (DCT scaling and cv2 vs torch bilinear)
+    assert decode._psnr(xg.numpy(), xc.numpy()) > 30
+
+
+def test_gpu_batch_path_reads_raw_records(small_photo_folder, tmp_path, fake_nvjpeg):
+    from torchspeed.data import pack
+
+    pack(small_photo_folder, tmp_path / "raw.store", format="raw", progress=False)
+    source = as_source(str(tmp_path / "raw.store"))
+    keys = [(0, i) for i in range(len(source))]
+    xg, yg = AugmentedDataset(source, ResizeCenterCrop(16), "nvjpeg", 0, device="cpu").__getitems__(keys)
+    xc, yc = AugmentedDataset(source, ResizeCenterCrop(16), "simplejpeg", 0).__getitems__(keys)
+    assert fake_nvjpeg[0] == [] and torch.equal(yg, yc)  # nothing to decode
+    assert decode._psnr(xg.numpy(), xc.numpy()) > 30
+
+
+def test_only_host_tensors_are_pinned(monkeypatch):
+    images, labels = torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.arange(2)
+    assert needs_pinning(images) and needs_pinning(labels)
+    assert not needs_pinning(torch.zeros(2, device="meta"))  # not on the host: pin_memory() would raise
+    assert not needs_pinning("a name") and not needs_pinning(3)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    assert not needs_pinning(images)  # pinned already (a DataLoader with pin_memory=True)
+    assert device_tensors((images, labels, "x")) == [] and device_tensors(images) == []
