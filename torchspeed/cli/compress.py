@@ -1,9 +1,10 @@
-"""Compression commands: `select` (backbones ranked by latency measured here)."""
+"""Compression commands: `select` (backbones ranked by latency measured here) and `prune` (channels cut
+out of your model, the speed-up measured)."""
 from __future__ import annotations
 
 import argparse
 
-from torchspeed.cli import add_json_option, int_tuple, positive_int
+from torchspeed.cli import add_json_option, add_model_options, build_model, int_tuple, positive_int
 
 
 def _positive_float(text: str) -> float:
@@ -39,6 +40,63 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time 4-D inputs and models in channels_last memory format (default on)")
     add_json_option(p)
     p.set_defaults(func=run_select)
+
+    q = sub.add_parser("prune", help="cut a fraction of every layer's channels out of a model and measure the speed-up",
+                       description="Structural pruning (channels really removed, Torch-Pruning's dependency graph); the "
+                                   "output layers are kept, so input and output shapes stay. Fine-tune the result (Python: "
+                                   "ts.compress.prune(finetune=...)) before using it: pruning is lossy.")
+    q.add_argument("model", metavar="MODEL",
+                   help="model spec: torchvision ('resnet18'), timm ('timm:NAME') or your own (package.module:factory, "
+                        "file.py:factory)")
+    add_model_options(q)
+    q.add_argument("--ratio", type=_fraction, required=True, metavar="R", help="fraction of channels to remove, in (0, 1)")
+    q.add_argument("--input-shape", type=int_tuple, metavar="N,C,H,W",
+                   help="example input shape (default: the model's own, else 1,3,224,224)")
+    q.add_argument("--importance", default="l1", metavar="NAME",
+                   help="how channels are ranked: l1 (default), l2, fpgm, lamp, bn_scale, random")
+    q.add_argument("--steps", type=positive_int, default=1, metavar="N", help="prune in N equal steps (default 1)")
+    q.add_argument("--round-to", type=positive_int, default=8, metavar="N",
+                   help="keep channel counts multiples of N (default 8: vector kernels run blocks of channels)")
+    q.add_argument("--out", metavar="DIR",
+                   help="write the pruned model to DIR (model.pt + pruned.json; Python: ts.compress.load_pruned(DIR))")
+    add_json_option(q)
+    q.set_defaults(func=run_prune)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.3, got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"the ratio is the fraction of channels to remove, in (0, 1); got {text!r}")
+    return value
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from torchspeed.compress.pruning import IMPORTANCES, prune, save_pruned
+    from torchspeed.models import default_input_shape, spec_of
+
+    if args.importance not in IMPORTANCES:
+        raise ValueError(f"--importance {args.importance!r}: choose one of {', '.join(IMPORTANCES)}")
+    model = build_model(args.model, args)
+    example = torch.randn(*(args.input_shape or default_input_shape(model) or (1, 3, 224, 224)))
+    console = Console()
+    with console.status("pruning") as status:
+        pruned, report = prune(model, example, args.ratio, importance=args.importance, steps=args.steps,
+                               round_to=args.round_to, progress=status.update)
+    console.print(str(report))
+    if args.out:
+        save_pruned(pruned, args.out, spec_of(model), report)
+        console.print(f"pruned model written to {args.out} (ts.compress.load_pruned({args.out!r}))")
+    if args.json:
+        from torchspeed.atomic import write_json
+
+        write_json(args.json, report.to_dict())
+    return 0
 
 
 def run_select(args: argparse.Namespace) -> int:

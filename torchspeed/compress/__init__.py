@@ -14,6 +14,8 @@ _EXPORTS = {
     "PruneResult": "pruning",
     "PruneReport": "pruning",
     "IMPORTANCES": "pruning",
+    "save_pruned": "pruning",
+    "load_pruned": "pruning",
     "distill": "distillation",
     "finetune": "distillation",
     "kd_loss": "distillation",

@@ -23,7 +23,7 @@ from torchspeed.args import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import compare
 
-__all__ = ["PruneReport", "PruneResult", "prune", "output_layers", "IMPORTANCES"]
+__all__ = ["PruneReport", "PruneResult", "prune", "output_layers", "IMPORTANCES", "save_pruned", "load_pruned"]
 
 log = logging.getLogger(__name__)
 
@@ -230,3 +230,74 @@ def prune(
     work.train(was_training)
     log.log(logging.INFO if measure else logging.DEBUG, "prune: %s", report)
     return PruneResult(model=work, report=report)
+
+
+# The attributes that say a layer's size, by layer type: a pruned model is rebuilt from its
+# architecture spec by setting these and giving each parameter its saved shape.
+_SIZE_ATTRS: dict[type, tuple[str, ...]] = {
+    nn.Conv1d: ("in_channels", "out_channels", "groups"),
+    nn.Conv2d: ("in_channels", "out_channels", "groups"),
+    nn.Conv3d: ("in_channels", "out_channels", "groups"),
+    nn.ConvTranspose2d: ("in_channels", "out_channels", "groups"),
+    nn.Linear: ("in_features", "out_features"),
+    nn.BatchNorm1d: ("num_features",),
+    nn.BatchNorm2d: ("num_features",),
+    nn.BatchNorm3d: ("num_features",),
+    nn.GroupNorm: ("num_groups", "num_channels"),
+    nn.LayerNorm: ("normalized_shape",),
+}
+
+
+def save_pruned(model: nn.Module, directory: str, spec: dict[str, Any], report: PruneReport | None = None) -> None:
+    """Write a pruned model as `model.pt` (its state dict: tensors only) and `pruned.json` (the
+    architecture spec and every resized layer's size), so `load_pruned` rebuilds it without pickle.
+    `spec` is `torchspeed.models.spec_of(original)` or `arch_spec(...)` of the unpruned model."""
+    import os
+
+    from torchspeed.atomic import atomic_write, write_json
+
+    sizes = {name: {a: (list(v) if isinstance(v := getattr(m, a), tuple) else v) for a in attrs}
+             for name, m in model.named_modules() for cls, attrs in _SIZE_ATTRS.items() if type(m) is cls}
+    os.makedirs(directory, exist_ok=True)
+    with atomic_write(os.path.join(directory, "model.pt"), "wb") as f:
+        torch.save(model.state_dict(), f)
+    write_json(os.path.join(directory, "pruned.json"),
+               {"spec": spec, "sizes": sizes, "report": report.to_dict() if report else None})
+
+
+def load_pruned(directory: str) -> nn.Module:
+    """The pruned model `save_pruned` wrote: the architecture rebuilt from its spec (your own factory
+    is imported, as `torchspeed.models.create` does), each layer resized, the weights loaded."""
+    import json
+    import os
+
+    from torchspeed.models import create
+    from torchspeed.safeload import load_torch_file
+
+    meta_path = os.path.join(directory, "pruned.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        spec, sizes = meta["spec"], meta["sizes"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: not a pruned model written by torchspeed ({e}); run `torchspeed prune` "
+                         "again") from None
+    model = create(spec)
+    state = load_torch_file(os.path.join(directory, "model.pt"))
+    modules = dict(model.named_modules())
+    for name, attrs in sizes.items():
+        if name not in modules:
+            raise ValueError(f"{meta_path}: layer {name!r} is not in {spec.get('name', spec)}; the architecture "
+                             "changed since pruning")
+        for attr, value in attrs.items():
+            setattr(modules[name], attr, tuple(value) if isinstance(value, list) else value)
+    for key, tensor in state.items():  # give every parameter and buffer its pruned shape
+        owner, _, leaf = key.rpartition(".")
+        module = modules.get(owner)
+        current = getattr(module, leaf, None) if module is not None else None
+        if isinstance(current, nn.Parameter):
+            setattr(module, leaf, nn.Parameter(torch.empty_like(tensor), requires_grad=current.requires_grad))
+        elif isinstance(current, torch.Tensor):
+            module.register_buffer(leaf, torch.empty_like(tensor))
+    model.load_state_dict(state)
+    return model.eval()
