@@ -8,6 +8,7 @@ file passes `onnx.checker`, then runs in ONNX Runtime at two batch sizes next to
 """
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchspeed.batches import BatchFormat
 from torchspeed.infer.precision import output_error
 
-__all__ = ["export_onnx", "ExportReport"]
+__all__ = ["export_onnx", "ExportReport", "flatten_inputs", "convert_onnx_fp16", "fp16_converter", "onnx_inputs"]
 
 
 @dataclass
@@ -32,6 +34,7 @@ class ExportReport:
     input_shape: list[Any]
     max_error: dict[int, float] = field(default_factory=dict)  # batch size -> max relative error
     fallback_reason: str | None = None
+    input_names: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,21 +49,53 @@ def _need(module: str) -> Any:
         raise ImportError(f"ONNX export needs {module}: pip install 'torchspeed[infer]'") from None
 
 
-def _export_dynamo(model: nn.Module, x: torch.Tensor, path: str, dynamic_batch: bool, opset: int | None) -> None:
+class _Flat(nn.Module):
+    """Positional tensors in, logits out: the form ONNX export takes, for a model that takes a dict
+    (named inputs, Hugging Face style) or several tensors and returns a dict, dataclass or tuple."""
+
+    def __init__(self, model: nn.Module, names: list[str] | None, batch_format: BatchFormat):
+        super().__init__()
+        self.model, self.names, self.format = model, names, batch_format
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        if self.names is None:
+            inputs: Any = xs[0] if len(xs) == 1 else tuple(xs)
+        else:
+            inputs = dict(zip(self.names, xs))
+        return self.format.logits_of(self.format.forward(self.model, inputs))
+
+
+def flatten_inputs(example: Any) -> tuple[list[str], list[torch.Tensor], list[str] | None]:
+    """(ONNX input names, tensors, dict keys or None) of a model's inputs: one tensor ('input'), a
+    dict of tensors (named by their keys) or a tuple of tensors ('input_0', 'input_1', ...)."""
+    if isinstance(example, torch.Tensor):
+        return ["input"], [example], None
+    if isinstance(example, dict) and example and all(isinstance(v, torch.Tensor) for v in example.values()):
+        return list(example), list(example.values()), list(example)
+    if isinstance(example, (tuple, list)) and example and all(isinstance(v, torch.Tensor) for v in example):
+        return [f"input_{i}" for i in range(len(example))], list(example), None
+    raise ValueError("example_input must be a tensor, or a dict or tuple of tensors (the model's inputs), "
+                     f"got {type(example).__name__}")
+
+
+def _export_dynamo(model: nn.Module, xs: tuple[torch.Tensor, ...], names: list[str], path: str,
+                   dynamic_batch: bool, opset: int | None) -> None:
     _need("onnxscript")
-    dyn = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    dyn = tuple({0: batch} for _ in xs) if dynamic_batch else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(model, (x,), None, dynamo=True, dynamic_shapes=dyn, input_names=["input"],
+        prog = torch.onnx.export(model, xs, None, dynamo=True, dynamic_shapes=dyn, input_names=names,
                                  output_names=["output"], opset_version=opset, optimize=True, verbose=False)
     prog.save(path, external_data=False)
 
 
-def _export_torchscript(model: nn.Module, x: torch.Tensor, path: str, dynamic_batch: bool, opset: int | None) -> None:
-    axes = {"input": {0: "batch"}, "output": {0: "batch"}} if dynamic_batch else None
+def _export_torchscript(model: nn.Module, xs: tuple[torch.Tensor, ...], names: list[str], path: str,
+                        dynamic_batch: bool, opset: int | None) -> None:
+    axes = {**{n: {0: "batch"} for n in names}, "output": {0: "batch"}} if dynamic_batch else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (x,), path, dynamo=False, input_names=["input"], output_names=["output"],
+        torch.onnx.export(model, xs, path, dynamo=False, input_names=names, output_names=["output"],
                           dynamic_axes=axes, opset_version=opset or 17, do_constant_folding=True)
 
 
@@ -71,31 +106,48 @@ def _ort_session(path: str) -> Any:
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
-def export_onnx(model: nn.Module, example_input: torch.Tensor, path: str | os.PathLike, dynamic_batch: bool = True,
-                opset: int | None = None, check_batch_sizes: tuple[int, int] | None = None,
-                exporter: str = "auto") -> ExportReport:
-    """Export `model` (eval mode, fp32) to ONNX at `path`; verify with onnx.checker and ONNX Runtime.
+def _grow(t: torch.Tensor, b: int, gen: torch.Generator) -> torch.Tensor:
+    """`t` cut or extended to batch `b`: random rows for float inputs, repeated rows for ids/masks."""
+    if t.is_floating_point():
+        extra = torch.randn((max(0, b - len(t)),) + tuple(t.shape[1:]), generator=gen, dtype=t.dtype)
+        return torch.cat([t, extra.to(t.device)])[:b].contiguous()
+    reps = -(-b // len(t))
+    return t.repeat(reps, *([1] * (t.ndim - 1)))[:b].contiguous()
 
-    `example_input` fixes every dimension but the batch (dynamic unless `dynamic_batch=False`).
+
+def export_onnx(model: nn.Module, example_input: Any, path: str | os.PathLike, dynamic_batch: bool = True,
+                opset: int | None = None, check_batch_sizes: tuple[int, int] | None = None,
+                exporter: str = "auto", batch_format: BatchFormat | dict | None = None) -> ExportReport:
+    """Export `model` (eval mode, fp32, on the CPU) to ONNX at `path`; verify with onnx.checker and ONNX Runtime.
+
+    `example_input` (a tensor, or a dict / tuple of tensors: the model's inputs, named inputs for a
+    dict) fixes every dimension but the batch (dynamic unless `dynamic_batch=False`). The graph's one
+    output is the logits, read from the model's output by `batch_format` (a dict or dataclass output
+    with `.logits` works by default). A model on a GPU is exported from a CPU copy.
     Raises ValueError naming the failing operator when neither exporter can handle the model.
     """
     onnx = _need("onnx")
-    if not isinstance(example_input, torch.Tensor):
-        raise ValueError(f"example_input must be a tensor, got {type(example_input).__name__}")
+    names, tensors, keys = flatten_inputs(example_input)
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"exporter must be 'auto', 'dynamo' or 'torchscript', got {exporter!r}")
+    fmt = BatchFormat.of(batch_format)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if any(p.device.type != "cpu" for p in (*model.parameters(), *model.buffers())):
+        model = copy.deepcopy(model).cpu()
     model = model.eval()
-    x = example_input.detach().float().contiguous()
-    if dynamic_batch and x.shape[0] == 1:
-        x = x.repeat(2, *([1] * (x.ndim - 1)))  # size-1 dims get specialised by torch.export
+    flat = _Flat(model, keys, fmt).eval()
+    tensors = [(t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()).contiguous() for t in tensors]
+    n0 = len(tensors[0])
+    gen = torch.Generator().manual_seed(0)
+    # torch.export specialises size-1 dimensions: a batch-1 example is repeated to batch 2 for tracing
+    xs = tuple(t.repeat(2, *([1] * (t.ndim - 1))) if dynamic_batch and n0 == 1 else t for t in tensors)
     tmp = f"{path}.tmp-{os.getpid()}"
     fallback_reason, used = None, None
     try:
         if exporter in ("auto", "dynamo"):
             try:
-                _export_dynamo(model, x, tmp, dynamic_batch, opset)
+                _export_dynamo(flat, xs, names, tmp, dynamic_batch, opset)
                 used = "dynamo"
             except Exception as e:  # noqa: BLE001 - any exporter failure: try the other one, keep the reason
                 fallback_reason = f"dynamo exporter failed: {type(e).__name__}: {_first_line(e)}"
@@ -103,7 +155,7 @@ def export_onnx(model: nn.Module, example_input: torch.Tensor, path: str | os.Pa
                     raise ValueError(f"cannot export {type(model).__name__} to ONNX: {fallback_reason}") from None
         if used is None:
             try:
-                _export_torchscript(model, x, tmp, dynamic_batch, opset)
+                _export_torchscript(flat, xs, names, tmp, dynamic_batch, opset)
                 used = "torchscript"
             except Exception as e:  # noqa: BLE001
                 msg = f"TorchScript exporter failed: {type(e).__name__}: {_first_line(e)}"
@@ -116,18 +168,112 @@ def export_onnx(model: nn.Module, example_input: torch.Tensor, path: str | os.Pa
             os.unlink(tmp)
     sess = _ort_session(path)
     inp = sess.get_inputs()[0]
-    report = ExportReport(path, used, dynamic_batch, inp.name, list(inp.shape), fallback_reason=fallback_reason)
-    n0 = example_input.shape[0]
+    graph_names = [i.name for i in sess.get_inputs()]
+    report = ExportReport(path, used, dynamic_batch, inp.name, list(inp.shape), fallback_reason=fallback_reason,
+                          input_names=graph_names)
     sizes = check_batch_sizes or ((n0, n0 + 2) if dynamic_batch else (n0,))
-    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for b in sizes:
-            xb = torch.cat([example_input.float(), torch.randn((b,) + tuple(x.shape[1:]), generator=gen)])[:b]
-            ref = model(xb)
-            ref = ref[0] if isinstance(ref, (tuple, list)) else ref
-            out = sess.run(None, {inp.name: xb.numpy()})[0]
+            xb = [_grow(t, b, gen) for t in tensors]
+            ref = flat(*xb)
+            feed = {n: t.numpy() for n, t in zip(names, xb) if n in graph_names}  # an unused input is dropped
+            out = sess.run(None, feed)[0]
             report.max_error[b] = output_error(out, ref)["max_rel"]
     return report
+
+
+def convert_onnx_fp16(src: str | os.PathLike, dst: str | os.PathLike) -> str:
+    """An fp16 copy of an ONNX model for a GPU (ONNX Runtime's CUDA provider): weights and compute in
+    fp16, inputs and outputs kept float32 so it is a drop-in for the fp32 model; precision-sensitive
+    ops stay fp32 by the converter's block list. Uses onnxconverter-common, else the converter that
+    ships with onnxruntime (`onnxruntime.transformers.float16`); ImportError when neither is there."""
+    converter = fp16_converter()
+    if converter is None:
+        raise ImportError("fp16 ONNX conversion needs onnxconverter-common (pip install onnxconverter-common) or "
+                          "an onnxruntime that ships onnxruntime.transformers")
+    onnx = _need("onnx")
+    model = converter.convert_float_to_float16(onnx.load(os.fspath(src)), keep_io_types=True)
+    dst = os.fspath(dst)
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    try:
+        onnx.save(model, tmp)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dst
+
+
+_ONNX_DTYPES = {1: torch.float32, 10: torch.float16, 11: torch.float64, 6: torch.int32, 7: torch.int64, 9: torch.bool}
+
+
+def onnx_inputs(path: str | os.PathLike) -> list[tuple[str, list[int | str | None], torch.dtype]]:
+    """(name, dims, dtype) of each input of an ONNX file; a dynamic dimension is its name (or None)."""
+    onnx = _need("onnx")
+    path = os.fspath(path)
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line naming it
+        raise ValueError(f"{path!r} is not a readable ONNX model: {_first_line(e)}") from None
+    initializers = {i.name for i in model.graph.initializer}
+    out = []
+    for inp in model.graph.input:
+        if inp.name in initializers:
+            continue
+        t = inp.type.tensor_type
+        if t.elem_type not in _ONNX_DTYPES:
+            raise ValueError(f"ONNX input {inp.name!r} of {path!r} has element type {t.elem_type}, which optimize "
+                             "cannot feed (float, int32/64 and bool inputs are supported)")
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+        out.append((inp.name, dims, _ONNX_DTYPES[t.elem_type]))
+    if not out:
+        raise ValueError(f"the ONNX model {path!r} has no inputs")
+    return out
+
+
+def onnx_example(path: str | os.PathLike, input_shape: tuple[int, ...] | list[int] | None = None) -> Any:
+    """An example input of batch 1 for an ONNX file, its shape read from the graph: a tensor for a
+    one-input model, a dict by input name otherwise. A dynamic batch dimension becomes 1; any other
+    dynamic dimension must come from `input_shape` (one-input models; --input-shape on the command line)."""
+    inputs = onnx_inputs(path)
+    if input_shape is not None and len(inputs) != 1:
+        raise ValueError(f"the ONNX model {os.fspath(path)!r} has {len(inputs)} inputs "
+                         f"({', '.join(n for n, _, _ in inputs)}); input_shape describes one: pass example_input= "
+                         "as a dict of tensors by input name instead")
+    gen = torch.Generator().manual_seed(0)
+    example = {}
+    for name, dims, dtype in inputs:
+        if input_shape is not None:
+            if len(input_shape) != len(dims):
+                raise ValueError(f"input shape {tuple(input_shape)} has {len(input_shape)} dimensions but the ONNX "
+                                 f"input {name!r} has {len(dims)}: {dims}")
+            fixed = [d for d, g in zip(input_shape, dims) if isinstance(g, int) and g > 0 and g != d]
+            if fixed:
+                raise ValueError(f"input shape {tuple(input_shape)} does not fit the ONNX input {name!r} "
+                                 f"(fixed dimensions {dims})")
+            shape = [int(d) for d in input_shape]
+        else:
+            shape = [d if isinstance(d, int) and d > 0 else (1 if i == 0 else None) for i, d in enumerate(dims)]
+            if None in shape:
+                raise ValueError(f"the ONNX input {name!r} has dynamic dimensions {dims}: give the input shape "
+                                 "(--input-shape N,C,H,W, or example_input= / input_shape= in the API)")
+        if dtype.is_floating_point:
+            example[name] = torch.randn(shape, generator=gen).to(dtype)
+        else:
+            example[name] = torch.zeros(shape, dtype=dtype)
+    return next(iter(example.values())) if len(example) == 1 else example
+
+
+def fp16_converter() -> Any:
+    """The float16 conversion module to use, or None (imported lazily: it pulls in extra libraries)."""
+    import importlib
+
+    for name in ("onnxconverter_common.float16", "onnxruntime.transformers.float16"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
 
 
 def _first_line(e: BaseException) -> str:

@@ -37,22 +37,53 @@ class PrecisionModel(nn.Module):
         if mode == "weights" and precision != "fp32":
             self.model = self.model.to(self.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.channels_last and x.ndim == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's inputs as it takes them (one tensor, several, or keywords); float32 outputs."""
+        if self.channels_last:
+            args, kwargs = _map_tensors((args, kwargs), lambda t: t.contiguous(memory_format=torch.channels_last)
+                                        if t.ndim == 4 and t.is_floating_point() else t)
         if self.precision == "fp32":
-            return self.model(x)
+            return self.model(*args, **kwargs)
         if self.mode == "weights":
-            return _to_float(self.model(x.to(self.dtype)))
-        with torch.autocast(x.device.type, dtype=self.dtype):
-            return _to_float(self.model(x))
+            args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+            return _to_float(self.model(*args, **kwargs))
+        device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
+        with torch.autocast(device.type, dtype=self.dtype):
+            return _to_float(self.model(*args, **kwargs))
+
+
+def _map_tensors(x: Any, fn: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(v, fn) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    return x
+
+
+def _tensors(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
 
 
 def _to_float(out: Any) -> Any:
+    """Floating tensors in an output (a tensor, tuple, dict, or a dataclass-style object with `.logits`) as float32."""
     if isinstance(out, torch.Tensor):
-        return out.float()
-    if isinstance(out, (tuple, list)):
-        return type(out)(_to_float(o) for o in out)
+        return out.float() if out.is_floating_point() else out
+    if isinstance(out, (tuple, list, dict)):
+        return _map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)
+    if isinstance(getattr(out, "logits", None), torch.Tensor):
+        try:
+            out.logits = out.logits.float()
+        except AttributeError:  # a frozen output: its logits are read as they are (output_error works in float64)
+            pass
     return out
 
 
@@ -64,8 +95,9 @@ def to_precision(model: nn.Module, precision: str = "bf16", mode: str = "autocas
 
 def output_error(out: Any, ref: Any) -> dict[str, float]:
     """Errors of `out` against `ref` (tensors or arrays): max_abs, max_rel (max |diff| / max |ref|), rel_l2."""
-    a = torch.as_tensor(np.asarray(out) if not isinstance(out, torch.Tensor) else out).double()
-    b = torch.as_tensor(np.asarray(ref) if not isinstance(ref, torch.Tensor) else ref).double()
+    # on the CPU: a GPU runner's outputs are compared with a CPU runtime's (or the reverse)
+    a = torch.as_tensor(np.asarray(out) if not isinstance(out, torch.Tensor) else out).detach().cpu().double()
+    b = torch.as_tensor(np.asarray(ref) if not isinstance(ref, torch.Tensor) else ref).detach().cpu().double()
     if a.shape != b.shape:
         raise ValueError(f"output shape {tuple(a.shape)} differs from the reference's {tuple(b.shape)}")
     diff = (a - b).abs()

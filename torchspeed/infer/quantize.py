@@ -30,28 +30,65 @@ __all__ = ["calibration_arrays", "quantize_onnx_static", "quantize_onnx_dynamic"
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 
 
-def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None = None) -> list[np.ndarray]:
-    """Calibration batches as float32 numpy arrays (labels dropped), up to `max_samples` samples in all."""
+def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None = None,
+                       batch_format: Any = None) -> list[Any]:
+    """Calibration inputs as numpy arrays (labels dropped), up to `max_samples` samples in all.
+
+    Each item of `calib_data` is an input batch (a tensor or array) or a batch that `batch_format`
+    (a `torchspeed.batches.BatchFormat`; auto: `(input, label)` pairs, dict batches) splits into
+    inputs and label. A model with several or named inputs gives a dict (or tuple) of arrays per batch;
+    floating inputs become float32, ids and masks keep their integer type."""
+    from torchspeed.batches import BatchFormat, batch_size
+
     if calib_data is None:
         raise ValueError("INT8 quantization needs calibration data: pass calib_data= (an iterable of input "
                          "batches or (input, label) pairs, a few hundred representative samples)")
-    out: list[np.ndarray] = []
+    fmt = BatchFormat.of(batch_format)
+    out: list[Any] = []
     n = 0
     for item in calib_data:
-        x = item[0] if isinstance(item, (tuple, list)) else item
-        if isinstance(x, torch.Tensor):
-            x = x.detach().float().cpu().contiguous().numpy()
-        x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
-        if max_samples is not None and n + len(x) > max_samples:
-            x = x[: max_samples - n]
-        if len(x):
+        x = item if isinstance(item, (torch.Tensor, np.ndarray)) else fmt.split(item)[0]
+        x = _arrays(x)
+        size = batch_size(torch.as_tensor(_first_array(x)))
+        if max_samples is not None and n + size > max_samples:
+            x = _head(x, max_samples - n)
+            size = max_samples - n
+        if size:
             out.append(x)
-            n += len(x)
+            n += size
         if max_samples is not None and n >= max_samples:
             break
     if not out:
         raise ValueError("the calibration data is empty: pass at least one batch of representative inputs")
     return out
+
+
+def _arrays(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _arrays(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return tuple(_arrays(v) for v in x)
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().contiguous()
+        x = (x.float() if x.is_floating_point() else x).numpy()
+    a = np.asarray(x)
+    return np.ascontiguousarray(a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) else a)
+
+
+def _first_array(x: Any) -> np.ndarray:
+    if isinstance(x, dict):
+        return _first_array(next(iter(x.values())))
+    if isinstance(x, tuple):
+        return _first_array(x[0])
+    return x
+
+
+def _head(x: Any, n: int) -> Any:
+    if isinstance(x, dict):
+        return {k: v[:n] for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(v[:n] for v in x)
+    return x[:n]
 
 
 log = logging.getLogger(__name__)
@@ -106,17 +143,20 @@ def _ort_quant() -> Any:
 
 
 def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any] | None, method: str = "minmax",
-                         per_channel: bool = True, max_samples: int | None = 256) -> str:
-    """Static INT8 (QDQ) quantization of an ONNX model with ONNX Runtime; returns `out_path`."""
+                         per_channel: bool = True, max_samples: int | None = 256, batch_format: Any = None) -> str:
+    """Static INT8 (QDQ) quantization of an ONNX model with ONNX Runtime; returns `out_path`.
+    `batch_format` says which part of a calibration batch is the input (see `calibration_arrays`)."""
     q = _ort_quant()
     methods = {"minmax": q.CalibrationMethod.MinMax, "entropy": q.CalibrationMethod.Entropy,
                "percentile": q.CalibrationMethod.Percentile}
     if method not in methods:
         raise ValueError(f"calibration method must be one of {', '.join(methods)}, got {method!r}")
-    arrays = calibration_arrays(calib_data, max_samples)
+    arrays = calibration_arrays(calib_data, max_samples, batch_format)
     import onnxruntime as ort
 
-    input_name = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"]).get_inputs()[0].name
+    from torchspeed.infer.runtimes import _feed_names
+
+    names = [i.name for i in ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"]).get_inputs()]
 
     class Reader(q.CalibrationDataReader):
         def __init__(self) -> None:
@@ -124,7 +164,7 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
 
         def get_next(self) -> dict[str, np.ndarray] | None:
             x = next(self.it, None)
-            return None if x is None else {input_name: x}
+            return None if x is None else _feed_names(x, names)
 
         def rewind(self) -> None:
             self.it = iter(arrays)
@@ -159,7 +199,7 @@ def quantize_onnx_dynamic(onnx_path: str, out_path: str, per_channel: bool = Tru
 
 
 def quantize_openvino(model_path: str, calib_data: Iterable[Any] | None, method: str = "minmax",
-                      max_samples: int | None = 256) -> Any:
+                      max_samples: int | None = 256, batch_format: Any = None) -> Any:
     """Static INT8 quantization of an ONNX (or OpenVINO IR) model with NNCF; returns an `openvino.Model`."""
     if method != "minmax":
         raise ValueError(f"NNCF picks its own range estimators; calibration method {method!r} is only "
@@ -169,7 +209,7 @@ def quantize_openvino(model_path: str, calib_data: Iterable[Any] | None, method:
         import openvino as ov
     except ImportError:
         raise ImportError("OpenVINO INT8 needs openvino and nncf: pip install 'torchspeed[infer]'") from None
-    arrays = calibration_arrays(calib_data, max_samples)
+    arrays = calibration_arrays(calib_data, max_samples, batch_format)
     model = ov.Core().read_model(model_path)
     with quiet_quantizer_logs():
         # subset_size counts Dataset items, i.e. batches

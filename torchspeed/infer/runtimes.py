@@ -24,23 +24,42 @@ import torch
 from torch import nn
 
 from torchspeed.atomic import publish_files, write_json
+from torchspeed.batches import BatchFormat, to_device
 from torchspeed.runtime import usable_cores
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "available_backends", "build_torch_module",
-           "MANIFEST", "FORMAT"]
+           "module_device", "ort_providers", "provider_label", "ort_cuda_problem", "check_ort_cuda", "MANIFEST", "FORMAT"]
 
 MANIFEST = "manifest.json"
 FORMAT = "torchspeed-inference-artifact"
 
 
-def _as_numpy(x: Any) -> np.ndarray:
+def _as_numpy(x: Any, dtype: Any = np.float32) -> np.ndarray:
     if isinstance(x, torch.Tensor):
-        return x.detach().float().cpu().contiguous().numpy()
-    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+        x = x.detach().cpu().contiguous().numpy()
+    return np.ascontiguousarray(np.asarray(x, dtype=dtype))
 
 
 def _as_tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+
+
+def _float_inputs(x: Any) -> Any:
+    """Inputs as tensors, floating ones as float32 (runners take fp32 in); integer ids stay as they are."""
+    if isinstance(x, dict):
+        return {k: _float_inputs(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return tuple(_float_inputs(v) for v in x)
+    t = _as_tensor(x)
+    return t.float() if t.is_floating_point() else t
+
+
+def module_device(model: Any) -> torch.device:
+    """The device of a module's first parameter (or buffer); CPU for anything else."""
+    if isinstance(model, nn.Module):
+        for t in (*model.parameters(), *model.buffers()):
+            return t.device
+    return torch.device("cpu")
 
 
 def available_backends() -> dict[str, str | None]:
@@ -60,14 +79,18 @@ def available_backends() -> dict[str, str | None]:
     except ImportError:
         out["openvino"] = "openvino not installed: pip install 'torchspeed[infer]'"
     if not torch.cuda.is_available():
-        out["tensorrt"] = "no CUDA GPU"
-    elif out["onnxruntime"] is None:
+        gpu: str | None = "no CUDA GPU"
+    else:
+        gpu = out["onnxruntime"] or ort_cuda_problem()
+    out["onnxruntime-cuda"] = gpu
+    if gpu is None:
         import onnxruntime as ort
 
         has = "TensorrtExecutionProvider" in ort.get_available_providers()
-        out["tensorrt"] = None if has else "onnxruntime has no TensorRT execution provider (pip install onnxruntime-gpu, TensorRT)"
+        out["tensorrt"] = None if has else ("onnxruntime-gpu has no TensorRT execution provider here: install TensorRT "
+                                            "for its CUDA (pip install tensorrt) and put its libraries on the library path")
     else:
-        out["tensorrt"] = out["onnxruntime"]
+        out["tensorrt"] = gpu
     return out
 
 
@@ -123,21 +146,25 @@ class TorchRunner(Runner):
     so it needs a model built by `torchspeed.models.create` (or the CLI)."""
 
     def __init__(self, model: nn.Module, recipe: dict[str, Any], threads: int | None = None,
-                 arch: dict[str, Any] | None = None):
+                 arch: dict[str, Any] | None = None, batch_format: BatchFormat | dict | None = None):
         self.source = model
         self.recipe = dict(recipe)
         self.arch = arch if arch is not None else getattr(model, "_torchspeed_arch", None)
         self.backend = "torch.compile" if recipe.get("compile") else "torch"
         self.precision = recipe.get("precision", "fp32")
         self.threads = threads or usable_cores()
+        self.format = BatchFormat.of(batch_format)
+        self.device = module_device(model)  # runs where the model is: inputs are moved there
         self.module = build_torch_module(model, recipe)
 
     def __call__(self, x: Any) -> torch.Tensor:
-        if torch.get_num_threads() != self.threads:
+        """Logits for the model's inputs (a tensor, or a dict / tuple of them as `batch_format` says)."""
+        if self.device.type == "cpu" and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        x = to_device(_float_inputs(x), self.device)
         with torch.inference_mode(), self._compile_config():
-            out = self.module(_as_tensor(x).float())
-        return out[0] if isinstance(out, (tuple, list)) else out
+            out = self.format.forward(self.module, x)
+        return self.format.logits_of(out)
 
     def _compile_config(self) -> Any:
         if not self.recipe.get("compile"):
@@ -162,7 +189,7 @@ class TorchRunner(Runner):
         def write(tmp: str) -> None:
             torch.save(state, os.path.join(tmp, "weights.pt"))
             self._write_manifest(tmp, {"file": "weights.pt", "arch": self.arch, "recipe": self.recipe,
-                                       "threads": self.threads})
+                                       "threads": self.threads, "device": str(self.device)})
 
         return self._publish(directory, write)
 
@@ -204,28 +231,158 @@ class TorchRunner(Runner):
         except RuntimeError as e:
             raise ValueError(f"the weights in {directory!r} do not fit {type(model).__name__}: "
                              f"{str(e).strip().splitlines()[0]}") from None
+        device = str(manifest.get("device") or "cpu")
+        if device.startswith("cuda") and torch.cuda.is_available():  # measured on a GPU: run there when there is one
+            model = model.to(device)
         return cls(model.eval(), manifest["recipe"], manifest.get("threads"), arch)
 
 
 # ----------------------------------------------------------------------------------------- ONNX Runtime
+_GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+_BACKEND_OF = {"TensorrtExecutionProvider": "onnxruntime-tensorrt", "CUDAExecutionProvider": "onnxruntime-cuda",
+               "CPUExecutionProvider": "onnxruntime"}
+_KIND_OF = {"TensorrtExecutionProvider": "tensorrt", "CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
+GPU_INSTALL = "pip uninstall -y onnxruntime && pip install 'torchspeed[infer-gpu]'"
+
+
+def _major(version: str) -> str:
+    return version.split(".", 1)[0]
+
+
+def ort_cuda_problem(ort_cuda: str | None = None, torch_cuda: str | None = None, ort_version: str | None = None,
+                     torch_version: str | None = None) -> str | None:
+    """None when the installed onnxruntime can run its CUDA / TensorRT providers beside this torch,
+    else why not, naming both versions.
+
+    onnxruntime-gpu and torch each load their own CUDA libraries into the process; with different
+    CUDA major versions one of them fails to load (or crashes) at the first GPU session. The versions
+    default to the installed ones (`onnxruntime.cuda_version`, '' for a CPU build; `torch.version.cuda`).
+    """
+    if ort_cuda is None or ort_version is None:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            return f"onnxruntime is not installed: {GPU_INSTALL}"
+        ort_cuda = getattr(ort, "cuda_version", "") or "" if ort_cuda is None else ort_cuda
+        ort_version = ort_version or ort.__version__
+    torch_cuda = (torch.version.cuda or "") if torch_cuda is None else torch_cuda
+    torch_version = torch_version or torch.__version__
+    if not torch_cuda:
+        return f"torch {torch_version} is a CPU build (no CUDA), so no CUDA model can feed onnxruntime's GPU providers"
+    if not ort_cuda:
+        return (f"onnxruntime {ort_version} is a CPU build (no CUDA or TensorRT provider); torch {torch_version} uses "
+                f"CUDA {torch_cuda}: install onnxruntime-gpu built for CUDA {_major(torch_cuda)}: {GPU_INSTALL}")
+    if _major(ort_cuda) != _major(torch_cuda):
+        return (f"onnxruntime-gpu {ort_version} is built for CUDA {ort_cuda} but torch {torch_version} uses CUDA "
+                f"{torch_cuda}: their CUDA libraries cannot share one process. Install the onnxruntime-gpu build for "
+                f"CUDA {_major(torch_cuda)} (or the torch build for CUDA {_major(ort_cuda)})")
+    return None
+
+
+def check_ort_cuda(**versions: str | None) -> None:
+    """Raise RuntimeError with `ort_cuda_problem`'s message when onnxruntime's CUDA does not suit torch's."""
+    problem = ort_cuda_problem(**versions)
+    if problem:
+        raise RuntimeError(problem)
+
+
+def ort_providers(kind: str = "cpu", precision: str = "fp32", device_id: int = 0, cache_dir: str | None = None,
+                  stream: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """ONNX Runtime's provider list with options for `kind` ('cpu', 'cuda' or 'tensorrt').
+
+    TensorRT: fp16 kernels allowed for an fp16 row (`trt_fp16_enable`), and built engines (plus
+    TensorRT's timing cache) kept in `cache_dir` (default: torchspeed's cache, `tensorrt/`), so a
+    session on the same model, GPU and TensorRT version loads its engine instead of rebuilding it
+    (minutes). CUDA and TensorRT run on `stream` (torch's current stream) when given, so work queued by
+    torch before a run is ordered before it. Each GPU provider is followed by its fallbacks; which one
+    really runs is read back from the session (`provider_label`).
+    """
+    cpu = ("CPUExecutionProvider", {})
+    if kind == "cpu":
+        return [cpu]
+    on_stream = {"has_user_compute_stream": True, "user_compute_stream": str(stream)} if stream else {}
+    cuda = ("CUDAExecutionProvider", {"device_id": device_id, **on_stream})
+    if kind == "cuda":
+        return [cuda, cpu]
+    if kind == "tensorrt":
+        from torchspeed.runtime import cache_dir as default_cache
+
+        cache = os.fspath(cache_dir) if cache_dir else default_cache("tensorrt")
+        trt = {"device_id": device_id, "trt_fp16_enable": precision == "fp16", "trt_engine_cache_enable": True,
+               "trt_engine_cache_path": cache, "trt_timing_cache_enable": True, "trt_timing_cache_path": cache,
+               **on_stream}
+        return [("TensorrtExecutionProvider", trt), cuda, cpu]
+    raise ValueError(f"ONNX Runtime provider kind must be 'cpu', 'cuda' or 'tensorrt', got {kind!r}")
+
+
+def provider_label(requested: list[str], active: list[str]) -> tuple[str, str | None]:
+    """(backend label of the provider really running, None or why it is not the one asked for).
+
+    ONNX Runtime falls back silently when a provider fails to load (TensorRT libraries missing, a
+    CUDA mismatch): the session's `get_providers()` is the truth, not the request."""
+    wanted = requested[0] if requested else "CPUExecutionProvider"
+    got = active[0] if active else "no provider"
+    backend = _BACKEND_OF.get(got, f"onnxruntime ({got})")
+    if got == wanted:
+        return backend, None
+    return backend, (f"asked for {wanted} but ONNX Runtime runs {got} (the {wanted} did not load: check its "
+                     f"libraries, e.g. TensorRT for the TensorRT provider, and the CUDA versions)")
+
+
+def _feed_names(x: Any, names: list[str]) -> dict[str, Any]:
+    """Model inputs (a tensor/array, a dict by name, or a tuple by position) as {input name: value}."""
+    if isinstance(x, dict):
+        missing = [n for n in names if n not in x]
+        if missing:
+            raise ValueError(f"the ONNX model takes inputs {names}; the batch has {sorted(x)}")
+        return {n: x[n] for n in names}
+    if isinstance(x, (tuple, list)):
+        if len(x) != len(names):
+            raise ValueError(f"the ONNX model takes {len(names)} inputs {names}; got {len(x)}")
+        return dict(zip(names, x))
+    return {names[0]: x}
+
+
+_ORT_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+              "tensor(int32)": np.int32, "tensor(bool)": np.bool_, "tensor(double)": np.float64}
+_TORCH_OF = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.int32: torch.int32,
+             np.bool_: torch.bool, np.float64: torch.float64}
+
+
 class OrtRunner(Runner):
-    """ONNX Runtime on CPU (or the CUDA / TensorRT execution providers when present)."""
+    """ONNX Runtime on the CPU, or on a GPU through its CUDA / TensorRT execution providers.
+
+    `providers`: 'cpu', 'cuda' or 'tensorrt' (with the options of `ort_providers`), or ONNX Runtime's
+    own list of provider names / (name, options) pairs. The row's `backend` names the provider that
+    really runs (`session.get_providers()`), and `fallback` says so when it is not the one asked for.
+    On a GPU, inputs and outputs stay on the device (IO binding: torch tensors handed to ONNX Runtime
+    by pointer, outputs returned through DLPack), not copied through host numpy.
+    """
 
     backend = "onnxruntime"
 
     def __init__(self, path: str, precision: str = "fp32", threads: int | None = None,
-                 providers: list[str] | None = None):
+                 providers: str | list[Any] | None = None, *, device: str | torch.device | None = None,
+                 cache_dir: str | None = None):
         try:
             import onnxruntime as ort
         except ImportError:
             raise ImportError("ONNX Runtime is not installed: pip install 'torchspeed[infer]'") from None
         self.path, self.precision = path, precision
         self.threads = threads or usable_cores()
-        self.providers = providers or ["CPUExecutionProvider"]
-        if "TensorrtExecutionProvider" in self.providers:
-            self.backend = "onnxruntime-tensorrt"
-        elif "CUDAExecutionProvider" in self.providers:
-            self.backend = "onnxruntime-cuda"
+        device = torch.device(device) if device is not None else None
+        device_id = device.index or 0 if device is not None and device.type == "cuda" else 0
+        if providers is None or isinstance(providers, str):
+            kind = providers or ("cuda" if device is not None and device.type == "cuda" else "cpu")
+            stream = torch.cuda.current_stream(device_id).cuda_stream if kind != "cpu" and torch.cuda.is_available() else None
+            requested: list[Any] = ort_providers(kind, precision, device_id, cache_dir, stream)
+        else:
+            requested = list(providers)
+        names = [p[0] if isinstance(p, (tuple, list)) else p for p in requested]
+        if names[0] in _GPU_PROVIDERS:
+            check_ort_cuda()
+        self.kind = _KIND_OF.get(names[0], "custom")
+        self.providers = names
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.threads
         opts.inter_op_num_threads = 1
@@ -233,17 +390,44 @@ class OrtRunner(Runner):
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep, not spin
         opts.log_severity_level = 3
-        self.session = ort.InferenceSession(path, opts, providers=self.providers)
-        self.input_name = self.session.get_inputs()[0].name
+        self.session = ort.InferenceSession(path, opts, providers=requested)
+        self.active = list(self.session.get_providers())
+        self.backend, self.fallback = provider_label(names, self.active)
+        self.device = torch.device("cuda", device_id) if self.active and self.active[0] in _GPU_PROVIDERS \
+            else torch.device("cpu")
+        self.inputs = [(i.name, _ORT_NUMPY.get(i.type, np.float32)) for i in self.session.get_inputs()]
+        self.input_names = [n for n, _ in self.inputs]
+        self.input_name = self.input_names[0]
+        self.output_names = [o.name for o in self.session.get_outputs()]
         self.files = (path,)
 
     def __call__(self, x: Any) -> torch.Tensor:
-        return torch.from_numpy(self.session.run(None, {self.input_name: _as_numpy(x)})[0])
+        feed = _feed_names(x, self.input_names)
+        if self.device.type == "cuda":
+            return self._run_on_device(feed)
+        types = dict(self.inputs)
+        arrays = {n: _as_numpy(v, types[n]) for n, v in feed.items()}
+        return torch.from_numpy(self.session.run(self.output_names[:1], arrays)[0])
+
+    def _run_on_device(self, feed: dict[str, Any]) -> torch.Tensor:
+        """IO binding: inputs bound by device pointer (torch tensors on this GPU), the first output
+        allocated by ONNX Runtime on the GPU and handed back to torch through DLPack (no host copy)."""
+        binding = self.session.io_binding()
+        types = dict(self.inputs)
+        keep = []
+        for name, value in feed.items():
+            t = _as_tensor(value).to(self.device, _TORCH_OF[types[name]]).contiguous()
+            keep.append(t)  # alive until the run is done
+            binding.bind_input(name, "cuda", self.device.index or 0, types[name], tuple(t.shape), t.data_ptr())
+        binding.bind_output(self.output_names[0], "cuda", self.device.index or 0)
+        self.session.run_with_iobinding(binding)
+        return torch.from_dlpack(binding.get_outputs()[0])
 
     def save(self, directory: str | os.PathLike) -> str:
         def write(tmp: str) -> None:
             shutil.copyfile(self.path, os.path.join(tmp, "model.onnx"))  # fsynced by publish_files
             self._write_manifest(tmp, {"file": "model.onnx", "threads": self.threads, "providers": self.providers,
+                                       "provider_kind": self.kind, "input_names": self.input_names,
                                        "input_shape": [d if isinstance(d, int) else None
                                                        for d in self.session.get_inputs()[0].shape]})
 
@@ -251,12 +435,21 @@ class OrtRunner(Runner):
 
     @classmethod
     def load(cls, directory: str, manifest: dict[str, Any]) -> OrtRunner:
+        """A GPU artifact runs on the GPU provider it was measured with when this machine has it (its
+        TensorRT engine rebuilt once into the local cache: engines are specific to a GPU and TensorRT
+        version), else on the CPU."""
         import onnxruntime as ort
 
-        providers = [p for p in manifest.get("providers") or [] if p in ort.get_available_providers()]
+        kind = manifest.get("provider_kind") or _KIND_OF.get((manifest.get("providers") or ["CPUExecutionProvider"])[0], "cpu")
+        available = ort.get_available_providers()
+        if kind == "tensorrt" and "TensorrtExecutionProvider" not in available:
+            kind = "cuda"
+        if kind in ("cuda", "tensorrt") and ("CUDAExecutionProvider" not in available or not torch.cuda.is_available()
+                                             or ort_cuda_problem()):
+            kind = "cpu"
         path = os.path.join(directory, manifest["file"])
         try:
-            return cls(path, manifest["precision"], manifest.get("threads"), providers or ["CPUExecutionProvider"])
+            return cls(path, manifest["precision"], manifest.get("threads"), kind if kind in _KIND_OF.values() else "cpu")
         except ImportError:
             raise
         except Exception as e:  # noqa: BLE001 - ORT's InvalidProtobuf, NoSuchFile, Fail...: one line naming the file
@@ -295,7 +488,9 @@ class OpenVINORunner(Runner):
         self.files = ()
 
     def __call__(self, x: Any) -> torch.Tensor:
-        self.request.infer({0: _as_numpy(x)})
+        names = [p.get_any_name() for p in self.compiled.inputs]
+        feed = {n: _as_numpy(v, np.float32 if _is_float(v) else np.int64) for n, v in _feed_names(x, names).items()}
+        self.request.infer(feed)
         return torch.from_numpy(np.array(self.request.get_output_tensor(0).data, copy=True))
 
     def save(self, directory: str | os.PathLike) -> str:
@@ -332,6 +527,10 @@ class OpenVINORunner(Runner):
         except Exception as e:  # noqa: BLE001 - OpenVINO raises RuntimeError (or its own types) on a damaged .xml / .bin
             raise ValueError(f"OpenVINO model {path!r} (with its .bin beside it) cannot be loaded (damaged, "
                              f"truncated or not an OpenVINO IR? re-save the artifact): {_first_line(e)}") from None
+
+
+def _is_float(v: Any) -> bool:
+    return v.is_floating_point() if isinstance(v, torch.Tensor) else np.issubdtype(np.asarray(v).dtype, np.floating)
 
 
 def _first_line(e: BaseException) -> str:

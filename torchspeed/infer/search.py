@@ -38,8 +38,14 @@ from torch import nn
 
 from torchspeed import runtime
 from torchspeed.args import as_list, progress_fn
+from torchspeed.batches import BatchFormat, batch_size, to_device
 from torchspeed.infer.precision import output_error
-from torchspeed.infer.runtimes import Runner, TorchRunner, available_backends
+from torchspeed.infer.runtimes import (
+    Runner,
+    TorchRunner,
+    available_backends,
+    module_device,
+)
 from torchspeed.runtime import default_precision, usable_cores
 
 __all__ = ["optimize", "OptimizeResult", "VariantResult", "Variant", "VARIANTS", "Machine", "ModelFacts",
@@ -47,7 +53,7 @@ __all__ = ["optimize", "OptimizeResult", "VariantResult", "Variant", "VARIANTS",
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "torch.compile", "onnxruntime", "openvino", "tensorrt")
+BACKENDS = ("torch", "torch.compile", "onnxruntime", "onnxruntime-cuda", "openvino", "tensorrt")
 PRECISIONS = (*runtime.PRECISIONS, "int8")
 BASELINE = "eager fp32"
 NO_CALIBRATION = "no calibration data (pass calib_data for INT8)"
@@ -73,7 +79,7 @@ class VariantResult:
     size_mb: float | None = None
     build_s: float | None = None
     runner: Runner | None = field(default=None, repr=False)
-    input_shape: list[int] = field(default_factory=list)
+    input_shape: list[int] | dict[str, list[int]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -101,7 +107,11 @@ class VariantResult:
 
         with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
-        manifest.update(name=self.name, input_shape=[None, *self.input_shape[1:]], measured=self.to_dict())
+        if isinstance(self.input_shape, dict):
+            shape: Any = {k: [None, *v[1:]] for k, v in self.input_shape.items()}
+        else:
+            shape = [None, *self.input_shape[1:]]
+        manifest.update(name=self.name, input_shape=shape, measured=self.to_dict())
         write_json(os.path.join(directory, MANIFEST), manifest)
         return directory
 
@@ -197,15 +207,25 @@ class OptimizeResult:
 # ----------------------------------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class Machine:
-    """What this machine offers the search: each backend (None when usable, else why not) and
-    whether its CPU runs bf16 natively."""
+    """What this machine offers the search: each backend (None when usable, else why not), the
+    device the model runs on (candidates run there), and whether that device runs bf16 natively."""
 
     backends: dict[str, str | None]
     native_bf16: bool
+    device: str = "cpu"
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
     @classmethod
-    def detect(cls) -> Machine:
-        return cls(available_backends(), default_precision("cpu").name == "bf16")
+    def detect(cls, device: str | torch.device = "cpu") -> Machine:
+        device = torch.device(device)
+        if device.type == "cuda":
+            native = bool(torch.cuda.is_bf16_supported())
+        else:
+            native = default_precision("cpu").name == "bf16"
+        return cls(available_backends(), native, str(device))
 
 
 @dataclass(frozen=True)
@@ -215,18 +235,27 @@ class ModelFacts:
     linear_heavy: bool     # more weights in Linear/LSTM/attention than in convolutions
     calibrated: bool       # calibration data was given
     calibration: str       # the calibration method asked for
+    onnx_file: bool = False  # the model is an ONNX file: only ONNX-based variants apply
 
 
 class OnnxExport:
     """The export step: the ONNX file every ONNX Runtime / OpenVINO variant starts from, made once on
     first need; a failed export is remembered, so each variant that needs it fails with its message."""
 
-    def __init__(self, model: nn.Module, example: torch.Tensor, path: str, exporter: str,
-                 progress: Callable[[str], None]):
+    def __init__(self, model: nn.Module | None, example: Any, path: str, exporter: str,
+                 progress: Callable[[str], None], batch_format: BatchFormat | None = None):
         self.model, self.example, self.target, self.exporter, self.progress = model, example, path, exporter, progress
+        self.batch_format = batch_format
         self.report: dict[str, Any] | None = None
         self.seconds: float | None = None
         self.error: str | None = None
+
+    @classmethod
+    def given(cls, path: str) -> OnnxExport:
+        """The user's own ONNX file: nothing to export."""
+        done = cls(None, None, path, "given", lambda _: None)
+        done.report = {"path": path, "exporter": "given", "fallback_reason": None}
+        return done
 
     def path(self) -> str:
         if self.error is not None:
@@ -236,7 +265,8 @@ class OnnxExport:
 
             t0 = time.perf_counter()
             try:
-                rep = export_onnx(self.model, self.example, self.target, exporter=self.exporter)
+                rep = export_onnx(self.model, self.example, self.target, exporter=self.exporter,
+                                  batch_format=self.batch_format)
             except Exception as e:  # noqa: BLE001 - remembered; every ONNX variant fails with it
                 self.error = str(e)
                 raise
@@ -250,8 +280,8 @@ class OnnxExport:
 class BuildContext:
     """Everything a variant's `build` needs: the model, the example, the shared settings, the export."""
 
-    model: nn.Module
-    example: torch.Tensor
+    model: nn.Module | None  # None when optimizing an ONNX file
+    example: Any             # the model's inputs: a tensor, or a dict / tuple of tensors
     threads: int
     arch: dict[str, Any] | None
     workdir: str
@@ -259,27 +289,41 @@ class BuildContext:
     calib_data: Iterable[Any] | None = None
     calibration: str = "minmax"
     max_calib_samples: int = 256
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    batch_format: BatchFormat = field(default_factory=BatchFormat)
 
     def torch(self, recipe: dict[str, Any]) -> Runner:
-        return TorchRunner(self.model, recipe, self.threads, self.arch)
+        return TorchRunner(self.model, recipe, self.threads, self.arch, self.batch_format)
 
     def low_precision(self, precision: str, **more: Any) -> dict[str, Any]:
         """The torch recipe for a bf16/fp16 variant: fused, autocast, channels_last for images."""
-        return {"fuse": True, "precision": precision, "channels_last": self.example.ndim == 4, **more}
+        images = isinstance(self.example, torch.Tensor) and self.example.ndim == 4
+        return {"fuse": True, "precision": precision, "channels_last": images, **more}
 
-    def onnxruntime(self, precision: str, providers: list[str] | None = None) -> Runner:
-        from torchspeed.infer.quantize import quantize_onnx_dynamic, quantize_onnx_static
+    def onnxruntime(self, precision: str, provider: str = "cpu") -> Runner:
+        """ONNX Runtime on `provider` ('cpu', 'cuda', 'tensorrt'): fp32, int8 (static), int8-dynamic,
+        or fp16 (an fp16 ONNX model on CUDA; TensorRT makes its own fp16 engine from the fp32 model)."""
+        from torchspeed.infer.quantize import (
+            quantize_onnx_dynamic,
+            quantize_onnx_static,
+        )
         from torchspeed.infer.runtimes import OrtRunner
 
         src = self.onnx.path()
         if precision == "int8":
             dst = os.path.join(self.workdir, "model-int8-static.onnx")
-            quantize_onnx_static(src, dst, self.calib_data, self.calibration, max_samples=self.max_calib_samples)
+            quantize_onnx_static(src, dst, self.calib_data, self.calibration, max_samples=self.max_calib_samples,
+                                 batch_format=self.batch_format)
             return OrtRunner(dst, "int8", self.threads)
         if precision == "int8-dynamic":
             dst = os.path.join(self.workdir, "model-int8-dynamic.onnx")
             return OrtRunner(quantize_onnx_dynamic(src, dst), "int8-dynamic", self.threads)
-        return OrtRunner(src, precision, self.threads, providers)
+        if precision == "fp16" and provider == "cuda":
+            from torchspeed.infer.export import convert_onnx_fp16
+
+            src = convert_onnx_fp16(src, os.path.join(self.workdir, "model-fp16.onnx"))
+        device = self.device if provider != "cpu" else None
+        return OrtRunner(src, precision, self.threads, provider, device=device)
 
     def openvino(self, precision: str) -> Runner:
         from torchspeed.infer.runtimes import OpenVINORunner
@@ -287,7 +331,8 @@ class BuildContext:
         if precision == "int8":
             from torchspeed.infer.quantize import quantize_openvino
 
-            quantized = quantize_openvino(self.onnx.path(), self.calib_data, self.calibration, self.max_calib_samples)
+            quantized = quantize_openvino(self.onnx.path(), self.calib_data, self.calibration, self.max_calib_samples,
+                                          batch_format=self.batch_format)
             return OpenVINORunner(quantized, "int8", self.threads)
         return OpenVINORunner(self.onnx.path(), precision, self.threads)
 
@@ -316,6 +361,11 @@ class Variant:
         return "tensorrt" if self.backend.startswith("onnxruntime-tensorrt") else self.backend
 
     @property
+    def onnx_based(self) -> bool:
+        """Built from the ONNX file (ONNX Runtime, OpenVINO): the variants that compete for an ONNX model."""
+        return self.backend.startswith(("onnxruntime", "openvino"))
+
+    @property
     def precision_key(self) -> str:
         """The name `precisions=` uses: fp32, bf16, fp16 or int8."""
         return self.precision.split("-")[0].split("+")[0]
@@ -329,7 +379,8 @@ def _compile_precision(wanted: str) -> Callable[[Machine, ModelFacts], str | Non
     # torch.compile costs a minute of compiling per model here: one precision only, the faster kind.
     def applicable(machine: Machine, model: ModelFacts) -> str | None:
         chosen = "bf16" if machine.native_bf16 else "fp32"
-        return None if wanted == chosen else f"torch.compile is tried at one precision only, {chosen} on this CPU"
+        where = "this GPU" if machine.cuda else "this CPU"
+        return None if wanted == chosen else f"torch.compile is tried at one precision only, {chosen} on {where}"
     return applicable
 
 
@@ -349,7 +400,27 @@ def _nncf_calibration(machine: Machine, model: ModelFacts) -> str | None:
     return None
 
 
-_TENSORRT = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+def _on_cpu(applicable: Callable[[Machine, ModelFacts], str | None] = _always) -> Callable[[Machine, ModelFacts], str | None]:
+    """A CPU runtime: left out for a model on a GPU (candidates run on the model's device)."""
+    def check(machine: Machine, model: ModelFacts) -> str | None:
+        if machine.cuda:
+            return f"runs on the CPU; the model is on {machine.device} (candidates run on the model's device)"
+        return applicable(machine, model)
+    return check
+
+
+def _on_gpu(machine: Machine, model: ModelFacts) -> str | None:
+    """ONNX Runtime's GPU providers: for a model on a GPU (their availability is checked as a backend)."""
+    if not machine.cuda:
+        return "the model is on the CPU; a model on a CUDA device (or device='cuda') tries ONNX Runtime's GPU providers"
+    return None
+
+
+def _fp16_onnx(machine: Machine, model: ModelFacts) -> str | None:
+    from torchspeed.infer.export import fp16_converter
+
+    return _on_gpu(machine, model) or (None if fp16_converter() is not None else
+                                       "no fp16 ONNX converter: pip install onnxconverter-common")
 
 VARIANTS: tuple[Variant, ...] = (
     Variant(BASELINE, "torch", "fp32", "PyTorch eager, fp32", lambda c: c.torch({}), baseline=True),
@@ -363,19 +434,25 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("torch.compile fp32", "torch.compile", "fp32", "inductor, freezing, fused fp32",
             lambda c: c.torch({"fuse": True, "compile": True}), _compile_precision("fp32")),
     Variant("onnxruntime fp32", "onnxruntime", "fp32", "ONNX, ONNX Runtime CPU, fp32",
-            lambda c: c.onnxruntime("fp32")),
+            lambda c: c.onnxruntime("fp32"), _on_cpu()),
     Variant("onnxruntime int8", "onnxruntime", "int8", "ONNX Runtime quantize_static, QDQ per-channel U8S8",
-            lambda c: c.onnxruntime("int8"), _needs_calibration),
+            lambda c: c.onnxruntime("int8"), _on_cpu(_needs_calibration)),
     Variant("onnxruntime int8 dynamic", "onnxruntime", "int8-dynamic", "ONNX Runtime quantize_dynamic (MatMul/Gemm)",
-            lambda c: c.onnxruntime("int8-dynamic"), _needs_linear_heavy),
+            lambda c: c.onnxruntime("int8-dynamic"), _on_cpu(_needs_linear_heavy)),
     Variant("openvino fp32", "openvino", "fp32", "OpenVINO CPU, inference precision f32",
-            lambda c: c.openvino("fp32")),
+            lambda c: c.openvino("fp32"), _on_cpu()),
     Variant("openvino bf16", "openvino", "bf16", "OpenVINO CPU, inference precision bf16",
-            lambda c: c.openvino("bf16")),
+            lambda c: c.openvino("bf16"), _on_cpu()),
     Variant("openvino int8", "openvino", "int8", "NNCF nncf.quantize (PTQ), OpenVINO CPU",
-            lambda c: c.openvino("int8"), _nncf_calibration),
-    Variant("onnxruntime-tensorrt fp16", "onnxruntime-tensorrt", "fp16", "ONNX Runtime TensorRT provider, fp16",
-            lambda c: c.onnxruntime("fp16", _TENSORRT)),
+            lambda c: c.openvino("int8"), _on_cpu(_nncf_calibration)),
+    Variant("onnxruntime-cuda fp32", "onnxruntime-cuda", "fp32", "ONNX Runtime CUDA provider, fp32, IO binding",
+            lambda c: c.onnxruntime("fp32", "cuda"), _on_gpu),
+    Variant("onnxruntime-cuda fp16", "onnxruntime-cuda", "fp16",
+            "ONNX converted to fp16 (float32 inputs/outputs), ONNX Runtime CUDA provider, IO binding",
+            lambda c: c.onnxruntime("fp16", "cuda"), _fp16_onnx),
+    Variant("onnxruntime-tensorrt fp16", "onnxruntime-tensorrt", "fp16",
+            "ONNX Runtime TensorRT provider, trt_fp16_enable, engine cache, IO binding",
+            lambda c: c.onnxruntime("fp16", "tensorrt"), _on_gpu),
 )
 
 
@@ -391,6 +468,8 @@ class _Request:
         not worth it by default on this machine, or not applicable to this model."""
         if variant.baseline:
             return None  # the baseline is always measured
+        if model.onnx_file and variant.backend_key in BACKENDS and not variant.onnx_based:
+            return "the model is an ONNX file: PyTorch variants need the nn.Module"
         if variant.backend_key in BACKENDS:  # extra_candidates are always built
             if self.backends is not None and variant.backend_key not in self.backends:
                 return "backend not requested"
@@ -408,8 +487,8 @@ class _Request:
 def _auto_precision_skip(precision: str, machine: Machine, model: ModelFacts) -> str | None:
     """Why `precisions='auto'` leaves out a precision here (it can still be asked for by name)."""
     if precision == "bf16" and not machine.native_bf16:
-        return "no native bf16 on this CPU (would be emulated, slow)"
-    if precision == "fp16":
+        return f"no native bf16 on this {'GPU' if machine.cuda else 'CPU'} (would be emulated, slow)"
+    if precision == "fp16" and not machine.cuda:
         return "fp16 is emulated on CPU; ask for it with precisions=['fp16']"
     if precision == "int8" and not (model.calibrated or model.linear_heavy):
         return NO_CALIBRATION
@@ -430,9 +509,43 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(lines[0] if lines else '')[:240]}"
 
 
-def _batch_of(example: torch.Tensor, b: int, gen: torch.Generator) -> torch.Tensor:
-    extra = torch.randn((max(0, b - len(example)),) + tuple(example.shape[1:]), generator=gen)
-    return torch.cat([example.float(), extra])[:b].contiguous()
+def _batch_of(example: Any, b: int, gen: torch.Generator) -> Any:
+    """The example inputs at batch `b` (a tensor, or each tensor of a dict / tuple): random rows added
+    for float inputs, rows repeated for ids and masks; on the example's device."""
+    from torchspeed.infer.export import _grow
+
+    if isinstance(example, dict):
+        return {k: _batch_of(v, b, gen) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        return tuple(_batch_of(v, b, gen) for v in example)
+    return _grow(example.float() if example.is_floating_point() else example, b, gen)
+
+
+def _concat(parts: list[Any]) -> Any:
+    """Batches of inputs (arrays or tensors; dicts / tuples of them) joined along the batch dimension."""
+    first = parts[0]
+    if isinstance(first, dict):
+        return {k: _concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return tuple(_concat([p[i] for p in parts]) for i in range(len(first)))
+    return torch.cat([torch.as_tensor(p) for p in parts])
+
+
+def _shape_of(x: Any) -> Any:
+    """Shapes of the inputs, for the table and the manifest: a list, or a dict of lists."""
+    if isinstance(x, dict):
+        return {k: list(v.shape) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return {f"input_{i}": list(v.shape) for i, v in enumerate(x)}
+    return list(x.shape)
+
+
+def _per_sample(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: tuple(v.shape[1:]) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return tuple(tuple(v.shape[1:]) for v in x)
+    return tuple(x.shape[1:])
 
 
 def _resolve(choice: str | Sequence[str], allowed: Sequence[str], what: str) -> frozenset[str] | None:
@@ -449,14 +562,21 @@ def _resolve(choice: str | Sequence[str], allowed: Sequence[str], what: str) -> 
 def build_variant(variant: Variant, ctx: BuildContext, verify_x: torch.Tensor) -> tuple[VariantResult, Any]:
     """The build step: the row and the variant's outputs on `verify_x` (None when the build failed)."""
     row = VariantResult(variant.name, variant.backend, variant.precision, variant.exact, variant.label,
-                        input_shape=list(ctx.example.shape))
+                        input_shape=_shape_of(ctx.example))
     t0 = time.perf_counter()
     try:
         row.runner = variant.build(ctx)
+        fallback = getattr(row.runner, "fallback", None)
+        if fallback:  # ONNX Runtime ran another provider than the one asked for: not this row's variant
+            row.extra["providers"] = getattr(row.runner, "active", [])
+            row.status, row.reason, row.runner = "failed", fallback, None
+            return row, None
         out = row.runner(verify_x)
     except Exception as e:  # noqa: BLE001 - an unsupported op or runtime error fails this variant only
         row.status, row.reason, row.runner = "failed", _first_line(e), None
         return row, None
+    if getattr(row.runner, "active", None):
+        row.extra["providers"] = row.runner.active
     row.build_s = time.perf_counter() - t0
     try:
         row.size_mb = row.runner.size_bytes() / 2**20
@@ -509,16 +629,19 @@ def judge(table: list[VariantResult], eval_fn: Callable[[Callable[[Any], Any]], 
     return baseline_metric
 
 
-def time_variants(rows: list[VariantResult], example: torch.Tensor, batch_sizes: Sequence[int], gen: torch.Generator,
-                  repeats: int, min_time_s: float, progress: Callable[[str], None]) -> None:
-    """The timing step: every row with a runner, interleaved against the baseline, at each batch size."""
+def time_variants(rows: list[VariantResult], example: Any, batch_sizes: Sequence[int], gen: torch.Generator,
+                  repeats: int, min_time_s: float, progress: Callable[[str], None], device: Any = None) -> None:
+    """The timing step: every row with a runner, interleaved against the baseline (the first row), at
+    each batch size. Inputs are made on the model's device (`example`'s); on a GPU `compare`
+    synchronises the device after each run, so asynchronous kernels are timed to their end."""
     from torchspeed.measure import compare  # the one timing tool (house rule)
 
     for b in batch_sizes if rows else ():
         progress(f"timing {len(rows)} variants at batch {b}")
         x = _batch_of(example, b, gen)
         contenders = {r.name: (lambda r=r: r.runner(x)) for r in rows}
-        cmp = compare(contenders, baseline=BASELINE, repeats=repeats, min_time_s=min_time_s, items=b, cooldown_s=0.1)
+        cmp = compare(contenders, baseline=rows[0].name, repeats=repeats, min_time_s=min_time_s, items=b,
+                      cooldown_s=0.1, device=device)
         for r in rows:
             t = cmp[r.name]
             r.latency_ms[b] = {"p50_ms": t.median_s * 1e3, "p90_ms": t.p90_s * 1e3, "min_ms": t.min_s * 1e3,
@@ -547,14 +670,14 @@ def _log_rows(result: OptimizeResult) -> None:
     b = result.batch_sizes[0] if result.objective == "latency" else max(result.batch_sizes)
     base = result.table[0].p50_ms(b)
     log.info("optimize: chose %s (objective %s): p50 %.3g ms at batch %d, %.2fx %s; %d of %d variants passed",
-             best.name, result.objective, best.p50_ms(b), b, base / best.p50_ms(b), BASELINE,
+             best.name, result.objective, best.p50_ms(b), b, base / best.p50_ms(b), result.table[0].name,
              sum(r.passed for r in result.table), sum(r.status != "skipped" for r in result.table))
 
 
 # ----------------------------------------------------------------------------------------- optimize
 def optimize(
-    model: nn.Module,
-    example_input: torch.Tensor,
+    model: nn.Module | str | os.PathLike,
+    example_input: Any = None,
     calib_data: Iterable[Any] | None = None,
     eval_fn: Callable[[Callable[[Any], Any]], float] | None = None,
     max_metric_drop: float = 0.01,
@@ -563,6 +686,9 @@ def optimize(
     batch_sizes: Sequence[int] = (1, 8),
     objective: str = "latency",
     *,
+    batch_format: BatchFormat | dict | None = None,
+    input_shape: Sequence[int] | None = None,
+    device: str | torch.device | None = None,
     calibration: str = "minmax",
     max_calib_samples: int = 256,
     max_output_error: float = 0.1,
@@ -571,26 +697,49 @@ def optimize(
     threads: int | None = None,
     repeats: int = 5,
     min_time_s: float = 0.05,
-    extra_candidates: dict[str, Callable[[nn.Module], Any]] | None = None,
+    extra_candidates: dict[str, Callable[[Any], Any]] | None = None,
     arch: dict[str, Any] | None = None,
     measure: bool = True,
     progress: bool | Callable[[str], None] = False,
 ) -> OptimizeResult:
     """Build, verify, judge and time every inference variant of `model`; return the table and the best.
 
-    `example_input` fixes the input shape (the batch dimension stays dynamic where the runtime allows).
-    `calib_data`: iterable of input batches or (input, label) pairs, for INT8. `eval_fn(run) -> float`
-    (higher is better) scores a variant's `run(batch) -> outputs` on held-out data.
-    `backends` / `precisions`: 'auto', a list, or a comma string ('torch,onnxruntime').
+    `model`: an `nn.Module` (candidates run on its device: a CUDA model is timed on CUDA, with the GPU
+    precisions and ONNX Runtime's CUDA / TensorRT providers), or the path of an `.onnx` file (then the
+    ONNX-based variants compete against ONNX Runtime fp32 on that file, on `device`, default CPU).
+    `example_input` fixes the input shape (the batch dimension stays dynamic where the runtime allows):
+    a tensor, or a dict / tuple of tensors for a model taking named or several inputs; for an ONNX
+    file it is read from the graph, with `input_shape` for dynamic dimensions other than the batch.
+    `batch_format` (`torchspeed.batches.BatchFormat`) says how the model is called and where its
+    logits are (dict / dataclass outputs with `.logits` work by default), and which part of a
+    calibration batch is the input. `calib_data`: iterable of input batches or labelled batches, for
+    INT8. `eval_fn(run) -> float` (higher is better) scores a variant's `run(inputs) -> logits` on
+    held-out data. `backends` / `precisions`: 'auto', a list, or a comma string ('torch,onnxruntime').
     `extra_candidates`: name -> function(model) returning an nn.Module or callable, judged as lossy.
     `measure=False` verifies only (no timing, so no `.best`). `progress`: True prints each step to
     stderr; a callable receives each step's message.
     """
     report = progress_fn(progress)
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"optimize() expects an nn.Module, got {type(model).__name__}")
-    if not isinstance(example_input, torch.Tensor) or example_input.ndim < 1:
-        raise ValueError(f"example_input must be a batched tensor such as torch.randn(1, 3, 224, 224), got {example_input!r:.80}")
+    fmt = BatchFormat.of(batch_format)
+    onnx_path = None
+    if isinstance(model, (str, os.PathLike)):
+        onnx_path = os.fspath(model)
+        if not onnx_path.lower().endswith(".onnx"):
+            raise ValueError(f"optimize() takes an nn.Module or an .onnx file, got the path {onnx_path!r}")
+        if not os.path.isfile(onnx_path):
+            raise FileNotFoundError(f"ONNX model {onnx_path!r} does not exist")
+        if example_input is None:
+            from torchspeed.infer.export import onnx_example
+
+            example_input = onnx_example(onnx_path, input_shape)
+        device = torch.device(device or "cpu")
+    elif not isinstance(model, nn.Module):
+        raise ValueError(f"optimize() expects an nn.Module or the path of an .onnx file, got {type(model).__name__}")
+    else:
+        if example_input is None:
+            raise ValueError("optimize() needs example_input for a PyTorch model, e.g. torch.randn(1, 3, 224, 224)")
+        device = torch.device(device) if device is not None else module_device(model)
+    _check_example(example_input)
     if objective not in ("latency", "throughput"):
         raise ValueError(f"objective must be 'latency' or 'throughput', got {objective!r}")
     batch_sizes = tuple(int(b) for b in batch_sizes)
@@ -598,8 +747,12 @@ def optimize(
         raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes}")
     if not 0 <= max_metric_drop < 1:
         raise ValueError(f"max_metric_drop must be in [0, 1), got {max_metric_drop}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for but torch sees no CUDA device")
     request = _Request(_resolve(backends, BACKENDS, "backend"), _resolve(precisions, PRECISIONS, "precision"))
-    facts = ModelFacts(linear_heavy=_linear_heavy(model), calibrated=calib_data is not None, calibration=calibration)
+    heavy = _onnx_linear_heavy(onnx_path) if onnx_path else _linear_heavy(model)
+    facts = ModelFacts(linear_heavy=heavy, calibrated=calib_data is not None, calibration=calibration,
+                       onnx_file=onnx_path is not None)
     if request.precisions is not None and "int8" in request.precisions and calib_data is None and not facts.linear_heavy:
         raise ValueError("precisions includes 'int8' but no calibration set was given: pass calib_data= (an "
                          "iterable of input batches or (input, label) pairs), or use --calib DATA on the command line")
@@ -607,62 +760,117 @@ def optimize(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _search(model, example_input, calib_data, eval_fn, max_metric_drop, request, facts, batch_sizes,
-                       objective, calibration=calibration, max_calib_samples=max_calib_samples,
+        return _search(onnx_path or model, example_input, calib_data, eval_fn, max_metric_drop, request, facts,
+                       batch_sizes, objective, calibration=calibration, max_calib_samples=max_calib_samples,
                        max_output_error=max_output_error, exact_tol=exact_tol, exporter=exporter, threads=threads,
                        repeats=repeats, min_time_s=min_time_s, extra_candidates=extra_candidates, arch=arch,
-                       measure=measure, report=report)
+                       measure=measure, report=report, fmt=fmt, device=device)
     finally:
         torch.set_num_threads(old_threads)
 
 
-def _search(model: nn.Module, example_input: torch.Tensor, calib_data: Iterable[Any] | None,
+def _check_example(x: Any) -> None:
+    ok = (isinstance(x, torch.Tensor) and x.ndim >= 1) or (
+        isinstance(x, (dict, tuple, list)) and len(x) > 0
+        and all(isinstance(v, torch.Tensor) and v.ndim >= 1 for v in (x.values() if isinstance(x, dict) else x)))
+    if not ok:
+        raise ValueError("example_input must be a batched tensor such as torch.randn(1, 3, 224, 224), or a dict / "
+                         f"tuple of batched tensors for a model with named or several inputs; got {x!r:.80}")
+
+
+def _onnx_linear_heavy(path: str) -> bool:
+    """The ONNX form of `_linear_heavy`: more weight elements feeding MatMul/Gemm than Conv nodes."""
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    sizes = {i.name: math.prod(i.dims) for i in graph.initializer}
+    lin = sum(sizes.get(n, 0) for node in graph.node if node.op_type in ("MatMul", "Gemm", "LSTM", "GRU", "Attention")
+              for n in node.input)
+    conv = sum(sizes.get(n, 0) for node in graph.node if node.op_type in ("Conv", "ConvTranspose") for n in node.input)
+    return lin > conv
+
+
+def _detached(x: Any, device: torch.device) -> Any:
+    if isinstance(x, dict):
+        return {k: _detached(v, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return tuple(_detached(v, device) for v in x)
+    x = x.detach()
+    return (x.float() if x.is_floating_point() else x).to(device)
+
+
+def _search(model: nn.Module | str, example_input: Any, calib_data: Iterable[Any] | None,
             eval_fn: Callable[[Callable[[Any], Any]], float] | None, max_metric_drop: float, request: _Request,
             facts: ModelFacts, batch_sizes: tuple[int, ...], objective: str, *, calibration: str,
             max_calib_samples: int, max_output_error: float, exact_tol: float, exporter: str, threads: int,
-            repeats: int, min_time_s: float, extra_candidates: dict[str, Callable[[nn.Module], Any]] | None,
-            arch: dict[str, Any] | None, measure: bool, report: Callable[[str], None]) -> OptimizeResult:
+            repeats: int, min_time_s: float, extra_candidates: dict[str, Callable[[Any], Any]] | None,
+            arch: dict[str, Any] | None, measure: bool, report: Callable[[str], None], fmt: BatchFormat,
+            device: torch.device) -> OptimizeResult:
     """`optimize` once its arguments are checked and torch's thread count is set."""
-    arch = arch if arch is not None else getattr(model, "_torchspeed_arch", None)
-    model = model.eval().float()
-    example = example_input.detach().float().cpu()
+    onnx_path = model if isinstance(model, str) else None
+    if onnx_path is None:
+        arch = arch if arch is not None else getattr(model, "_torchspeed_arch", None)
+        if module_device(model) != device:
+            import copy
+
+            model = copy.deepcopy(model).to(device)
+        model = model.eval().float()
+    example = _detached(example_input, device)
     gen = torch.Generator().manual_seed(0)
 
-    # The reference: eager fp32 on representative inputs (calibration samples when given).
-    verify_x = _batch_of(example, max(8, len(example)), gen)
+    # The reference inputs: representative ones (calibration samples when given), on the model's device.
+    verify_x = _batch_of(example, max(8, batch_size(example)), gen)
     if calib_data is not None:
         from torchspeed.infer.quantize import calibration_arrays
 
-        verify_x = torch.cat([torch.from_numpy(a) for a in calibration_arrays(calib_data, 16)])
-        if tuple(verify_x.shape[1:]) != tuple(example.shape[1:]):
-            raise ValueError(f"calibration inputs have shape {tuple(verify_x.shape[1:])} per sample but "
-                             f"example_input has {tuple(example.shape[1:])}: they must match")
-    try:
-        with torch.inference_mode():
-            ref = model(verify_x)
-    except Exception as e:  # noqa: BLE001 - any failure here means the shape does not suit the model
-        raise ValueError(f"the model cannot run on inputs of shape {tuple(example.shape)} "
-                         f"(check --input-shape / example_input): {_first_line(e)}") from None
-    ref = ref[0] if isinstance(ref, (tuple, list)) else ref
+        verify_x = to_device(_concat(calibration_arrays(calib_data, 16, fmt)), device)
+        if isinstance(example, torch.Tensor) and _per_sample(verify_x) != _per_sample(example):
+            raise ValueError(f"calibration inputs have shape {_per_sample(verify_x)} per sample but "
+                             f"example_input has {_per_sample(example)}: they must match")
+    ref = None
+    if onnx_path is None:
+        try:
+            with torch.inference_mode():
+                ref = fmt.logits_of(fmt.forward(model, verify_x))
+        except Exception as e:  # noqa: BLE001 - any failure here means the inputs do not suit the model
+            shape = tuple(example.shape) if isinstance(example, torch.Tensor) else _shape_of(example)
+            raise ValueError(f"the model cannot run on inputs of shape {shape} "
+                             f"(check --input-shape / example_input, and batch_format for named or several "
+                             f"inputs): {_first_line(e)}") from None
 
-    machine = Machine.detect()
+    machine = Machine.detect(device)
     workdir = tempfile.TemporaryDirectory(prefix="torchspeed-optimize-")
-    ctx = BuildContext(model, example, threads, arch, workdir.name,
-                       OnnxExport(model, example, os.path.join(workdir.name, "model.onnx"), exporter, report),
-                       calib_data, calibration, max_calib_samples)
-    variants = list(VARIANTS) + [
-        Variant(name, "custom", "custom", "your variant", lambda c, fn=fn: _CallableRunner(fn(c.model)))
-        for name, fn in (extra_candidates or {}).items()]
+    if onnx_path is None:
+        export = OnnxExport(model, example, os.path.join(workdir.name, "model.onnx"), exporter, report, fmt)
+    else:
+        export = OnnxExport.given(onnx_path)
+    ctx = BuildContext(model if onnx_path is None else None, example, threads, arch, workdir.name, export,
+                       calib_data, calibration, max_calib_samples, device, fmt)
+    variants = list(VARIANTS)
+    if onnx_path is not None:  # the reference is ONNX Runtime fp32 on the given file, on the device asked for
+        kind = "cuda" if device.type == "cuda" else "cpu"
+        name = "onnxruntime-cuda fp32" if kind == "cuda" else "onnxruntime fp32"
+        base = Variant(name, "onnxruntime" if kind == "cpu" else "onnxruntime-cuda", "fp32",
+                       "your ONNX model, ONNX Runtime fp32 (the reference)", lambda c: c.onnxruntime("fp32", kind),
+                       baseline=True)
+        variants = [base] + [v for v in variants if not v.baseline and v.name != name]
+    source = model if onnx_path is None else onnx_path
+    variants += [Variant(name, "custom", "custom", "your variant", lambda c, fn=fn: _CallableRunner(fn(source), fmt))
+                 for name, fn in (extra_candidates or {}).items()]
 
     table: list[VariantResult] = []
     for variant in variants:
         skip = request.skip_reason(variant, machine, facts)
         if skip:
             table.append(VariantResult(variant.name, variant.backend, variant.precision, variant.exact, variant.label,
-                                       status="skipped", reason=skip, input_shape=list(example.shape)))
+                                       status="skipped", reason=skip, input_shape=_shape_of(example)))
             continue
         report(f"building {variant.name}")
         row, out = build_variant(variant, ctx, verify_x)
+        if variant.baseline and onnx_path is not None:
+            if row.runner is None:
+                raise ValueError(f"ONNX Runtime cannot run {onnx_path!r}: {row.reason}")
+            ref = out
         if row.runner is None:
             report(f"  failed: {row.reason}")
         else:
@@ -672,7 +880,7 @@ def _search(model: nn.Module, example_input: torch.Tensor, calib_data: Iterable[
     baseline_metric = judge(table, eval_fn, max_metric_drop, report) if eval_fn is not None else None
     if measure:
         time_variants([r for r in table if r.runner is not None], example, batch_sizes, gen, repeats, min_time_s,
-                      report)
+                      report, device=device if device.type == "cuda" else None)
     if ctx.onnx.report:
         for r in table:
             if r.backend.startswith(("onnxruntime", "openvino")) and r.runner is not None:
@@ -688,13 +896,15 @@ class _CallableRunner(Runner):
 
     backend, precision = "custom", "custom"
 
-    def __init__(self, fn: Any):
+    def __init__(self, fn: Any, batch_format: BatchFormat | None = None):
         self.fn = fn.eval() if isinstance(fn, nn.Module) else fn
+        self.format = batch_format or BatchFormat()
 
     def __call__(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, (torch.Tensor, dict, tuple, list)):
+            x = torch.as_tensor(x)
         with torch.inference_mode():
-            out = self.fn(x if isinstance(x, torch.Tensor) else torch.as_tensor(x))
-        return out[0] if isinstance(out, (tuple, list)) else out
+            return self.format.logits_of(self.format.forward(self.fn, x))
 
     def size_bytes(self) -> int:
         return 0
