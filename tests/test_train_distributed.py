@@ -1,6 +1,10 @@
-"""torchrun on CPU (gloo): DDP matches a one-process run with the same global batch; FSDP2 trains,
-checkpoints (sharded, through torch.distributed.checkpoint) and resumes. One launch, a bounded timeout."""
+"""torchrun on CPU (gloo): DDP matches a one-process run with the same global batch, and resumes
+bit-exactly with each rank's own generators; FSDP2 evaluates before training, trains, checkpoints
+(sharded, through torch.distributed.checkpoint) and resumes. One launch, forced onto the CPU (no
+GPU is visible to it, device='cpu'), a bounded timeout. Device selection under torchrun
+(`distributed.cuda_index`) is tested as a function."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchspeed.train import Trainer
+from torchspeed.train import Trainer, distributed
 
 SCRIPT = r'''
 import json, os, sys
@@ -38,7 +42,14 @@ def trainer(model, strategy, ckdir=None):
     cbs = [EarlyStopping(patience=5)] + ([Checkpoint(ckdir, every_n_steps=2)] if ckdir else [])
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), nn.functional.cross_entropy,
                    precision="fp32", channels_last=False, compile=False, strategy=strategy, callbacks=cbs,
-                   progress=False)
+                   progress=False, device="cpu")
+
+
+def dropout_net():
+    torch.manual_seed(0)  # same initial weights on every rank ...
+    m = nn.Sequential(nn.Flatten(), nn.Linear(192, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+    torch.manual_seed(100 + rank)  # ... and each rank's own dropout masks
+    return m
 
 
 def full_state(tr):
@@ -56,9 +67,25 @@ if rank == 0:
 with open(os.path.join(out, f"ddp_metrics_{rank}.json"), "w") as f:
     json.dump({"val_loss": res["val_loss"], "val_acc": res["val_acc"], "last": last_checkpoint(os.path.join(out, "ddp_ck"))}, f)
 
-# 2. FSDP2: straight, then checkpointed and stopped mid-epoch, then resumed in a fresh Trainer
+# 2. DDP with per-rank dropout: stopped mid-epoch, resumed in a fresh Trainer == straight, bit for bit
+seed_everything(0)
+tr = trainer(dropout_net(), "auto")
+tr.fit(data(), epochs=2)
+straight = {k: v.detach().clone() for k, v in tr.module.state_dict().items()}
+ck = os.path.join(out, "ddp_drop_ck")
+seed_everything(0)
+trainer(dropout_net(), "auto", ck).fit(data(), epochs=2, max_steps=3)
+seed_everything(0)
+tr = trainer(dropout_net(), "auto", ck)
+tr.fit(data(), epochs=2, resume="last")
+for k, v in tr.module.state_dict().items():
+    assert torch.equal(v, straight[k]), (rank, k)
+
+# 3. FSDP2: evaluated before training (no_grad, not inference_mode), straight, then checkpointed and
+# stopped mid-epoch, then resumed in a fresh Trainer
 seed_everything(0)
 tr = trainer(net(), "fsdp")
+before = tr.evaluate(data())
 tr.fit(data(), data(), epochs=2)
 assert tr.report.strategy == "fsdp", tr.report
 straight = full_state(tr)
@@ -70,7 +97,8 @@ tr = trainer(net(), "fsdp", ck)
 res = tr.fit(data(), data(), epochs=2, resume="last")
 resumed = full_state(tr)
 if rank == 0:
-    torch.save({"straight": straight, "resumed": resumed, "step": res["step"]}, os.path.join(out, "fsdp.pt"))
+    torch.save({"straight": straight, "resumed": resumed, "step": res["step"], "before": before["val_loss"]},
+               os.path.join(out, "fsdp.pt"))
 dist.destroy_process_group()
 print("done", rank)
 '''
@@ -90,7 +118,7 @@ def _data(n=64, batch=16):
 def test_torchrun_ddp_and_fsdp_on_cpu(tmp_path):
     script = tmp_path / "dist_train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo, whatever the machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            str(tmp_path)]
     try:
@@ -114,10 +142,63 @@ def test_torchrun_ddp_and_fsdp_on_cpu(tmp_path):
 
     # FSDP: sharded checkpoint directories, and the resumed run equals the straight one
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
-    assert fsdp["step"] == 8
+    assert fsdp["step"] == 8 and math.isfinite(fsdp["before"])
     for k, v in fsdp["straight"].items():
         torch.testing.assert_close(fsdp["resumed"][k], v, rtol=1e-5, atol=1e-6)
     moved = sum((fsdp["straight"][k] - v).abs().sum().item() for k, v in _net().state_dict().items())
     assert moved > 0.01  # it trained
     cks = sorted(p for p in os.listdir(tmp_path / "fsdp_ck") if p.startswith("step-"))
     assert cks and all(os.path.isfile(tmp_path / "fsdp_ck" / c / ".metadata") for c in cks)
+
+
+def test_cuda_device_of_each_rank():
+    # torchrun, one GPU per process: LOCAL_RANK
+    assert [distributed.cuda_index(r, 4, 4) for r in range(4)] == [0, 1, 2, 3]
+    # SLURM-style: each task sees only its own GPU (CUDA_VISIBLE_DEVICES set per process): cuda:0
+    assert distributed.cuda_index(3, 1, 4, visible_devices="3") == 0
+    assert distributed.cuda_index(3, 2, 4, visible_devices="6,7") == 1
+    # two processes on a one-GPU machine: a clear error on every rank (rank 0 too, so none waits)
+    for r in (0, 1):
+        with pytest.raises(ValueError, match=r"2 training processes on this node.*1 CUDA device.*nproc_per_node=1"):
+            distributed.cuda_index(r, 1, 2)
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        distributed.cuda_index(0, 0, 1)
+
+
+def test_setup_picks_the_device_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="processes would share a GPU"):
+        distributed.setup(torch.device("cuda"))
+    chosen = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # this process was given one GPU of its own
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(d))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    _, dev = distributed.setup(torch.device("cuda"))
+    assert dev == torch.device("cuda", 0) and chosen == [dev]
+
+
+def test_rng_states_of_every_rank_round_trip_through_a_checkpoint(tmp_path):
+    from torchspeed.runtime import rng_state, set_rng_state
+    from torchspeed.safeload import load_torch_file
+    from torchspeed.train import trainer as trainer_mod
+
+    torch.manual_seed(1)
+    mine = {"rng": rng_state(), "epoch_start_rng": None}
+    assert distributed.gather_states(mine) == [mine]  # one process: its own
+    torch.manual_seed(2)
+    other = {"rng": rng_state(), "epoch_start_rng": rng_state()}
+    path = tmp_path / "s.pt"
+    torch.save({"rng": mine["rng"], "rng_ranks": [mine, other], "epoch_start": {"rng": mine["rng"]}}, path)
+    state = load_torch_file(str(path), what="checkpoint")  # weights_only: tensors and plain types
+    own = trainer_mod._own_rng(state, distributed.DistEnv(world_size=2, rank=1, local_rank=1))
+    set_rng_state(own["rng"])
+    a = torch.rand(3)
+    torch.manual_seed(2)
+    assert torch.equal(a, torch.rand(3))  # rank 1 continues with rank 1's generators, not rank 0's
+    assert torch.equal(own["epoch_start"]["rng"]["torch"], other["epoch_start_rng"]["torch"])
+    assert trainer_mod._own_rng(state, distributed.DistEnv(world_size=3, rank=1, local_rank=1)) is state

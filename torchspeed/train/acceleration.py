@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -71,6 +73,8 @@ class AccelerateReport:
     compile: bool = False
     strategy: str | None = None
     optimizer: str = "unchanged"
+    tf32: bool | None = None              # TF32 for fp32 matrix multiplies (CUDA); None: not applicable here
+    cudnn_benchmark: bool | None = None   # cuDNN autotuning (CUDA); None: not applicable here
     candidates: list[Trial] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,8 +87,10 @@ class AccelerateReport:
                 for c in self.candidates]
 
     def __str__(self) -> str:
+        cuda = "" if self.tf32 is None and self.cudnn_benchmark is None else (
+            f" tf32={self.tf32} cudnn_benchmark={self.cudnn_benchmark}")
         lines = [f"accelerate on {self.device}: precision={self.precision} channels_last={self.channels_last} "
-                 f"compile={self.compile} strategy={self.strategy} optimizer={self.optimizer}"]
+                 f"compile={self.compile} strategy={self.strategy} optimizer={self.optimizer}{cuda}"]
         for c in self.candidates:
             step = "-" if c.step_s is None else f"{c.step_s * 1e3:.1f} ms"
             lines.append(f"  {c.setting:13s} {c.value:6s} step {step:>10s}  one-off {c.one_off_s:.1f} s  {c.decision}")
@@ -141,24 +147,30 @@ class Accelerated:
         Under fp16 the gradients are unscaled before clipping (so `max_grad_norm` applies to the
         true gradients), the GradScaler skips a step whose gradients hold inf/NaN and adjusts its
         scale. `max_grad_norm` clips the total norm of the optimizer's parameters' gradients.
-        Returns True when the step was taken, False when the scaler skipped it (read from the
-        scaler's own inf check; no extra device read outside fp16).
+        Returns True when the step was taken, False when the scaler skipped it.
+
+        Host reads: none outside fp16 (the gradient norm stays on the device). Under fp16 one per
+        step: the scaler's inf/NaN finding, read once after unscaling and before the optimizer's
+        kernels are queued; a non-fused optimizer then steps (or not) on that reading, where
+        GradScaler.step would read it again; a fused one takes it on the device. The scale itself
+        is never read.
         """
         opt = optimizer if optimizer is not None else self.optimizer
         if opt is None:
             raise ValueError("Accelerated.step() needs the optimizer (none was given to accelerate())")
         scaler = self.scaler
+        if scaler is not None:
+            scaler.unscale_(opt)  # what scaler.step would do first; now the finding can be read once
         if max_grad_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(_parameters(opt), max_grad_norm)
         stepped = True
         if scaler is not None:
-            scaler.step(opt)
-            # The scaler's own inf/NaN finding for this step (its per-optimizer state, cleared by
-            # update()); scaler.step already waited for it unless the optimizer is fused.
-            found = scaler._found_inf_per_device(opt)
-            stepped = not any(bool(v) for v in found.values())
+            found = list(scaler._found_inf_per_device(opt).values())
+            stepped = not bool(sum(v.to(found[0].device) for v in found)) if found else True
+            if getattr(opt, "_step_supports_amp_scaling", False):
+                scaler.step(opt)  # fused: the kernel skips the update itself on the device's finding
+            elif stepped:
+                opt.step()  # the gradients are unscaled already; update() below reads the same finding
             scaler.update()
         else:
             opt.step()
@@ -425,11 +437,112 @@ def _try_compile(model: nn.Module, timer: _StepTimer, precision: str, cl: bool, 
     return compiled if why == "kept" else None
 
 
+_SET_HERE: dict[str, str] = {}  # the matmul precision accelerate() set last (so it is not taken for the user's)
+
+
+def _apply_tf32(on: bool | None) -> None:
+    if on is not None:
+        _SET_HERE["matmul"] = "high" if on else "highest"
+        torch.set_float32_matmul_precision(_SET_HERE["matmul"])
+
+
+def _apply_cudnn_benchmark(on: bool | None) -> None:
+    if on is not None:
+        torch.backends.cudnn.benchmark = on
+
+
+def _choose_cuda_flags(model: nn.Module, timer: _StepTimer | None, tf32: bool | str, cudnn_benchmark: bool | str,
+                       report: AccelerateReport, dev: torch.device, margin: float) -> None:
+    """CUDA's two process-wide speed switches, each measured like the other settings (or as given):
+
+    - TF32 for fp32 matrix multiplies (sm >= 8.0; PyTorch leaves it off for matmuls while cuDNN
+      convolutions use TF32 by default). Only where fp32 was chosen: autocast runs matmuls in bf16/fp16
+      anyway. A matmul precision the process already set (`torch.set_float32_matmul_precision`) is
+      the user's and is kept.
+    - cudnn.benchmark (autotuning: pays with static shapes, costs with varying ones), for models
+      with convolutions; off under deterministic mode. Given True/False is applied as given.
+    Sets report.tf32 / report.cudnn_benchmark (None where the switch does not apply)."""
+    if dev.type != "cuda":
+        return
+    rows = report.candidates
+    major, _ = torch.cuda.get_device_capability(dev)
+    if tf32 != "auto":
+        report.tf32 = bool(tf32)
+        rows.append(Trial("tf32", str(report.tf32), decision="given"))
+    elif torch.get_float32_matmul_precision() not in ("highest", _SET_HERE.get("matmul")):
+        report.tf32 = torch.get_float32_matmul_precision() != "highest"
+        rows.append(Trial("tf32", str(report.tf32), decision=(
+            f"given (matmul precision {torch.get_float32_matmul_precision()!r} set before accelerate)")))
+    elif major < 8 or report.precision != "fp32" or timer is None:
+        why = (f"sm {major}.x has no TF32" if major < 8 else "mixed precision chosen: matmuls run in "
+               f"{report.precision}" if report.precision != "fp32" else "no example batch to measure on")
+        rows.append(Trial("tf32", "True", decision=f"not tried: {why}"))
+    else:
+        report.tf32 = _measure_switch("tf32", _apply_tf32, model, timer, report, margin)
+    _apply_tf32(report.tf32)
+
+    deterministic = torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic
+    if cudnn_benchmark != "auto":
+        report.cudnn_benchmark = bool(cudnn_benchmark)
+        rows.append(Trial("cudnn_benchmark", str(report.cudnn_benchmark), decision="given"))
+    elif deterministic or not _has_conv(model) or timer is None:
+        why = ("deterministic mode" if deterministic else "no convolutions" if not _has_conv(model)
+               else "no example batch to measure on")
+        rows.append(Trial("cudnn_benchmark", "True", decision=f"not tried: {why}; left as it is "
+                          f"({torch.backends.cudnn.benchmark})"))
+    else:
+        report.cudnn_benchmark = _measure_switch("cudnn_benchmark", _apply_cudnn_benchmark, model, timer, report,
+                                                 margin)
+    _apply_cudnn_benchmark(report.cudnn_benchmark)
+
+
+def _measure_switch(setting: str, apply: Callable[[bool | None], None], model: nn.Module, timer: _StepTimer,
+                    report: AccelerateReport, margin: float) -> bool:
+    """Time the training step with a process-wide switch off and on (interleaved; the switch is set
+    before each call, so a one-off cost such as cuDNN's autotuning falls in the warm-up); on is kept
+    only when `margin` faster. Adds both rows."""
+    step = timer.step_fn(model, report.precision, report.channels_last)
+
+    def with_switch(on: bool) -> Callable[[], None]:
+        def run() -> None:
+            apply(on)
+            step()
+        return run
+
+    times = timer.compare({"False": with_switch(False), "True": with_switch(True)})
+    keep = _margin_ok(times["False"], times["True"], margin)
+    report.candidates.append(Trial(setting, "False", times["False"], decision="baseline" if keep else "kept"))
+    report.candidates.append(Trial(setting, "True", times["True"],
+                                   decision="kept" if keep else f"rejected: not {margin:.0%} faster"))
+    return keep
+
+
+def _cublas_workspace_for_determinism(cuda_initialized: bool) -> None:
+    """Deterministic mode on CUDA needs CUBLAS_WORKSPACE_CONFIG before cuBLAS's first use in the
+    process (it fixes the workspace then, once): set it when it is missing, and warn when CUDA has
+    been used already, since it may then be too late to take effect."""
+    if not torch.are_deterministic_algorithms_enabled() or os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+        return
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if cuda_initialized:
+        warnings.warn("deterministic mode is on but CUBLAS_WORKSPACE_CONFIG was not set before CUDA was first "
+                      "used in this process, so cuBLAS may already have chosen a non-deterministic workspace: "
+                      "set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before starting Python, or call "
+                      "torchspeed.runtime.deterministic() before any CUDA work", RuntimeWarning, stacklevel=3)
+
+
 def _agree_across_ranks(report: AccelerateReport, model: nn.Module) -> None:
     """Every rank must make the same choices, whatever its own timings said: rank 0's win."""
-    p_idx, cl, co = distributed.broadcast_ints(
-        [PRECISIONS.index(report.precision), int(report.channels_last), int(report.compile)])
+    def code(v: bool | None) -> int:
+        return -1 if v is None else int(v)
+
+    p_idx, cl, co, tf, cb = distributed.broadcast_ints(
+        [PRECISIONS.index(report.precision), int(report.channels_last), int(report.compile), code(report.tf32),
+         code(report.cudnn_benchmark)])
     report.precision, report.channels_last, report.compile = PRECISIONS[p_idx], bool(cl), bool(co)
+    report.tf32, report.cudnn_benchmark = (None if tf < 0 else bool(tf)), (None if cb < 0 else bool(cb))
+    _apply_tf32(report.tf32)
+    _apply_cudnn_benchmark(report.cudnn_benchmark)
     model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
 
 
@@ -442,20 +555,33 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
         g["params"] = [new[names[id(p)]] for p in g["params"]]
 
 
-def _fsdp_wrap(module: nn.Module) -> nn.Module:
-    """FSDP2: shard each top-level block that holds parameters, then the root (autocast does precision)."""
+def _fsdp_policy(precision: str) -> Any:
+    """FSDP2's MixedPrecisionPolicy for a chosen precision: parameters all-gathered and computed in
+    bf16/fp16 (half the all-gather traffic of fp32), gradients reduced in fp32; None for fp32."""
+    if precision == "fp32":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=precision_dtype(precision), reduce_dtype=torch.float32)
+
+
+def _fsdp_wrap(module: nn.Module, precision: str = "fp32") -> nn.Module:
+    """FSDP2: shard each top-level block that holds parameters, then the root, with the precision's
+    MixedPrecisionPolicy (the sharded parameters stay fp32)."""
     from torch.distributed.fsdp import fully_shard
 
+    policy = _fsdp_policy(precision)
+    kwargs = {"mp_policy": policy} if policy is not None else {}
     for child in module.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(module)
+            fully_shard(child, **kwargs)
+    fully_shard(module, **kwargs)
     return module
 
 
 def _wrap_for_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy_eff: str | None,
                        asked: str | None, dev: torch.device, denv: distributed.DistEnv,
-                       untried: dict[str, str], rows: list[Trial]) -> nn.Module:
+                       untried: dict[str, str], rows: list[Trial], precision: str = "fp32") -> nn.Module:
     """DDP or FSDP2 as asked (not measured: one process per device is the way to use several).
     FSDP replaces the parameters by shards, so the optimizer is pointed at the new ones."""
     if strategy_eff == "ddp":
@@ -465,10 +591,11 @@ def _wrap_for_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None
         return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     if strategy_eff == "fsdp":
         names = {id(p): n for n, p in model.named_parameters()}
-        wrapped = _fsdp_wrap(model)
+        wrapped = _fsdp_wrap(model, precision)
         if optimizer is not None:
             _rebind_optimizer(optimizer, names, model)
-        rows.append(Trial("strategy", "fsdp", decision=f"kept: fully_shard over {denv.world_size} ranks"))
+        mp = "" if precision == "fp32" else f", {precision} parameters (MixedPrecisionPolicy, fp32 reduce)"
+        rows.append(Trial("strategy", "fsdp", decision=f"kept: fully_shard over {denv.world_size} ranks{mp}"))
         return wrapped
     if "strategy" in untried:
         rows.append(Trial("strategy", str(asked), decision=f"not used: {untried['strategy']}"))
@@ -529,6 +656,8 @@ def accelerate(
     min_compile_cost_s: float = 20.0,
     untried: dict[str, str] | None = None,
     fused_optimizer: bool = True,
+    tf32: bool | str = "auto",
+    cudnn_benchmark: bool | str = "auto",
 ) -> Accelerated:
     """Prepare `model` and `optimizer` for fast training here; decisions are measured and reported.
 
@@ -539,15 +668,21 @@ def accelerate(
     (fraction of step time). Compile's one-off cost must be repaid within `expected_steps` steps;
     with an expected run shorter than `min_compile_cost_s` it is not tried. `untried` maps a setting
     name to the reason it is deliberately not tried (e.g. {"compile": "quick mode budget"}).
+    On CUDA, `tf32` (TF32 for fp32 matmuls) and `cudnn_benchmark` are "auto" (measured) | True |
+    False; both are process-wide switches, set to what was chosen.
 
     The model returned can be given to `Trainer` as it is (or the `Accelerated` itself): the
     Trainer then uses these choices and does not measure again.
     """
     _check_arguments(model, precision, channels_last, compile, strategy)
+    for name, v in (("tf32", tf32), ("cudnn_benchmark", cudnn_benchmark)):
+        if v not in ("auto", True, False):
+            raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
     untried = dict(untried or {})
-    denv, dev, strategy_eff = _resolve_strategy(strategy, resolve_device(device), untried)
+    dev = resolve_device(device)
     if dev.type == "cuda":
-        torch.backends.cudnn.benchmark = not torch.are_deterministic_algorithms_enabled()  # static shapes: autotune
+        _cublas_workspace_for_determinism(torch.cuda.is_initialized())
+    denv, dev, strategy_eff = _resolve_strategy(strategy, dev, untried)
     model.to(dev)
     report = AccelerateReport(device=str(dev), strategy=strategy_eff)
 
@@ -557,17 +692,20 @@ def accelerate(
                          "options on; pass one batch, or give precision/channels_last/compile explicitly")
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
-    timer = _StepTimer(example_batch, loss_fn, dev, trial_steps) if needs_trials else None
+    cuda_switches = dev.type == "cuda" and example_batch is not None and "auto" in (tf32, cudnn_benchmark)
+    timer = _StepTimer(example_batch, loss_fn, dev, trial_steps) if needs_trials or cuda_switches else None
     with _leaving_no_trace(model) if timer is not None else contextlib.nullcontext():
         report.precision, report.channels_last, base_step = _choose_precision_and_layout(
             model, timer, precision, channels_last, dev, margin, report.candidates)
         model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
+        _choose_cuda_flags(model, timer, tf32, cudnn_benchmark, report, dev, margin)
         compiled = _choose_compile(model, timer, compile, report, base_step, expected_steps, margin,
                                    min_compile_cost_s, untried)
     if denv.distributed:
         _agree_across_ranks(report, model)
 
-    wrapped = _wrap_for_strategy(model, optimizer, strategy_eff, strategy, dev, denv, untried, report.candidates)
+    wrapped = _wrap_for_strategy(model, optimizer, strategy_eff, strategy, dev, denv, untried, report.candidates,
+                                 report.precision)
     if optimizer is not None and fused_optimizer:
         report.optimizer = _choose_optimizer_implementation(optimizer, dev, dtensor=strategy_eff == "fsdp")
         report.candidates.append(Trial("optimizer", report.optimizer,

@@ -5,6 +5,7 @@ Everything here is a no-op in a single process, so the same training script runs
 """
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "env", "setup", "all_reduce_sums", "any_rank", "barrier", "broadcast_ints", "shard_loader"]
+__all__ = ["DistEnv", "env", "setup", "cuda_index", "all_reduce_sums", "any_rank", "barrier", "broadcast_ints",
+           "gather_states", "shard_loader"]
 
 
 @dataclass(frozen=True)
@@ -42,13 +44,41 @@ def env() -> DistEnv:
         raise ValueError(f"torchrun environment variables WORLD_SIZE/RANK/LOCAL_RANK are not integers: {e}") from None
 
 
+def cuda_index(local_rank: int, device_count: int, local_world_size: int | None = None,
+               visible_devices: str | None = None) -> int:
+    """The CUDA device index this process trains on.
+
+    torchrun with one GPU per process: LOCAL_RANK. When every process is given its own GPU(s) through
+    CUDA_VISIBLE_DEVICES (SLURM's one GPU per task), each sees them from index 0: LOCAL_RANK modulo
+    the visible count (cuda:0 with one). Otherwise, more processes on this node than visible GPUs
+    would share one (NCCL refuses, or rank 0 waits for a rank that crashed): a ValueError on every
+    rank, before the process group, saying what to change.
+    """
+    if device_count < 1:
+        raise ValueError("device 'cuda' was asked for, but no CUDA device is visible to this process (check "
+                         "CUDA_VISIBLE_DEVICES and the driver), or train on the CPU with device='cpu'")
+    if local_rank < device_count and (local_world_size is None or local_world_size <= device_count):
+        return local_rank
+    if visible_devices:  # each process was given its own device(s): they start at index 0 in every process
+        return local_rank % device_count
+    raise ValueError(
+        f"{local_world_size or local_rank + 1} training processes on this node (LOCAL_RANK {local_rank}) but "
+        f"{device_count} CUDA device(s) visible: processes would share a GPU. Launch at most {device_count} "
+        f"per node (torchrun --nproc_per_node={device_count}), give each process its own GPU with "
+        "CUDA_VISIBLE_DEVICES (as SLURM's --gpus-per-task does), or train on the CPU (device='cpu', gloo)")
+
+
 def setup(device: torch.device) -> tuple[DistEnv, torch.device]:
-    """Initialise the process group once (NCCL on CUDA, gloo on CPU) and pick this rank's device."""
+    """Initialise the process group once (NCCL on CUDA, gloo on CPU) and pick this rank's device
+    (`cuda_index`: a wrong LOCAL_RANK / device count is an error on every rank before any rank waits)."""
     e = env()
     if not e.distributed:
         return e, device
     if device.type == "cuda":
-        device = torch.device("cuda", e.local_rank)
+        lws = os.environ.get("LOCAL_WORLD_SIZE")
+        device = torch.device("cuda", cuda_index(e.local_rank, torch.cuda.device_count(),
+                                                 int(lws) if lws and lws.isdigit() else None,
+                                                 os.environ.get("CUDA_VISIBLE_DEVICES")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
@@ -85,6 +115,26 @@ def broadcast_ints(values: list[int], src: int = 0) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64, device=_comm_device())
     dist.broadcast(t, src)
     return [int(v) for v in t.tolist()]
+
+
+def gather_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's `state` (tensors and plain types, e.g. its RNG state), in rank order, on every rank
+    (`[state]` in one process). Sent as torch.save bytes and read back with weights_only=True."""
+    if not _active():
+        return [state]
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    dev = _comm_device()
+    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev))
+    longest = max(int(t.item()) for t in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[:data.numel()] = data
+    parts = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return [torch.load(io.BytesIO(p[:int(n.item())].cpu().numpy().tobytes()), weights_only=True)
+            for p, n in zip(parts, sizes)]
 
 
 def barrier() -> None:

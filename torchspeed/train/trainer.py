@@ -28,7 +28,7 @@ from torch import nn
 from torchspeed.atomic import atomic_write
 from torchspeed.batches import split_batch, to_device
 from torchspeed.metrics import correct_top1
-from torchspeed.runtime import rng_state, set_rng_state
+from torchspeed.runtime import resolve_device, rng_state, set_rng_state
 from torchspeed.train import checkpoint as ckpt
 from torchspeed.train import distributed
 from torchspeed.train.acceleration import Accelerated, _forget, accelerate, autocast_for
@@ -168,6 +168,19 @@ class _Progress:
 def _epoch_line(row: dict[str, Any]) -> str:
     """'epoch 1 step 8 train_loss 0.693 val_loss 0.65 val_acc 0.75 ...': an epoch's row as one line."""
     return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+
+
+def _own_rng(state: dict[str, Any], e: distributed.DistEnv) -> dict[str, Any]:
+    """The checkpoint's state with this rank's own generators (written by every rank of the same world
+    size; rank 0's otherwise, as at an epoch end any world size may resume)."""
+    ranks = state.get("rng_ranks") or []
+    if len(ranks) != e.world_size:
+        return state
+    mine = ranks[e.rank]
+    state = dict(state, rng=mine["rng"])
+    if state.get("epoch_start") is not None and mine.get("epoch_start_rng") is not None:
+        state["epoch_start"] = dict(state["epoch_start"], rng=mine["epoch_start_rng"])
+    return state
 
 
 def _check_agrees(acc: Accelerated, **given: Any) -> None:
@@ -334,7 +347,9 @@ class Trainer:
             return
         s = dict(self.settings)
         example = None
-        if "auto" in (s["precision"], s["channels_last"], s["compile"]):
+        cuda_switches = resolve_device(s["device"]).type == "cuda" and "auto" in (s.get("tf32", "auto"),
+                                                                                 s.get("cudnn_benchmark", "auto"))
+        if "auto" in (s["precision"], s["channels_last"], s["compile"]) or cuda_switches:
             example = self._example_batch(loader)
         s.setdefault("expected_steps", expected_steps)
         self.acc = accelerate(self._raw_model, self.optimizer, example_batch=example, loss_fn=self.loss_fn, **s)
@@ -381,7 +396,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
-        """Validation loss (and top-1 accuracy for class logits) under inference_mode and autocast."""
+        """Validation loss (and top-1 accuracy for class logits) under autocast, without autograd:
+        `inference_mode`, or `no_grad` under FSDP (whose parameters inference_mode would turn into
+        inference tensors that a later backward refuses, e.g. when evaluating before fit)."""
         self._prepare(loader, None) if self.acc is None else None
         prev_loader, self._loader = self._loader, self._shard(loader)
         model = self.model
@@ -391,7 +408,8 @@ class Trainer:
         # not depend on the batches' order, as a float32 sum on the device would.
         loss_sum, correct, n, classify = 0.0, 0.0, 0.0, True
         try:
-            with torch.inference_mode(), autocast_for(self.device, self.acc.precision):
+            no_autograd = torch.no_grad() if self.acc.report.strategy == "fsdp" else torch.inference_mode()
+            with no_autograd, autocast_for(self.device, self.acc.precision):
                 for batch in self._loader:
                     x, y = self._split(batch)
                     out = model(x)
@@ -418,8 +436,17 @@ class Trainer:
     def _position(self) -> tuple[int, int]:
         return (self.epoch + 1, 0) if self._epoch_finished else (self.epoch, self.batches_done)
 
-    def state_dict(self, include_model: bool = True) -> dict[str, Any]:
-        """Everything needed to continue exactly: tensors and plain types only."""
+    def _rng_of_this_rank(self) -> dict[str, Any]:
+        """This process's generators now and at the start of the epoch (each rank has its own: under
+        DDP, rank r's dropout draws from cuda:r's generator, which only rank r's process holds)."""
+        start = None if self._epoch_finished or self._epoch_start is None else self._epoch_start["rng"]
+        return {"rng": rng_state(), "epoch_start_rng": start}
+
+    def state_dict(self, include_model: bool = True, rng_ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Everything needed to continue exactly: tensors and plain types only.
+
+        `rng_ranks`: every rank's generators (`save_checkpoint` gathers them from all ranks); by
+        default this process's only."""
         epoch, done = self._position()
         loader = self._loader
         state: dict[str, Any] = {
@@ -429,6 +456,7 @@ class Trainer:
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
             "rng": rng_state(),
+            "rng_ranks": rng_ranks if rng_ranks is not None else [self._rng_of_this_rank()],
             "generator": loader.generator.get_state()
             if isinstance(getattr(loader, "generator", None), torch.Generator) else None,
             "epoch_start": None if self._epoch_finished else self._epoch_start,
@@ -454,12 +482,13 @@ class Trainer:
         self._read_losses()
         if self.run_id is None:
             self.run_id = ckpt.new_run_id()
+        ranks = distributed.gather_states(self._rng_of_this_rank())  # every rank takes part
         if self.acc.report.strategy == "fsdp":
             return ckpt.save_sharded(directory, self.global_step, self.module, self.optimizer,
-                                     self.state_dict(include_model=False), self.is_main)
+                                     self.state_dict(include_model=False, rng_ranks=ranks), self.is_main)
         path = os.path.join(directory, ckpt.checkpoint_name(self.global_step))
         if self.is_main:
-            ckpt.save_file(path, self.state_dict())
+            ckpt.save_file(path, self.state_dict(rng_ranks=ranks))
         distributed.barrier()
         return path
 
@@ -552,7 +581,7 @@ class Trainer:
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.history = list(state.get("history") or [])
         self.run_id = state.get("run_id") or self.run_id
-        self._resume_state = state
+        self._resume_state = _own_rng(state, self.dist)
         self.log.restore(self.global_step)
 
     # ---------------------------------------------------------------- training
