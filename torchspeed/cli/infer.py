@@ -26,18 +26,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="a model spec (resnet18, timm:vit_tiny_patch16_224, package.module:factory, "
                         "path/to/file.py:factory; weights with --weights), 'demo' (the trained demo ResNet-18), "
-                        "or a torch artifact directory saved by optimize")
+                        "a torch artifact directory saved by optimize, or an .onnx file (then the ONNX Runtime "
+                        "and OpenVINO variants compete against it)")
     add_model_options(p)
     p.add_argument("--num-classes", type=positive_int, metavar="N",
                    help="classifier width of a torchvision/timm model built by name (default: the model's)")
     p.add_argument("--input-shape", type=int_tuple, default=None, metavar="N,C,H,W",
-                   help="example input shape (default 1,3,224,224, or the model's own; the demo model's size for 'demo')")
+                   help="example input shape (default 1,3,224,224, or the model's own; the demo model's size for 'demo'; "
+                        "an .onnx file's from its graph, this filling its dynamic dimensions)")
     p.add_argument("--calib", metavar="DATA",
                    help="ImageFolder or packed store of calibration images for INT8 ('demo' for the demo split)")
     p.add_argument("--eval", metavar="DATA",
                    help="labelled ImageFolder or packed store to guard top-1 accuracy on ('demo' for the held-out split)")
     p.add_argument("--max-metric-drop", type=_fraction, default=0.01, metavar="DROP",
-                   help="largest accepted top-1 drop vs eager fp32 (default 0.01)")
+                   help="largest accepted top-1 drop vs eager fp32 (an .onnx file: vs ONNX Runtime fp32 on it; default 0.01)")
     p.add_argument("--max-calib-samples", type=positive_int, default=256, metavar="N",
                    help="calibration images used (default 256)")
     p.add_argument("--max-eval-samples", type=positive_int, default=1000, metavar="N",
@@ -70,9 +72,11 @@ def _image_batches(root: str, n: int, shape: tuple[int, ...], batch_size: int) -
 
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...]]:
-    """(model, demo or None, default input shape)."""
+    """(model or .onnx path, demo or None, default input shape)."""
     from torchspeed.models import default_input_shape
 
+    if args.model.lower().endswith(".onnx"):
+        return _onnx_model(args)
     if args.model == "demo" or os.path.isdir(args.model):
         if args.weights or args.model_kwargs:
             raise UserError("--weights and --model-kwargs apply to a model built from a spec, not to "
@@ -94,6 +98,23 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...]]:
     return model, None, default_input_shape(model) or (1, 3, 224, 224)
 
 
+def _onnx_model(args: argparse.Namespace) -> tuple[str, None, tuple[int, ...]]:
+    """An .onnx file: its input shape read from the graph (--input-shape fills dynamic dimensions)."""
+    from torchspeed.infer.export import onnx_example
+
+    given = [flag for flag, value in (("--weights", args.weights), ("--model-kwargs", args.model_kwargs),
+                                      ("--num-classes", args.num_classes)) if value]
+    if given:
+        raise UserError(f"{', '.join(given)} apply to a model built from a spec, not to the ONNX file {args.model!r}")
+    if not os.path.isfile(args.model):
+        raise UserError(f"ONNX model {args.model!r} does not exist")
+    example = onnx_example(args.model, args.input_shape)
+    if not hasattr(example, "shape"):
+        raise UserError(f"{args.model!r} takes several inputs ({', '.join(example)}); the command line feeds "
+                        "one-input models: call torchspeed.infer.optimize with example_input= as a dict")
+    return args.model, None, tuple(example.shape)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -104,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     model, demo, default_shape = _load_model(args)
-    shape = args.input_shape or default_shape
+    shape = default_shape if isinstance(model, str) else (args.input_shape or default_shape)
     if len(shape) != 4 and (args.calib or args.eval):
         raise UserError(f"--calib/--eval read images, which needs a 4-d --input-shape N,C,H,W; got {shape}")
     example = torch.randn(shape)
@@ -140,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     b = result.batch_sizes[0]
     base = result.table[0].p50_ms(b)
-    console.print(f"best: {best.name} ({best.p50_ms(b):.2f} ms at batch {b}, {base / best.p50_ms(b):.1f}x eager fp32)")
+    console.print(f"best: {best.name} ({best.p50_ms(b):.2f} ms at batch {b}, {base / best.p50_ms(b):.1f}x {result.table[0].name})")
     if args.out:
         best.save(args.out)
         console.print(f"saved to {args.out} (run it with torchspeed.infer.load({args.out!r}))")

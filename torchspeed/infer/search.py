@@ -728,10 +728,15 @@ def optimize(
             raise ValueError(f"optimize() takes an nn.Module or an .onnx file, got the path {onnx_path!r}")
         if not os.path.isfile(onnx_path):
             raise FileNotFoundError(f"ONNX model {onnx_path!r} does not exist")
-        if example_input is None:
-            from torchspeed.infer.export import onnx_example
+        from torchspeed.infer.export import onnx_example, onnx_inputs
 
+        if example_input is None:
             example_input = onnx_example(onnx_path, input_shape)
+        fixed = {d[0] for _, d, _ in onnx_inputs(onnx_path) if d and isinstance(d[0], int) and d[0] > 0}
+        if fixed and set(int(b) for b in batch_sizes) != fixed:
+            raise ValueError(f"the ONNX model {onnx_path!r} has a fixed batch size of {min(fixed)}: time it at that "
+                             f"size (batch_sizes=({min(fixed)},), --batch-sizes {min(fixed)}) or export it with a "
+                             "dynamic batch dimension")
         device = torch.device(device or "cpu")
     elif not isinstance(model, nn.Module):
         raise ValueError(f"optimize() expects an nn.Module or the path of an .onnx file, got {type(model).__name__}")
@@ -819,11 +824,18 @@ def _search(model: nn.Module | str, example_input: Any, calib_data: Iterable[Any
     gen = torch.Generator().manual_seed(0)
 
     # The reference inputs: representative ones (calibration samples when given), on the model's device.
-    verify_x = _batch_of(example, max(8, batch_size(example)), gen)
+    fixed_batch = None  # an ONNX file exported at one batch size runs at that size only
+    if onnx_path is not None:
+        from torchspeed.infer.export import onnx_inputs
+
+        fixed = {d[0] for _, d, _ in onnx_inputs(onnx_path) if d and isinstance(d[0], int) and d[0] > 0}
+        fixed_batch = min(fixed) if fixed else None
+    n_verify = fixed_batch or max(8, batch_size(example))
+    verify_x = _batch_of(example, n_verify, gen)
     if calib_data is not None:
         from torchspeed.infer.quantize import calibration_arrays
 
-        verify_x = to_device(_concat(calibration_arrays(calib_data, 16, fmt)), device)
+        verify_x = to_device(_concat(calibration_arrays(calib_data, fixed_batch or 16, fmt)), device)
         if isinstance(example, torch.Tensor) and _per_sample(verify_x) != _per_sample(example):
             raise ValueError(f"calibration inputs have shape {_per_sample(verify_x)} per sample but "
                              f"example_input has {_per_sample(example)}: they must match")
