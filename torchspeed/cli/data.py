@@ -53,8 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_pack)
 
     p = sub.add_parser("tune-loader", help="time the data loader over num_workers/threads/prefetch/persistent and pick "
-                                           "the fastest")
-    p.add_argument("data", metavar="DATA", help="ImageFolder directory or packed store")
+                                           "the fastest",
+                       description="Time the data loader over num_workers/threads/prefetch/persistent and pick the "
+                                   "fastest. DATA is an ImageFolder directory, a packed store, or your own Dataset as "
+                                   "a factory: package.module:factory (importable from here) or path/file.py:factory, "
+                                   "a function or class called with no arguments that returns a map-style Dataset of "
+                                   "(image, label) or dicts with an image and a label. Images (PIL or uint8) go "
+                                   "through the torchspeed pipeline; samples that are already tensors (your own "
+                                   "transforms) are timed as a plain DataLoader.")
+    p.add_argument("data", metavar="DATA", help="ImageFolder directory, packed store, or Dataset factory "
+                                                "package.module:factory / path/file.py:factory")
     p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="batch size (default 64)")
     p.add_argument("--crop", type=positive_int, default=224, metavar="N", help="training crop size (default 224)")
     p.add_argument("--num-workers", type=counts(0), default="auto", metavar="auto|N,M,...",
@@ -62,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=counts(1), default="auto", metavar="auto|N,M,...",
                    help="batch-making threads tried at num_workers=0: auto (1..cores+1, default), a number (fixed) "
                         "or a comma list such as 1,2")
-    p.add_argument("--seconds", type=float, default=1.0, help="length of each timed pass (default 1.0)")
+    p.add_argument("--seconds", type=float, default=1.0, metavar="S", help="length of each timed pass in seconds (default 1.0)")
     add_json_option(p)
     p.set_defaults(func=run_tune_loader)
 
@@ -103,20 +111,24 @@ def run_tune_loader(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from torchspeed.atomic import write_json
-    from torchspeed.tables import print_table
     from torchspeed.data import tune_loader
+    from torchspeed.data.sources import DatasetSource, is_dataset_spec, spec_for_tuning
+    from torchspeed.tables import print_table
 
     if args.seconds <= 0:
         raise ValueError(f"--seconds must be positive, got {args.seconds}")
     console = Console()
-    settings = tune_loader(args.data, args.batch_size, crop=args.crop, num_workers=args.num_workers, threads=args.threads,
+    data = spec_for_tuning(args.data) if is_dataset_spec(args.data) else args.data
+    pipeline = isinstance(data, (str, DatasetSource))  # else the Dataset's own samples, in a plain DataLoader
+    settings = tune_loader(data, args.batch_size, crop=args.crop, num_workers=args.num_workers,
+                           threads=args.threads if pipeline else None,
                            seconds=args.seconds, progress=lambda text: console.print(text, style="dim"))
     rows = [(r.num_workers, r.threads, r.prefetch_factor, r.persistent_workers, r.pin_memory,
              "final (interleaved)" if r.final else "", r.items_per_s) for r in settings.table]
     print_table(f"tune-loader {args.data} (batch {args.batch_size}, crop {args.crop}): images/s",
                 ["num_workers", "threads", "prefetch_factor", "persistent", "pin_memory", "round", "img/s"], rows,
                 console)
-    console.print(f"best: fast_loader(..., {settings.describe()}) at "
+    console.print(f"best: {'fast_loader' if pipeline else 'DataLoader'}(..., {settings.describe()}) at "
                   f"{settings.throughput:,.0f} img/s", highlight=False)
     if args.json:
         write_json(args.json, settings.to_dict())

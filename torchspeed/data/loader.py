@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
 from torchspeed.data.decode import GPU_BACKENDS, choose_backend, decode_jpeg_batch_cuda, get_decoder
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
-from torchspeed.data.sources import as_source, sample_name
+from torchspeed.data.sources import DatasetSource, as_source, is_dataset_spec, sample_name, spec_for_tuning
 from torchspeed.data.threads import ThreadedBatches
 from torchspeed.data.tune import LoaderSettings, as_counts, dataloader_factory, measure_settings
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
@@ -374,7 +374,8 @@ def fast_loader(
 ) -> FastLoader:
     """The whole fast input pipeline in one call (see the module docstring for what each step buys).
 
-    `data`: a packed store, an ImageFolder path, or a map-style Dataset. `train=True`:
+    `data`: a packed store, an ImageFolder path, a Dataset factory spec (`package.module:factory` or
+    `path/file.py:factory`, called with no arguments), or a map-style Dataset. `train=True`:
     RandomResizedCrop(crop, scale) + horizontal flip, shuffled, drop_last; `train=False`: resize to
     crop/0.875 + centre crop, in order, every sample kept. `num_workers=0` makes the batches in
     `threads` threads of this process (the decoders release the GIL; no shared memory, no pickling),
@@ -492,7 +493,10 @@ def tune_loader(
     """Measure loader throughput over settings; return the fastest with the whole table (`LoaderSettings`).
 
     `dataset`: a map-style Dataset (timed as a plain shuffled DataLoader), an ImageFolder or store
-    path (timed as the torchspeed pipeline, `fast_loader` with `crop` and `train`), or a factory
+    path (timed as the torchspeed pipeline, `fast_loader` with `crop` and `train`), a Dataset factory
+    spec `package.module:factory` or `path/file.py:factory` (its Dataset built once; timed as the
+    torchspeed pipeline when its samples are images it can take, PIL or uint8, else as a plain
+    DataLoader with the Dataset's own transforms, logged at INFO), or a factory
     `build(num_workers, prefetch_factor, persistent_workers, pin_memory[, threads]) -> iterable of batches`.
     `num_workers`: the counts tried, "auto" (0..cores+1) or a list of candidates (or a comma string
     "0,1,2"), walked upward until throughput falls (`patience` successive counts slower than the best
@@ -511,7 +515,11 @@ def tune_loader(
         raise ValueError(f"seconds must be positive, got {seconds!r}")
     dev = resolve_device(device)
     num_workers = as_counts(num_workers, "num_workers", 0)
-    if isinstance(dataset, (str, os.PathLike)):
+    if is_dataset_spec(dataset):  # built once, not once per setting timed
+        dataset = spec_for_tuning(dataset)
+        if not isinstance(dataset, DatasetSource):
+            threads = None  # a plain DataLoader has worker processes only
+    if isinstance(dataset, (str, os.PathLike, DatasetSource)):
         threads = "auto" if threads is None else threads  # the torchspeed pipeline: its threads are searched too
 
         def build(w: int, pf: int | None, persist: bool, pin: bool, threads: int = 1) -> Any:

@@ -3,6 +3,7 @@
 samples for calibration and evaluation)."""
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +14,10 @@ from torchspeed.data.decode import decode_record, jpeg_info
 from torchspeed.data.store import PackedDataset, Record, is_store, looks_damaged
 from torchspeed.images import IMAGE_EXTENSIONS, check_image_size, open_image, quoted, scan_folder
 
-__all__ = ["FolderSource", "DatasetSource", "Subset", "as_source", "sample_name", "train_val_split", "evenly_spread"]
+log = logging.getLogger(__name__)
+
+__all__ = ["FolderSource", "DatasetSource", "Subset", "as_source", "sample_name", "train_val_split", "evenly_spread",
+           "is_dataset_spec", "dataset_from_spec", "spec_for_tuning"]
 
 
 class FolderSource:
@@ -67,21 +71,41 @@ class FolderSource:
 
 
 class DatasetSource:
-    """Any map-style Dataset of (PIL | HWC uint8 | CHW uint8 tensor, label), read as decoded records."""
+    """Any map-style Dataset read as decoded records: samples `(image, label)` or dicts (`image`/`label`,
+    `pixel_values`/`labels`, ...: the keys `torchspeed.batches.BatchFormat` knows), the image a PIL image,
+    an HWC uint8 array or a CHW uint8 tensor. `spec`: the factory it came from, named in errors."""
 
-    def __init__(self, dataset: Any):
-        self.dataset = dataset
+    def __init__(self, dataset: Any, spec: str | None = None):
+        self.dataset, self.spec = dataset, spec
         self.classes = list(getattr(dataset, "classes", []) or [])
 
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def name(self, index: int) -> str:
+        """What sample `index` is, for error messages."""
+        return f"sample {index} of {self.spec or type(self.dataset).__name__}"
+
     def record(self, index: int) -> Record:
+        from torchspeed.batches import BatchFormat
         from torchspeed.data.packer import _to_hwc_uint8
 
-        x, y = self.dataset[index]
-        img = _to_hwc_uint8(x)
-        return Record("array", img, img.shape[0], img.shape[1], int(y))
+        sample = self.dataset[index]
+        try:
+            x, y = BatchFormat().split(sample)
+        except ValueError:
+            x, y = None, None
+        if isinstance(x, dict) and len(x) == 1:  # {"pixel_values": image, "labels": y}: the one key left is the image
+            (x,) = x.values()
+        if x is None or y is None or isinstance(x, dict):
+            what = f"a dict with keys {sorted(sample)}" if isinstance(sample, dict) else f"a {type(sample).__name__}"
+            raise ValueError(f"{self.name(index)} is {what}: fast_loader takes (image, label) samples or dicts of "
+                             "one image and a label (image/label, pixel_values/labels, ...)")
+        try:
+            img = _to_hwc_uint8(x)
+            return Record("array", img, img.shape[0], img.shape[1], int(y))
+        except Exception as e:
+            raise ValueError(f"{self.name(index)}: {e}") from None
 
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
@@ -114,14 +138,65 @@ def sample_name(source: Any, index: int) -> str:
     return name(index) if callable(name) else f"sample {index} of {getattr(source, 'root', type(source).__name__)}"
 
 
+def is_dataset_spec(data: Any) -> bool:
+    """Whether `data` names a Dataset factory (`package.module:factory` or `path/file.py:factory`) rather
+    than a folder or store (an existing path is always a path)."""
+    from torchspeed.models import _is_user_spec
+
+    return isinstance(data, str) and not os.path.exists(data) and _is_user_spec(data.strip())
+
+
+def dataset_from_spec(spec: str) -> Any:
+    """The Dataset a factory spec builds: `package.module:factory` (importable from the current
+    directory or PYTHONPATH) or `path/file.py:factory`, called with no arguments; it must return a
+    map-style Dataset (`__getitem__` and `__len__`). Loaded the way `torchspeed.models` loads a model
+    factory; every failure is one error naming the spec."""
+    from torchspeed import models
+
+    spec = spec.strip()
+    try:
+        factory = models._user_factory(models.arch_spec(spec))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"dataset factory {spec!r}: {str(e).replace('model file', 'file')}") from None
+    except Exception as e:  # the module cannot be imported, raised while importing, or has no such factory
+        text = str(e).replace(f" for model {spec!r}", "")
+        raise ValueError(f"cannot load the dataset factory {spec!r}: {type(e).__name__}: {text}") from None
+    try:
+        dataset = factory()
+    except Exception as e:
+        raise ValueError(f"the dataset factory {spec!r} failed: {type(e).__name__}: {e}") from None
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ValueError(f"the dataset factory {spec!r} returned a {type(dataset).__name__}, not a map-style "
+                         "Dataset (an object with __getitem__ and __len__, such as a torch.utils.data.Dataset)")
+    return dataset
+
+
+def spec_for_tuning(spec: str) -> Any:
+    """What `tune_loader` times for a Dataset factory spec: a DatasetSource (the torchspeed pipeline) when
+    its samples are images the pipeline takes, else the Dataset itself (its samples are already tensors
+    from its own transforms: timed as a plain DataLoader; logged at INFO)."""
+    source = DatasetSource(dataset_from_spec(spec), spec=spec.strip())
+    try:
+        source.record(0)
+    except ValueError as e:
+        log.info("%s; timing %s as a plain DataLoader with its own transforms", e, source.spec)
+        return source.dataset
+    return source
+
+
 def as_source(data: Any, in_memory: bool = False) -> Any:
-    """A store path -> PackedDataset, a folder path -> FolderSource, a Dataset -> itself or a DatasetSource."""
+    """A store path -> PackedDataset, a folder path -> FolderSource, a Dataset factory spec
+    (`package.module:factory`, `path/file.py:factory`) -> a DatasetSource over what it returns, a
+    Dataset -> itself (when it has records) or a DatasetSource."""
     if isinstance(data, (str, os.PathLike)):
         path = os.fspath(data)
         if is_store(path) or looks_damaged(path):  # a broken store says so (not "no class sub-directories")
             return PackedDataset(path, in_memory=in_memory)
+        if is_dataset_spec(path):
+            return DatasetSource(dataset_from_spec(path), spec=path.strip())
         if not os.path.exists(path):
-            raise FileNotFoundError(f"no data at {path!r}: give an ImageFolder directory or a packed store")
+            raise FileNotFoundError(f"no data at {path!r}: give an ImageFolder directory, a packed store or a "
+                                    "Dataset factory (package.module:factory or path/file.py:factory)")
         return FolderSource(path)
     if hasattr(data, "record") and hasattr(data, "__len__"):
         return data
