@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.batches import split_batch, to_device
+from torchspeed.batches import BatchFormat, to_device
 from torchspeed.runtime import (
     PRECISIONS,
     default_precision,
@@ -236,26 +236,37 @@ def _default_loss(outputs: Any, targets: Any) -> torch.Tensor:
     return out.float().mean()
 
 
-class _StepTimer:
-    """Times training steps (forward, loss, backward) of a model on one example batch."""
+def _image_input(x: Any) -> bool:
+    """Whether the inputs hold a 4-D float tensor (images: a memory format applies)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 4 and x.is_floating_point()
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    return any(_image_input(v) for v in values)
 
-    def __init__(self, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, steps: int):
+
+class _StepTimer:
+    """Times training steps (forward, loss, backward) of a model on one example batch, read through
+    the batch format (inputs, target, logits) the training itself uses."""
+
+    def __init__(self, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, steps: int,
+                 batch_format: BatchFormat | None = None):
         self.device, self.steps = device, steps
         self.loss_fn = loss_fn or _default_loss
+        self.fmt = batch_format or BatchFormat()
         try:
-            self.inputs, self.targets = split_batch(batch)
-        except ValueError:
-            raise ValueError("example_batch must be (inputs, targets) (or a dict batch), e.g. one batch from the "
-                             "training loader") from None
+            self.inputs, self.targets = self.fmt.split(batch)
+        except ValueError as e:
+            raise ValueError(f"example_batch: {e}; give one batch from the training loader") from None
 
     def step_fn(self, model: nn.Module, precision: str, channels_last: bool) -> Callable[[], None]:
         x = to_device(self.inputs, self.device, channels_last)
         y = to_device(self.targets, self.device)
         needs_inputs = getattr(self.loss_fn, "needs_inputs", False)
+        fmt = self.fmt
 
         def step() -> None:
             with autocast_for(self.device, precision):
-                out = model(x)
+                out = fmt.logits_of(fmt.forward(model, x))
                 loss = self.loss_fn(out, y, x) if needs_inputs else self.loss_fn(out, y)
             loss.backward()
             for p in model.parameters():
@@ -350,8 +361,7 @@ def _choose_precision_and_layout(model: nn.Module, timer: _StepTimer | None, pre
     `margin` faster. Returns (precision, channels_last, measured step seconds of the choice or None)."""
     precs = _precision_options(dev) if precision == "auto" else [precision]
     layouts = [bool(channels_last)] if channels_last != "auto" else [False, True]
-    if channels_last == "auto" and not (_has_conv(model) and isinstance(timer.inputs, torch.Tensor)
-                                        and timer.inputs.dim() == 4):
+    if channels_last == "auto" and not (_has_conv(model) and _image_input(timer.inputs)):
         layouts = [False]
         rows.append(Trial("channels_last", "True", decision="not tried: no 2-D convolutions / 4-D input"))
     precision_given = "given" if precision != "auto" else f"kept ({default_precision(dev).reason})"
@@ -658,13 +668,16 @@ def accelerate(
     fused_optimizer: bool = True,
     tf32: bool | str = "auto",
     cudnn_benchmark: bool | str = "auto",
+    batch_format: BatchFormat | dict | None = None,
 ) -> Accelerated:
     """Prepare `model` and `optimizer` for fast training here; decisions are measured and reported.
 
     precision: "auto" | "bf16" | "fp16" | "fp32" (mixed precision keeps fp32 weights and autocasts;
     fp16 brings a GradScaler on CUDA). channels_last / compile: "auto" | True | False. strategy:
     "auto" (DDP under torchrun, else none) | "ddp" | "fsdp" | None. "auto" settings need
-    `example_batch` = (inputs, targets); an option must beat the current choice by `margin`
+    `example_batch` = one training batch, read by `batch_format` (`torchspeed.batches.BatchFormat`:
+    which part is the input, which the target, where the logits are; default: `(x, y)` tuples and
+    dict batches by its auto rules), and `loss_fn(logits, target)`; an option must beat the current choice by `margin`
     (fraction of step time). Compile's one-off cost must be repaid within `expected_steps` steps;
     with an expected run shorter than `min_compile_cost_s` it is not tried. `untried` maps a setting
     name to the reason it is deliberately not tried (e.g. {"compile": "quick mode budget"}).
@@ -693,7 +706,8 @@ def accelerate(
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
     cuda_switches = dev.type == "cuda" and example_batch is not None and "auto" in (tf32, cudnn_benchmark)
-    timer = _StepTimer(example_batch, loss_fn, dev, trial_steps) if needs_trials or cuda_switches else None
+    timer = (_StepTimer(example_batch, loss_fn, dev, trial_steps, BatchFormat.of(batch_format))
+             if needs_trials or cuda_switches else None)
     with _leaving_no_trace(model) if timer is not None else contextlib.nullcontext():
         report.precision, report.channels_last, base_step = _choose_precision_and_layout(
             model, timer, precision, channels_last, dev, margin, report.candidates)

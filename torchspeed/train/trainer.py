@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchspeed.atomic import atomic_write
-from torchspeed.batches import split_batch, to_device
+from torchspeed.batches import BatchFormat, to_device
 from torchspeed.metrics import correct_top1
 from torchspeed.runtime import resolve_device, rng_state, set_rng_state
 from torchspeed.train import checkpoint as ckpt
@@ -206,7 +206,14 @@ def _check_agrees(acc: Accelerated, **given: Any) -> None:
 
 
 class Trainer:
-    """Train `model` with `optimizer` on `loss_fn(outputs, targets)`; settings on "auto" are measured.
+    """Train `model` with `optimizer` on `loss_fn(logits, targets)`; settings on "auto" are measured.
+
+    Batches are `(x, y)` tuples, dict batches (`{"image", "label"}`..., or Hugging Face style
+    `{"pixel_values": ..., "labels": ...}`: the label key is the target, every other key a keyword
+    input) or whatever `batch_format` (`torchspeed.batches.BatchFormat` or a dict of its fields) says;
+    the model is called with the inputs (a dict as keyword arguments) and the loss gets the logits of
+    its output (the tensor, `.logits` or `["logits"]`; `BatchFormat(logits=lambda out: out)` passes
+    the whole output).
 
     `model` may be a model `accelerate()` returned, or the `Accelerated` itself: its choices are used
     as they are (nothing is measured again; `optimizer` may then be left out). Settings given here
@@ -243,6 +250,7 @@ class Trainer:
         log_every_n_steps: int = 50,
         progress: bool | Callable[[str], None] = True,
         accelerate_kwargs: dict[str, Any] | None = None,
+        batch_format: BatchFormat | dict | None = None,
     ):
         prepared = Accelerated.of(model)
         if prepared is not None:
@@ -269,6 +277,7 @@ class Trainer:
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         self._raw_model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.batch_format = BatchFormat.of(batch_format)
         self.settings = dict(precision=precision, channels_last=channels_last, compile=compile, strategy=strategy,
                              device=device, **(accelerate_kwargs or {}))
         self.callbacks: list[Callback] = list(callbacks or [])
@@ -352,7 +361,8 @@ class Trainer:
         if "auto" in (s["precision"], s["channels_last"], s["compile"]) or cuda_switches:
             example = self._example_batch(loader)
         s.setdefault("expected_steps", expected_steps)
-        self.acc = accelerate(self._raw_model, self.optimizer, example_batch=example, loss_fn=self.loss_fn, **s)
+        self.acc = accelerate(self._raw_model, self.optimizer, example_batch=example, loss_fn=self.loss_fn,
+                              batch_format=self.batch_format, **s)
         _forget(self.acc.model)
         self.dist = distributed.env()
 
@@ -366,7 +376,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- batches
     def _split(self, batch: Any) -> tuple[Any, Any]:
-        x, y = split_batch(batch)
+        x, y = self.batch_format.split(batch)
+        if y is None:
+            keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise ValueError(f"the batch has no target to train or evaluate on (it has {keys}); name the label "
+                             "with batch_format=BatchFormat(target=KEY)")
         if not getattr(self._loader, "yields_device_batches", False):
             x = to_device(x, self.device, self.acc.channels_last)
             y = to_device(y, self.device)
@@ -377,6 +391,10 @@ class Trainer:
     @staticmethod
     def _count(y: Any) -> int:
         return int(y.shape[0]) if isinstance(y, torch.Tensor) and y.dim() > 0 else 1
+
+    def _forward(self, model: nn.Module, x: Any) -> Any:
+        """The model called on the inputs as the batch format says; its logits."""
+        return self.batch_format.logits_of(self.batch_format.forward(model, x))
 
     def _loss(self, out: Any, y: Any, x: Any) -> torch.Tensor:
         return self.loss_fn(out, y, x) if getattr(self.loss_fn, "needs_inputs", False) else self.loss_fn(out, y)
@@ -412,7 +430,7 @@ class Trainer:
             with no_autograd, autocast_for(self.device, self.acc.precision):
                 for batch in self._loader:
                     x, y = self._split(batch)
-                    out = model(x)
+                    out = self._forward(model, x)
                     k = self._count(y)
                     loss_sum += float(self._loss(out, y, x).float()) * k
                     if classify and isinstance(out, torch.Tensor) and out.dim() == 2 and isinstance(y, torch.Tensor) \
@@ -726,7 +744,7 @@ class Trainer:
                                                               self.batches_done + 1 == n_batches)
                     with self._no_sync(sync):
                         with acc.autocast():
-                            out = model(x)
+                            out = self._forward(model, x)
                             loss = self._loss(out, y, x)
                         acc.backward(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss)
                     self.batches_done += 1
