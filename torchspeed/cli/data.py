@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                            "the fastest",
                        description="Time the data loader over num_workers/threads/prefetch/persistent and pick the "
                                    "fastest. DATA is an ImageFolder directory, a packed store, or your own Dataset as "
-                                   "a factory: package.module:factory (importable from here) or path/file.py:factory, "
+                                   "a factory: package.module:factory (installed or on PYTHONPATH) or path/file.py:factory, "
                                    "a function or class called with no arguments that returns a map-style Dataset of "
                                    "(image, label) or dicts with an image and a label. Images (PIL or uint8) go "
                                    "through the torchspeed pipeline; samples that are already tensors (your own "

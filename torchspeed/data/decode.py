@@ -8,7 +8,9 @@ same pixels (backends differ in IDCT and chroma upsampling, hence in the last bi
 
 Backends: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), OpenCV, PIL,
 torchvision.io on the CPU, PyTurboJPEG where its system library loads, and nvjpeg
-(`decode_jpeg(device="cuda")`, batched) where CUDA exists: see `decode_jpeg_batch_cuda`.
+(`decode_jpeg(device="cuda")`, batched) where CUDA exists: a candidate only for a loader on a CUDA
+device, timed decoding a whole batch there; one image it cannot read is decoded on the CPU instead
+(see `decode_jpeg_batch_cuda`).
 """
 from __future__ import annotations
 
@@ -231,6 +233,8 @@ def measure_backends(samples: Sequence[Any], backends: Sequence[str] | str | Non
     on_gpu = device is not None and str(device).startswith("cuda")
     names = as_list(backends, name="backends") if backends is not None else \
         [n for n, why in available_backends().items() if why is None and (on_gpu or n not in GPU_BACKENDS)]
+    if any(n in GPU_BACKENDS for n in names) and not on_gpu:  # asked for by name: time it on the GPU
+        device, on_gpu = "cuda", True
     reference_name = "simplejpeg" if "simplejpeg" in names else "pil"
     reference = [get_decoder(reference_name).decode(b, min_size, min_size) for b in samples]
     rows: dict[str, dict[str, Any]] = {}

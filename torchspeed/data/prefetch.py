@@ -218,8 +218,10 @@ class DevicePrefetcher:
                 # a batch already on the GPU (nvjpeg, a GPU augmentation) may still be in the making on
                 # the stream that queued it: this thread's current stream or, for decoding threads, the
                 # default one; the side stream waits for both before it reads the batch
-                for s in {torch.cuda.current_stream(self.device), torch.cuda.default_stream(self.device)}:
-                    stream.wait_stream(s)
+                queued_on = torch.cuda.current_stream(self.device)
+                stream.wait_stream(queued_on)
+                if queued_on != torch.cuda.default_stream(self.device):
+                    stream.wait_stream(torch.cuda.default_stream(self.device))
             with torch.cuda.stream(stream):
                 for t in made_on_device:
                     t.record_stream(stream)  # its memory is not handed out again while the side stream reads it

@@ -147,8 +147,8 @@ def is_dataset_spec(data: Any) -> bool:
 
 
 def dataset_from_spec(spec: str) -> Any:
-    """The Dataset a factory spec builds: `package.module:factory` (importable from the current
-    directory or PYTHONPATH) or `path/file.py:factory`, called with no arguments; it must return a
+    """The Dataset a factory spec builds: `package.module:factory` (importable: installed or on
+    PYTHONPATH) or `path/file.py:factory`, called with no arguments; it must return a
     map-style Dataset (`__getitem__` and `__len__`). Loaded the way `torchspeed.models` loads a model
     factory; every failure is one error naming the spec."""
     from torchspeed import models
