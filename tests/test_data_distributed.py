@@ -106,3 +106,15 @@ def test_a_loader_built_before_the_process_group_follows_it(monkeypatch, tmp_pat
         assert sorted(torch.cat([y for _, y in loader]).tolist()) == list(range(10))
     finally:
         dist.destroy_process_group()
+
+
+def test_worker_processes_read_the_same_shard_as_threads(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    shards = []
+    for workers in (0, 1):
+        loader = fast_loader(IndexDataset(43), 4, crop=8, device="cpu", num_workers=workers, threads=1,
+                             decoder="simplejpeg", persistent_workers=False)
+        assert len(loader) == 3  # ceil(43 / 3) = 15 samples: 3 full batches of 4
+        shards.append([y.tolist() for _, y in loader])
+    assert shards[0] == shards[1] and len(shards[0]) == 3
