@@ -2,7 +2,8 @@
 fixes it, an estimate of what it saves, and the command that measures the fix on this machine.
 
 The fix text and the measuring command live in one registry (`FIXES`), keyed by the stable rule
-id, so rules only say what they saw and how much it costs.
+id, so rules only say what they saw and how much it costs. Loop rules' commands run on the user's own
+script (`torchspeed doctor --try FIX -- python your_train.py`; doctor puts the real command in).
 """
 from __future__ import annotations
 
@@ -46,29 +47,29 @@ FIXES: dict[str, Fix] = {
     "loader-no-workers": Fix(
         "load batches in worker processes so decoding overlaps the step: DataLoader(num_workers=N, "
         "persistent_workers=True), or ts.data.fast_loader(data, batch_size) which picks N by measuring",
-        "torchspeed tune-loader DATA --batch-size B  (and: torchspeed bench data)"),
+        "torchspeed doctor --try workers -- python your_train.py"),
     "loader-not-persistent": Fix(
         "keep workers alive across epochs: DataLoader(..., persistent_workers=True) (fast_loader does)",
-        "torchspeed tune-loader DATA --batch-size B"),
+        "torchspeed doctor --try persistent_workers -- python your_train.py"),
     "data-bound": Fix(
         "feed the model faster: ts.data.pack (one LMDB file instead of many JPEGs, resized once), "
         "ts.data.fast_loader (tuned workers, device-side normalisation), ts.data.DevicePrefetcher",
-        "torchspeed bench data"),
+        "torchspeed doctor --try workers,persistent_workers,pin_memory -- python your_train.py"),
     "no-autocast": Fix(
         "train in mixed precision: ts.train.accelerate(model, optimizer, precision='auto') or "
         "`with torch.autocast(device_type, dtype=torch.bfloat16)` around forward and loss",
-        "torchspeed bench train"),
+        "torchspeed doctor --try bf16,fp16 -- python your_train.py"),
     "bf16-without-amx": Fix(
         "keep fp32 unless bf16 measures faster here: ts.train.accelerate(model, optimizer, precision='auto') "
         "times both and keeps the faster",
-        "torchspeed bench train"),
+        "torchspeed doctor --try bf16 -- python your_train.py"),
     "pin-memory-without-cuda": Fix(
         "drop pin_memory=True: there is no CUDA device, so pinning only costs host memory and a copy",
-        "torchspeed tune-loader DATA --batch-size B", "info"),
+        "torchspeed doctor -- python your_train.py", "info"),
     "no-pin-memory": Fix(
         "pin host batches and copy asynchronously: DataLoader(pin_memory=True) + .to(device, non_blocking=True), "
         "or ts.data.DevicePrefetcher (copies the next batch on a side stream)",
-        "torchspeed bench data"),
+        "torchspeed doctor --try pin_memory -- python your_train.py"),
     "host-syncs": Fix(
         "stop forcing host-device syncs every step: accumulate the loss on the device and call .item() "
         "every N steps (the Trainer logs this way)",
@@ -76,10 +77,10 @@ FIXES: dict[str, Fix] = {
     "cudnn-benchmark-off": Fix(
         "let cuDNN pick the fastest kernels for static shapes: torch.backends.cudnn.benchmark = True "
         "(ts.train.accelerate does this when input shapes are fixed)",
-        "torchspeed bench train"),
+        "torchspeed doctor --try cudnn_benchmark -- python your_train.py"),
     "data-parallel": Fix(
         "use DistributedDataParallel, one process per GPU (torchrun; ts.train.accelerate(strategy='ddp'))",
-        "torchrun --nproc-per-node N your_train.py"),
+        "torchspeed doctor -- torchrun --nproc-per-node N your_train.py"),
     "eval-without-no-grad": Fix(
         "evaluate under torch.no_grad() / torch.inference_mode() (Trainer.evaluate does): no autograd graph "
         "is built, memory and time drop",
@@ -92,15 +93,15 @@ FIXES: dict[str, Fix] = {
         "keep loader workers/threads + intra-op threads within the cores: lower num_workers / threads "
         "(fast_loader(..., num_workers=N, threads=M) fixes them instead of timing the loader alone) or "
         "torch.set_num_threads(cores - num_workers)",
-        "torchspeed doctor again on the changed script"),
+        "torchspeed doctor --try threads,workers -- python your_train.py"),
     "python-overhead": Fix(
         "cut Python and launch overhead: ts.train.accelerate(compile='auto') (torch.compile, measured), "
         "larger batches, fewer host syncs",
-        "torchspeed bench train"),
+        "torchspeed doctor --try compile -- python your_train.py"),
     "no-channels-last": Fix(
         "use channels_last memory format for conv models: ts.train.accelerate(channels_last='auto') keeps it "
         "only where it measures faster (it can be slower in fp32)",
-        "torchspeed bench train"),
+        "torchspeed doctor --try channels_last -- python your_train.py"),
     # loss / activation pairing (doctor, profile, lint)
     "double-softmax": Fix(
         "feed raw logits to CrossEntropyLoss (it applies log_softmax itself): remove the final softmax, "

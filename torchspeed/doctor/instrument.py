@@ -83,6 +83,8 @@ class Recorder:
         self.losses: list[Any] = []  # first KEEP_LOSSES losses, detached on their device
         self.batch_prints: list[list[Any]] = []  # integer contents (labels) of the first batches
         self._samples = 0
+        self.fix: Any = None  # doctor --try: the fixes.FixState this run injects
+        self.non_blocking = False  # --try pin_memory: pinned copies to CUDA made non_blocking
         self.phase_names = PHASES
         self._fwd_stack: list[bool] = []
         self._pending_eval_grad = False
@@ -333,6 +335,8 @@ class Recorder:
         losses = [float(t.float()) for t in self.losses]
         return {"steps_run": self.steps, "windows": self.windows, "settings": s, "peak_memory_bytes": peak,
                 "losses": losses, "batch_prints": self.batch_prints,
+                "fixes": self.fix.spec if self.fix is not None else {},
+                "compile_window": self.fix.compile_window if self.fix is not None else None,
                 "script_s": time.perf_counter() - self.t_start, "trace": self.trace_path if self.trace_path
                 and os.path.exists(self.trace_path) else None}
 
@@ -508,6 +512,9 @@ def _forward_pre(rec: Recorder) -> Callable[..., None]:
                 rec.s["train_mode_eval_forwards"] += 1
         rec._fwd_stack.append(True)
         rec._enter("forward" if training else "eval")
+        if rec.fix is not None:
+            return rec.fix.forward_pre(rec, module, args, training and not is_loss)
+        return None
     return pre
 
 
@@ -516,7 +523,10 @@ def _forward_post(rec: Recorder) -> Callable[..., None]:
         if not rec.enabled or not rec._fwd_stack:
             return
         if rec._fwd_stack.pop():
+            new = rec.fix.forward_post(module, output) if rec.fix is not None else None
             rec._exit()
+            return new
+        return None
     return post
 
 
@@ -534,6 +544,8 @@ def _backward(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
         tensors = a[0] if a else k.get("tensors")
         if len(rec.losses) < KEEP_LOSSES and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
             rec.losses.append(tensors.detach().clone())  # read after the run: no sync now
+        if rec.fix is not None and rec.fix.scaler is not None and a:
+            a = (rec.fix.scale_loss(a[0]), *a[1:])
         depth = len(rec.clock._stack)
         rec._enter("backward")
         try:
@@ -556,6 +568,8 @@ def _optimizer_pre(rec: Recorder) -> Callable[..., None]:
             rec.s["optimizer_options"][name] = {k: opt.defaults.get(k) for k in ("fused", "foreach")
                                                 if k in opt.defaults}
         rec._enter("optimizer")
+        if rec.fix is not None:
+            rec.fix.before_step(opt)
     return opt_pre
 
 
@@ -563,6 +577,8 @@ def _optimizer_post(rec: Recorder) -> Callable[..., None]:
     def opt_post(opt, args, kwargs):
         if not rec.enabled:
             return
+        if rec.fix is not None:
+            rec.fix.after_step(opt)
         rec._exit()
         rec._segment_end("optimizer")
     return opt_post
@@ -594,6 +610,8 @@ def _copying(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
     def copy(t, *a, **k):
         if not rec.enabled or not rec.in_loop or rec.clock.current not in (None, "optimizer"):
             return orig(t, *a, **k)
+        if rec.non_blocking and t.is_pinned():
+            k.setdefault("non_blocking", True)
         rec._enter("copy")
         try:
             out = orig(t, *a, **k)
@@ -724,9 +742,22 @@ def main() -> None:
     steps = os.environ.pop(ENV_STEPS, "") or None
     trace = os.environ.pop(ENV_TRACE, "") or None
     use_cprofile = os.environ.pop(ENV_CPROFILE, "") == "1"
+    seed = os.environ.pop(ENV_SEED, "")
+    fixes = os.environ.pop(ENV_FIXES, "")
     mode, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     rec = Recorder(max_steps=int(steps) if steps else None, trace_path=trace)
     rec.install()
+    if fixes:
+        import json
+
+        from torchspeed.doctor.fixes import FixState
+
+        rec.fix = FixState(json.loads(fixes))
+        rec._undo.extend(("fix", undo) for undo in rec.fix.install(rec))
+    if seed:
+        from torchspeed.runtime import seed_everything
+
+        seed_everything(int(seed))  # every --try run alike, so their losses compare
     if mode == "script":
         sys.argv = [target, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(target))

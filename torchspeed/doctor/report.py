@@ -122,6 +122,10 @@ def markdown(d: dict[str, Any], title: str) -> str:
         gain = "bug" if f["severity"] == "bug" else f"~{f['expected_gain']:.0%}"
         lines += [f"{i}. **{f['rule']}** ({gain}): {f['message']}", f"   - fix: {f['fix']}",
                   f"   - measure: `{f['command']}`", f"   - gain basis: {f['gain_basis']}"]
+    if d.get("try"):
+        from torchspeed.doctor.trying import markdown_tried
+
+        lines += [""] + markdown_tried(d["try"])
     if d.get("error"):
         lines += ["", f"The script raised: `{d['error']}`"]
     return "\n".join(lines) + "\n"

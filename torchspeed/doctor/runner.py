@@ -21,6 +21,8 @@ from torchspeed.doctor.phases import PHASES, verdict
 
 __all__ = ["child_command", "run_doctor", "build_payload"]
 
+TRY_STEPS = 8  # steps per run under --try when --steps is not given
+
 _PY = re.compile(r"^(python|pypy)(\d+(\.\d+)*)?(\.exe)?$")
 _OPTS_WITH_VALUE = {"-W", "-X", "-Q"}
 
@@ -134,6 +136,11 @@ def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> 
     facts = {"device": settings.get("device", "cpu"), "steps": len(steady), "wall_s": s_wall, "phases": s_phases,
              "settings": settings, "verdict": v}
     findings = loop_findings(facts) if windows else []
+    cmd = " ".join(command)
+    py_script = " ".join(command[1:]) if len(command) > 1 and _PY.match(os.path.basename(command[0])) else cmd
+    for f in findings:  # the measuring command runs on this very script
+        f.command = f.command.replace("torchrun --nproc-per-node N your_train.py",
+                                      f"torchrun --nproc-per-node N {py_script}").replace("python your_train.py", cmd)
     times = sorted(w["wall"] * 1e3 for w in steady)
     return {
         "command": list(command), "exit_status": exit_status, "status": raw.get("status", "no-report"),
@@ -195,36 +202,18 @@ def check_interpreter(argv: list[str], env: dict[str, str] | None = None) -> Non
                          f"{sys.executable} your_train.py")
 
 
-def run_doctor(command: list[str], steps: int | None = None, out: str | None = None, json_path: str | None = None,
-               trace: bool = False, cprofile: bool = False, console: Any = None,
-               timeout: float | None = None) -> tuple[int, dict[str, Any]]:
-    """Run `command` instrumented; print the report; write `json_path` and `out`/doctor.{json,md} (and
-    the trace). Returns (the script's exit status, the report)."""
-    from torchspeed.atomic import atomic_write, write_json
-    from torchspeed.doctor.report import markdown, print_profile
-
-    if steps is not None and steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
-    argv = child_command(command)
-    if out:
-        try:
-            os.makedirs(out, exist_ok=True)
-        except OSError as e:
-            raise OSError(f"cannot create the report directory {out!r}: {e.strerror}") from None
+def _run_child(argv: list[str], env: dict[str, str], timeout: float | None,
+               log: Any = None) -> tuple[int, dict[str, Any], int, bool, bool]:
+    """Run one instrumented child: (exit status, its raw record, ranks, timed out, interrupted). `log`
+    (a file) takes the script's output instead of the terminal."""
     tmpdir = tempfile.mkdtemp(prefix="torchspeed-doctor-")
     raw_path = os.path.join(tmpdir, "raw.json")
-    env = dict(os.environ)
-    env[instrument.ENV_OUT] = raw_path
-    env[instrument.ENV_STEPS] = str(steps or "")
-    env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
-    trace_path = os.path.abspath(os.path.join(out or ".", "doctor-trace.json")) if trace else ""
-    env[instrument.ENV_TRACE] = trace_path
+    env = {**env, instrument.ENV_OUT: raw_path}
     try:
-        check_interpreter(argv, env)
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT if log is not None else None)
     except BaseException:
-        os.rmdir(tmpdir)
+        shutil.rmtree(tmpdir, ignore_errors=True)
         raise
-    proc = subprocess.Popen(argv, env=env)
     timed_out = interrupted = False
     try:
         status = proc.wait(timeout=timeout)
@@ -242,6 +231,49 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     if status < 0:
         status = 128 - status  # killed by signal N: 128 + N, as the shell reports it
     raw, ranks = _read_raw(tmpdir, raw_path)
+    return status, raw, ranks, timed_out, interrupted
+
+
+def run_doctor(command: list[str], steps: int | None = None, out: str | None = None, json_path: str | None = None,
+               trace: bool = False, cprofile: bool = False, console: Any = None,
+               timeout: float | None = None, try_fixes: list[str] | None | bool = None) -> tuple[int, dict[str, Any]]:
+    """Run `command` instrumented; print the report; write `json_path` and `out`/doctor.{json,md} (and
+    the trace). Returns (the script's exit status, the report).
+
+    `try_fixes` (True: every fix the findings call for; a list: those fixes) then measures each fix on
+    the unchanged script (`trying.try_fixes`), `steps` steps per run (default TRY_STEPS)."""
+    from torchspeed.atomic import atomic_write, write_json
+    from torchspeed.doctor.report import markdown, print_profile
+
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    if try_fixes is not None and try_fixes is not False:
+        if steps is not None and steps < 3:
+            raise ValueError(f"--try needs --steps >= 3 (one warm-up step and at least two measured), got {steps}")
+        steps = steps or TRY_STEPS
+        requested = None if try_fixes is True else list(try_fixes)
+        from torchspeed.doctor.fixes import FIX_NAMES
+
+        bad = [n for n in requested or () if n not in FIX_NAMES]
+        if bad:
+            raise ValueError(f"--try: unknown fix {', '.join(map(repr, bad))}; choose from {', '.join(FIX_NAMES)}")
+    else:
+        try_fixes = None
+    argv = child_command(command)
+    if out:
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"cannot create the report directory {out!r}: {e.strerror}") from None
+    env = dict(os.environ)
+    env[instrument.ENV_STEPS] = str(steps or "")
+    env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
+    trace_path = os.path.abspath(os.path.join(out or ".", "doctor-trace.json")) if trace else ""
+    env[instrument.ENV_TRACE] = trace_path
+    if try_fixes is not None:
+        env[instrument.ENV_SEED] = "0"  # the baseline run is seeded like the runs it is compared with
+    check_interpreter(argv, env)
+    status, raw, ranks, timed_out, interrupted = _run_child(argv, env, timeout)
     payload = build_payload(raw, command, status)
     if ranks:
         payload["ranks"] = ranks
@@ -255,13 +287,17 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
             payload["error"] = None
     if not raw and not payload.get("error") and not (timed_out or interrupted):
         payload["error"] = _no_report(status)
-    # what a person reads: the steady steps (the first step's one-time costs are in the JSON's totals)
-    shown = {**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
-             "phases": payload["steady"]["phases"]}
+    con = None
     if console is not False:
         from rich.console import Console
 
         con = console or Console()
+    if try_fixes is not None:
+        _try(payload, raw, command, argv, env, steps, timeout, try_fixes, con, timed_out or interrupted)
+    # what a person reads: the steady steps (the first step's one-time costs are in the JSON's totals)
+    shown = {**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
+             "phases": payload["steady"]["phases"]}
+    if con is not None:
         con.print(f"[bold]torchspeed doctor[/]: {' '.join(command)} -> exit status {status}, "
                   f"{payload['steps']} training steps seen ({payload['status']})", highlight=False)
         if payload.get("error"):
@@ -269,6 +305,10 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
         print_profile(shown, con)
         if payload.get("trace"):
             con.print(f"torch.profiler trace (open in https://ui.perfetto.dev or chrome://tracing): {payload['trace']}")
+        if payload.get("try"):
+            from torchspeed.doctor.trying import print_tried
+
+            print_tried(payload["try"], con)
         if timed_out:
             con.print(f"torchspeed doctor: the script ran past --timeout {timeout:g} s and was stopped; the report "
                       "covers the steps it ran (exit status 124, as timeout(1))", highlight=False, markup=False)
@@ -279,3 +319,37 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
         with atomic_write(os.path.join(out, "doctor.md"), "w") as f:
             f.write(markdown(shown, "torchspeed doctor report"))
     return status, payload
+
+
+def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv: list[str], env: dict[str, str],
+         steps: int, timeout: float | None, try_fixes: Any, con: Any, stopped: bool) -> None:
+    """doctor --try after the baseline run: measure the fixes, add `tried`, put measured gains in the findings."""
+    from torchspeed.doctor import trying
+
+    requested = None if try_fixes is True else list(try_fixes)
+    if stopped or len(raw.get("windows") or []) < 2:
+        payload["try"] = {"tried": [], "skipped": [], "error": "the baseline run measured fewer than 2 steps: "
+                          "nothing to compare fixes with"}
+        payload["tried"] = []
+        return
+
+    def run_child(a: list[str], e: dict[str, str], t: float | None, log: Any) -> tuple[int, dict[str, Any]]:
+        status, r, _, _, interrupted = _run_child(a, e, t, log)
+        if interrupted:
+            raise KeyboardInterrupt
+        return status, r
+
+    from torchspeed.doctor.fixes import plan as plan_fixes
+
+    plan, _ = plan_fixes(payload, requested)
+    say = (lambda m: con.print(m, highlight=False, markup=False)) if con is not None else None
+    if say:
+        say(f"torchspeed doctor --try: {len(plan)} fix run(s), each followed by a baseline run, "
+            f"{steps} steps each (the script's output is hidden)")
+    launch = trying.launcher(argv, env, steps, timeout, run_child)
+    result = trying.try_fixes(raw, payload, launch, requested, progress=say)
+    payload["try"] = result
+    payload["tried"] = [{k: r[k] for k in ("fix", "baseline_step_s", "step_s", "speedup", "spread", "numerics_ok",
+                                           "code", "kept", "verdict", "numerics", "steps")}
+                        | ({"compile_s": r["compile_s"]} if "compile_s" in r else {}) for r in result["tried"]]
+    trying.apply_measured(payload, result["tried"], command)

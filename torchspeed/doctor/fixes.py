@@ -1,0 +1,397 @@
+"""The fixes `torchspeed doctor --try` measures on the user's unchanged script: which apply (from the
+baseline run's findings and this machine's capability), the code a user adds to keep one, how close
+its losses must stay to the baseline's, and (child side) how the bootstrap injects it.
+
+Parent side (planning, code, tolerances) imports no torch; `FixState` (child side) does.
+
+| fix | injected by the bootstrap | numerics judged by |
+|---|---|---|
+| `workers=N` | DataLoader(num_workers=N, persistent_workers=True) for loaders made with 0 | same batches (labels), in order |
+| `persistent_workers` | DataLoader(persistent_workers=True) where workers exist | same batches |
+| `pin_memory` (CUDA) | DataLoader(pin_memory=True), pinned `.to(cuda)` copies non_blocking | same batches |
+| `bf16` (bf16 hardware) | autocast(bf16) around each training forward, output cast back to fp32 | losses, precision tolerance |
+| `fp16` (CUDA) | autocast(fp16) + a GradScaler around backward and the optimizer step | losses, precision tolerance |
+| `channels_last` | model and 4-D inputs in channels_last at the first training forward | losses, fp32 tolerance |
+| `cudnn_benchmark` (CUDA) | torch.backends.cudnn.benchmark = True | losses, fp32 tolerance |
+| `fused_optimizer` | SGD/Adam/AdamW(fused=True), other optimizers foreach=True | losses, fp32 tolerance |
+| `inference_mode` | torch.inference_mode() around no_grad evaluation forwards | losses, fp32 tolerance |
+| `threads=N` | torch.set_num_threads(N), the script's own calls ignored | losses, fp32 tolerance |
+| `compile` (opt-in) | the outermost training module's forward through torch.compile | losses, fp32 tolerance |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FIX_NAMES", "TOLERANCES", "plan", "code_for", "label", "numerics", "FixState"]
+
+# relative tolerance on each of the first NUMERICS_STEPS losses, by kind of fix
+NUMERICS_STEPS = 3
+TOLERANCES = {"math": 1e-3, "precision": 5e-2}
+FIX_NAMES = ("workers", "persistent_workers", "pin_memory", "bf16", "fp16", "channels_last", "cudnn_benchmark",
+             "fused_optimizer", "inference_mode", "threads", "compile")
+KIND = {"workers": "loader", "persistent_workers": "loader", "pin_memory": "loader", "bf16": "precision",
+        "fp16": "precision"}
+# the findings whose estimated gain a fix measures
+RULES = {"workers": ("loader-no-workers", "data-bound"), "persistent_workers": ("loader-not-persistent",),
+         "pin_memory": ("no-pin-memory",), "bf16": ("no-autocast", "bf16-without-amx"), "fp16": ("no-autocast",),
+         "channels_last": ("no-channels-last",), "cudnn_benchmark": ("cudnn-benchmark-off",),
+         "inference_mode": ("eval-without-no-grad",), "threads": ("cpu-oversubscribed",),
+         "compile": ("python-overhead",)}
+FUSABLE = ("SGD", "Adam", "AdamW")
+
+
+def label(name: str, value: Any = True) -> str:
+    return name if value is True else f"{name}={value}"
+
+
+def _train_loaders(s: dict[str, Any]) -> list[dict[str, Any]]:
+    used = [ld for ld in s.get("loaders") or [] if ld.get("batches")]
+    return [ld for ld in used if ld.get("training")] or used
+
+
+def plan(payload: dict[str, Any], requested: list[str] | None = None) -> tuple[list[tuple[str, Any]], list[dict[str, str]]]:
+    """(fixes to run as (name, value), skipped fixes with the reason) for a baseline doctor report.
+
+    `requested` None tries every fix the findings call for (never `compile`); a list tries those fixes
+    where this machine can run them. Hardware rules read the capability first: bf16 needs native bf16
+    (`runtime.default_precision`), fp16 + GradScaler, pin_memory and cudnn.benchmark need CUDA."""
+    s = payload.get("settings") or {}
+    rules = {f["rule"] for f in payload.get("findings") or []}
+    cuda = s.get("device") == "cuda"
+    cores = int(s.get("cores") or 1)
+    loaders = [ld for ld in _train_loaders(s) if ld.get("name", "").startswith("DataLoader")]
+    model = s.get("model") or {}
+    inp = s.get("input") or {}
+    mixed = s.get("mixed_precision") or {}
+    steady = (payload.get("steady") or {}).get("phases") or {}
+    run: list[tuple[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    unknown = [n for n in requested or () if n not in FIX_NAMES]
+    if unknown:
+        raise ValueError(f"--try: unknown fix {', '.join(map(repr, unknown))}; choose from {', '.join(FIX_NAMES)}")
+    wanted = list(requested) if requested else [n for n in FIX_NAMES if n != "compile"]
+
+    def skip(name: str, reason: str) -> None:
+        skipped.append({"fix": name, "reason": reason})
+
+    for name in wanted:
+        forced = requested is not None
+        if name == "workers":
+            if not loaders:
+                skip(name, "no torch DataLoader feeds the loop")
+            elif not any(ld.get("num_workers") == 0 for ld in loaders) and not forced:
+                skip(name, "the loop's DataLoader already has worker processes")
+            else:
+                for n in sorted({max(1, cores // 2), min(cores, 4)}):
+                    run.append((name, n))
+        elif name == "persistent_workers":
+            if "loader-not-persistent" in rules or forced and any(ld.get("num_workers") for ld in loaders):
+                run.append((name, True))
+            else:
+                skip(name, "no DataLoader restarts its workers between the measured epochs")
+        elif name == "pin_memory":
+            if not cuda:
+                skip(name, "needs CUDA: without a GPU there is no host-to-device copy to speed up")
+            elif not loaders or all(ld.get("pin_memory") for ld in loaders):
+                skip(name, "the loop's DataLoader already pins memory")
+            else:
+                run.append((name, True))
+        elif name in ("bf16", "fp16"):
+            if s.get("autocast"):
+                skip(name, f"the script already trains under autocast ({s.get('autocast_precision')})")
+            elif name == "fp16" and not cuda:
+                skip(name, "needs CUDA (fp16 autocast with a GradScaler)")
+            elif name == "bf16" and mixed.get("name") != "bf16":
+                skip(name, f"needs bf16 hardware: {mixed.get('reason', 'capability unknown')}")
+            elif name == "fp16" and mixed.get("name") == "bf16" and not forced:
+                skip(name, "bf16 is tried instead (this GPU has bf16 tensor cores; no GradScaler needed)")
+            else:
+                run.append((name, True))
+        elif name == "channels_last":
+            if not model.get("convs") or len(inp.get("shape") or []) != 4:
+                skip(name, "no conv model fed 4-D batches")
+            elif inp.get("channels_last"):
+                skip(name, "the batches are already channels_last")
+            else:
+                run.append((name, True))
+        elif name == "cudnn_benchmark":
+            if not cuda:
+                skip(name, "needs CUDA (cuDNN autotuning)")
+            elif s.get("cudnn_benchmark"):
+                skip(name, "torch.backends.cudnn.benchmark is already on")
+            else:
+                run.append((name, True))
+        elif name == "fused_optimizer":
+            opts = s.get("optimizers") or []
+            options = s.get("optimizer_options") or {}
+            if not opts:
+                skip(name, "no torch.optim optimizer steps the model")
+            elif all(options.get(o, {}).get("fused") or options.get(o, {}).get("foreach") for o in opts):
+                skip(name, "the optimizer already runs fused or foreach")
+            else:
+                run.append((name, True))
+        elif name == "inference_mode":
+            if steady.get("eval", 0.0) > 0 or forced:
+                run.append((name, True))
+            else:
+                skip(name, "no evaluation forward runs inside the measured steps")
+        elif name == "threads":
+            threads = int(s.get("torch_threads") or 1)
+            workers = max((ld.get("num_workers", 0) or ld.get("threads", 0) for ld in _train_loaders(s)), default=0)
+            want = max(1, cores - workers) if workers else cores
+            if s.get("device") != "cpu":
+                skip(name, "the model runs on the GPU: intra-op threads matter little")
+            elif want == threads:
+                skip(name, f"torch already uses {threads} intra-op threads with {workers} loader workers on "
+                           f"{cores} cores")
+            else:
+                run.append((name, want))
+        elif name == "compile":
+            run.append((name, True))
+    return run, skipped
+
+
+def code_for(name: str, value: Any, payload: dict[str, Any]) -> str:
+    """The lines to add to the script to keep the fix (what the bootstrap injected)."""
+    s = payload.get("settings") or {}
+    ld = (_train_loaders(s) or [{}])[0]
+    bs = ld.get("batch_size")
+    dev = "cuda" if s.get("device") == "cuda" else "cpu"
+    opt = (s.get("optimizers") or ["SGD"])[0]
+    if name == "workers":
+        return (f"loader = torch.utils.data.DataLoader(dataset, batch_size={bs}, ..., num_workers={value},\n"
+                "                                     persistent_workers=True)")
+    if name == "persistent_workers":
+        return "loader = torch.utils.data.DataLoader(dataset, ..., persistent_workers=True)"
+    if name == "pin_memory":
+        return ("loader = torch.utils.data.DataLoader(dataset, ..., pin_memory=True)\n"
+                "x = x.to(device, non_blocking=True)  # each batch")
+    if name == "bf16":
+        return (f"with torch.autocast(\"{dev}\", dtype=torch.bfloat16):  # forward and loss\n"
+                "    output = model(x)\n"
+                "loss = loss_fn(output.float(), y)")
+    if name == "fp16":
+        return ("scaler = torch.amp.GradScaler(\"cuda\")\n"
+                "with torch.autocast(\"cuda\", dtype=torch.float16):\n"
+                "    output = model(x)\n"
+                "loss = loss_fn(output.float(), y)\n"
+                "scaler.scale(loss).backward()\n"
+                "scaler.step(optimizer)\n"
+                "scaler.update()")
+    if name == "channels_last":
+        return ("model = model.to(memory_format=torch.channels_last)\n"
+                "x = x.contiguous(memory_format=torch.channels_last)  # each batch, before model(x)")
+    if name == "cudnn_benchmark":
+        return "torch.backends.cudnn.benchmark = True  # input shapes are fixed"
+    if name == "fused_optimizer":
+        kw = "fused=True" if opt in FUSABLE else "foreach=True"
+        return f"optimizer = torch.optim.{opt}(model.parameters(), ..., {kw})"
+    if name == "inference_mode":
+        return "with torch.inference_mode():  # instead of torch.no_grad(), around evaluation"
+    if name == "threads":
+        return f"torch.set_num_threads({value})  # at the start of the script"
+    if name == "compile":
+        return "model = torch.compile(model)"
+    raise ValueError(f"unknown fix {name!r}")
+
+
+def numerics(name: str, base: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
+    """Does the fix keep the results? Loader fixes: the same samples in the same order (losses move with
+    random augmentation, whose draws come from worker seeds, so they are shown, not judged). Other fixes:
+    each of the first NUMERICS_STEPS losses within the kind's relative tolerance of the baseline's (same
+    seed)."""
+    kind = KIND.get(name, "math")
+    lb, lf = base.get("losses") or [], fixed.get("losses") or []
+    k = min(NUMERICS_STEPS, len(lb), len(lf))
+    diff = max((abs(a - b) / max(abs(a), 1e-8) for a, b in zip(lb[:k], lf[:k])), default=None)
+    out: dict[str, Any] = {"kind": kind, "steps_compared": k, "max_rel_diff": diff}
+    if kind == "loader":
+        pb, pf = base.get("batch_prints") or [], fixed.get("batch_prints") or []
+        n = min(len(pb), len(pf), NUMERICS_STEPS)
+        out.update(tolerance="the same batches (labels, shapes) in the same order", ok=pb[:n] == pf[:n] if n else None)
+        return out
+    tol = TOLERANCES[kind]
+    out.update(tolerance=f"relative {tol:g} on each of the first {NUMERICS_STEPS} losses",
+               ok=None if diff is None or k == 0 else diff <= tol)
+    return out
+
+
+# ====================================================================== child side: injection
+@dataclass
+class FixState:
+    """The fixes one `--try` run injects; the Recorder's hooks call `forward_pre` / `forward_post` /
+    `scale_loss` / `before_step` / `after_step`; everything else is patched at `install`."""
+
+    spec: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self._ctx: list[Any] = []  # per outermost forward: the context entered (or None)
+        self._converted: set[int] = set()  # modules made channels_last
+        self._compiled: set[int] = set()
+        self.scaler: Any = None
+        self.compile_s: float | None = None
+        self._compile_t0: float | None = None
+        self.compile_window: int | None = None
+
+    def install(self, rec: Any) -> list[Any]:
+        """Apply the global parts of the fixes; returns undo callables."""
+        import torch
+
+        undo: list[Any] = []
+        spec = self.spec
+        if spec.get("threads"):
+            torch.set_num_threads(int(spec["threads"]))
+            orig_set = torch.set_num_threads
+            torch.set_num_threads = lambda n: None  # the script's own setting would undo the fix
+            undo.append(lambda: setattr(torch, "set_num_threads", orig_set))
+        if spec.get("cudnn_benchmark"):
+            orig_flag = torch.backends.cudnn.benchmark
+            torch.backends.cudnn.benchmark = True
+            undo.append(lambda: setattr(torch.backends.cudnn, "benchmark", orig_flag))
+        if spec.get("fp16"):
+            self.scaler = torch.amp.GradScaler("cuda")
+        loader_kw: dict[str, Any] = {}
+        if spec.get("workers"):
+            loader_kw["num_workers"] = int(spec["workers"])
+        if spec.get("persistent_workers"):
+            loader_kw["persistent_workers"] = True
+        if spec.get("pin_memory"):
+            loader_kw["pin_memory"] = True
+            rec.non_blocking = True
+        if loader_kw:
+            undo.append(_patch_dataloader(loader_kw))
+        if spec.get("fused_optimizer"):
+            undo.extend(_patch_optimizers())
+        return undo
+
+    # forward hooks (outermost calls only) -----------------------------------------------------
+    def forward_pre(self, rec: Any, module: Any, args: tuple, training: bool) -> tuple | None:
+        import torch
+
+        ctx = None
+        new_args = None
+        if training:
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            dev = x.device.type if x is not None else "cpu"
+            if self.spec.get("channels_last"):
+                if id(module) not in self._converted:
+                    self._converted.add(id(module))
+                    module.to(memory_format=torch.channels_last)
+                new_args = tuple(a.contiguous(memory_format=torch.channels_last)
+                                 if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point() else a
+                                 for a in args)
+            if self.spec.get("bf16") or self.spec.get("fp16"):
+                ctx = torch.autocast(dev, dtype=torch.bfloat16 if self.spec.get("bf16") else torch.float16)
+            if self.spec.get("compile") and id(module) not in self._compiled:
+                self._compiled.add(id(module))
+                module.forward = torch.compile(module.forward)  # from the next call on
+                self.compile_window = len(rec.segments)
+        elif self.spec.get("inference_mode") and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            ctx = torch.inference_mode()
+        if ctx is not None:
+            ctx.__enter__()
+        self._ctx.append(ctx)
+        return new_args
+
+    def forward_post(self, module: Any, output: Any) -> Any:
+        ctx = self._ctx.pop() if self._ctx else None
+        if ctx is None:
+            return None
+        ctx.__exit__(None, None, None)
+        if self.spec.get("bf16") or self.spec.get("fp16"):
+            return _to_float(output)  # the loss is computed in fp32, as the printed code does
+        return None
+
+    # GradScaler (fp16 on CUDA) -------------------------------------------------------------------
+    def scale_loss(self, tensors: Any) -> Any:
+        import torch
+
+        if self.scaler is None or not isinstance(tensors, torch.Tensor):
+            return tensors
+        return self.scaler.scale(tensors)
+
+    def before_step(self, opt: Any) -> None:
+        """scaler.step(opt) from outside: unscale; on inf/NaN gradients the step runs on no gradients."""
+        if self.scaler is None:
+            return
+        self.scaler.unscale_(opt)
+        found = sum(float(v) for v in self.scaler._found_inf_per_device(opt).values())
+        if found:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def after_step(self, opt: Any) -> None:
+        if self.scaler is not None:
+            self.scaler.update()
+
+
+def _to_float(out: Any) -> Any:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(_to_float(o) for o in out)
+    if isinstance(out, list):
+        return [_to_float(o) for o in out]
+    if isinstance(out, dict):
+        for k in list(out):
+            out[k] = _to_float(out[k])
+        return out
+    return out
+
+
+def _patch_dataloader(kw: dict[str, Any]) -> Any:
+    """DataLoader.__init__ with `kw` applied: workers only where the script made none; persistent and
+    pinned where it has workers / a CUDA device."""
+    import inspect
+
+    from torch.utils.data import DataLoader
+
+    orig = DataLoader.__init__
+    sig = inspect.signature(orig)
+
+    def init(self, *a, **k):
+        bound = sig.bind(self, *a, **k)
+        args = bound.arguments
+        if "num_workers" in kw and not args.get("num_workers"):
+            args["num_workers"] = kw["num_workers"]
+            args.setdefault("persistent_workers", True)
+        if kw.get("persistent_workers") and args.get("num_workers"):
+            args["persistent_workers"] = True
+        if kw.get("pin_memory"):
+            args["pin_memory"] = True
+        return orig(*bound.args, **bound.kwargs)
+
+    DataLoader.__init__ = init
+    return lambda: setattr(DataLoader, "__init__", orig)
+
+
+def _patch_optimizers() -> list[Any]:
+    """SGD / Adam / AdamW made with fused=True, other torch.optim optimizers with foreach=True, unless
+    the script chose either."""
+    import inspect
+
+    import torch
+
+    undo = []
+    for name in dir(torch.optim):
+        cls = getattr(torch.optim, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+            continue
+        params = inspect.signature(cls.__init__).parameters
+        key = "fused" if name in FUSABLE and "fused" in params else "foreach" if "foreach" in params else None
+        if key is None or "__init__" not in vars(cls):
+            continue
+        orig = vars(cls)["__init__"]
+
+        def init(self, *a, __orig=orig, __cls=cls, __key=key, **k):
+            if type(self) is __cls and k.get("fused") is None and k.get("foreach") is None:
+                k[__key] = True
+            return __orig(self, *a, **k)
+
+        setattr(cls, "__init__", init)
+        undo.append(lambda cls=cls, orig=orig: setattr(cls, "__init__", orig))
+    return undo

@@ -1,0 +1,244 @@
+"""`torchspeed doctor --try`: measure each proposed fix on the user's unchanged script.
+
+After the baseline run (seeded), the same script runs once per fix, the fix injected by the same
+bootstrap that instruments it (`fixes.FixState`), over the same number of steps; the baseline is run
+again after every fix (interleaved: A B A C A ...), so drift of a busy machine shows as spread instead
+of as a gain. Per run the steady steps (the first is warm-up) give a median step time; a fix is
+compared with the baseline runs just before and after it; `spread` is the relative range
+(max - min) / median of the baseline's per-run medians, and a fix counts as a gain only when its
+speed-up exceeds 1 + spread and its numerics hold. The kept fixes are then measured together, last.
+Imports no torch (the parent only launches, reads and judges).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from torchspeed.doctor import fixes as fx
+from torchspeed.measure import Timing
+
+__all__ = ["try_fixes", "step_times", "apply_measured", "print_tried", "markdown_tried"]
+
+
+def step_times(raw: dict[str, Any]) -> list[float]:
+    """The steady step times of one run: windows after the first (and after the step that compiled)."""
+    windows = raw.get("windows") or []
+    skip = 1 if raw.get("compile_window") is None else raw["compile_window"] + 2
+    return [w["wall"] for w in windows[skip:]]
+
+
+def _median(times: list[float]) -> float | None:
+    return Timing("steps", times).median_s if times else None
+
+
+def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callable[[dict[str, Any], str], dict[str, Any]],
+              requested: list[str] | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every planned fix and the interleaved baseline through `launch(fixes, title) -> raw record`.
+
+    `baseline` is the first (seeded) run's raw record, `payload` its report (findings, settings).
+    Returns {"tried": rows, "skipped": [...], "baseline_runs": [...], "spread": float}."""
+    plan, skipped = fx.plan(payload, requested)
+    say = progress or (lambda msg: None)
+    runs_total = 1 + 2 * len(plan)
+    base_runs = [baseline]
+    results: list[tuple[str, Any, dict[str, Any]]] = []
+    i = 1
+    say(f"[{i}/{runs_total}+] baseline: {_summary(baseline)}")
+    for name, value in plan:
+        i += 1
+        raw = launch({name: value}, fx.label(name, value))
+        say(f"[{i}/{runs_total}+] {fx.label(name, value)}: {_summary(raw)}")
+        results.append((name, value, raw))
+        i += 1
+        b = launch({}, "baseline")
+        say(f"[{i}/{runs_total}+] baseline: {_summary(b)}")
+        base_runs.append(b)
+    medians = [m for r in base_runs if (m := _median(step_times(r))) is not None]
+    spread = (max(medians) - min(medians)) / statistics.median(medians) if len(medians) >= 2 else 0.0
+    reproducible = _reproducible(base_runs)
+    rows = []
+    for k, (name, value, raw) in enumerate(results):
+        around = base_runs[k:k + 2]  # the baseline runs just before and just after this fix
+        rows.append(_row(name, value, raw, around, spread, reproducible, payload))
+    best: dict[str, dict[str, Any]] = {}  # per fix name, the fastest kept candidate
+    for r in rows:
+        if r["kept"] and (r["name"] not in best or r["step_s"] < best[r["name"]]["step_s"]):
+            best[r["name"]] = r
+    rows.sort(key=lambda r: (not r["kept"], -(r["speedup"] or 0.0)))
+    if len(best) >= 2:
+        spec = {r["name"]: r["value"] for r in best.values()}
+        title = " + ".join(fx.label(n, v) for n, v in spec.items())
+        raw = launch(spec, f"combined: {title}")
+        say(f"[{runs_total + 1}/{runs_total + 1}] combined {title}: {_summary(raw)}")
+        row = _row("combined", spec, raw, base_runs[-1:], spread, reproducible, payload)
+        row["fix"] = f"combined: {title}"
+        row["code"] = "\n".join(r["code"] for r in best.values())
+        rows.append(row)
+    return {"tried": rows, "skipped": skipped, "spread": spread, "baseline_reproducible": reproducible,
+            "baseline_runs": [{"step_s": _median(step_times(r)), "steps": len(step_times(r))} for r in base_runs],
+            "numerics_steps": fx.NUMERICS_STEPS, "tolerances": dict(fx.TOLERANCES)}
+
+
+def _summary(raw: dict[str, Any]) -> str:
+    times = step_times(raw)
+    if not times:
+        return f"no steady step measured ({raw.get('status', 'no report')}{': ' + raw['error'] if raw.get('error') else ''})"
+    return f"median {_median(times):.3f} s/step over {len(times)} steps"
+
+
+def _reproducible(base_runs: list[dict[str, Any]]) -> bool | None:
+    """Do the baseline's own runs give the same first losses (same seed)? If not, numerics are not judged."""
+    losses = [r.get("losses") or [] for r in base_runs if r.get("losses")]
+    if len(losses) < 2:
+        return None
+    k = min(fx.NUMERICS_STEPS, *(len(x) for x in losses))
+    ref = losses[0][:k]
+    return all(max((abs(a - b) / max(abs(a), 1e-8) for a, b in zip(ref, x[:k])), default=0.0) <= 1e-6
+               for x in losses[1:])
+
+
+def _row(name: str, value: Any, raw: dict[str, Any], around: list[dict[str, Any]], spread: float,
+         reproducible: bool | None, payload: dict[str, Any]) -> dict[str, Any]:
+    base_times = [t for r in around for t in step_times(r)]
+    base_s, step_s = _median(base_times), _median(step_times(raw))
+    speedup = base_s / step_s if base_s and step_s else None
+    if name == "combined":
+        checks = [fx.numerics(n, around[0], raw) for n in value]
+        num = {"ok": None if any(c["ok"] is None for c in checks) else all(c["ok"] for c in checks),
+               "tolerance": "each fix's own", "max_rel_diff": max((c["max_rel_diff"] or 0.0 for c in checks), default=None)}
+        code = ""
+    else:
+        num = fx.numerics(name, around[0], raw)
+        code = fx.code_for(name, value, payload)
+    if reproducible is False and num.get("kind") != "loader":
+        num["ok"] = None
+        num["tolerance"] += " (not judged: the baseline's own losses differ between runs)"
+    error = None
+    if raw.get("status") == "error" or not step_times(raw):
+        error = raw.get("error") or f"no steady step measured (status {raw.get('status', 'no report')})"
+    gain_ok = speedup is not None and speedup > 1.0 + spread
+    kept = bool(gain_ok and num["ok"] is not False and error is None)
+    if error:
+        verdict = f"failed: {error}"
+    elif num["ok"] is False:
+        verdict = "changes results"
+    elif kept:
+        verdict = "kept"
+    elif speedup is not None and speedup < 1.0 - spread:
+        verdict = "slower"
+    else:
+        verdict = "within the spread"
+    row = {"fix": fx.label(name, value) if name != "combined" else name, "name": name, "value": value,
+           "baseline_step_s": base_s, "step_s": step_s, "speedup": speedup, "spread": spread,
+           "numerics_ok": num["ok"], "numerics": num, "kept": kept, "verdict": verdict, "code": code,
+           "steps": len(step_times(raw))}
+    if raw.get("compile_window") is not None:
+        windows = raw.get("windows") or []
+        first = raw["compile_window"] + 1
+        if len(windows) > first and step_s:
+            row["compile_s"] = max(0.0, windows[first]["wall"] - step_s)
+    return row
+
+
+def apply_measured(payload: dict[str, Any], tried: list[dict[str, Any]], command: list[str]) -> None:
+    """Replace the estimated gain of every finding a fix measured with the measured one, and re-rank."""
+    by_rule: dict[str, dict[str, Any]] = {}
+    for r in tried:
+        if r["name"] == "combined" or r["speedup"] is None:
+            continue
+        for rule in fx.RULES.get(r["name"], ()):
+            if rule not in by_rule or r["speedup"] > by_rule[rule]["speedup"]:
+                by_rule[rule] = r
+    for f in payload.get("findings") or []:
+        r = by_rule.get(f["rule"])
+        if r is None or f.get("severity") == "bug":
+            continue
+        f["estimated_gain"] = f["expected_gain"]
+        f["expected_gain"] = round(max(0.0, 1.0 - r["step_s"] / r["baseline_step_s"]), 4)
+        f["gain_basis"] = (f"measured by doctor --try {r['fix']}: {r['baseline_step_s']:.3f} -> {r['step_s']:.3f} "
+                           f"s/step ({r['speedup']:.2f}x, spread {r['spread']:.0%}): {r['verdict']}")
+        f["measured"] = True
+    order = {"bug": 0, "speed": 1, "info": 2}
+    payload["findings"] = sorted(payload.get("findings") or [],
+                                 key=lambda f: (order.get(f["severity"], 3), -f["expected_gain"], f["rule"]))
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _numerics_cell(r: dict[str, Any]) -> str:
+    ok = r["numerics_ok"]
+    return "n/a" if ok is None else "ok" if ok else "CHANGED"
+
+
+def print_tried(t: dict[str, Any], console: Any) -> None:
+    from torchspeed.tables import print_table
+
+    if t.get("error"):
+        console.print(f"--try: {t['error']}", highlight=False, markup=False)
+        return
+    rows = [(r["fix"], _fmt(r["baseline_step_s"], ".3f"), _fmt(r["step_s"], ".3f"),
+             _fmt(r["speedup"], ".2f") + ("x" if r["speedup"] else ""), f"{r['spread']:.0%}", _numerics_cell(r),
+             r["verdict"] + (f" (compile {r['compile_s']:.1f} s apart)" if r.get("compile_s") is not None else ""))
+            for r in t["tried"]]
+    print_table("Fixes measured on this script (median s/step; baseline re-measured between fixes)",
+                ["fix", "baseline", "with fix", "speed-up", "spread", "numerics", "verdict"], rows, console)
+    console.print(f"a fix is kept when its speed-up exceeds 1 + spread (the baseline's run-to-run range) and its "
+                  f"first {t['numerics_steps']} losses stay within {t['tolerances']['math']:g} (fp32 fixes) or "
+                  f"{t['tolerances']['precision']:g} (precision fixes) relative; loader fixes must yield the same "
+                  "batches in the same order", highlight=False, markup=False)
+    kept = [r for r in t["tried"] if r["kept"] and r["code"]]
+    if kept:
+        console.print("[bold]To keep a fix, add to the script:[/]")
+        for r in kept:
+            console.print(f"# {r['fix']} ({r['speedup']:.2f}x)", highlight=False, markup=False)
+            console.print(r["code"], highlight=False, markup=False)
+    for s in t["skipped"]:
+        console.print(f"not tried: {s['fix']}: {s['reason']}", highlight=False, markup=False)
+
+
+def markdown_tried(t: dict[str, Any]) -> list[str]:
+    if t.get("error"):
+        return ["## Fixes measured (doctor --try)", "", t["error"], ""]
+    lines = ["## Fixes measured (doctor --try)", "",
+             "| fix | baseline s/step | with fix s/step | speed-up | spread | numerics | verdict |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for r in t["tried"]:
+        lines.append(f"| {r['fix']} | {_fmt(r['baseline_step_s'], '.3f')} | {_fmt(r['step_s'], '.3f')} | "
+                     f"{_fmt(r['speedup'], '.2f')} | {r['spread']:.0%} | {_numerics_cell(r)} | {r['verdict']} |")
+    lines.append("")
+    for r in t["tried"]:
+        if r["kept"] and r["code"]:
+            lines += [f"{r['fix']} ({r['speedup']:.2f}x):", "", "```python", r["code"], "```", ""]
+    lines += [f"- not tried: {s['fix']}: {s['reason']}" for s in t["skipped"]]
+    return lines + [""]
+
+
+def launcher(argv: list[str], env: dict[str, str], steps: int, timeout: float | None,
+             run_child: Callable[..., tuple[int, dict[str, Any]]]) -> Callable[[dict[str, Any], str], dict[str, Any]]:
+    """A `launch(fixes, title)` for try_fixes: the instrumented script, quiet (its output kept in a log,
+    its last lines shown if it fails), seeded, with `fixes` injected."""
+    from torchspeed.doctor import instrument
+
+    def launch(spec: dict[str, Any], title: str) -> dict[str, Any]:
+        e = dict(env)
+        e[instrument.ENV_STEPS] = str(steps)
+        e[instrument.ENV_SEED] = "0"
+        e[instrument.ENV_FIXES] = json.dumps(spec) if spec else ""
+        e[instrument.ENV_TRACE] = ""
+        e[instrument.ENV_CPROFILE] = ""
+        with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as log:
+            status, raw = run_child(argv, e, timeout, log)
+            if status not in (0, None) and raw.get("status") != "stopped":
+                log.seek(0)
+                tail = log.read()[-2000:]
+                raw.setdefault("error", None)
+                raw["error"] = raw["error"] or f"exit status {status}: {tail.strip().splitlines()[-1] if tail.strip() else ''}"
+                raw["status"] = "error"
+        return raw
+    return launch
+
