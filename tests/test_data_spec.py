@@ -128,3 +128,13 @@ def test_tune_loader_command_takes_a_spec(user_module, capsys, monkeypatch):
     assert main(["tune-loader", "tsdata_user:not_a_dataset", *args]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "tsdata_user:not_a_dataset" in err and "Traceback" not in err
+
+
+def test_a_spec_splits_into_train_and_val(user_module):
+    from torchspeed.data import train_val_split
+
+    train, val = train_val_split("tsdata_user:pairs", 0.25, seed=0)
+    assert (len(train), len(val)) == (9, 3) and not set(train.indices) & set(val.indices)
+    assert "tsdata_user:pairs" in train.root and train.root != val.root
+    loader = fast_loader(val, 3, train=False, crop=8, device="cpu", num_workers=0, threads=1)
+    assert torch.cat([y for _, y in loader]).tolist() == [i % 2 for i in val.indices]

@@ -117,7 +117,10 @@ class Subset:
     def __init__(self, source: Any, indices: Sequence[int]):
         self.source, self.indices = source, list(indices)
         self.classes = list(getattr(source, "classes", []))
-        self.root = f"{getattr(source, 'root', getattr(source, 'path', 'data'))}#{len(self.indices)}"
+        # names the subset in errors and in the per-process caches of measured choices (a Dataset's by identity)
+        whole = getattr(source, "root", getattr(source, "path", None)) or f"{getattr(source, 'spec', None) or 'data'}" \
+            f"@{id(source):x}"
+        self.root = f"{whole}#{len(self.indices)}"
 
     def __len__(self) -> int:
         return len(self.indices)
