@@ -4,10 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-slow test-gpu test-install install clean
+.PHONY: demo test test-slow test-gpu test-install install lock clean
 
-# constraints.txt pins torch/torchvision for this repository's own environment (reproducible tests and
-# figures); the package itself asks only for ranges, so `pip install torchspeed` keeps a user's torch.
+# constraints.txt pins every package of this repository's own environment (reproducible tests and
+# figures, and pip has nothing to resolve); the package itself asks only for ranges, so
+# `pip install torchspeed` keeps a user's torch. `make lock` rewrites it from the current .venv.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all,dev]'
@@ -30,6 +31,10 @@ test-gpu: $(STAMP)
 # The built wheel installed into a fresh environment that already has torch: torch must stay.
 test-install: $(STAMP)
 	$(PY) -m pytest -q -m install tests/test_packaging.py
+
+lock: $(STAMP)
+	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable --disable-pip-version-check | grep -v '^torchspeed'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) torchspeed-report .pytest_cache
