@@ -332,7 +332,7 @@ def world(num_replicas: int | None = None, rank: int | None = None) -> tuple[int
             found = torch.distributed.get_world_size(), torch.distributed.get_rank()
         else:
             try:
-                found = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+                found = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
             except ValueError:
                 raise ValueError(f"the environment variables WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} and "
                                  f"RANK={os.environ.get('RANK')!r} must be integers (torchrun sets them); or pass "
