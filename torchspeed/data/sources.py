@@ -162,8 +162,9 @@ def dataset_from_spec(spec: str) -> Any:
     except FileNotFoundError as e:
         raise FileNotFoundError(f"dataset factory {spec!r}: {str(e).replace('model file', 'file')}") from None
     except Exception as e:  # the module cannot be imported, raised while importing, or has no such factory
-        text = str(e).replace(f" for model {spec!r}", "")
-        raise ValueError(f"cannot load the dataset factory {spec!r}: {type(e).__name__}: {text}") from None
+        text = str(e).replace(f" for model {spec!r}", "")  # the model factory's wording, reused
+        kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "  # the loader's own messages need no type
+        raise ValueError(f"cannot load the dataset factory {spec!r}: {kind}{text}") from None
     try:
         dataset = factory()
     except Exception as e:
