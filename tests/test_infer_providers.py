@@ -222,3 +222,14 @@ def test_fp16_conversion_keeps_float32_inputs_and_outputs(tmp_path):
     with torch.inference_mode():
         ref = model(x)
     assert run(x).dtype == torch.float32 and torch.allclose(run(x), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_cli_device_cuda_without_one_is_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from torchspeed.cli import main
+
+    assert main(["optimize", "resnet18", "--num-classes", "2", "--input-shape", "1,3,32,32", "--device", "cuda",
+                 "--backends", "torch", "--precisions", "fp32"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "no CUDA device" in err and "Traceback" not in err

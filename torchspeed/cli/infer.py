@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backends", default="auto", metavar="A,B",
                    help="comma list of torch,torch.compile,onnxruntime,openvino,tensorrt (default auto)")
     p.add_argument("--precisions", default="auto", metavar="A,B", help="comma list of fp32,bf16,fp16,int8 (default auto)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="where the candidates run: cpu (default), cuda[:N] (GPU precisions and ONNX Runtime's CUDA / "
+                        "TensorRT providers, timed on the GPU), or auto (a GPU when there is one)")
     p.add_argument("--out", metavar="DIR", help="save the best variant here (model file + manifest.json)")
     add_json_option(p)
     p.set_defaults(func=run)
@@ -149,8 +152,15 @@ def run(args: argparse.Namespace) -> int:
 
         def eval_fn(run):
             return top1_accuracy(run, eval_batches)
+    from torchspeed.runtime import resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as e:
+        raise UserError(f"--device {args.device!r}: {e}") from None
     with console.status("optimize: starting") as status:
         result = optimize(model, example, calib_data=calib, eval_fn=eval_fn, max_metric_drop=args.max_metric_drop,
+                          device=device,
                           backends=args.backends, precisions=args.precisions, batch_sizes=args.batch_sizes,
                           objective=args.objective, max_calib_samples=args.max_calib_samples,
                           progress=lambda s: status.update(f"optimize: {s}"))

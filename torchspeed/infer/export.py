@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -82,7 +83,8 @@ def _export_dynamo(model: nn.Module, xs: tuple[torch.Tensor, ...], names: list[s
                    dynamic_batch: bool, opset: int | None) -> None:
     _need("onnxscript")
     batch = torch.export.Dim("batch", min=1, max=4096)
-    dyn = tuple({0: batch} for _ in xs) if dynamic_batch else None
+    # one entry for forward's *xs, holding one spec per tensor
+    dyn = (tuple({0: batch} for _ in xs),) if dynamic_batch else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(model, xs, None, dynamo=True, dynamic_shapes=dyn, input_names=names,
@@ -277,7 +279,8 @@ def fp16_converter() -> Any:
 
 
 def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # the exporters colour their messages
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in lines:  # the exporter's own summary line is more useful than a traceback header
         if "unsupported" in ln.lower() or "no symbolic" in ln.lower() or "not supported" in ln.lower():
             return ln[:300]

@@ -421,7 +421,10 @@ class OrtRunner(Runner):
             binding.bind_input(name, "cuda", self.device.index or 0, types[name], tuple(t.shape), t.data_ptr())
         binding.bind_output(self.output_names[0], "cuda", self.device.index or 0)
         self.session.run_with_iobinding(binding)
-        return torch.from_dlpack(binding.get_outputs()[0])
+        out = binding.get_outputs()[0]
+        if hasattr(out, "__dlpack__"):
+            return torch.from_dlpack(out)
+        return torch.from_numpy(out.numpy()).to(self.device)  # an older onnxruntime without DLPack: one copy
 
     def save(self, directory: str | os.PathLike) -> str:
         def write(tmp: str) -> None:
