@@ -130,3 +130,20 @@ def test_parse_kwargs():
         parse_kwargs("[1, 2]")
     with pytest.raises(ValueError, match="JSON object"):
         parse_kwargs("num_classes=10")
+
+
+def test_a_module_spec_imports_from_the_current_directory(tmp_path, monkeypatch):
+    """The installed `torchspeed` script's sys.path lacks the current directory; specs still find it."""
+    import sys
+
+    from torchspeed.models import load_callable
+
+    (tmp_path / "my_project_nets.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(2, 3)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert create("my_project_nets:make").out_features == 3
+    assert load_callable("my_project_nets:make", what="dataset")().in_features == 2
+    with pytest.raises(ValueError, match="for dataset 'no_such_mod_xyz:f'.*current directory"):
+        load_callable("no_such_mod_xyz:f", what="dataset")
+    with pytest.raises(ValueError, match="not a dataset factory"):
+        load_callable("resnet18", what="dataset")

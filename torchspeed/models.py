@@ -42,8 +42,9 @@ def _timm() -> Any:
     return timm
 
 
-def _is_user_spec(spec: str) -> bool:
-    """`pkg.mod:factory` or `file.py:factory`: anything before the colon but a library prefix."""
+def is_factory_spec(spec: str) -> bool:
+    """`pkg.mod:factory` or `file.py:factory` (a callable of the user's own, for a model or a Dataset):
+    anything before the colon but a library prefix."""
     where, sep, factory = spec.rpartition(":")
     if not (sep and where and factory) or where.lower() in ("tv", "torchvision", "timm"):
         return False
@@ -59,7 +60,7 @@ def arch_spec(spec: str, **kwargs: Any) -> dict[str, Any]:
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"a model spec must be a non-empty string, got {spec!r}: {HOW_TO_NAME}")
     spec = spec.strip()
-    if _is_user_spec(spec):
+    if is_factory_spec(spec):
         where, _, factory = spec.rpartition(":")
         if where.endswith(".py"):
             if not os.path.isfile(where):
@@ -87,7 +88,16 @@ def arch_spec(spec: str, **kwargs: Any) -> dict[str, Any]:
     raise ValueError(f"unknown model {spec!r}: {HOW_TO_NAME}{hint}")
 
 
-def _user_factory(spec: dict[str, Any]) -> Any:
+def load_callable(spec: str, what: str = "model") -> Any:
+    """The callable a `package.module:factory` or `path/file.py:factory` spec names (for a model, a
+    Dataset, ...); `what` words the errors. The current directory is importable, as for `python -m`."""
+    if not isinstance(spec, str) or not is_factory_spec(spec.strip()):
+        raise ValueError(f"{spec!r} is not a {what} factory: name it as package.module:factory or "
+                         "path/to/file.py:factory")
+    return _user_factory(arch_spec(spec.strip()), what)
+
+
+def _user_factory(spec: dict[str, Any], what: str = "model") -> Any:
     where, _, factory = spec["name"].rpartition(":")
     if spec["source"] == "file":
         mod_name = f"_torchspeed_user_{abs(hash(where))}"
@@ -104,11 +114,13 @@ def _user_factory(spec: dict[str, Any]) -> Any:
                 sys.modules.pop(mod_name, None)
                 raise
     else:
+        if os.getcwd() not in sys.path and "" not in sys.path:  # the `torchspeed` script's path lacks it
+            sys.path.append(os.getcwd())
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as e:
-            raise ValueError(f"cannot import module {where!r} for model {spec['name']!r} ({e}); is it on "
-                             "PYTHONPATH (run from your project's directory)?") from None
+            raise ValueError(f"cannot import module {where!r} for {what} {spec['name']!r} ({e}); is it "
+                             "installed, on PYTHONPATH, or in the current directory?") from None
     fn = getattr(module, factory, None)
     if fn is None or not callable(fn):
         public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]

@@ -144,9 +144,9 @@ def sample_name(source: Any, index: int) -> str:
 def is_dataset_spec(data: Any) -> bool:
     """Whether `data` names a Dataset factory (`package.module:factory` or `path/file.py:factory`) rather
     than a folder or store (an existing path is always a path)."""
-    from torchspeed.models import _is_user_spec
+    from torchspeed.models import is_factory_spec
 
-    return isinstance(data, str) and not os.path.exists(data) and _is_user_spec(data.strip())
+    return isinstance(data, str) and not os.path.exists(data) and is_factory_spec(data.strip())
 
 
 def dataset_from_spec(spec: str) -> Any:
@@ -154,17 +154,16 @@ def dataset_from_spec(spec: str) -> Any:
     PYTHONPATH) or `path/file.py:factory`, called with no arguments; it must return a
     map-style Dataset (`__getitem__` and `__len__`). Loaded the way `torchspeed.models` loads a model
     factory; every failure is one error naming the spec."""
-    from torchspeed import models
+    from torchspeed.models import load_callable
 
     spec = spec.strip()
     try:
-        factory = models._user_factory(models.arch_spec(spec))
+        factory = load_callable(spec, what="dataset")
     except FileNotFoundError as e:
         raise FileNotFoundError(f"dataset factory {spec!r}: {str(e).replace('model file', 'file')}") from None
     except Exception as e:  # the module cannot be imported, raised while importing, or has no such factory
-        text = str(e).replace(f" for model {spec!r}", "")  # the model factory's wording, reused
         kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "  # the loader's own messages need no type
-        raise ValueError(f"cannot load the dataset factory {spec!r}: {kind}{text}") from None
+        raise ValueError(f"cannot load the dataset factory {spec!r}: {kind}{e}") from None
     try:
         dataset = factory()
     except Exception as e:
