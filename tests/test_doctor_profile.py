@@ -140,3 +140,14 @@ def test_profile_reads_tuple_and_dict_batches():
         assert rep.steps == 1 and rep.throughput == pytest.approx(4 / rep.wall_s)
     with pytest.raises(ValueError, match=r"inputs, targets.*yielded dict with keys \['a', 'b', 'c'\]"):
         ts.doctor.profile(m, [{"a": x, "b": y, "c": y}], opt, nn.CrossEntropyLoss(), steps=1)
+
+
+def test_gpu_busy_is_the_union_of_busy_intervals():
+    """Overlapping kernels (two streams) count once; idle gaps between them do not count."""
+    from torchspeed.doctor.phases import busy_time
+
+    assert busy_time([]) == 0.0
+    assert busy_time([(0.0, 1.0), (2.0, 3.0)]) == pytest.approx(2.0)  # the 1 s gap is idle
+    assert busy_time([(0.0, 2.0), (1.0, 3.0)]) == pytest.approx(3.0)  # overlap counted once
+    assert busy_time([(5.0, 6.0), (0.0, 10.0), (2.0, 3.0)]) == pytest.approx(10.0)  # nested, unsorted
+    assert busy_time([(0.0, 1.0), (1.0, 2.0), (4.0, 4.0), (3.0, 2.5)]) == pytest.approx(2.0)  # touching; empty

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["PHASES", "PhaseClock", "verdict"]
+__all__ = ["PHASES", "PhaseClock", "busy_time", "verdict"]
 
 # the contract's phases, then `eval` (forward passes under no_grad / in eval mode, kept apart so an
 # evaluation inside a step window is not mistaken for training compute)
@@ -82,6 +82,21 @@ class PhaseClock:
         self._window = dict.fromkeys(self._window, 0.0)
         self._window_start = now
         return wall, phases
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: time a device was busy when its kernels (or
+    streams) overlap and leave idle gaps; summing them would count overlaps twice and, summing event
+    spans, the gaps too."""
+    total, end = 0.0, None
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def verdict(phases: dict[str, float], wall_s: float, gpu_busy_s: float | None = None,

@@ -154,6 +154,9 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
         step_ms.append((t5 - t0) * 1e3)
         samples += batch_size(x)
     phases = {**totals, "other": max(0.0, wall - sum(totals.values()))}
+    if cuda:  # the events' spans include idle gaps: the busy share comes from kernel intervals
+        share = _gpu_busy_share(model, next_batch, optimizer, loss_fn, dev)
+        gpu_busy = share * wall if share is not None else gpu_busy
     v, evidence = verdict(phases, wall, gpu_busy if cuda else None)
 
     settings = machine_settings()
@@ -183,6 +186,29 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
         per_step_ms={"median": step_ms[len(step_ms) // 2], "min": step_ms[0], "max": step_ms[-1]},
         throughput=samples / wall if wall > 0 else None, peak_memory_bytes=mem.peak(), verdict=v,
         evidence=evidence, settings=settings, findings=loop_findings(facts), gpu_busy_s=gpu_busy if cuda else None)
+
+
+def _gpu_busy_share(model: nn.Module, next_batch: Callable[[], Any], optimizer: torch.optim.Optimizer,
+                    loss_fn: Callable[[Any, Any], torch.Tensor], dev: torch.device) -> float | None:
+    """The share of one more training step during which the GPU ran a kernel or a copy: the union of
+    their intervals (torch.profiler) over the step's wall time. None if the profiler gives no device events."""
+    from torchspeed.doctor.phases import busy_time
+
+    batch = next_batch()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        x, y = _split(batch)
+        loss = loss_fn(model(to_device(x, dev)), to_device(y, dev))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(dev)
+    wall = time.perf_counter() - t0
+    spans = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return min(1.0, busy_time(spans) / wall) if spans and wall > 0 else None
 
 
 def _slice(y: Any) -> Any:

@@ -1,0 +1,207 @@
+"""doctor --try: which fixes are planned (capability read first), interleaved runs judged beyond the
+measured spread, numerics on the first losses, measured gains replacing estimates, the fixes injected
+in a real loop (in this process), and one end-to-end run on a tiny script."""
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchspeed.doctor import fixes as fx
+from torchspeed.doctor.instrument import Recorder
+from torchspeed.doctor.trying import apply_measured, step_times, try_fixes
+
+LOADER = {"name": "DataLoader #1", "num_workers": 0, "batch_size": 8, "batches": 9, "training": True,
+          "pin_memory": False, "persistent_workers": False}
+
+
+def _payload(device="cpu", mixed="fp32", convs=3, optimizers=("SGD",), **extra):
+    s = {"device": device, "cores": 2, "torch_threads": 2, "loaders": [dict(LOADER)], "autocast": False,
+         "model": {"convs": convs}, "input": {"shape": [8, 3, 32, 32], "channels_last": False},
+         "optimizers": list(optimizers), "optimizer_options": {o: {"fused": None, "foreach": None} for o in optimizers},
+         "mixed_precision": {"name": mixed, "reason": f"capability says {mixed}"}, "cudnn_benchmark": False}
+    s.update(extra)
+    return {"settings": s, "findings": [], "steady": {"phases": {"eval": 0.0}}}
+
+
+def test_plan_reads_the_capability_before_any_hardware_fix():
+    run, skipped = fx.plan(_payload())
+    names = [n for n, _ in run]
+    assert names == ["workers", "workers", "channels_last", "fused_optimizer"]
+    assert [v for n, v in run if n == "workers"] == [1, 2]  # measured candidates on 2 cores
+    why = {s["fix"]: s["reason"] for s in skipped}
+    assert why["bf16"].startswith("needs bf16 hardware: capability says fp32")
+    assert "needs CUDA" in why["fp16"] and "needs CUDA" in why["cudnn_benchmark"] and "needs CUDA" in why["pin_memory"]
+    assert "compile" not in names and "compile" not in why  # opt-in only
+    run, _ = fx.plan(_payload(mixed="bf16"))
+    assert ("bf16", True) in run
+    run, skipped = fx.plan(_payload(device="cuda", mixed="fp16"))
+    assert {"fp16", "cudnn_benchmark", "pin_memory"} <= {n for n, _ in run}
+    run, skipped = fx.plan(_payload(), ["compile", "bf16"])
+    assert run == [("compile", True)] and skipped[0]["fix"] == "bf16"
+    with pytest.raises(ValueError, match="unknown fix 'turbo'"):
+        fx.plan(_payload(), ["turbo"])
+
+
+def _raw(step_s, losses=(2.3, 2.1, 1.9), prints=([1, 2],), steps=6):
+    return {"status": "stopped", "windows": [{"wall": 9.0}] + [{"wall": step_s}] * (steps - 1),
+            "losses": list(losses), "batch_prints": [list(p) for p in prints]}
+
+
+def test_try_interleaves_the_baseline_and_keeps_only_gains_beyond_the_spread():
+    payload = _payload()
+    payload["findings"] = [{"rule": "no-channels-last", "severity": "speed", "expected_gain": 0.08, "gain_basis": "x"},
+                           {"rule": "loader-no-workers", "severity": "speed", "expected_gain": 0.05, "gain_basis": "y"}]
+    base = iter([1.00, 1.05, 1.00, 1.02, 1.00])  # run-to-run spread 5%
+    fixed = {"workers=1": _raw(0.98), "workers=2": _raw(0.70, prints=([2, 1],)),  # other batches: changes results
+             "channels_last": _raw(0.80), "fused_optimizer": _raw(0.97, losses=(2.3, 2.0, 1.5))}
+    calls = []
+
+    def launch(spec, title):
+        calls.append(title)
+        if title == "baseline":
+            return _raw(next(base))
+        if title.startswith("combined"):
+            return _raw(0.75)
+        return fixed[title]
+
+    t = try_fixes(_raw(1.0), payload, launch)
+    assert calls == ["workers=1", "baseline", "workers=2", "baseline", "channels_last", "baseline",
+                     "fused_optimizer", "baseline"]  # interleaved; no combination with a single kept fix
+    assert t["spread"] == pytest.approx(0.05)
+    rows = {r["fix"]: r for r in t["tried"]}
+    assert rows["channels_last"]["kept"] and rows["channels_last"]["speedup"] == pytest.approx(1.025 / 0.8)  # baselines around it: 1.05, 1.00
+    assert rows["workers=1"]["verdict"] == "within the spread" and not rows["workers=1"]["kept"]
+    assert rows["workers=2"]["numerics_ok"] is False and rows["workers=2"]["verdict"] == "changes results"
+    assert rows["fused_optimizer"]["numerics_ok"] is False  # loss 1.5 vs 1.9: beyond 1e-3
+    assert t["tried"][0]["fix"] == "channels_last"  # ranked: kept first, by speed-up
+    assert "channels_last" in rows["channels_last"]["code"]
+    apply_measured(payload, t["tried"], ["python", "t.py"])
+    f = {x["rule"]: x for x in payload["findings"]}
+    assert f["no-channels-last"]["expected_gain"] == pytest.approx(1 - 0.8 / 1.025, abs=1e-3) and f["no-channels-last"]["measured"]
+    assert f["no-channels-last"]["estimated_gain"] == 0.08 and "measured by doctor --try" in f["no-channels-last"]["gain_basis"]
+
+
+def test_two_kept_fixes_are_measured_together_last():
+    payload = _payload()
+    fixed = {"workers=1": _raw(0.8), "workers=2": _raw(0.9), "channels_last": _raw(0.8), "fused_optimizer": _raw(1.0)}
+
+    def launch(spec, title):
+        if title == "baseline":
+            return _raw(1.0)
+        if title.startswith("combined"):
+            assert spec == {"workers": 1, "channels_last": True}  # the best kept candidate of each fix
+            return _raw(0.6)
+        return fixed[title]
+
+    t = try_fixes(_raw(1.0), payload, launch)
+    last = t["tried"][-1]
+    assert last["fix"] == "combined: workers=1 + channels_last" and last["kept"]
+    assert "num_workers=1" in last["code"] and "channels_last" in last["code"]
+
+
+def test_numerics_tolerances_by_kind():
+    base = {"losses": [2.0, 1.8, 1.6], "batch_prints": [[[0, 1]], [[1, 1]]]}
+    assert fx.numerics("channels_last", base, {"losses": [2.0, 1.8001, 1.6]})["ok"] is True
+    assert fx.numerics("channels_last", base, {"losses": [2.0, 1.81, 1.6]})["ok"] is False
+    assert fx.numerics("bf16", base, {"losses": [2.01, 1.82, 1.62]})["ok"] is True  # precision: 5e-2
+    assert fx.numerics("bf16", base, {"losses": [2.5, 1.8, 1.6]})["ok"] is False
+    # loader fixes: the same batches in the same order, whatever the losses (augmentation draws differ)
+    assert fx.numerics("workers", base, {"losses": [2.2], "batch_prints": [[[0, 1]], [[1, 1]]]})["ok"] is True
+    assert fx.numerics("workers", base, {"losses": [2.0], "batch_prints": [[[1, 0]], [[1, 1]]]})["ok"] is False
+    assert fx.numerics("threads", base, {"losses": []})["ok"] is None  # no loss seen: not judged
+
+
+def test_compile_steps_exclude_the_compiling_step():
+    raw = {"windows": [{"wall": 1.0}, {"wall": 30.0}, {"wall": 0.5}, {"wall": 0.5}], "compile_window": 0}
+    assert step_times(raw) == [0.5, 0.5]
+
+
+class _Probe(nn.Module):
+    """A conv net that remembers whether autocast was on and what memory format its input had."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3), nn.Linear(4, 3)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append((torch.is_autocast_enabled("cpu"), x.is_contiguous(memory_format=torch.channels_last)))
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def test_fixes_injected_into_a_real_loop_and_undone():
+    from torchspeed.doctor.fixes import FixState
+
+    dl_init, sgd_init, threads = DataLoader.__init__, torch.optim.SGD.__init__, torch.get_num_threads()
+    rec = Recorder()
+    rec.install()
+    rec.fix = FixState({"channels_last": True, "bf16": True, "fused_optimizer": True, "threads": 1, "workers": 1})
+    rec._undo.extend(("fix", u) for u in rec.fix.install(rec))
+    try:
+        torch.set_num_threads(2)  # the script's own setting is ignored under the threads fix
+        assert torch.get_num_threads() == 1
+        loader = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))), batch_size=4)
+        assert loader.num_workers == 1 and loader.persistent_workers
+        model = _Probe()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert opt.defaults["fused"] is True
+        outs = []
+        for x, y in [(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]))] * 2:
+            out = model(x)
+            outs.append(out.dtype)
+            nn.functional.cross_entropy(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        rec.uninstall()
+    assert model.seen == [(True, True), (True, True)]  # bf16 autocast on, inputs channels_last
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert outs == [torch.float32, torch.float32]  # the loss is computed in fp32, as the printed code does
+    assert DataLoader.__init__ is dl_init and torch.optim.SGD.__init__ is sgd_init
+    torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.set_num_threads(1)
+    loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8, shuffle=True)
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    while True:
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            print(float(loss))
+""")
+
+
+@pytest.mark.slow  # three runs of a script, each starting torch: ~30-100 s on 2 busy cores
+@pytest.mark.timeout(400)
+def test_doctor_try_end_to_end(tmp_path, capsys):
+    from torchspeed.cli import main
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    code = main(["doctor", "--steps", "3", "--try", "fused_optimizer", "--out", str(tmp_path / "rep"), "--json",
+                 str(tmp_path / "d.json"), "--", sys.executable, str(tmp_path / "train.py")])
+    assert code == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    (row,) = d["tried"]
+    assert set(row) >= {"fix", "baseline_step_s", "step_s", "speedup", "spread", "numerics_ok", "code"}
+    assert row["fix"] == "fused_optimizer" and row["numerics_ok"] is True  # same seed, same losses
+    assert row["code"] == "optimizer = torch.optim.SGD(model.parameters(), ..., fused=True)"
+    assert len(d["try"]["baseline_runs"]) == 2 and d["try"]["baseline_reproducible"] is True
+    out = capsys.readouterr().out
+    assert "[2/3+] fused_optimizer: median" in out and "[3/3+] baseline: median" in out
+    assert "Fixes measured on this script" in out
+    assert "## Fixes measured (doctor --try)" in (tmp_path / "rep" / "doctor.md").read_text()
+    assert main(["doctor", "--steps", "2", "--try", "--", sys.executable, str(tmp_path / "train.py")]) == 2
+    assert "--try needs --steps >= 3" in capsys.readouterr().err
