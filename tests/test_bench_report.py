@@ -26,13 +26,17 @@ def fake_suites(monkeypatch):
             {"technique": "baseline", "median": 100.0, "min": 90.0, "max": 110.0, "unit": "img/s", "ratio": 1.0,
              "cumulative": None, "metric_drop": None, "what": "torchvision ImageFolder"},
             {"technique": "torchspeed", "median": 600.0, "min": 580.0, "max": 610.0, "unit": "img/s", "ratio": 6.0,
-             "cumulative": None, "metric_drop": None, "what": "packed store", "headline": True},
-        ], {"ratio_vs_tuned": 6.0}),
+             "cumulative": None, "metric_drop": None, "what": "packed store", "headline": True, "ceiling": "decode"},
+            {"technique": "dali_cpu", "median": None, "min": None, "max": None, "unit": "img/s", "ratio": None,
+             "cumulative": None, "metric_drop": None, "what": "skipped: dali not installed", "ceiling": "decode"},
+        ], {"ratio_vs_tuned": 6.0, "limits": [
+            {"goal": "data >= 60% of the decode-only ceiling", "measured": "600 img/s = 50% of 1,200", "met": False,
+             "why": "decoding is 40% of each image's time"}]}),
         "train": _fake_suite("train", [
             {"technique": "plain", "median": 40.0, "min": 39.0, "max": 41.0, "unit": "samples/s", "ratio": 1.0,
              "cumulative": 1.0, "metric_drop": None, "what": "plain loop"},
             {"technique": "+ bf16", "median": 120.0, "min": 118.0, "max": 121.0, "unit": "samples/s", "ratio": 3.0,
-             "cumulative": 3.0, "metric_drop": None, "what": "autocast"},
+             "cumulative": 3.0, "metric_drop": None, "what": "autocast", "ceiling": "bf16", "flops_per_item": 1e9},
         ], {"ratio": 3.0}),
         "infer": _fake_suite("infer", [
             {"technique": "eager fp32", "median": 140.0, "min": 135.0, "max": 150.0, "unit": "ms", "ratio": 1.0,
@@ -42,6 +46,11 @@ def fake_suites(monkeypatch):
         ], {"ratio": 15.5, "best_variant": "OpenVINO INT8"}),
         "compress": _broken_suite(),
         "design": None,  # not built
+        "ceilings": types.SimpleNamespace(TITLE="ceilings", run=lambda quick, progress: {
+            "version": 1, "machine": {}, "measured_at": "2026-11-23 02:40 UTC", "load_avg_1min": 3.5,
+            "source": "cache", "items": {
+                "decode": {"value": 1200.0, "unit": "img/s", "route": "simplejpeg-fast", "what": "2 x 600"},
+                "bf16": {"value": 240.0, "unit": "GFLOP/s", "route": "torch.mm", "what": "bf16 GEMM"}}}),
     }
     monkeypatch.setattr(suites, "load", lambda name: fakes[name])
     return fakes
@@ -64,6 +73,20 @@ def test_report_writes_every_file_and_survives_a_failing_suite(tmp_path, fake_su
         assert blob[:8] == b"\x89PNG\r\n\x1a\n", png
         assert f"]({png})" in report
     assert results["compress"]["error"].startswith("RuntimeError")
+    # ceilings: measured first, every row that names one gets its % (a skipped peer row none), one plot per suite
+    assert data["ceilings"]["items"]["decode"]["value"] == 1200.0
+    rows = {r["technique"]: r for r in data["data"]["rows"]}
+    assert rows["torchspeed"]["pct_of_ceiling"] == pytest.approx(50.0) and rows["torchspeed"]["achieved"] == 600.0
+    assert rows["dali_cpu"]["pct_of_ceiling"] is None and "pct_of_ceiling" not in rows["baseline"]
+    assert data["train"]["rows"][1]["pct_of_ceiling"] == pytest.approx(50.0)  # 120 samples/s x 1 GFLOP of 240
+    assert "## Ceilings of this machine" in report and "| decode | 1,200 img/s | simplejpeg-fast |" in report
+    assert "load average 3.5" in report and "read from this machine's cache" in report
+    assert "50% of decode (600 img/s)" in report and "50% of bf16 (120 GFLOP/s)" in report
+    assert "## How close to the limits" in report and "decoding is 40% of each image's time" in report
+    assert "skipped: dali not installed" in report
+    for png in ("data_ceiling.png", "train_ceiling.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in report
+    assert not (out / "infer_ceiling.png").exists()  # no infer row names a ceiling
 
 
 def test_headline_defaults_to_largest_speedup():

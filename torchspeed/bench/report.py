@@ -69,7 +69,16 @@ def _md_table(columns: list[str], rows: list[tuple[Any, ...]]) -> str:
     return "\n".join(lines)
 
 
+def _pct(row: dict[str, Any]) -> str:
+    p = row.get("pct_of_ceiling")
+    if not isinstance(p, (int, float)):
+        return ""
+    unit = {"decode": "img/s"}.get(row.get("ceiling", ""), "GOP/s" if row.get("ceiling") == "int8" else "GFLOP/s")
+    return f"{p:.0f}% of {row['ceiling']} ({format_number(row.get('achieved'))} {unit})"
+
+
 def suite_table(result: dict[str, Any]) -> str:
+    with_ceiling = any(isinstance(r.get("pct_of_ceiling"), (int, float)) for r in result.get("rows", []))
     rows = [
         (
             r.get("technique", ""),
@@ -78,12 +87,50 @@ def suite_table(result: dict[str, Any]) -> str:
             f"{r['ratio']:.2f}x" if isinstance(r.get("ratio"), (int, float)) else "",
             f"{r['cumulative']:.2f}x" if isinstance(r.get("cumulative"), (int, float)) else "",
             format_number(r.get("metric_drop")),
+            *((_pct(r),) if with_ceiling else ()),
             r.get("what", ""),
         )
         for r in result.get("rows", [])
     ]
     return _md_table(["technique", "median", "spread (min-max)", "vs plain PyTorch", "cumulative", "accuracy drop",
-                      "what this is"], rows)
+                      *(("% of this machine's ceiling",) if with_ceiling else ()), "what this is"], rows)
+
+
+def ceilings_section(ceilings: dict[str, Any]) -> list[str]:
+    """The report's ceilings: what each row is judged against, with when and under what load it was measured."""
+    from torchspeed.bench.ceilings import ceiling_rows
+
+    if "error" in ceilings:
+        return ["## Ceilings of this machine", "", f"Not measured: {ceilings['error'].splitlines()[0]}"]
+    load = ceilings.get("load_avg_1min")
+    return [
+        "## Ceilings of this machine", "",
+        "The best throughput this machine's cores reach on each kind of work (every figure all cores unless "
+        "it says one thread; a ceiling keeps the best of its measurements on this machine). Train and infer rows "
+        "count their FLOPs with torch.utils.flop_counter and are judged against the ceiling of their precision; "
+        "data rows against the decode-only ceiling.", "",
+        _md_table(["ceiling", "value", "route", "what"], ceiling_rows(ceilings)), "",
+        f"Measured {ceilings.get('measured_at', '?')}"
+        + (f" (1-minute load average {load:.1f} then)" if isinstance(load, (int, float)) else "")
+        + ("; read from this machine's cache for this report" if ceilings.get("source") == "cache" else ""),
+    ]
+
+
+def limits_section(results: dict[str, Any]) -> list[str]:
+    """Each suite's goals against the machine's limits, met or not, with the measured reason."""
+    rows = []
+    for name in suites.SUITE_NAMES:
+        result = results.get(name)
+        if not isinstance(result, dict):
+            continue
+        for lim in result.get("limits", []) or []:
+            met = lim.get("met")
+            rows.append((name, lim.get("goal", ""), lim.get("measured", ""),
+                         "yes" if met else ("no" if met is False else "not measured"), lim.get("why", "")))
+    if not rows:
+        return []
+    return ["## How close to the limits", "",
+            _md_table(["suite", "goal", "measured here", "met", "why (measured)"], rows)]
 
 
 def _save_png(fig: Any, path: str) -> None:
@@ -102,7 +149,7 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     rows = [r for r in result.get("rows", []) if isinstance(r.get("median"), (int, float))]
     if not rows:
         return []
-    written = []
+    written = _plot_ceiling(name, result, out, plt)
     cumulative_rows = [r for r in rows if isinstance(r.get("cumulative"), (int, float))]
     if name == "train" and cumulative_rows:
         rows = cumulative_rows
@@ -146,6 +193,29 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     return written
 
 
+def _plot_ceiling(name: str, result: dict[str, Any], out: str, plt: Any) -> list[str]:
+    """One plot per suite: each row's % of the ceiling of its kind of work (100% = this machine's best)."""
+    rows = [r for r in result.get("rows", []) if isinstance(r.get("pct_of_ceiling"), (int, float))]
+    if not rows:
+        return []
+    fname = f"{name}_ceiling.png"
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.4))
+    y = list(range(len(rows)))
+    colours = {"decode": "#4C72B0", "fp32": "#55A868", "bf16": "#C44E52", "int8": "#8172B2"}
+    ax.barh(y, [r["pct_of_ceiling"] for r in rows], color=[colours.get(r["ceiling"], "#937860") for r in rows])
+    ax.axvline(100, color="black", linewidth=1)
+    ax.set_yticks(y, [f"{r['technique']} [{r['ceiling']}]" for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("% of this machine's ceiling for the row's kind of work (100 = the ceiling)")
+    ax.set_title(f"{name}: how close each row comes to this machine's limit", fontsize=10)
+    for i, r in enumerate(rows):
+        ax.text(r["pct_of_ceiling"], i, f" {r['pct_of_ceiling']:.0f}%", va="center", fontsize=6)
+    fig.tight_layout()
+    _save_png(fig, os.path.join(out, fname))
+    plt.close(fig)
+    return [fname]
+
+
 def write_report(results: dict[str, Any], out: str, command: str = "torchspeed bench") -> str:
     """Write report.md and the plots into `out`; returns the path of report.md."""
     from torchspeed.runtime import describe_line
@@ -162,6 +232,11 @@ def write_report(results: dict[str, Any], out: str, command: str = "torchspeed b
         _md_table(["suite", "technique", "measured (median)", "speed-up vs plain PyTorch", "accuracy drop"],
                   summary_rows(results)),
     ]
+    if isinstance(results.get("ceilings"), dict):
+        parts += [""] + ceilings_section(results["ceilings"])
+    limits = limits_section(results)
+    if limits:
+        parts += [""] + limits
     for name in suites.SUITE_NAMES:
         result = results.get(name)
         if not isinstance(result, dict):
@@ -179,7 +254,8 @@ def write_report(results: dict[str, Any], out: str, command: str = "torchspeed b
             parts += ["", "(plots need matplotlib: `pip install 'torchspeed[report]'`)"]
         for img in images:
             parts += ["", f"![{name}]({img})"]
-        figures = {k: v for k, v in result.items() if k not in ("rows", "notes", "traceback") and not isinstance(v, (dict, list))}
+        figures = {k: v for k, v in result.items()
+                   if k not in ("rows", "notes", "traceback", "limits") and not isinstance(v, (dict, list))}
         if figures:
             parts += ["", "Figures: " + ", ".join(f"`{k}` = {format_number(v)}" for k, v in figures.items())]
         for note in result.get("notes", []):

@@ -27,10 +27,9 @@ from rich.console import Console
 
 from torchspeed.atomic import write_json
 from torchspeed.bench import suites
+from torchspeed.bench.ceilings import annotate
+from torchspeed.bench.budget import seconds_for
 from torchspeed.tables import print_table
-
-# Expected seconds per suite on a 2-core machine with warm caches (quick, full): the time-left estimate.
-EXPECTED_S = {"data": (75, 300), "train": (100, 600), "infer": (130, 900), "compress": (100, 600), "design": (30, 180)}
 
 RESULTS = "results.json"
 _MARK = "\x1etorchspeed-bench-progress:"  # a progress line on the child's stdout
@@ -60,7 +59,11 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
     missing = [n for n in names if n not in todo]
     if missing:
         console.print(f"not built into this version yet: {', '.join(missing)}")
-    expected = {n: EXPECTED_S.get(n, (60, 300))[0 if quick else 1] for n in todo}
+    if any(n in suites.UNDER_CEILINGS for n in todo):  # measured (or read from the cache) before the suites
+        modules["ceilings"] = suites.load("ceilings")
+        if modules["ceilings"] is not None:
+            todo.insert(0, "ceilings")
+    expected = {n: seconds_for(n, quick) for n in todo}
     start = time.perf_counter()
     results_path = os.path.join(out, RESULTS)
     try:
@@ -81,6 +84,11 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
             if "error" in results[name]:
                 console.print(f"[red]suite {name} failed:[/] {results[name]['error']}", highlight=False)
             results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+            results[name]["budget_s"] = expected[name]
+            if name == "ceilings":
+                print_ceilings(results[name], console)
+                continue
+            annotate({name: results[name]}, results.get("ceilings"))
             print_suite(name, results[name], console, title)
             write_json(results_path, results)  # after each suite: a crash later keeps the rest
     except KeyboardInterrupt:
@@ -237,9 +245,20 @@ def print_suite(name: str, result: dict[str, Any], console: Console, title: str 
     if "error" in result:
         return
     rows = [
-        (r["technique"], r.get("median"), r.get("unit", ""), r.get("ratio"), r.get("cumulative"), r.get("metric_drop"))
+        (r["technique"], r.get("median"), r.get("unit", ""), r.get("ratio"), r.get("cumulative"), r.get("metric_drop"),
+         r.get("pct_of_ceiling"))
         for r in result.get("rows", [])
     ]
     if title is None:
         title = getattr(suites.load(name), "TITLE", name)
-    print_table(title, ["technique", "median", "unit", "ratio", "cumulative", "metric drop"], rows, console)
+    print_table(title, ["technique", "median", "unit", "ratio", "cumulative", "metric drop", "% of ceiling"], rows,
+                console)
+
+
+def print_ceilings(result: dict[str, Any], console: Console) -> None:
+    if "error" in result:
+        return
+    from torchspeed.bench.ceilings import ceiling_rows
+
+    print_table(f"Ceilings of this machine ({result.get('source', '')}, measured {result.get('measured_at', '?')})",
+                ["ceiling", "value", "route", "what"], ceiling_rows(result), console)

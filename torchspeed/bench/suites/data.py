@@ -96,20 +96,125 @@ def _check_output(name: str, batch: Any) -> None:
                            f"not the benchmark's float32 NCHW batch")
 
 
-def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
+def _best(label: str, make: Callable[[int], Any], counts: list[int], seconds: float,
+          say: Callable[[str], Any]) -> tuple[int, Any, dict[int, float]]:
+    """The thread/worker count of a peer that delivers most images/s (each tried for `seconds`)."""
+    from torchspeed.measure import time_iterable
+
+    rates: dict[int, float] = {}
+    loaders: dict[int, Any] = {}
+    for n in counts:
+        say(f"{label}: trying {n}")
+        loader = make(n)
+        t = time_iterable(lambda: loader, name=f"{label}={n}", warmup_items=1, passes=1, min_pass_s=seconds,
+                          unit="img")
+        rates[n], loaders[n] = t.rates[0], loader
+    best = max(rates, key=rates.__getitem__)
+    for n, loader in loaders.items():
+        if n != best:
+            _close(loader)
+    return best, loaders[best], rates
+
+
+def _close(loader: Any) -> None:
+    from torchspeed.data.tune import _shutdown
+
+    _shutdown(loader)
+
+
+def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], add: Callable[..., None],
+           skipped: Callable[[dict[str, Any]], None]) -> None:
+    """DALI (CPU pipeline; GPU pipeline too on a GPU) and LitData on the pre-resized photos, each at its best count."""
+    import torch
+
+    from torchspeed.bench import peers
+    from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
+    from torchspeed.runtime import cache_dir
+
+    counts = list(range(1, cores + 1))
+    dali_kinds = [("dali_cpu", "cpu")] + ([("dali_gpu", "gpu")] if torch.cuda.is_available() else [])
+    for name, dev in dali_kinds:
+        try:
+            best, loader, rates = _best(f"{name} threads", lambda n, d=dev: peers.DaliLoader(
+                resized, BATCH, CROP, n, IMAGENET_MEAN, IMAGENET_STD, device=d), counts, tune_s, say)
+            tried = ", ".join(f"{n}: {r:,.0f}" for n, r in rates.items())
+            add(name, loader, f"NVIDIA DALI {dev.upper()} pipeline ({'device_id=None, ' if dev == 'cpu' else ''}"
+                f"fn.decoders.image_random_crop on {'cpu' if dev == 'cpu' else 'mixed'}, resize, crop_mirror_normalize) "
+                f"on the photos resized offline to short side {SHORT_SIDE}, num_threads={best} (best of {tried} img/s)",
+                peer=True, check=dev == "cpu")
+        except Exception as e:  # noqa: BLE001 - a peer that is missing or fails is a row with the reason
+            skipped(peers.skipped_row(name, _why(e), "img/s", ceiling="decode"))
+    try:
+        say("litdata: optimize() of the resized photos (cached)")
+        directory = peers.litdata_dir(resized, os.path.join(cache_dir("bench-data"),
+                                                            f"{os.path.basename(resized)}-litdata"))
+        best, loader, rates = _best("litdata num_workers", lambda n: peers.litdata_loader(
+            directory, BATCH, CROP, n, IMAGENET_MEAN, IMAGENET_STD), list(range(cores + 1)), tune_s, say)
+        tried = ", ".join(f"{n}: {r:,.0f}" for n, r in rates.items())
+        add("litdata", loader, f"LitData optimize() of the photos resized offline to short side {SHORT_SIDE} + "
+            f"StreamingDataLoader, PIL + the torchvision transforms, num_workers={best} (best of {tried} img/s)",
+            peer=True)
+    except Exception as e:  # noqa: BLE001
+        skipped(peers.skipped_row("litdata", _why(e), "img/s", ceiling="decode"))
+
+
+def _why(e: BaseException) -> str:
+    from torchspeed.bench.peers import PeerMissing
+
+    return str(e) if isinstance(e, PeerMissing) else f"failed here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _scale(cores: int, decoder: str, num_workers: int, threads: int, sizes: tuple[int, ...], window_s: float,
+           say: Callable[[str], Any]) -> list[dict[str, Any]]:
+    """Pack time per 1k images, loader throughput and peak RSS as the data grows (generated photos at the
+    store's size, so thousands cost seconds to make)."""
+    from torchspeed.atomic import build_directory
+    from torchspeed.data import fast_loader, make_photo_folder, pack
+    from torchspeed.measure import time_iterable
+    from torchspeed.runtime import cache_dir
+
+    out = []
+    for n in sizes:
+        say(f"scale: {n} generated photos (cached)")
+        folder = build_directory(os.path.join(cache_dir("bench-data"), f"scale-n{n}-{int(SHORT_SIDE * 4 / 3)}x{SHORT_SIDE}"),
+                                 lambda tmp, n=n: make_photo_folder(tmp, n, n_classes=10, seed=1,
+                                                                    size=(int(SHORT_SIDE * 4 / 3), SHORT_SIDE),
+                                                                    num_workers=cores) and None)
+        work = tempfile.mkdtemp(prefix="torchspeed-bench-scale-")
+        try:
+            say(f"scale: packing {n} photos")
+            rep = pack(folder, os.path.join(work, "store"), short_side=SHORT_SIDE, format="jpeg", quality=90,
+                       progress=False)
+            loader = fast_loader(rep.dst, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers=num_workers,
+                                 threads=threads, decoder=decoder)
+            say(f"scale: loader on {n} photos")
+            t = time_iterable(lambda: loader, name=f"scale {n}", warmup_items=1, passes=1, min_pass_s=window_s,
+                              unit="img", measure_memory=True)
+            _close(loader)
+            out.append({"images": n, "pack_s": rep.seconds, "pack_s_per_1k": 1000 * rep.seconds / n,
+                        "img_s": t.rates[0], "peak_rss_mib": (t.peak_mem_bytes or 0) / 2**20})
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: float | None = None,
+        scale_sizes: tuple[int, ...] = (4000, 50000)) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
 
     from torchspeed.args import progress_fn
+    from torchspeed.bench import ceilings as ceil
+    from torchspeed.bench.budget import Budget
     from torchspeed.measure import time_iterable
     from torchspeed.data import fast_loader, pack, tune_loader
     from torchspeed.data.demo import demo_folder
-    from torchspeed.data.tune import _shutdown
-    from torchspeed.runtime import usable_cores
+    from torchspeed.runtime import describe, usable_cores
 
     say = progress_fn(progress)
+    budget = Budget.of("data", quick, budget_s)
     cores = usable_cores()
-    pass_s, tune_s = (1.0, 0.3) if quick else (5.0, 1.0)
+    tune_s = 0.3 if quick else 1.0
     n_images = 1000 if quick else 4000
     say("demo photos (generated once)")
     src = demo_folder(4000)
@@ -117,12 +222,15 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
         src = _subset_folder(src, n_images)
     say("resized copy of the folder (short side 160, cached)")
     resized = _resized_folder(src, SHORT_SIDE)
-    say("extra stores for the comparison rows (cached)")
-    raw_store = _cached_store(src, f"raw{SHORT_SIDE}", short_side=SHORT_SIDE, format="raw")
-    full_store = _cached_store(src, "jpeg-full", short_side=None, format="jpeg", quality=90)
+    if not quick:
+        say("extra stores for the comparison rows (cached)")
+        raw_store = _cached_store(src, f"raw{SHORT_SIDE}", short_side=SHORT_SIDE, format="raw")
+        full_store = _cached_store(src, "jpeg-full", short_side=None, format="jpeg", quality=90)
 
     rows: list[dict[str, Any]] = []
-    results: dict[str, Any] = {"images": n_images, "batch_size": BATCH, "crop": CROP, "short_side": SHORT_SIDE}
+    skipped_rows: list[dict[str, Any]] = []
+    results: dict[str, Any] = {"images": n_images, "batch_size": BATCH, "crop": CROP, "short_side": SHORT_SIDE,
+                               "budget_s": budget.seconds}
     work = tempfile.mkdtemp(prefix="torchspeed-bench-data-")
     try:
         say(f"packing {n_images} images (short side {SHORT_SIDE}, JPEG q90)")
@@ -130,11 +238,13 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
         results["pack_s"] = round(report.seconds, 2)
         store = report.dst
 
-        contenders: dict[str, tuple[Any, str]] = {}
+        contenders: dict[str, tuple[Any, str, dict[str, Any]]] = {}
 
-        def add(name: str, loader: Any, what: str) -> None:
-            _check_output(name, next(iter(loader)))
-            contenders[name] = (loader, what)
+        def add(name: str, loader: Any, what: str, check: bool = True, **extra: Any) -> None:
+            first = next(iter(loader))
+            if check:
+                _check_output(name, first)
+            contenders[name] = (loader, what, extra)
 
         def plain(folder: str, num_workers: int) -> Any:
             return DataLoader(_torchvision(folder), BATCH, shuffle=True, drop_last=True, num_workers=num_workers,
@@ -150,9 +260,11 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
             "torchvision ImageFolder + PIL + RandomResizedCrop/flip/ToTensor/Normalize, num_workers=0")
         w_tuned = tuned_workers(src)
         add("baseline_tuned", plain(src, w_tuned), f"the same, num_workers={w_tuned} (best of 0..{cores}, measured)")
-        w_resized = tuned_workers(resized)
-        add("baseline_resized", plain(resized, w_resized),
-            f"the same tuned loader (num_workers={w_resized}) on a folder resized offline to short side {SHORT_SIDE}")
+        w_resized = None
+        if not quick:
+            w_resized = tuned_workers(resized)
+            add("baseline_resized", plain(resized, w_resized),
+                f"the same tuned loader (num_workers={w_resized}) on a folder resized offline to short side {SHORT_SIDE}")
         say("torchspeed: choosing decoder and num_workers (measured)")
         ts_loader = fast_loader(store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
                                 tune_seconds=tune_s)
@@ -164,45 +276,95 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
             f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {decoder} + uint8 crop into the batch in {where} "
             f"(settings measured)")
         common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, threads=threads, decoder=decoder)
-        raw_mib = os.path.getsize(os.path.join(raw_store, "data.mdb")) / 2**20
-        add("torchspeed_raw", fast_loader(raw_store, BATCH, **common),
-            f"the same pipeline on a raw-pixel store (no decoding at all; {raw_mib:.0f} MiB)")
-        add("torchspeed_no_offline_resize", fast_loader(full_store, BATCH, **common),
-            "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
-        add("torchspeed_on_folder", fast_loader(src, BATCH, **common),
-            "the same pipeline reading the original JPEG files (no pack at all)")
+        if not quick:
+            raw_mib = os.path.getsize(os.path.join(raw_store, "data.mdb")) / 2**20
+            add("torchspeed_raw", fast_loader(raw_store, BATCH, **common),
+                f"the same pipeline on a raw-pixel store (no decoding at all; {raw_mib:.0f} MiB)", ceiling=None)
+            add("torchspeed_no_offline_resize", fast_loader(full_store, BATCH, **common),
+                "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
+            add("torchspeed_on_folder", fast_loader(src, BATCH, **common),
+                "the same pipeline reading the original JPEG files (no pack at all)")
+        _peers(resized, cores, tune_s, say, add, skipped_rows.append)
 
         # Interleaved rounds (pass r of every contender, then pass r+1): a change in background load
-        # spreads over all contenders instead of favouring whichever ran at a quiet moment.
+        # spreads over all contenders instead of favouring whichever ran at a quiet moment. The passes
+        # share what is left of the budget (the full report keeps some for the scale rows).
+        left = budget.left() * (1.0 if quick else 0.6)
+        pass_s = min(5.0, max(0.5, left / (3 * len(contenders) * 1.3)))
         timings: dict[str, list[Any]] = {name: [] for name in contenders}
         for r in range(3):
-            for name, (loader, _) in contenders.items():
-                say(f"round {r + 1}/3: {name}")
+            for name, (loader, _, _) in contenders.items():
+                say(f"round {r + 1}/3: {name} ({pass_s:.1f} s pass)")
                 timings[name].append(time_iterable(lambda: loader, name=name, warmup_items=1, passes=1,
                                                    min_pass_s=pass_s, unit="img"))
         rates = {name: sorted(t.rates[0] for t in ts) for name, ts in timings.items()}
-        for name, (loader, what) in contenders.items():
-            _shutdown(loader)
+        for name, (loader, what, extra) in contenders.items():
+            _close(loader)
             rows.append({"technique": name, "median": rates[name][1], "min": rates[name][0], "max": rates[name][-1],
                          "unit": "img/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what,
-                         "headline": name == "torchspeed"})
+                         "headline": name == "torchspeed", "ceiling": "decode", **extra})
         contenders.clear()
+        rows.extend(skipped_rows)
         median = {r["technique"]: r["median"] for r in rows}
-        base, tuned, base_resized, fast = (median[k] for k in ("baseline", "baseline_tuned", "baseline_resized", "torchspeed"))
-        raw, noresize, folder = (median[k] for k in ("torchspeed_raw", "torchspeed_no_offline_resize", "torchspeed_on_folder"))
+        base, tuned, fast = (median[k] for k in ("baseline", "baseline_tuned", "torchspeed"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     for r in rows:
-        r["ratio"] = r["median"] / base
+        if r["median"] is not None:
+            r["ratio"] = r["median"] / base
     results.update(
-        baseline_img_s=base, baseline_tuned_img_s=tuned, baseline_resized_img_s=base_resized, torchspeed_img_s=fast,
-        raw_img_s=raw, no_offline_resize_img_s=noresize, folder_img_s=folder,
-        ratio_vs_tuned=fast / tuned, ratio_vs_resized=fast / base_resized, ratio_vs_baseline=fast / base,
+        baseline_img_s=base, baseline_tuned_img_s=tuned, torchspeed_img_s=fast,
+        ratio_vs_tuned=fast / tuned, ratio_vs_baseline=fast / base,
         decoder=decoder, decoder_table=decoder_table, num_workers=w, threads=threads, baseline_tuned_workers=w_tuned,
-        baseline_resized_workers=w_resized, torchspeed_tuning=[r.to_dict() for r in settings.table], rows=rows,
+        torchspeed_tuning=[r.to_dict() for r in settings.table], rows=rows, pass_s=round(pass_s, 2),
         notes=[f"pack of {n_images} images to the short-side-{SHORT_SIDE} JPEG store took {results['pack_s']:.1f} s (one-off)",
-               f"torch {torch.__version__}; passes of >= {pass_s} s, median of 3"],
+               f"torch {torch.__version__}; passes of {pass_s:.1f} s (the suite's {budget.seconds:.0f} s budget shared), "
+               "median of 3 interleaved rounds"],
     )
+    if not quick:
+        results.update(baseline_resized_img_s=median["baseline_resized"], ratio_vs_resized=fast / median["baseline_resized"],
+                       raw_img_s=median["torchspeed_raw"], no_offline_resize_img_s=median["torchspeed_no_offline_resize"],
+                       folder_img_s=median["torchspeed_on_folder"], baseline_resized_workers=w_resized)
+    for peer in ("dali_cpu", "dali_gpu", "litdata"):
+        if median.get(peer):
+            results[f"ratio_vs_{peer}"] = fast / median[peer]
+    if not quick and scale_sizes:
+        window = max(1.0, min(5.0, budget.left() / (4 * len(scale_sizes))))
+        results["scale"] = _scale(cores, decoder, w, threads, scale_sizes, window, say)
+        for sc in results["scale"]:
+            results["notes"].append(f"scale, {sc['images']:,} generated photos: pack {sc['pack_s_per_1k']:.2f} s per 1k "
+                                    f"images, loader {sc['img_s']:,.0f} img/s, peak RSS {sc['peak_rss_mib']:,.0f} MiB")
+    results["limits"] = _data_limits(fast, median, cores, ceil.load_cached(describe()), threads, w)
     return results
 
+
+def _data_limits(fast: float, median: dict[str, Any], cores: int, ceilings: dict[str, Any] | None,
+                 threads: int, workers: int) -> list[dict[str, Any]]:
+    """The data goals: >= 60% of the decode-only ceiling, >= 2x DALI's CPU pipeline; the per-image time
+    split into decoding (the ceiling's per-core rate) and everything else, measured."""
+    item = ((ceilings or {}).get("items") or {}).get("decode_per_core") or {}
+    per_core = item.get("value")
+    lims = []
+    lim: dict[str, Any] = {"goal": "data >= 60% of the decode-only ceiling (all cores)", "met": None,
+                           "measured": f"{fast:,.0f} img/s"}
+    if per_core:
+        ceiling = per_core * cores
+        used_us = 1e6 * cores / fast  # core-microseconds per delivered image
+        decode_us = 1e6 / per_core
+        lim.update(measured=f"{fast:,.0f} img/s = {100 * fast / ceiling:.0f}% of {ceiling:,.0f}",
+                   met=fast >= 0.6 * ceiling,
+                   why=f"each image costs {used_us:,.0f} core-us here, of which decoding ({item.get('route')}) is "
+                       f"{decode_us:,.0f} us ({100 * decode_us / used_us:.0f}%); the other {used_us - decode_us:,.0f} us "
+                       f"are the crop and resize, flip, conversion to normalised float32 and batch assembly, and any "
+                       f"core time taken by other processes ({'%d threads' % threads if workers == 0 else '%d workers' % workers})")
+    else:
+        lim["why"] = "no decode ceiling measured for this machine"
+    lims.append(lim)
+    dali = median.get("dali_cpu")
+    lims.append({"goal": ">= 2x DALI's CPU pipeline on the same photos", "met": (fast >= 2 * dali) if dali else None,
+                 "measured": f"{fast / dali:.2f}x ({fast:,.0f} vs {dali:,.0f} img/s)" if dali else "DALI not run",
+                 "why": "" if not dali else ("" if fast >= 2 * dali else
+                                             "both pipelines are bound by the same per-image decode on the same cores "
+                                             "(see the line above); DALI's decoder is libjpeg-turbo too")})
+    return lims

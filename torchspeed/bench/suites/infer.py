@@ -33,13 +33,92 @@ ROWS = (
 
 
 def _models(quick: bool) -> list[tuple[str, Callable[[], Any]]]:
+    """The quick report times the trained ResNet-18 only; the full report adds two more shapes of model."""
     from torchspeed.models import create
 
-    return [
-        ("resnet18", None),  # the trained demo model
-        ("mobilenet_v3_small", lambda: create("torchvision:mobilenet_v3_small")),
-        ("vit_tiny", lambda: create("timm:vit_tiny_patch16_224")),
-    ]
+    models: list[tuple[str, Any]] = [("resnet18", None)]  # the trained demo model
+    if not quick:
+        models += [("mobilenet_v3_small", lambda: create("torchvision:mobilenet_v3_small")),
+                   ("vit_tiny", lambda: create("timm:vit_tiny_patch16_224"))]
+    return models
+
+
+def flops_per_image(model: Any, size: int = 224) -> float:
+    """Inference FLOPs of one image (torch.utils.flop_counter; a multiply-add counts 2)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model.eval()(torch.randn(1, 3, size, size))
+    return float(counter.get_total_flops())
+
+
+def _ceiling_of(precision: str) -> str:
+    from torchspeed.bench.ceilings import PRECISION_CEILING
+
+    return PRECISION_CEILING.get(precision.split("-")[0].split("+")[0], "fp32")
+
+
+def _hand_set_peers(name: str, model: Any, res: Any, size: int, flops: float, repeats: int,
+                    say: Callable[[str], Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The runtimes a user would set up by hand on the same model (OpenVINO with its LATENCY hint and default
+    precision, ONNX Runtime defaults), timed interleaved with torchspeed's chosen variant at each batch size.
+    Returns (rows, per-batch comparisons)."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+
+    from torchspeed.bench import peers
+    from torchspeed.infer.export import export_onnx
+    from torchspeed.measure import compare
+
+    rows: list[dict[str, Any]] = []
+    runners: dict[str, Any] = {}
+    what = {"OpenVINO, LATENCY hint": "openvino.compile_model(ONNX, 'CPU', {PERFORMANCE_HINT: LATENCY}): its own "
+                                      "threads and default precision ({precision})",
+            "ONNX Runtime defaults": "onnxruntime.InferenceSession(ONNX) with default SessionOptions, CPU provider"}
+    tmp = tempfile.mkdtemp(prefix="torchspeed-bench-peers-")
+    comparisons: list[dict[str, Any]] = []
+    try:
+        path = os.path.join(tmp, "model.onnx")
+        say(f"{name}: hand-set runtimes (ONNX export)")
+        export_onnx(model, torch.randn(1, 3, size, size), path)
+        for label, make in (("OpenVINO, LATENCY hint", peers.openvino_latency),
+                            ("ONNX Runtime defaults", peers.onnxruntime_defaults)):
+            try:
+                runners[label] = make(path)
+            except Exception as e:  # noqa: BLE001 - a missing runtime is a row with the reason
+                why = str(e) if isinstance(e, peers.PeerMissing) else f"failed here: {type(e).__name__}: {e}"
+                for b in (1, 8):
+                    rows.append(peers.skipped_row(f"{name} b{b}: peer {label}", why, "ms", batch=b))
+        for b in (1, 8):
+            best = res.fastest_at(b)
+            if best is None or best.runner is None or not runners:
+                continue
+            x = torch.randn(b, 3, size, size)
+            say(f"{name}: chosen {best.name} vs the hand-set runtimes at batch {b} (interleaved)")
+            contenders = {f"torchspeed ({best.name})": lambda r=best.runner: r(x)}
+            contenders.update({label: (lambda r=r: r(x)) for label, r in runners.items()})
+            c = compare(contenders, warmup=2, repeats=repeats, min_time_s=0.05, cooldown_s=0.1)
+            chosen_ms = c.timings[0].median_s * 1e3
+            hand = {t.name: t.median_s * 1e3 for t in c.timings[1:]}
+            fastest = min(hand, key=hand.__getitem__)
+            comparisons.append({"batch": b, "chosen": best.name, "chosen_ms": chosen_ms, "hand_ms": hand,
+                                "fastest_hand": fastest, "chosen_vs_fastest_hand": chosen_ms / hand[fastest]})
+            for t in c.timings[1:]:
+                prec = getattr(runners[t.name], "precision", "fp32")
+                rows.append({"technique": f"{name} b{b}: peer {t.name}", "median": t.median_s * 1e3,
+                             "min": t.min_s * 1e3, "max": t.max_s * 1e3, "unit": "ms", "ratio": None,
+                             "cumulative": None, "metric_drop": None, "peer": True, "batch": b,
+                             "flops_per_item": flops, "ceiling": "fp32",
+                             "what": what[t.name].format(precision=prec) + f"; {t.median_s * 1e3 / chosen_ms:.2f}x "
+                                     f"the chosen variant's time in the same interleaved run ({chosen_ms:.2f} ms)"})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows, comparisons
 
 
 def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
@@ -67,10 +146,12 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
              "MobileNetV3-Small / ViT-Tiny: random init, guarded by output agreement (rel. L2 <= 0.1)"]
     if quick:
         notes.append("--quick: torch.compile skipped (about a minute of compiling per model here)")
+    limits: list[dict[str, Any]] = []
     for name, make in _models(quick):
         say(f"{name}: building and verifying variants")
         arch = {"source": "torchvision", "name": "resnet18", "kwargs": {"num_classes": 10}} if make is None else None
         model = demo.model if make is None else make()
+        flops = flops_per_image(model, size)
         example = torch.randn(1, 3, size, size)
         res = optimize(model, example, calib_data=calib, max_metric_drop=0.01, backends=backends,
                        batch_sizes=(1, 8), repeats=3 if quick else 7, arch=arch,
@@ -100,17 +181,32 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
                 lat = c.latency_ms[b]
                 status = "" if c.passed else f" [{c.status}: {c.reason}]"
                 rows.append(_row(f"{name} b{b}: {label}", lat, base / lat["p50_ms"], c.metric_drop, c.rel_l2_error,
-                                 what + status))
+                                 what + status, b, flops, _ceiling_of(c.precision)))
             best = res.fastest_at(b)
             if best is not None:
                 rows.append(_row(f"{name} b{b}: torchspeed best", best.latency_ms[b], base / best.p50_ms(b),
-                                 best.metric_drop, best.rel_l2_error, f"= {best.name}"))
+                                 best.metric_drop, best.rel_l2_error, f"= {best.name}", b, flops,
+                                 _ceiling_of(best.precision)))
                 rows[-1]["headline"] = (name, b) == ("resnet18", 8)  # the headline figure: ResNet-18 at batch 8
             if b == 1 and best is not None:
                 any_fast = res.fastest_at(1, passed_only=False)
                 notes.append(f"{name} batch 1: chosen {best.name} p50 {best.p50_ms(1):.2f} ms; fastest of all "
                              f"{any_fast.name} {any_fast.p50_ms(1):.2f} ms "
                              f"({(best.p50_ms(1) / any_fast.p50_ms(1) - 1) * 100:+.0f}%)")
+        peer_rows, comparisons = _hand_set_peers(name, model, res, size, flops, 3 if quick else 7, say)
+        rows += peer_rows
+        results[f"{name}_hand_set"] = comparisons
+        results[f"{name}_flops_per_image"] = flops
+        for cmp_ in comparisons:
+            ratio = cmp_["chosen_vs_fastest_hand"]
+            limits.append({"goal": f"{name} batch {cmp_['batch']}: the chosen variant within 5% of the fastest "
+                                   "hand-set runtime",
+                           "measured": f"{cmp_['chosen']} {cmp_['chosen_ms']:.2f} ms vs {cmp_['fastest_hand']} "
+                                       f"{cmp_['hand_ms'][cmp_['fastest_hand']]:.2f} ms ({ratio:.2f}x its time)",
+                           "met": ratio <= 1.05,
+                           "why": "" if ratio <= 1.05 else
+                           "the hand-set runtime was faster in this interleaved run; optimize() timed its variants "
+                           "in its own run, so a difference within their spreads is noise"})
     r18 = results["resnet18"]
     cands = {c["name"]: c for c in r18["candidates"]}
     eager8 = cands["eager fp32"]["latency_ms"]["8"]["p50_ms"]
@@ -126,6 +222,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
         "models": results,
         "rows": rows,
         "notes": notes,
+        "limits": limits,
     }
 
 
@@ -142,11 +239,13 @@ def _merge_guard(res: Any, guard: Any) -> None:
 
 
 def _row(technique: str, lat: dict[str, float] | None, ratio: float | None, drop: float | None,
-         err: float | None, what: str) -> dict[str, Any]:
+         err: float | None, what: str, batch: int | None = None, flops: float | None = None,
+         ceiling: str | None = None) -> dict[str, Any]:
     nan = math.nan
     return {
         "technique": technique,
         "median": lat["p50_ms"] if lat else nan, "min": lat["min_ms"] if lat else nan,
         "max": lat["max_ms"] if lat else nan, "p90": lat["p90_ms"] if lat else nan, "unit": "ms",
         "ratio": ratio, "cumulative": None, "metric_drop": drop, "output_error": err, "what": what,
+        "batch": batch, "flops_per_item": flops, "ceiling": ceiling if lat else None,
     }

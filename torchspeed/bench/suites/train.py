@@ -195,21 +195,98 @@ def _early_stopping(quick: bool) -> dict[str, Any]:
             "final_val_loss_full_run": full[-1], "patience": 10, "reason": es.reason}
 
 
-def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
+def flops_per_sample(model: Any, crop: int = CROP, device: Any = "cpu") -> tuple[float, dict[str, float]]:
+    """Training FLOPs per sample (forward + backward, counted by torch.utils.flop_counter on a batch of 2,
+    which costs a fraction of a real step) and the FLOPs per aten op."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = copy.deepcopy(model).to(device).train()
+    x = torch.randn(2, 3, crop, crop, device=device)
+    y = torch.zeros(2, dtype=torch.long, device=device)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        F.cross_entropy(m(x), y).backward()
+    per_op = {str(k): v / 2 for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    return counter.get_total_flops() / 2, per_op
+
+
+_CATEGORIES = (  # (category, substrings of the aten op names whose self time it gathers), first match wins
+    ("convolution backward", ("convolution_backward",)),
+    ("convolution forward", ("convolution",)),
+    ("batch norm", ("batch_norm",)),
+    ("ReLU", ("relu", "threshold_backward", "clamp")),
+    ("pooling", ("pool",)),
+    ("linear", ("addmm", "aten::mm", "aten::t")),
+    ("residual add", ("aten::add",)),
+    ("loss", ("log_softmax", "nll_loss", "cross_entropy")),
+)
+
+
+def step_profile(model: Any, opt: Any, x: Any, y: Any, per_op_flops: dict[str, float],
+                 ceiling_gflops: float | None) -> dict[str, Any]:
+    """Where one training step's time goes: self time per op category of forward + backward (torch.profiler),
+    the optimizer step timed apart, and the GFLOP/s of the convolutions against the fp32 ceiling."""
+    import time as _time
+
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    model.train()
+
+    def fwd_bwd() -> None:
+        F.cross_entropy(model(x), y).backward()
+
+    fwd_bwd()  # warm-up: oneDNN primitives created
+    opt.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fwd_bwd()
+    t0 = _time.perf_counter()
+    opt.step()
+    opt_s = _time.perf_counter() - t0
+    opt.zero_grad(set_to_none=True)
+    cats: dict[str, float] = {}
+    for ev in prof.key_averages():
+        name = ev.key
+        cat = next((c for c, keys in _CATEGORIES if any(k in name for k in keys)), "other")
+        cats[cat] = cats.get(cat, 0.0) + ev.self_cpu_time_total / 1e6
+    cats["optimizer step"] = opt_s
+    total = sum(cats.values())
+    batch = len(x)
+    flops = {"convolution forward": per_op_flops.get("aten.convolution", 0.0) * batch,
+             "convolution backward": per_op_flops.get("aten.convolution_backward", 0.0) * batch}
+    out: dict[str, Any] = {"step_s": total, "categories": {}}
+    for cat, sec in sorted(cats.items(), key=lambda kv: -kv[1]):
+        row: dict[str, Any] = {"seconds": sec, "share_pct": 100 * sec / total if total else None}
+        if flops.get(cat) and sec > 0:
+            row["gflops"] = flops[cat] / sec / 1e9
+            if ceiling_gflops:
+                row["pct_of_fp32_ceiling"] = 100 * row["gflops"] / ceiling_gflops
+        out["categories"][cat] = row
+    return out
+
+
+def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: float | None = None) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
     from torchvision.models import resnet18
 
     from torchspeed.args import progress_fn
-    from torchspeed.measure import compare, time_callable
+    from torchspeed.bench import ceilings as ceil
+    from torchspeed.bench.budget import Budget, time_in_window
+    from torchspeed.measure import compare
     from torchspeed.data import fast_loader, tune_loader
     from torchspeed.data.demo import demo_folder
-    from torchspeed.runtime import default_precision, usable_cores
+    from torchspeed.runtime import default_precision, describe, usable_cores
     from torchspeed.train import Trainer
 
     import time
 
-    k, repeats = (2, 3) if quick else (4, 5)
+    budget = Budget.of("train", quick, budget_s)
+    k = 1 if quick else 2  # steps per timed call; how many calls fit is measured (time_in_window)
+    repeats = 3 if quick else 5  # for the comparisons of the full report
     phases: dict[str, float] = {}
     clock = {"name": "start", "t": time.perf_counter()}
     report_progress = progress_fn(progress)
@@ -223,9 +300,22 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     device = torch.device("cpu")  # the suite measures the CPU path here; CUDA runs use the same code
     if torch.cuda.is_available():
         device = torch.device("cuda")
-    mixed = default_precision(device).name
+    machine_prec = default_precision(device)
+    mixed = machine_prec.name
     if mixed == "fp32":
         mixed = "bf16" if device.type == "cpu" else "fp16"
+    ceilings = ceil.load_cached(describe())
+    items = (ceilings or {}).get("items", {})
+    fp32_ceiling = (items.get("fp32") or {}).get("value")
+    # An emulated precision (its GEMM slower than fp32's here) is not run: its step would be many times slower.
+    mixed_ceiling = (items.get(ceil.PRECISION_CEILING.get(mixed, mixed)) or {}).get("value")
+    emulated = device.type == "cpu" and machine_prec.name == "fp32"
+    if emulated:
+        emulated_why = machine_prec.reason
+        if mixed_ceiling and fp32_ceiling:
+            emulated_why = (f"{mixed} GEMM measures {mixed_ceiling:.2g} GFLOP/s here vs {fp32_ceiling:.0f} for fp32 "
+                            f"({mixed_ceiling / fp32_ceiling:.2g}x: emulated), so a {mixed} step would take about "
+                            f"{fp32_ceiling / mixed_ceiling:.0f}x longer")
     step("demo photos (generated once)")
     folder = demo_folder(4000)
     indices = _subset(4000, quick)
@@ -233,9 +323,16 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     store = _cached_store(folder, indices)
     torch.manual_seed(0)
     base_model = resnet18(num_classes=CLASSES)
+    step("counting FLOPs per sample (torch.utils.flop_counter)")
+    flops, per_op = flops_per_sample(base_model, CROP, device)
     rows: list[dict[str, Any]] = []
-    results: dict[str, Any] = {"images": len(indices), "batch_size": BATCH, "crop": CROP, "steps_per_repeat": k,
-                               "repeats": repeats, "device": str(device)}
+    results: dict[str, Any] = {"images": len(indices), "batch_size": BATCH, "crop": CROP, "steps_per_call": k,
+                               "device": str(device), "flops_per_sample": flops, "budget_s": budget.seconds}
+    # the measurements still to come, for sharing the budget (each about one window)
+    todo = {"rows": 3 + (0 if quick else 3) + (0 if emulated else 1), "setup": 1.5, "profile": 0.7}
+
+    def windows_left() -> float:
+        return sum(todo.values())
 
     def fresh(channels_last: bool = False) -> tuple[Any, Any]:
         m = copy.deepcopy(base_model).to(device)
@@ -249,14 +346,25 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
             return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         return get
 
-    def measure(name: str, chunk: Callable[[], None], what: str) -> float:
-        step(f"timing {name}")
-        t = time_callable(chunk, name=name, warmup=1, repeats=repeats, items=k * BATCH, unit="samples", device=device)
+    def row(name: str, median: float | None, what: str, precision: str = "fp32", **kw: Any) -> dict[str, Any]:
+        r = {"technique": name, "median": median, "min": None, "max": None, "unit": "samples/s", "ratio": None,
+             "cumulative": None, "metric_drop": None, "what": what, "headline": name == "torchspeed auto",
+             "ceiling": ceil.PRECISION_CEILING.get(precision, "fp32"), "flops_per_item": flops, **kw}
+        rows.append(r)
+        return r
+
+    def measure(name: str, chunk: Callable[[], None], what: str, precision: str = "fp32") -> float:
+        window = budget.share(windows_left())
+        step(f"timing {name} ({window:.0f} s window)")
+        t = time_in_window(chunk, window, name=name, items=k * BATCH, unit="samples", device=device)
+        todo["rows"] -= 1
         rates = t.rates
-        rows.append({"technique": name, "median": t.throughput, "min": min(rates), "max": max(rates),
-                     "unit": "samples/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what,
-                     "headline": name == "torchspeed auto"})
+        row(name, t.throughput, what, precision, min=min(rates), max=max(rates), calls=len(rates),
+            first_call_s=round(t.extra["first_s"], 2))
         return float(t.throughput)
+
+    def not_run(name: str, why: str, precision: str = "fp32") -> None:
+        row(name, None, f"not run: {why}", precision)
 
     def plain_loader(num_workers: int, **kw: Any) -> Any:
         return DataLoader(_torchvision_dataset(folder, indices), BATCH, shuffle=True, drop_last=True,
@@ -266,49 +374,66 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     m, o = fresh()
     plain = measure("plain PyTorch", _hand_loop(m, o, to_dev(_Stream(plain_loader(0))), k, "fp32", False),
                     "fp32, NCHW, torchvision ImageFolder + PIL transforms, num_workers=0, hand-written loop")
-    # 2. + tuned loader (num_workers etc. measured by tune_loader)
-    step("tuning the torchvision DataLoader (num_workers, prefetch; measured)")
-    s = tune_loader(_torchvision_dataset(folder, indices), BATCH, num_workers=list(range(usable_cores() + 1)),
-                    seconds=0.5 if quick else 1.0, device=device, prefetch_factors=(2,), persistent=(True,))
-    m, o = fresh()
-    measure("+ tuned loader", _hand_loop(m, o, to_dev(_Stream(plain_loader(s.num_workers, pin_memory=s.pin_memory))),
-                                         k, "fp32", False),
-            f"the same with num_workers={s.num_workers} (measured best), persistent workers")
+    # 2. + tuned loader (num_workers etc. measured by tune_loader); the quick report leaves it out
+    if quick:
+        not_run("+ tuned loader", "--quick (the full report measures it)")
+    else:
+        step("tuning the torchvision DataLoader (num_workers, prefetch; measured)")
+        s = tune_loader(_torchvision_dataset(folder, indices), BATCH, num_workers=list(range(usable_cores() + 1)),
+                        seconds=1.0, device=device, prefetch_factors=(2,), persistent=(True,))
+        m, o = fresh()
+        measure("+ tuned loader", _hand_loop(m, o, to_dev(_Stream(plain_loader(s.num_workers, pin_memory=s.pin_memory))),
+                                             k, "fp32", False),
+                f"the same with num_workers={s.num_workers} (measured best), persistent workers")
     # 3. + fast data pipeline
     step("fast_loader: choosing decoder and num_workers (measured)")
     fast_nchw = fast_loader(store, BATCH, crop=CROP, device=device, channels_last=False, num_workers="auto",
-                            tune_seconds=0.4 if quick else 0.8)
+                            tune_seconds=0.3 if quick else 0.8)
     workers = fast_nchw.settings.num_workers if fast_nchw.settings else 0
     m, o = fresh()
-    measure("+ fast data pipeline", _hand_loop(m, o, _Stream(fast_nchw).next, k, "fp32", False),
+    fast_stream = _Stream(fast_nchw)
+    measure("+ fast data pipeline", _hand_loop(m, o, fast_stream.next, k, "fp32", False),
             f"fast_loader on a store packed at short side {SHORT_SIDE} ({fast_nchw.decoder}, {workers} workers, "
             "normalised batches on the device)")
-    # 4. + mixed precision
-    m, o = fresh()
-    measure(f"+ {mixed} autocast", _hand_loop(m, o, _Stream(fast_nchw).next, k, mixed, False),
-            f"torch.autocast({mixed}), fp32 weights")
-    del fast_nchw
-    # 5. + channels_last
+    # 4. + mixed precision, unless this machine only emulates it
+    hand_prec = "fp32"
+    if emulated:
+        not_run(f"+ {mixed} autocast", emulated_why, mixed)
+        results["mixed_precision"] = {"tried": False, "reason": emulated_why}
+    else:
+        m, o = fresh()
+        measure(f"+ {mixed} autocast", _hand_loop(m, o, fast_stream.next, k, mixed, False),
+                f"torch.autocast({mixed}), fp32 weights", mixed)
+        hand_prec = mixed
+    # 5. where the step's time goes (per-op profile of one step, fp32 NCHW), while the batches are at hand
+    step_s = max(r.get("first_call_s") or 0.0 for r in rows)  # about one step (the slowest first call)
+    if not quick or budget.allows(8 * step_s):  # two steps, leaving the auto row and its trials room
+        step("profiling one training step (per-op self time, fp32 NCHW)")
+        x0, y0 = fast_stream.next()
+        m, o = fresh()
+        results["step_profile"] = step_profile(m, o, x0, y0, per_op, fp32_ceiling)
+    todo["profile"] = 0
     fast = fast_loader(store, BATCH, crop=CROP, device=device, channels_last=True, num_workers=workers)
-    m, o = fresh(channels_last=True)
-    cl = measure("+ channels_last", _hand_loop(m, o, _Stream(fast).next, k, mixed, True),
-                 "model and batches in channels_last (NHWC) memory format")
-    best, best_compile = cl, False
-    # 6. + compile, kept only if it wins (its compile time is reported as the one-off cost)
+    # 6. + channels_last (the full report; accelerate() measures it for the auto row in both)
+    cl = best = plain
+    best_compile = False
     if quick:
-        rows.append({"technique": "+ torch.compile", "median": None, "min": None, "max": None, "unit": "samples/s",
-                     "ratio": None, "cumulative": None, "metric_drop": None,
-                     "what": "not tried: quick mode budget (compiling ResNet-18 training takes ~1 min on 2 cores)"})
+        not_run("+ channels_last", "--quick (torchspeed auto below measures NCHW against NHWC)", hand_prec)
+        not_run("+ torch.compile", "--quick (compiling ResNet-18 training takes about a minute on 2 cores)", hand_prec)
         results["compile"] = {"tried": False, "reason": "not tried: quick mode budget"}
     else:
         m, o = fresh(channels_last=True)
+        cl = best = measure("+ channels_last", _hand_loop(m, o, _Stream(fast).next, k, hand_prec, True),
+                            "model and batches in channels_last (NHWC) memory format", hand_prec)
+        # 7. + compile, kept only if it wins (its compile time is reported as the one-off cost)
+        m, o = fresh(channels_last=True)
         cm = torch.compile(m)
-        chunk = _hand_loop(cm, o, _Stream(fast).next, k, mixed, True)
+        chunk = _hand_loop(cm, o, _Stream(fast).next, k, hand_prec, True)
         step("compiling ResNet-18 (torch.compile; measured)")
         t0 = time.perf_counter()
         chunk()
         compile_s = time.perf_counter() - t0
-        c = measure("+ torch.compile", chunk, "torch.compile(model) (default mode)")
+        c = measure("+ torch.compile", chunk, "torch.compile(model) (default mode)", hand_prec)
         compile_s = max(0.0, compile_s - k * BATCH / c)
         kept = c > cl * 1.05 and (1 / cl - 1 / c) * BATCH * EXPECTED_STEPS > compile_s
         rows[-1]["what"] += f"; compile {compile_s:.0f} s; {'kept' if kept else 'not kept'} for the rows below"
@@ -316,11 +441,12 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
         if kept:
             best, best_compile = c, True
         torch._dynamo.reset()
-    # 7. torchspeed auto: the Trainer with every setting on "auto" (measured on this model and data)
+    # 8. torchspeed auto: the Trainer with every setting on "auto" (measured on this model and data)
     m, o = fresh()
     akw: dict[str, Any] = {"expected_steps": EXPECTED_STEPS}
     if quick:
         akw["untried"] = {"compile": "quick mode budget"}
+        akw["trial_steps"] = 1  # one timed step per option, interleaved: the quick report's budget
     trainer = Trainer(m, o, torch.nn.functional.cross_entropy, progress=False, accelerate_kwargs=akw)
 
     chunks = _Chunk(_Stream(fast), k)
@@ -332,85 +458,118 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     t0 = time.perf_counter()
     trainer.prepare(fast, EXPECTED_STEPS)
     results["accelerate_setup_s"] = time.perf_counter() - t0
+    todo["setup"] = 0
     rep = trainer.report
+    auto_prec = rep.precision
     auto = measure("torchspeed auto", trainer_chunk,
                    f"Trainer, everything on auto: chose {rep.precision}, channels_last={rep.channels_last}, "
-                   f"compile={rep.compile}, {rep.optimizer} optimizer (setup {results['accelerate_setup_s']:.0f} s)")
+                   f"compile={rep.compile}, {rep.optimizer} optimizer (setup {results['accelerate_setup_s']:.0f} s)",
+                   auto_prec)
     results["accelerate"] = rep.to_dict()
-    # Trainer overhead: same settings, same in-memory batches, interleaved with a hand-written loop
-    step("Trainer overhead vs a hand-written loop (interleaved)")
     batches = [chunks.stream.next() for _ in range(2 if quick else 8)]
     del fast, chunks
-    prec = rep.precision
-    mh, _ = fresh(channels_last=True)
-    oh = torch.optim.SGD(mh.parameters(), lr=0.05, momentum=0.9, fused=True)
-    it_h = iter(())
+    overhead = None
+    notes: list[str] = []
+    if not quick:
+        # Trainer overhead: same settings, same in-memory batches, interleaved with a hand-written loop
+        step("Trainer overhead vs a hand-written loop (interleaved)")
+        mh, _ = fresh(channels_last=True)
+        oh = torch.optim.SGD(mh.parameters(), lr=0.05, momentum=0.9, fused=True)
+        it_h = iter(())
 
-    def from_list() -> Any:
-        nonlocal it_h
-        try:
-            return next(it_h)
-        except StopIteration:
-            it_h = iter(batches)
-            return next(it_h)
+        def from_list() -> Any:
+            nonlocal it_h
+            try:
+                return next(it_h)
+            except StopIteration:
+                it_h = iter(batches)
+                return next(it_h)
 
-    hand = _hand_loop(mh, oh, from_list, len(batches), prec, True)
-    mt, ot = fresh(channels_last=True)
-    tr2 = Trainer(mt, ot, torch.nn.functional.cross_entropy, precision=prec, channels_last=True, compile=False,
-                  strategy=None, progress=False)
+        hand = _hand_loop(mh, oh, from_list, len(batches), auto_prec, True)
+        mt, ot = fresh(channels_last=True)
+        tr2 = Trainer(mt, ot, torch.nn.functional.cross_entropy, precision=auto_prec, channels_last=True,
+                      compile=False, strategy=None, progress=False)
 
-    def trainer_list() -> None:
-        tr2.fit(batches, epochs=10**9, max_steps=tr2.global_step + len(batches))
+        def trainer_list() -> None:
+            tr2.fit(batches, epochs=10**9, max_steps=tr2.global_step + len(batches))
 
-    cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=repeats if quick else max(repeats, 5), cooldown_s=0.1,
-                  device=device, items=len(batches) * BATCH)
-    overhead = 100 * (cmp["Trainer"].median_s / cmp["hand-written loop"].median_s - 1)
-    results["trainer_overhead"] = {"hand_s": cmp["hand-written loop"].median_s, "trainer_s": cmp["Trainer"].median_s,
-                                   "steps": len(batches), "precision": prec}
-    # Evaluation: inference_mode vs autograd left on (article 001's torch.no_grad claim)
-    step("evaluation: inference_mode vs autograd on (time, peak memory)")
-    me, _ = fresh()
-    me.eval()
-    xs = [b[0].contiguous() for b in batches[:2]]
+        cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=repeats, cooldown_s=0.1,
+                      device=device, items=len(batches) * BATCH)
+        overhead = 100 * (cmp["Trainer"].median_s / cmp["hand-written loop"].median_s - 1)
+        results["trainer_overhead"] = {"hand_s": cmp["hand-written loop"].median_s, "trainer_s": cmp["Trainer"].median_s,
+                                       "steps": len(batches), "precision": auto_prec}
+        notes.append(f"Trainer overhead {overhead:+.1f}% vs a hand-written loop (same settings and batches, interleaved)")
+        # Evaluation: inference_mode vs autograd left on (article 001's torch.no_grad claim)
+        step("evaluation: inference_mode vs autograd on (time, peak memory)")
+        me, _ = fresh()
+        me.eval()
+        xs = [b[0].contiguous() for b in batches[:2]]
 
-    def ev(ctx: Callable[[], Any]) -> Callable[[], None]:
-        def f() -> None:
-            with ctx():
-                for x in xs:
-                    me(x).sum().item()
-        return f
+        def ev(ctx: Callable[[], Any]) -> Callable[[], None]:
+            def f() -> None:
+                with ctx():
+                    for x in xs:
+                        me(x).sum().item()
+            return f
 
-    ec = compare({"autograd on": ev(torch.enable_grad), "no_grad": ev(torch.no_grad),
-                  "inference_mode": ev(torch.inference_mode)}, warmup=1, repeats=repeats, cooldown_s=0.1,
-                 device=device, items=len(xs) * BATCH, measure_memory=True)
-    held = {n: _autograd_held_bytes(me, xs[0], ctx) for n, ctx in
-            (("autograd on", torch.enable_grad), ("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode))}
-    results["eval"] = {n: {"median_s": ec[n].median_s, "peak_rss_bytes": ec[n].peak_mem_bytes,
-                           "autograd_held_bytes": held[n], "speedup": ec.speedup(n)}
-                       for n in ("autograd on", "no_grad", "inference_mode")}
-    for n in ("autograd on", "inference_mode"):
-        t = ec[n]
-        rows.append({"technique": f"eval: {n}", "median": t.median_s * 1e3, "min": t.min_s * 1e3,
-                     "max": t.max_s * 1e3, "unit": "ms", "ratio": ec.speedup(n), "cumulative": None,
-                     "metric_drop": None, "what": f"fp32 forward of {len(xs)} x {BATCH} images; activations held "
-                                                  f"for backward: {held[n] / 2**20:.0f} MiB per batch"})
+        ec = compare({"autograd on": ev(torch.enable_grad), "no_grad": ev(torch.no_grad),
+                      "inference_mode": ev(torch.inference_mode)}, warmup=1, repeats=repeats, cooldown_s=0.1,
+                     device=device, items=len(xs) * BATCH, measure_memory=True)
+        held = {n: _autograd_held_bytes(me, xs[0], ctx) for n, ctx in
+                (("autograd on", torch.enable_grad), ("no_grad", torch.no_grad),
+                 ("inference_mode", torch.inference_mode))}
+        results["eval"] = {n: {"median_s": ec[n].median_s, "peak_rss_bytes": ec[n].peak_mem_bytes,
+                               "autograd_held_bytes": held[n], "speedup": ec.speedup(n)}
+                           for n in ("autograd on", "no_grad", "inference_mode")}
+        for n in ("autograd on", "inference_mode"):
+            t = ec[n]
+            rows.append({"technique": f"eval: {n}", "median": t.median_s * 1e3, "min": t.min_s * 1e3,
+                         "max": t.max_s * 1e3, "unit": "ms", "ratio": ec.speedup(n), "cumulative": None,
+                         "metric_drop": None, "what": f"fp32 forward of {len(xs)} x {BATCH} images; activations held "
+                                                      f"for backward: {held[n] / 2**20:.0f} MiB per batch"})
+        notes.append(f"eval: inference_mode {ec.speedup('inference_mode'):.2f}x the speed of autograd-on; activations "
+                     f"held for backward {held['inference_mode'] / 2**20:.0f} vs {held['autograd on'] / 2**20:.0f} "
+                     "MiB per batch")
     step("early stopping on a plateauing task")
     results["early_stopping"] = _early_stopping(quick)
     for r in rows:
         if r["unit"] == "samples/s" and r["median"] is not None:
             r["ratio"] = r["cumulative"] = r["median"] / plain
     results.update(rows=rows, plain_samples_s=plain, torchspeed_samples_s=auto, ratio=auto / plain,
-                   best_hand_samples_s=best, best_hand_uses_compile=best_compile,
-                   trainer_overhead_pct=overhead)
+                   best_hand_samples_s=best, best_hand_uses_compile=best_compile, trainer_overhead_pct=overhead)
     step("done")
     results["phase_s"] = phases
+    results["seconds_used"] = round(budget.elapsed(), 1)
     es = results["early_stopping"]
-    results["notes"] = [
-        f"ratio {auto / plain:.2f}x (torchspeed auto vs plain); Trainer overhead {overhead:+.1f}% vs a hand-written loop",
-        f"eval: inference_mode {ec.speedup('inference_mode'):.2f}x the speed of autograd-on; activations held for "
-        f"backward {held['inference_mode'] / 2**20:.0f} vs {held['autograd on'] / 2**20:.0f} MiB per batch",
-        f"early stopping: stopped at epoch {es['stopped_at_epoch']} of {es['budget_epochs']} "
-        f"({es['epochs_saved']} epochs, {es['time_saved_pct']:.0f}% of the time saved); best val_loss "
-        f"{es['best_val_loss_early_stopped']:.4f} vs {es['best_val_loss_full_run']:.4f} with the full budget",
-    ]
+    notes.insert(0, f"ratio {auto / plain:.2f}x (torchspeed auto vs plain); each row timed in a window of the suite's "
+                    f"{budget.seconds:.0f} s budget (calls of {k} step(s) of {BATCH}, as many as fit, at least 2)")
+    notes.append(f"early stopping: stopped at epoch {es['stopped_at_epoch']} of {es['budget_epochs']} "
+                 f"({es['epochs_saved']} epochs, {es['time_saved_pct']:.0f}% of the time saved); best val_loss "
+                 f"{es['best_val_loss_early_stopped']:.4f} vs {es['best_val_loss_full_run']:.4f} with the full budget")
+    notes.append(f"FLOPs per training sample (forward + backward, torch.utils.flop_counter): {flops / 1e9:.2f} G")
+    results["limits"] = [_train_limit(auto, flops, fp32_ceiling, results.get("step_profile"), rep, auto_prec)]
+    results["notes"] = notes
     return results
+
+
+def _train_limit(auto: float, flops: float, fp32_ceiling: float | None, profile: dict[str, Any] | None,
+                 rep: Any, precision: str) -> dict[str, Any]:
+    """The train goal (a step at >= 75% of the fp32 GEMM ceiling) and, from the step's profile, why not."""
+    achieved = auto * flops / 1e9
+    lim: dict[str, Any] = {"goal": "ResNet-18 training step >= 75% of the fp32 GEMM ceiling",
+                           "measured": f"{achieved:.1f} GFLOP/s" + (f" = {100 * achieved / fp32_ceiling:.0f}% of "
+                                                                    f"{fp32_ceiling:.0f}" if fp32_ceiling else ""),
+                           "met": (achieved >= 0.75 * fp32_ceiling) if fp32_ceiling else None}
+    if not profile:
+        lim["why"] = "no step profile in this run (budget)"
+        return lim
+    cats = profile["categories"]
+    conv = [f"{c} {v['gflops']:.0f} GFLOP/s ({v['pct_of_fp32_ceiling']:.0f}%)" for c, v in cats.items()
+            if "pct_of_fp32_ceiling" in v]
+    rest = sum(v["seconds"] for c, v in cats.items() if not c.startswith("convolution"))
+    top = ", ".join(f"{c} {v['share_pct']:.0f}%" for c, v in list(cats.items())[:5])
+    lim["why"] = (f"one fp32 NCHW step profiled: {top} of the step; the convolutions run at " + "; ".join(conv)
+                  + f" of the GEMM ceiling; the ops without GEMM work (batch norm, ReLU, pooling, adds, optimizer, "
+                  f"other) take {100 * rest / profile['step_s']:.0f}% of the time at ~0 FLOPs"
+                  + f"; accelerate() chose {precision}, channels_last={rep.channels_last}")
+    return lim

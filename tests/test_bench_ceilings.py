@@ -1,0 +1,141 @@
+"""Ceilings: cached per machine (round trip, another machine or version ignored), a ceiling keeps the best
+measurement, rows' % of ceiling arithmetic, the int8 route chosen among those that work, time windows."""
+import json
+import time
+
+import pytest
+
+from torchspeed.bench import budget, ceilings
+
+MACHINE = {"cpu": "Test CPU", "arch": "x86_64", "cores": 2, "isa": {"avx2": True}, "gpus": [], "torch": "2.14.1",
+           "torch_threads": 2, "python": "3.11"}
+
+
+def _ceilings(fp32=150.0, **more):
+    items = {"fp32": {"value": fp32, "unit": "GFLOP/s", "route": "torch.mm", "what": "fp32 GEMM"},
+             "int8": {"value": 555.0, "unit": "GOP/s", "route": "onnxruntime MatMulInteger", "what": "int8 GEMM"},
+             "decode": {"value": 5740.0, "unit": "img/s", "route": "simplejpeg-fast", "what": "2 x 2,870"}}
+    items.update(more)
+    return {"version": ceilings.VERSION, "machine": dict(MACHINE), "measured_at": "2026-11-23 02:40 UTC",
+            "load_avg_1min": 0.1, "items": items}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHSPEED_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_round_trip_per_machine(cache):
+    c = _ceilings()
+    path = ceilings.save(c)
+    assert path.startswith(str(cache)) and json.loads(open(path).read())["items"]["fp32"]["value"] == 150.0
+    assert ceilings.load_cached(dict(MACHINE)) == c
+    assert ceilings.load_cached(dict(MACHINE, torch_threads=1, python="3.12")) == c  # not part of the key
+    assert ceilings.load_cached(dict(MACHINE, cores=4)) is None            # another machine
+    assert ceilings.load_cached(dict(MACHINE, isa={"avx2": True, "amx_bf16": True})) is None
+    with open(path, "w") as f:
+        json.dump(dict(c, version=ceilings.VERSION + 1), f)
+    assert ceilings.load_cached(dict(MACHINE)) is None                     # another format
+    with open(path, "w") as f:
+        f.write('{"version": ')
+    assert ceilings.load_cached(dict(MACHINE)) is None                     # damaged: measured again
+
+
+def test_get_reads_the_cache_and_refresh_keeps_the_best(cache, monkeypatch):
+    import torchspeed.runtime as rt
+
+    monkeypatch.setattr(rt, "describe", lambda: dict(MACHINE))
+    ceilings.save(_ceilings(fp32=150.0))
+    monkeypatch.setattr(ceilings, "measure", lambda progress=None: pytest.fail("measured despite the cache"))
+    got = ceilings.get()
+    assert got["source"] == "cache" and got["items"]["fp32"]["value"] == 150.0
+
+    slower = _ceilings(fp32=90.0, mem_bw={"value": 20.0, "unit": "GB/s"})  # a loaded moment: lower figures
+    slower["items"]["decode"]["value"] = 6000.0
+    monkeypatch.setattr(ceilings, "measure", lambda progress=None: slower)
+    got = ceilings.get(refresh=True)
+    assert got["source"] == "measured"
+    assert got["items"]["fp32"]["value"] == 150.0 and got["items"]["fp32"]["kept_from"] == "2026-11-23 02:40 UTC"
+    assert got["items"]["decode"]["value"] == 6000.0 and got["items"]["mem_bw"]["value"] == 20.0
+    assert ceilings.load_cached(dict(MACHINE))["items"]["fp32"]["value"] == 150.0
+
+
+def test_pct_of_ceiling_arithmetic():
+    c = _ceilings()
+    train = {"median": 28.7, "unit": "samples/s", "ceiling": "fp32", "flops_per_item": 3.57e9}
+    assert ceilings.achieved(train) == pytest.approx(28.7 * 3.57)
+    assert ceilings.pct_of_ceiling(train, c) == pytest.approx(100 * 28.7 * 3.57 / 150)    # ~68%
+    infer = {"median": 63.0, "unit": "ms", "batch": 8, "ceiling": "int8", "flops_per_item": 3.64e9}
+    assert ceilings.pct_of_ceiling(infer, c) == pytest.approx(100 * (8 / 0.063) * 3.64 / 555)
+    data = {"median": 2435.0, "unit": "img/s", "ceiling": "decode"}
+    assert ceilings.pct_of_ceiling(data, c) == pytest.approx(100 * 2435 / 5740)
+    assert ceilings.pct_of_ceiling(dict(data, ceiling="bf16"), c) is None       # no such ceiling measured
+    assert ceilings.pct_of_ceiling(dict(data, median=None), c) is None          # a skipped row
+    assert ceilings.pct_of_ceiling(dict(data, median=float("nan")), c) is None
+    assert ceilings.pct_of_ceiling({"median": 5.0, "unit": "ms", "ceiling": "fp32"}, c) is None  # no batch
+    assert ceilings.pct_of_ceiling(data, None) is None
+
+    results = {"data": {"rows": [data, {"median": 1.0, "unit": "img/s"}]}, "design": {"rows": [{"median": 2.0}]}}
+    ceilings.annotate(results, c)
+    assert results["data"]["rows"][0]["pct_of_ceiling"] == pytest.approx(42.42, abs=0.01)
+    assert "pct_of_ceiling" not in results["data"]["rows"][1] and "pct_of_ceiling" not in results["design"]["rows"][0]
+
+
+def test_int8_ceiling_takes_the_fastest_route_that_works(monkeypatch):
+    def broken(n):
+        raise ImportError("no such runtime")
+
+    def fast(n):
+        return lambda: time.sleep(0.0005)
+
+    def slow(n):
+        return lambda: time.sleep(0.002)
+
+    monkeypatch.setattr(ceilings, "INT8_ROUTES", {"a": broken, "b": slow, "c": fast})
+    monkeypatch.setattr(ceilings, "_grow", lambda make: (64, make(64)))
+    out = ceilings.int8_gops(budget_s=0.1)
+    assert out["route"] == "c" and out["unit"] == "GOP/s"
+    assert "ImportError: no such runtime" in out["routes"]["a"]["error"]
+    assert out["routes"]["b"]["value"] < out["routes"]["c"]["value"] == out["value"]
+    monkeypatch.setattr(ceilings, "INT8_ROUTES", {"a": broken})
+    assert ceilings.int8_gops(budget_s=0.1)["value"] is None
+
+
+def test_grow_stops_at_the_first_size_slow_enough_to_time():
+    sizes = []
+
+    def make(n):
+        sizes.append(n)
+        return lambda: time.sleep(0.03 if n >= 1024 else 0)
+
+    n, _ = ceilings._grow(make, min_call_s=0.02)
+    assert n == 1024 and sizes == [256, 512, 1024]
+
+
+def test_time_window_is_respected_with_a_tiny_budget():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.02)
+
+    t0 = time.perf_counter()
+    t = budget.time_in_window(fn, 0.1, name="x", items=4, min_repeats=2, max_repeats=50)
+    took = time.perf_counter() - t0
+    assert 2 <= len(t.times_s) <= 5 and len(calls) == len(t.times_s) + 1   # warm-up call + what fits
+    assert took < 0.1 + 3 * 0.05 and t.extra["first_s"] >= 0.02 and t.throughput > 0
+    t = budget.time_in_window(fn, 0.0, name="y", min_repeats=2)              # never fewer than min_repeats
+    assert len(t.times_s) == 2
+
+
+def test_budget_shares_what_is_left(monkeypatch):
+    b = budget.Budget(100.0)
+    b.start -= 40.0
+    assert b.left() == pytest.approx(60.0, abs=0.5) and b.share(3) == pytest.approx(20.0, abs=0.5)
+    assert b.share(100, floor=5.0) == 5.0 and b.allows(50) and not b.allows(70)
+    monkeypatch.setenv(budget.ENV, "7")
+    assert budget.Budget.of("train", quick=True).seconds == 7.0
+    monkeypatch.delenv(budget.ENV)
+    assert budget.seconds_for("train", True) < budget.seconds_for("train", False)
+    assert sum(budget.QUICK_S.values()) <= 8 * 60 - 30  # the quick report's 8 minutes, less process start-ups

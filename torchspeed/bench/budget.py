@@ -1,0 +1,71 @@
+"""Time budgets: each suite gets seconds, not step counts, and fits its measurement windows into them.
+
+A step count that is right on one machine is minutes too long on a slower one (a ResNet-18 training
+step at batch 64 takes 1.5 s on one 2-core machine and 5-10 s on another), so the quick report sizes
+its windows by measured time: a contender's first call is timed, and the repeats that fit its window
+are taken (never fewer than `min_repeats`, so a median exists). `torchspeed bench --quick` is meant
+to finish within 8 minutes in all: QUICK_S sums to that, less the processes' start-up.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+# seconds per part of `torchspeed bench --quick` and of the full report (the runner's time-left estimate too)
+QUICK_S = {"ceilings": 25, "data": 60, "train": 150, "infer": 130, "compress": 60, "design": 25}
+FULL_S = {"ceilings": 60, "data": 420, "train": 900, "infer": 900, "compress": 600, "design": 180}
+ENV = "TORCHSPEED_BENCH_BUDGET_S"  # overrides a suite's budget (seconds), e.g. to try a suite quickly
+
+
+def seconds_for(name: str, quick: bool) -> float:
+    if os.environ.get(ENV):
+        return float(os.environ[ENV])
+    return float((QUICK_S if quick else FULL_S).get(name, 60))
+
+
+class Budget:
+    """Seconds left to a suite, and how to share them among the measurements still to come."""
+
+    def __init__(self, seconds: float):
+        self.seconds = float(seconds)
+        self.start = time.perf_counter()
+
+    @classmethod
+    def of(cls, name: str, quick: bool, seconds: float | None = None) -> Budget:
+        return cls(seconds if seconds is not None else seconds_for(name, quick))
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def share(self, parts: float, floor: float = 0.0) -> float:
+        """An equal share of what is left among `parts` measurements still to come (at least `floor`)."""
+        return max(floor, self.left() / max(parts, 1.0))
+
+    def allows(self, seconds: float) -> bool:
+        return self.left() >= seconds
+
+
+def time_in_window(fn: Callable[[], Any], window_s: float, *, name: str, items: float | None = None,
+                   unit: str = "items", device: Any = None, min_repeats: int = 2, max_repeats: int = 20) -> Any:
+    """`measure.time_callable` with its repeats fitted into `window_s`: the first (warm-up) call is
+    timed and carries the one-off costs; then as many timed calls as fit, between `min_repeats` and
+    `max_repeats`. Returns the Timing, with the warm-up seconds in `extra["first_s"]`."""
+    from torchspeed.measure import time_callable
+
+    from torchspeed.runtime import synchronize
+
+    t0 = time.perf_counter()
+    fn()
+    if device is not None:
+        synchronize(device)
+    first = time.perf_counter() - t0
+    per_call = first  # the first call is the slowest; the estimate errs on the side of the budget
+    repeats = int(max(min_repeats, min(max_repeats, (window_s - first) / max(per_call, 1e-6))))
+    t = time_callable(fn, name=name, warmup=0, repeats=repeats, items=items, unit=unit, device=device)
+    t.extra["first_s"] = first
+    return t

@@ -1,0 +1,395 @@
+"""This machine's ceilings: the best throughput its cores reach on the work each suite does, so each
+row can say how close it comes ("% of ceiling") instead of only how much faster than plain PyTorch.
+
+Measured (all cores, the torch thread count the suites use):
+- `fp32`, `bf16`: dense matrix-multiply GFLOP/s (torch.mm; square sizes grown until a call lasts long
+  enough to time, up to 2048);
+- `int8`: GOP/s of an int8 matrix multiply through the fastest route found here (`torch._int_mm`,
+  ONNX Runtime's MatMulInteger, OpenVINO's quantized MatMul); every route's figure is kept;
+- `mem_bw`: GB/s of a large tensor copy (bytes read + written);
+- `decode_per_core` / `decode`: JPEG decodes per second of photos at the store's size (short side
+  160) by the fastest CPU decoder on one thread, and that times the cores (the decode-only ceiling
+  of a data loader on this machine);
+- on a GPU also `gpu_fp16` / `gpu_bf16` (tensor-core GEMM TFLOP/s), `h2d` (pinned host-to-device
+  GB/s) and `nvjpeg` (batched GPU decodes per second).
+
+A ceiling is an upper bound, so a new measurement on the same machine keeps the best of it and the
+cached one; the cache key is the machine's description (CPU, cores, ISA, GPUs, torch), stored with it
+under `torchspeed.runtime.cache_dir("ceilings")`. Every timing goes through `torchspeed.measure`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+TITLE = "Ceilings: what this machine's cores reach at best"
+VERSION = 1
+SHORT_SIDE = 160        # the stores' image size (bench data and train suites)
+DECODE_SAMPLES = 128
+# which ceiling a row's precision is judged against
+PRECISION_CEILING = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16", "int8": "int8"}
+
+
+def machine_key(machine: dict[str, Any]) -> str:
+    """A short stable key of what decides the ceilings: CPU, cores, ISA, GPUs, torch version."""
+    keep = {k: machine.get(k) for k in ("cpu", "arch", "cores", "isa", "gpus", "torch")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_path(machine: dict[str, Any]) -> str:
+    from torchspeed.runtime import cache_dir
+
+    return os.path.join(cache_dir("ceilings"), f"{machine_key(machine)}.json")
+
+
+def load_cached(machine: dict[str, Any]) -> dict[str, Any] | None:
+    """The cached ceilings of this machine, or None (none cached, another version, another machine, damaged)."""
+    path = cache_path(machine)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("items"), dict) \
+            or machine_key(data.get("machine") or {}) != machine_key(machine):
+        return None
+    return data
+
+
+def save(ceilings: dict[str, Any]) -> str:
+    from torchspeed.atomic import write_json
+
+    path = cache_path(ceilings["machine"])
+    write_json(path, ceilings)
+    return path
+
+
+def merge(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+    """`new` with each ceiling raised to the cached one where that was higher (a ceiling is the best seen)."""
+    if not old:
+        return new
+    items = dict(new["items"])
+    for name, item in old.get("items", {}).items():
+        cur = items.get(name)
+        if cur is None or (isinstance(item.get("value"), (int, float)) and item["value"] > (cur.get("value") or 0)):
+            items[name] = dict(item, kept_from=item.get("kept_from") or old.get("measured_at"))
+    return dict(new, items=items)
+
+
+# ---------------------------------------------------------------- measuring
+
+def _timed(fn: Callable[[], Any], budget_s: float) -> float:
+    """Median seconds per call of `fn`, repeats fitted into about `budget_s` (one warm-up call)."""
+    from torchspeed.measure import time_callable
+
+    first = time_callable(fn, name="probe", warmup=1, repeats=1).median_s
+    repeats = int(max(3, min(15, budget_s / max(first, 1e-6))))
+    return time_callable(fn, name="ceiling", warmup=0, repeats=repeats, min_time_s=0.05).median_s
+
+
+def _grow(make: Callable[[int], Callable[[], Any]], start: int = 256, stop: int = 2048,
+          min_call_s: float = 0.1) -> tuple[int, Callable[[], Any]]:
+    """The smallest square size (doubling from `start`) whose call lasts `min_call_s`: slow (emulated)
+    routes stay cheap to measure, fast ones get a size large enough to reach their peak."""
+    n = start
+    while True:
+        fn = make(n)
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        if time.perf_counter() - t0 >= min_call_s or n >= stop:
+            return n, fn
+        n *= 2
+
+
+def gemm_gflops(dtype_name: str, budget_s: float = 1.5) -> dict[str, Any]:
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+
+    def make(n: int) -> Callable[[], Any]:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        return lambda: torch.mm(a, b)
+
+    n, fn = _grow(make)
+    s = _timed(fn, budget_s)
+    return {"value": 2 * n**3 / s / 1e9, "unit": "GFLOP/s", "route": "torch.mm",
+            "what": f"torch.mm {dtype_name} {n}x{n}, {torch.get_num_threads()} threads"}
+
+
+def _int8_torch(n: int) -> Callable[[], Any]:
+    import torch
+
+    a = torch.randint(-128, 127, (n, n), dtype=torch.int8)
+    b = torch.randint(-128, 127, (n, n), dtype=torch.int8)
+    return lambda: torch._int_mm(a, b)
+
+
+def _int8_onnxruntime(n: int) -> Callable[[], Any]:
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from torchspeed.runtime import usable_cores
+
+    w = np.random.default_rng(0).integers(-128, 127, (n, n), dtype=np.int8)
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["a", "w"], ["y"])], "int8_gemm",
+        [helper.make_tensor_value_info("a", TensorProto.UINT8, [n, n])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [n, n])], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = usable_cores()
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    a = np.random.default_rng(1).integers(0, 255, (n, n), dtype=np.uint8)
+    del onnx
+    return lambda: sess.run(None, {"a": a})
+
+
+def _int8_openvino(n: int) -> Callable[[], Any]:
+    """A MatMul between FakeQuantize'd operands: OpenVINO's low-precision pass runs it as an int8 GEMM."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from torchspeed.runtime import usable_cores
+
+    rng = np.random.default_rng(0)
+    x = ops.parameter([n, n], np.float32, name="x")
+
+    def fq(node: Any, lo: float, hi: float, levels: int) -> Any:
+        c = lambda v: ops.constant(np.array(v, dtype=np.float32))  # noqa: E731
+        return ops.fake_quantize(node, c(lo), c(hi), c(lo), c(hi), levels)
+
+    w = ops.constant(rng.uniform(-1, 1, (n, n)).astype(np.float32))
+    y = ops.matmul(fq(x, 0.0, 2.55, 256), fq(w, -1.27, 1.27, 255), False, True)
+    model = ov.Model([y], [x], "int8_gemm")
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": usable_cores(),
+                                                      "PERFORMANCE_HINT": "LATENCY"})
+    req = compiled.create_infer_request()
+    a = rng.uniform(0, 2.55, (n, n)).astype(np.float32)
+    return lambda: req.infer({0: a})
+
+
+INT8_ROUTES = {"torch._int_mm": _int8_torch, "onnxruntime MatMulInteger": _int8_onnxruntime,
+               "openvino FakeQuantize MatMul": _int8_openvino}
+
+
+def int8_gops(budget_s: float = 3.0) -> dict[str, Any]:
+    """The fastest int8 GEMM route here; every route's GOP/s (or why it failed) in `routes`."""
+    routes: dict[str, Any] = {}
+    for name, make in INT8_ROUTES.items():
+        try:
+            n, fn = _grow(make)
+            routes[name] = {"value": 2 * n**3 / _timed(fn, budget_s / len(INT8_ROUTES)) / 1e9, "size": n}
+        except Exception as e:  # noqa: BLE001 - a route missing here is reported, not fatal
+            routes[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+    ok = {k: v for k, v in routes.items() if "value" in v}
+    if not ok:
+        return {"value": None, "unit": "GOP/s", "routes": routes, "what": "no int8 GEMM route worked here"}
+    best = max(ok, key=lambda k: ok[k]["value"])
+    return {"value": ok[best]["value"], "unit": "GOP/s", "route": best, "routes": routes,
+            "what": f"int8 GEMM {ok[best]['size']}^2 through {best} (fastest of {len(ok)} routes)"}
+
+
+def memory_bandwidth(budget_s: float = 1.0, mib: int = 256) -> dict[str, Any]:
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    s = _timed(lambda: dst.copy_(src), budget_s)
+    return {"value": 2 * src.numel() * 4 / s / 1e9, "unit": "GB/s", "route": "tensor copy",
+            "what": f"copy of {mib} MiB (read + write), {torch.get_num_threads()} threads"}
+
+
+def decode_samples(n: int = DECODE_SAMPLES, short_side: int = SHORT_SIDE) -> list[bytes]:
+    """JPEG bytes of the first `n` demo photos resized to `short_side` (q90): the stores' images."""
+    import io
+
+    from PIL import Image
+
+    from torchspeed.data.demo import demo_folder
+    from torchspeed.data.packer import _load_file
+    from torchspeed.images import scan_folder
+
+    _, samples = scan_folder(demo_folder(4000))
+    out = []
+    for path, _ in sorted(samples, key=lambda s: os.path.basename(s[0]))[:n]:
+        buf = io.BytesIO()
+        Image.fromarray(_load_file(path, short_side)).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def decode_rate(samples: list[bytes], budget_s: float = 2.0) -> dict[str, Any]:
+    """Full decodes per second on one thread by the fastest CPU decoder; `decode` = that x the cores."""
+    from torchspeed.data.decode import measure_backends
+    from torchspeed.runtime import usable_cores
+
+    table = measure_backends(samples, repeats=max(3, int(budget_s)))
+    rows = [r for r in table if isinstance(r.get("us_per_image"), (int, float)) and r["us_per_image"] > 0]
+    best = min(rows, key=lambda r: r["us_per_image"])
+    per_core = 1e6 / best["us_per_image"]
+    h, w = _size_of(samples[0])
+    return {"value": per_core, "unit": "img/s", "route": best["decoder"],
+            "what": f"JPEG {w}x{h} q90 full decode, {best['decoder']} (fastest of {len(rows)}), one thread",
+            "cores": usable_cores(), "decoders": {r["decoder"]: 1e6 / r["us_per_image"] for r in rows}}
+
+
+def _size_of(buf: bytes) -> tuple[int, int]:
+    from torchspeed.data.decode import jpeg_size
+
+    return jpeg_size(buf)
+
+
+def gpu_ceilings(budget_s: float = 3.0) -> dict[str, dict[str, Any]]:
+    """Tensor-core GEMM, pinned host-to-device copy and nvjpeg batch decode on the first CUDA device."""
+    import torch
+
+    from torchspeed.measure import time_callable
+
+    out: dict[str, dict[str, Any]] = {}
+    dev = torch.device("cuda")
+    for name, dtype in (("gpu_fp16", torch.float16), ("gpu_bf16", torch.bfloat16)):
+        n = 8192
+        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        t = time_callable(lambda: torch.mm(a, b), warmup=3, repeats=10, device=dev)
+        out[name] = {"value": 2 * n**3 / t.median_s / 1e12, "unit": "TFLOP/s", "route": "torch.mm",
+                     "what": f"torch.mm {name[4:]} {n}^2 on {torch.cuda.get_device_name(dev)}"}
+    host = torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()
+    t = time_callable(lambda: host.to(dev, non_blocking=True), warmup=2, repeats=10, device=dev)
+    out["h2d"] = {"value": host.numel() / t.median_s / 1e9, "unit": "GB/s", "route": "pinned copy",
+                  "what": "256 MiB pinned host-to-device copy"}
+    try:
+        from torchspeed.data.decode import decode_jpeg_batch_cuda
+
+        samples = decode_samples(64)
+        t = time_callable(lambda: decode_jpeg_batch_cuda(samples, dev), warmup=2, repeats=10, device=dev)
+        out["nvjpeg"] = {"value": len(samples) / t.median_s, "unit": "img/s", "route": "nvjpeg",
+                         "what": f"batched nvjpeg decode of {len(samples)} photos at short side {SHORT_SIDE}"}
+    except Exception as e:  # noqa: BLE001
+        out["nvjpeg"] = {"value": None, "unit": "img/s", "what": f"nvjpeg not measured: {e}"}
+    return out
+
+
+def measure(progress: Callable[[str], Any] | None = None, budget_s: float = 12.0) -> dict[str, Any]:
+    """Measure every ceiling now (about `budget_s` seconds on a CPU, plus building the decode samples)."""
+    import torch
+
+    from torchspeed.runtime import describe, usable_cores
+
+    say = progress or (lambda s: None)
+    torch.set_num_threads(usable_cores())
+    items: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    for name, fn in (("fp32", lambda: gemm_gflops("fp32", budget_s * 0.15)),
+                     ("bf16", lambda: gemm_gflops("bf16", budget_s * 0.1)),
+                     ("int8", lambda: int8_gops(budget_s * 0.3)),
+                     ("mem_bw", lambda: memory_bandwidth(budget_s * 0.1))):
+        say(f"ceiling: {name}")
+        try:
+            items[name] = fn()
+        except Exception as e:  # noqa: BLE001 - one ceiling missing must not lose the others
+            items[name] = {"value": None, "what": f"not measured: {type(e).__name__}: {e}"}
+    say("ceiling: JPEG decode per core")
+    try:
+        dec = decode_rate(decode_samples(), budget_s * 0.2)
+        items["decode_per_core"] = dec
+        items["decode"] = {"value": dec["value"] * dec["cores"], "unit": "img/s", "route": dec["route"],
+                           "what": f"decode-only ceiling: {dec['value']:,.0f} img/s per core x {dec['cores']} cores"}
+    except Exception as e:  # noqa: BLE001
+        items["decode"] = {"value": None, "what": f"not measured: {type(e).__name__}: {e}"}
+    if torch.cuda.is_available():
+        say("ceiling: GPU")
+        items.update(gpu_ceilings())
+    for name in ("bf16",):  # say when a precision is emulated: its GEMM is slower than fp32's
+        f, b = items.get("fp32", {}).get("value"), items.get(name, {}).get("value")
+        if f and b and b < f:
+            items[name]["emulated"] = True
+            items[name]["what"] += f" (emulated: {b / f:.3g}x fp32)"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"version": VERSION, "machine": describe(), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_avg_1min": load, "seconds": round(time.perf_counter() - t0, 1), "items": items}
+
+
+def get(refresh: bool = False, progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """This machine's ceilings: the cached ones, or measured now (and cached) when `refresh` or none is cached."""
+    from torchspeed.runtime import describe
+
+    machine = describe()
+    cached = load_cached(machine)
+    if cached is not None and not refresh:
+        return dict(cached, source="cache")
+    result = merge(measure(progress), cached)
+    save(result)
+    return dict(result, source="measured")
+
+
+def run(quick: bool, progress: Callable[[str], Any] | bool = False) -> dict[str, Any]:
+    """The runner's entry point (it runs this in its own process, like a suite): the quick report reads
+    the cache, the full report measures again."""
+    from torchspeed.args import progress_fn
+
+    return get(refresh=not quick, progress=progress_fn(progress))
+
+
+# ---------------------------------------------------------------- rows against their ceiling
+
+def rate_of(row: dict[str, Any]) -> float | None:
+    """Items per second of a row: its median for a "<unit>/s" row, batch / latency for an "ms" row."""
+    m = row.get("median")
+    if not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
+        return None
+    unit = str(row.get("unit", ""))
+    if unit.endswith("/s"):
+        return float(m)
+    if unit == "ms" and isinstance(row.get("batch"), (int, float)):
+        return row["batch"] * 1e3 / m
+    return None
+
+
+def achieved(row: dict[str, Any]) -> float | None:
+    """What a row achieves in its ceiling's unit: G(FL)OP/s when it counts work per item, else items/s."""
+    rate = rate_of(row)
+    if rate is None:
+        return None
+    per_item = row.get("flops_per_item")
+    return rate * per_item / 1e9 if isinstance(per_item, (int, float)) else rate
+
+
+def pct_of_ceiling(row: dict[str, Any], ceilings: dict[str, Any] | None) -> float | None:
+    """100 x achieved / the ceiling named by the row's "ceiling" key (None when either is unknown)."""
+    item = ((ceilings or {}).get("items") or {}).get(row.get("ceiling") or "")
+    value = achieved(row)
+    if not item or not isinstance(item.get("value"), (int, float)) or item["value"] <= 0 or value is None:
+        return None
+    return 100.0 * value / item["value"]
+
+
+def annotate(results: dict[str, Any], ceilings: dict[str, Any] | None) -> None:
+    """Give every row that names a ceiling its `achieved` and `pct_of_ceiling` (in place)."""
+    for name, result in results.items():
+        if not isinstance(result, dict) or name == "ceilings":
+            continue
+        for row in result.get("rows", []) or []:
+            if isinstance(row, dict) and row.get("ceiling"):
+                row["achieved"] = achieved(row)
+                row["pct_of_ceiling"] = pct_of_ceiling(row, ceilings)
+
+
+def ceiling_rows(ceilings: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(ceiling, value, route, what) for the report's table."""
+    from torchspeed.tables import format_number
+
+    out = []
+    for name, item in (ceilings.get("items") or {}).items():
+        v = item.get("value")
+        out.append((name, f"{format_number(v)} {item.get('unit', '')}".strip() if v is not None else "not measured",
+                    item.get("route", ""), item.get("what", "")))
+    return out

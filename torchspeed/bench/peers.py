@@ -1,0 +1,161 @@
+"""Peers measured in the same run: what a user would pick instead of torchspeed, set up by hand the way
+each project recommends (optional extra `peers`: nvidia-dali-cuda120, litdata).
+
+Data: NVIDIA DALI (its CPU pipeline without a GPU, `device_id=None`, decoding with
+`fn.decoders.image_random_crop(device="cpu")`; its GPU pipeline with "mixed" decoding on a GPU) and
+Lightning's LitData (an offline `litdata.optimize` of the same photos, then `StreamingDataLoader`),
+both on the same pre-resized photos as torchspeed's store and yielding the same batches (RandomResizedCrop
+128 + flip, float32 NCHW normalised, int64 labels). Each is run at its best thread/worker count
+(measured). Infer: OpenVINO with its own recommended setting (`PERFORMANCE_HINT: LATENCY`, its default
+precision) and ONNX Runtime with default session options, on the same ONNX model.
+
+A peer whose library is missing is a row with no figure and a note saying what installs it.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+INSTALL = {"dali": "pip install nvidia-dali-cuda120 (or: pip install 'torchspeed[peers]')",
+           "litdata": "pip install litdata (or: pip install 'torchspeed[peers]')",
+           "openvino": "pip install openvino (or: pip install 'torchspeed[infer]')",
+           "onnxruntime": "pip install onnxruntime (or: pip install 'torchspeed[infer]')"}
+
+
+class PeerMissing(ImportError):
+    """The peer's library is not installed: its row is skipped with this note."""
+
+
+def _require(name: str, module: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise PeerMissing(f"{name} not installed ({e.__class__.__name__}: {e}); {INSTALL[name]}") from None
+
+
+def skipped_row(technique: str, why: str, unit: str, **extra: Any) -> dict[str, Any]:
+    """A peer row without a figure: the report shows why."""
+    return {"technique": technique, "median": None, "min": None, "max": None, "unit": unit, "ratio": None,
+            "cumulative": None, "metric_drop": None, "what": f"skipped: {why}", "peer": True, **extra}
+
+
+# ---------------------------------------------------------------- data
+
+class DaliLoader:
+    """A DALI pipeline as an iterable of (float32 NCHW, int64) batches, one epoch per iteration."""
+
+    def __init__(self, folder: str, batch: int, crop: int, threads: int, mean: Any, std: Any,
+                 device: str = "cpu", seed: int = 0):
+        _require("dali", "nvidia.dali")
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        gpu = device != "cpu"
+
+        @pipeline_def(batch_size=batch, num_threads=threads, device_id=0 if gpu else None, seed=seed,
+                      prefetch_queue_depth=2)
+        def pipe() -> Any:
+            jpegs, labels = fn.readers.file(file_root=folder, random_shuffle=True, name="Reader")
+            images = fn.decoders.image_random_crop(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+            images = fn.resize(images, resize_x=crop, resize_y=crop)
+            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                              mean=[255 * m for m in mean], std=[255 * s for s in std],
+                                              mirror=fn.random.coin_flip())
+            return images, labels
+
+        self.pipe = pipe()
+        self.pipe.build()
+        self.it = DALIGenericIterator(self.pipe, ["x", "y"], reader_name="Reader",
+                                      last_batch_policy=LastBatchPolicy.DROP, auto_reset=True)
+        self.threads = threads
+
+    def __iter__(self) -> Iterator[Any]:
+        for out in self.it:
+            d = out[0]
+            yield d["x"], d["y"].view(-1).long()
+
+
+def litdata_dir(folder: str, out: str) -> str:
+    """The photos of `folder` (an ImageFolder) written once by `litdata.optimize` (JPEG bytes kept as they are)."""
+    import shutil
+
+    ld = _require("litdata", "litdata")
+    from torchspeed.images import scan_folder
+
+    if os.path.isfile(os.path.join(out, "index.json")):
+        return out
+    _, samples = scan_folder(folder)
+    # litdata writes nothing into a hidden directory (atomic.build_directory's temporaries are hidden), so
+    # it writes into a visible one, renamed into place when whole
+    tmp = f"{out}-partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    import multiprocessing
+
+    method = multiprocessing.get_start_method()
+    try:
+        ld.optimize(fn=_litdata_item, inputs=list(samples), output_dir=tmp, chunk_bytes="16MB", num_workers=1)
+        os.rename(tmp, out)
+    finally:
+        multiprocessing.set_start_method(method, force=True)  # optimize() switches the process to spawn
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _litdata_item(sample: tuple[str, int]) -> dict[str, Any]:
+    path, label = sample
+    with open(path, "rb") as f:
+        return {"jpeg": f.read(), "label": label}
+
+
+def litdata_loader(directory: str, batch: int, crop: int, num_workers: int, mean: Any, std: Any) -> Any:
+    """LitData's StreamingDataLoader over `directory`, decoding and augmenting like the torchvision baseline."""
+    ld = _require("litdata", "litdata")
+    ds = ld.StreamingDataset(directory, shuffle=True, transform=_LitTransform(crop, mean, std))
+    return ld.StreamingDataLoader(ds, batch_size=batch, num_workers=num_workers, drop_last=True)
+
+
+class _LitTransform:
+    """PIL decode + the baseline's torchvision transforms, for one LitData item (picklable for workers)."""
+
+    def __init__(self, crop: int, mean: Any, std: Any):
+        from torchvision import transforms as T
+
+        self.tf = T.Compose([T.RandomResizedCrop(crop), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+
+    def __call__(self, item: dict[str, Any]) -> Any:
+        import io
+
+        from PIL import Image
+
+        return self.tf(Image.open(io.BytesIO(item["jpeg"])).convert("RGB")), int(item["label"])
+
+
+# ---------------------------------------------------------------- infer
+
+def openvino_latency(onnx_path: str) -> Callable[[Any], Any]:
+    """OpenVINO as its documentation recommends for latency: PERFORMANCE_HINT LATENCY, default precision
+    and threads (the runtime's own choices, nothing set by hand)."""
+    ov = _require("openvino", "openvino")
+    compiled = ov.Core().compile_model(onnx_path, "CPU", {"PERFORMANCE_HINT": "LATENCY"})
+    req = compiled.create_infer_request()
+
+    def run(x: Any) -> Any:
+        return req.infer({0: x.numpy() if hasattr(x, "numpy") else x})
+
+    run.precision = str(compiled.get_property("INFERENCE_PRECISION_HINT"))  # type: ignore[attr-defined]
+    return run
+
+
+def onnxruntime_defaults(onnx_path: str) -> Callable[[Any], Any]:
+    """ONNX Runtime with a default SessionOptions() on the CPU provider."""
+    ort = _require("onnxruntime", "onnxruntime")
+    sess = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+
+    def run(x: Any) -> Any:
+        return sess.run(None, {name: x.numpy() if hasattr(x, "numpy") else x})
+
+    return run
