@@ -46,3 +46,44 @@ def test_bad_inputs_are_one_line(tmp_path, folder, capsys):
     assert main(["train", "--data", str(folder), "--model", "resnet18", "--epochs", "1", "--val-fraction", "0.99",
                  "--num-workers", "0", "--no-progress", "--out", str(tmp_path / "o")]) == 2
     assert "too few to hold out" in capsys.readouterr().err
+
+
+DATASET_MODULE = '''
+import numpy as np
+import torch
+
+
+class Shapes(torch.utils.data.Dataset):
+    """Bright or dark 40x40 images: two classes anyone can learn."""
+
+    classes = ["dark", "bright"]
+
+    def __init__(self, n=24):
+        rng = np.random.default_rng(0)
+        self.labels = [i % 2 for i in range(n)]
+        self.images = [(rng.integers(0, 90, (40, 40, 3)) + 150 * y).astype(np.uint8) for y in self.labels]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.images[i], self.labels[i]
+
+
+def make_dataset():
+    return Shapes()
+'''
+
+
+def test_train_on_a_dataset_factory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "ts_cli_shapes.py").write_text(DATASET_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["train", "--data", "ts_cli_shapes:make_dataset", "--epochs", "1", "--out", str(out), *FAST]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["data"] == "ts_cli_shapes:make_dataset" and s["classes"] == ["dark", "bright"]
+    assert s["step"] == 22 // 8 and 0.0 <= s["val_acc"] <= 1.0  # 24 samples, 2 held out, drop_last
+    assert main(["train", "--data", "ts_cli_shapes:no_such_factory", "--epochs", "1", "--out", str(tmp_path / "o"),
+                 *FAST]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "ts_cli_shapes:no_such_factory" in err and "Traceback" not in err

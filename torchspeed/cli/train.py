@@ -26,9 +26,12 @@ def _fraction(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train an image classifier on an ImageFolder or a packed store (fast, measured)")
-    p.add_argument("--data", required=True, metavar="DIR_OR_STORE",
-                   help="ImageFolder (class subfolders, or train/ and val/ splits) or a store from `torchspeed pack`")
+    p = sub.add_parser("train", help="train an image classifier on an ImageFolder, a packed store or your own Dataset "
+                                     "(fast, measured)")
+    p.add_argument("--data", required=True, metavar="DATA",
+                   help="ImageFolder (class subfolders, or train/ and val/ splits), a store from `torchspeed pack`, "
+                        "or your Dataset factory package.module:factory / file.py:factory (returns a Dataset of "
+                        "(image, label) with a `classes` list)")
     p.add_argument("--model", required=True, metavar="SPEC",
                    help="resnet18 (torchvision), timm:NAME, or your own package.module:factory / file.py:factory")
     add_model_options(p)
@@ -88,6 +91,20 @@ def _check_out(out: str, resume: bool, overwrite: bool) -> str:
     return ckdir
 
 
+def _class_names(data: str, source: object) -> list[str]:
+    """The classes of the training data: a folder's or store's; a Dataset's `classes` (torchvision's
+    convention), else the distinct values of its `targets`."""
+    classes = list(getattr(source, "classes", []) or [])
+    if classes:
+        return [str(c) for c in classes]
+    dataset = getattr(getattr(source, "source", source), "dataset", None)
+    targets = getattr(dataset, "targets", None)
+    if targets is not None:
+        return [str(c) for c in sorted({int(t) for t in targets})]
+    raise UserError(f"--data {data!r}: the Dataset has no `classes` list (nor `targets`) to count the classes by; "
+                    "give it a `classes` attribute with the class names, as torchvision's ImageFolder has")
+
+
 def run(args: argparse.Namespace) -> int:
     import math
     import os
@@ -97,12 +114,14 @@ def run(args: argparse.Namespace) -> int:
 
     from torchspeed.atomic import write_json
     from torchspeed.data import fast_loader, train_val_split
+    from torchspeed.data.sources import is_dataset_spec
     from torchspeed.runtime import resolve_device, seed_everything
     from torchspeed.train import Checkpoint, EarlyStopping, Trainer, distributed
 
     console = Console()
-    if not os.path.exists(args.data):
-        raise FileNotFoundError(f"--data {args.data!r} does not exist: give an ImageFolder directory or a packed store")
+    if not os.path.exists(args.data) and not is_dataset_spec(args.data):
+        raise FileNotFoundError(f"--data {args.data!r} does not exist: give an ImageFolder directory, a packed store "
+                                "or a Dataset factory (package.module:factory or path/file.py:factory)")
     if args.lr is not None and not args.lr > 0:
         raise UserError(f"--lr must be > 0, got {args.lr}")
     ckdir = _check_out(args.out, args.resume, args.overwrite)  # before the process group and any data
@@ -111,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     denv, device = distributed.setup(resolve_device("auto")) if args.strategy != "none" else (distributed.env(),
                                                                                              resolve_device("auto"))
     train_src, val_src = train_val_split(args.data, args.val_fraction, args.seed)
-    classes = list(train_src.classes)
+    classes = _class_names(args.data, train_src)
     if len(classes) < 2:
         raise UserError(f"{args.data!r} has {len(classes)} class(es); classification needs at least 2")
     model = build_model(args.model, args, num_classes=len(classes))  # before the loaders: a bad name fails fast
@@ -140,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
                              resume="last" if args.resume else None)
     except FloatingPointError as e:  # NaN/inf loss: one clear line, not a traceback
         raise UserError(str(e)) from None
-    summary = {"model": args.model, "data": os.path.abspath(args.data), "classes": classes,
+    data = os.path.abspath(args.data) if os.path.exists(args.data) else args.data
+    summary = {"model": args.model, "data": data, "classes": classes,
                "world_size": denv.world_size, "lr": lr, "batch_size": args.batch_size, **result,
                "early_stopping": {"stopped": result["stopped_early"], "best_val_loss": stopper.best,
                                   "reason": stopper.reason},
