@@ -1,0 +1,232 @@
+"""Training on a CUDA GPU (`make test-gpu`, i.e. `pytest -m gpu`; skipped without CUDA): the fp16 path
+(GradScaler with clipping, accumulation, the scheduler, an injected inf, fused vs unfused optimizers,
+checkpoint/resume bit-exact with the same scale), no host sync between reading points, TF32 and
+cudnn.benchmark measured, and torchrun: NCCL with 2+ GPUs, a clear error on every rank (no hang)
+when more processes than GPUs are launched."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from torchspeed.train import Callback, Checkpoint, Trainer, accelerate
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FP16 = dict(precision="fp16", channels_last=False, compile=False, progress=False, device="cuda")
+
+
+def _mlp(seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(48, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 2))
+
+
+def _data(n=128, batch=16, seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 4, 4, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long()
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.to(device), y.to(device)), batch_size=batch)
+
+
+def test_fp16_clipping_applies_to_the_unscaled_gradients():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    acc = accelerate(model, opt, precision="fp16", channels_last=False, compile=False, device="cuda")
+    assert acc.scaler is not None
+    x, y = next(iter(_data()))
+    before = [p.detach().clone() for p in model.parameters()]
+    with acc.autocast():
+        loss = nn.functional.cross_entropy(model(x), y) * 100  # large gradients
+    acc.backward(loss)
+    assert acc.step(opt, max_grad_norm=0.1) is True
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    assert delta.norm().item() == pytest.approx(0.1, rel=1e-2)  # lr 1: the step is the clipped gradient
+
+
+def test_fp16_accumulation_scheduler_and_an_injected_inf():
+    big, small = _mlp(1), _mlp(1)
+    Trainer(big, torch.optim.SGD(big.parameters(), lr=0.1), nn.functional.cross_entropy, **FP16).fit(
+        _data(64, 32), epochs=1)
+    Trainer(small, torch.optim.SGD(small.parameters(), lr=0.1), nn.functional.cross_entropy, grad_accum_steps=2,
+            **FP16).fit(_data(64, 16), epochs=1)
+    for a, b in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-4)  # fp16 rounding differs, the steps do not
+
+    class InjectInf(Callback):  # an inf in one gradient, before the optimizer step of step 3
+        def on_step_end(self, trainer, step, metrics):
+            if step == 2:
+                p = next(trainer.module.parameters())
+                p.register_hook(lambda g: g.index_fill(0, torch.tensor([0], device=g.device), float("inf"))
+                                if trainer.global_step == 2 else g)
+
+    model = _mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    tr = Trainer(model, opt, nn.functional.cross_entropy, scheduler=sched, callbacks=[InjectInf()], **FP16)
+    scale0 = tr.prepare(_data()).scaler.get_scale()
+    res = tr.fit(_data(), epochs=1)
+    assert res["skipped_steps"] >= 1 and res["step"] == 8
+    assert sched.last_epoch == res["step"] - res["skipped_steps"]  # the scheduler steps only on taken steps
+    assert tr.acc.scaler.get_scale() < scale0  # lowered at the skipped step(s), never grown in 8 steps
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_fp16_fused_and_unfused_optimizers_agree(opt_cls):
+    results = []
+    for fused in (False, True):
+        model = _mlp(3)
+        opt = opt_cls(model.parameters(), lr=1e-2)
+        tr = Trainer(model, opt, nn.functional.cross_entropy, accelerate_kwargs={"fused_optimizer": fused}, **FP16)
+        res = tr.fit(_data(), epochs=2)
+        assert (tr.report.optimizer == "fused") == fused
+        results.append(([p.detach().clone() for p in model.parameters()], res["skipped_steps"],
+                        tr.acc.scaler.get_scale()))
+    (a, skipped_a, scale_a), (b, skipped_b, scale_b) = results
+    assert skipped_a == skipped_b and scale_a == scale_b
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_fp16_checkpoint_resume_is_bit_exact_with_the_same_scale(tmp_path):
+    torch.backends.cudnn.deterministic = True
+
+    def trainer(ck=None):
+        model = _mlp(4, dropout=0.2)  # dropout: the CUDA generator must be restored too
+        cbs = [Checkpoint(ck, every_n_steps=3)] if ck else []
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), nn.functional.cross_entropy,
+                       callbacks=cbs, **FP16)
+
+    torch.manual_seed(0)
+    straight = trainer()
+    straight.fit(_data(), epochs=2)
+    torch.manual_seed(0)
+    trainer(tmp_path / "ck").fit(_data(), epochs=2, max_steps=5)
+    torch.manual_seed(123)  # whatever the generators are now, resume restores them
+    resumed = trainer(tmp_path / "ck")
+    resumed.fit(_data(), epochs=2, resume="last")
+    for a, b in zip(straight.module.parameters(), resumed.module.parameters()):
+        assert torch.equal(a, b)
+    assert straight.acc.scaler.get_scale() == resumed.acc.scaler.get_scale()
+    assert straight.skipped_steps == resumed.skipped_steps
+
+
+def test_no_host_sync_between_reading_points():
+    class Watch(Callback):
+        def on_step_end(self, trainer, step, metrics):
+            # from the end of step 1 to the end of step 6: any sync raises
+            torch.cuda.set_sync_debug_mode("error" if 1 <= step < 6 else 0)
+
+    model = _mlp(5)
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                 callbacks=[Watch()], log_every_n_steps=1000, precision="fp32", channels_last=False, compile=False,
+                 progress=False, device="cuda")
+    try:
+        assert tr.fit(_data(), epochs=1)["step"] == 8
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_tf32_and_cudnn_benchmark_are_measured_on_this_gpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(16, 10))
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark
+    try:
+        acc = accelerate(model, None, precision="fp32", channels_last=False, compile=False, device="cuda",
+                         example_batch=(x, y), loss_fn=nn.functional.cross_entropy)
+        rows = {(r.setting, r.value): r for r in acc.report.candidates}
+        if torch.cuda.get_device_capability()[0] >= 8:
+            assert rows[("tf32", "True")].step_s > 0 and isinstance(acc.report.tf32, bool)
+            assert torch.get_float32_matmul_precision() == ("high" if acc.report.tf32 else "highest")
+        assert rows[("cudnn_benchmark", "True")].step_s > 0
+        assert torch.backends.cudnn.benchmark is acc.report.cudnn_benchmark
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.benchmark = saved[1]
+
+
+NCCL_SCRIPT = r'''
+import os, sys
+import torch
+from torch import nn
+import torch.distributed as dist
+from torchspeed.runtime import seed_everything
+from torchspeed.train import Checkpoint, Trainer
+
+out = sys.argv[1]
+rank = int(os.environ["RANK"])
+
+
+def net(dropout=0.0):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Flatten(), nn.Linear(48, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 3))
+    torch.manual_seed(100 + rank)
+    return m
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 3, 4, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def trainer(model, strategy, precision, ck=None):
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), nn.functional.cross_entropy,
+                   precision=precision, channels_last=False, compile=False, strategy=strategy, progress=False,
+                   callbacks=[Checkpoint(ck, every_n_steps=2)] if ck else [])
+
+
+# DDP on NCCL, per-rank CUDA dropout: resumed == straight, bit for bit
+seed_everything(0)
+tr = trainer(net(0.3), "auto", "fp32")
+tr.fit(data(), epochs=2)
+assert tr.report.strategy == "ddp" and tr.device == torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+straight = [p.detach().clone() for p in tr.module.parameters()]
+ck = os.path.join(out, "ck")
+seed_everything(0)
+trainer(net(0.3), "auto", "fp32", ck).fit(data(), epochs=2, max_steps=3)
+seed_everything(0)
+tr = trainer(net(0.3), "auto", "fp32", ck)
+tr.fit(data(), epochs=2, resume="last")
+assert all(torch.equal(a, b) for a, b in zip(straight, tr.module.parameters())), rank
+
+# FSDP2 in bf16 (MixedPrecisionPolicy), evaluated before training
+seed_everything(0)
+tr = trainer(net(), "fsdp", "bf16")
+before = tr.evaluate(data())["val_loss"]
+res = tr.fit(data(), data(), epochs=2)
+assert "MixedPrecisionPolicy" in str(tr.report), tr.report
+assert res["val_loss"] < before, (before, res)
+dist.destroy_process_group()
+print("ok", rank)
+'''
+
+
+def _torchrun(tmp_path, nproc, env, timeout=300):
+    script = tmp_path / "nccl_train.py"
+    script.write_text(NCCL_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           str(tmp_path)]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
+def test_torchrun_nccl_ddp_and_fsdp(tmp_path):
+    proc = _torchrun(tmp_path, 2, dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ok 0" in proc.stdout and "ok 1" in proc.stdout
+
+
+def test_more_processes_than_gpus_is_a_clear_error_on_every_rank(tmp_path):
+    n = torch.cuda.device_count() + 1
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # every process sees every GPU
+    proc = _torchrun(tmp_path, n, env, timeout=180)  # a hang fails the test
+    assert proc.returncode != 0
+    assert proc.stderr.count("processes would share a GPU") >= n, proc.stderr[-4000:]  # every rank says why
