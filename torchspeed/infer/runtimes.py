@@ -488,11 +488,12 @@ class OpenVINORunner(Runner):
         }
         self.compiled = self.core.compile_model(self.model, "CPU", self.config)
         self.request = self.compiled.create_infer_request()
+        self.input_names = [p.get_any_name() for p in self.compiled.inputs]
         self.files = ()
 
     def __call__(self, x: Any) -> torch.Tensor:
-        names = [p.get_any_name() for p in self.compiled.inputs]
-        feed = {n: _as_numpy(v, np.float32 if _is_float(v) else np.int64) for n, v in _feed_names(x, names).items()}
+        feed = {n: _as_numpy(v, np.float32 if _is_float(v) else np.int64)
+                for n, v in _feed_names(x, self.input_names).items()}
         self.request.infer(feed)
         return torch.from_numpy(np.array(self.request.get_output_tensor(0).data, copy=True))
 
