@@ -715,9 +715,10 @@ def optimize(
     calibration batch is the input. `calib_data`: iterable of input batches or labelled batches, for
     INT8. `eval_fn(run) -> float` (higher is better) scores a variant's `run(inputs) -> logits` on
     held-out data. `backends` / `precisions`: 'auto', a list, or a comma string ('torch,onnxruntime').
-    `extra_candidates`: name -> function(model) returning an nn.Module or callable, judged as lossy.
-    `measure=False` verifies only (no timing, so no `.best`). `progress`: True prints each step to
-    stderr; a callable receives each step's message.
+    `device`: where the candidates run (default: the model's device; a copy of the model is moved).
+    `extra_candidates`: name -> function(model or .onnx path) returning an nn.Module or callable,
+    judged as lossy. `measure=False` verifies only (no timing, so no `.best`). `progress`: True prints
+    each step to stderr; a callable receives each step's message.
     """
     report = progress_fn(progress)
     fmt = BatchFormat.of(batch_format)
