@@ -233,3 +233,25 @@ def test_cli_device_cuda_without_one_is_one_line(capsys):
                  "--backends", "torch", "--precisions", "fp32"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "no CUDA device" in err and "Traceback" not in err
+
+
+def test_io_binding_path_matches_the_numpy_path(tmp_path):
+    """The GPU path binds torch tensors by pointer and returns the output through DLPack; the same code
+    runs on the CPU provider here, so its binding (names, dtypes, shapes, integer inputs) is checked."""
+    from torchspeed.infer.export import export_onnx
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.fc = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+        def forward(self, ids, scale):
+            return self.fc(self.embed(ids).mean(1) * scale)
+
+    export_onnx(Mixed().eval(), {"ids": torch.randint(0, 10, (1, 5)), "scale": torch.rand(1, 1)}, tmp_path / "m.onnx",
+                exporter="torchscript")
+    run = runtimes.OrtRunner(str(tmp_path / "m.onnx"))
+    feed = {"ids": torch.randint(0, 10, (3, 5)), "scale": torch.rand(3, 1)}
+    bound = run.run_bound(feed)
+    assert isinstance(bound, torch.Tensor) and bound.shape == (3, 3)
+    assert torch.allclose(bound, run(feed), atol=1e-6)

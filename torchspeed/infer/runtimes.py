@@ -404,22 +404,24 @@ class OrtRunner(Runner):
     def __call__(self, x: Any) -> torch.Tensor:
         feed = _feed_names(x, self.input_names)
         if self.device.type == "cuda":
-            return self._run_on_device(feed)
+            return self.run_bound(feed)
         types = dict(self.inputs)
         arrays = {n: _as_numpy(v, types[n]) for n, v in feed.items()}
         return torch.from_numpy(self.session.run(self.output_names[:1], arrays)[0])
 
-    def _run_on_device(self, feed: dict[str, Any]) -> torch.Tensor:
-        """IO binding: inputs bound by device pointer (torch tensors on this GPU), the first output
-        allocated by ONNX Runtime on the GPU and handed back to torch through DLPack (no host copy)."""
+    def run_bound(self, feed: dict[str, Any]) -> torch.Tensor:
+        """IO binding (used on a GPU): inputs bound by pointer (torch tensors on the runner's device),
+        the first output allocated by ONNX Runtime there and handed to torch through DLPack, so nothing
+        is copied through host numpy."""
         binding = self.session.io_binding()
         types = dict(self.inputs)
+        kind, index = self.device.type, self.device.index or 0
         keep = []
         for name, value in feed.items():
             t = _as_tensor(value).to(self.device, _TORCH_OF[types[name]]).contiguous()
             keep.append(t)  # alive until the run is done
-            binding.bind_input(name, "cuda", self.device.index or 0, types[name], tuple(t.shape), t.data_ptr())
-        binding.bind_output(self.output_names[0], "cuda", self.device.index or 0)
+            binding.bind_input(name, kind, index, types[name], tuple(t.shape), t.data_ptr())
+        binding.bind_output(self.output_names[0], kind, index)
         self.session.run_with_iobinding(binding)
         out = binding.get_outputs()[0]
         if hasattr(out, "__dlpack__"):

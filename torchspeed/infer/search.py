@@ -734,7 +734,7 @@ def optimize(
         if example_input is None:
             example_input = onnx_example(onnx_path, input_shape)
         fixed = {d[0] for _, d, _ in onnx_inputs(onnx_path) if d and isinstance(d[0], int) and d[0] > 0}
-        if fixed and set(int(b) for b in batch_sizes) != fixed:
+        if fixed and {int(b) for b in batch_sizes} != fixed:
             raise ValueError(f"the ONNX model {onnx_path!r} has a fixed batch size of {min(fixed)}: time it at that "
                              f"size (batch_sizes=({min(fixed)},), --batch-sizes {min(fixed)}) or export it with a "
                              "dynamic batch dimension")
