@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="latency: best = lowest p50 at the first batch size (default); throughput: highest "
                         "throughput at the largest")
     p.add_argument("--backends", default="auto", metavar="A,B",
-                   help="comma list of torch,torch.compile,onnxruntime,openvino,tensorrt (default auto)")
+                   help="comma list of torch,torch.compile,onnxruntime,onnxruntime-cuda,openvino,tensorrt (default auto)")
     p.add_argument("--precisions", default="auto", metavar="A,B", help="comma list of fp32,bf16,fp16,int8 (default auto)")
     p.add_argument("--device", default="cpu", metavar="DEVICE",
                    help="where the candidates run: cpu (default), cuda[:N] (GPU precisions and ONNX Runtime's CUDA / "
