@@ -33,9 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="batch size (replaces N of --input-shape)")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                    help="auto: time fp32 and the device's mixed precision, keep the faster (default auto)")
-    p.add_argument("--device", default="cpu", help="device to measure on (default cpu; 'auto' picks a GPU if present)")
-    p.add_argument("--repeats", type=positive_int, default=15, help="timed repeats per candidate (default 15)")
-    p.add_argument("--warmup", type=positive_int, default=3, help="untimed runs per candidate first (default 3)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE", help="device to measure on (default cpu; 'auto' picks a GPU if present)")
+    p.add_argument("--repeats", type=positive_int, default=15, metavar="N", help="timed repeats per candidate (default 15)")
+    p.add_argument("--warmup", type=positive_int, default=3, metavar="N", help="untimed runs per candidate first (default 3)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                    help="time 4-D inputs and models in channels_last memory format (default on)")
     add_json_option(p)

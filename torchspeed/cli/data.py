@@ -28,9 +28,9 @@ def counts(minimum: int) -> Callable[[str], str | int | list[int]]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo-data", help="write a photo-like JPEG ImageFolder (deterministic demo data)")
     p.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
-    p.add_argument("--images", type=positive_int, default=2000, help="number of images (default 2000)")
-    p.add_argument("--classes", type=positive_int, default=10, help="number of classes (default 10)")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
+    p.add_argument("--images", type=positive_int, default=2000, metavar="N", help="number of images (default 2000)")
+    p.add_argument("--classes", type=positive_int, default=10, metavar="N", help="number of classes (default 10)")
+    p.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="random seed (default 0)")
     p.add_argument("--num-workers", type=positive_int, default=None, metavar="N",
                    help="writing processes (default: cores, at most 8; the images do not depend on it)")
     p.set_defaults(func=run_demo_data)
