@@ -101,3 +101,25 @@ def test_headline_defaults_to_largest_speedup():
 def test_unknown_suite_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown benchmark suite 'gpu'"):
         suites.load("gpu")
+
+
+def test_a_hung_suite_is_ended_and_reported(tmp_path, monkeypatch):
+    """A suite whose process hangs (a deadlocked loader worker) is killed with its workers after the timeout."""
+    import os
+    import time
+
+    from rich.console import Console
+
+    pkg = tmp_path / "hungsuites"
+    pkg.mkdir()
+    (pkg / "ts_fake_hung_suite.py").write_text(
+        "import os, time\nTITLE = 'hangs'\n\ndef run(quick, progress):\n    progress('about to hang')\n"
+        "    if os.fork() == 0:\n        time.sleep(600)\n    time.sleep(600)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")])))
+    seen = []
+    t0 = time.perf_counter()
+    result, _ = runner.run_in_child("data", "ts_fake_hung_suite", True, seen.append, Console(quiet=True), timeout_s=3)
+    assert time.perf_counter() - t0 < 30
+    assert "still running after 3 s" in result["error"] and "hung" in result["error"]
+    assert seen == ["about to hang"]
+    assert runner.hang_timeout(60) > 60

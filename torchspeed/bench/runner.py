@@ -78,7 +78,8 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
                     status.update(f"[{_i}/{len(todo)}] {_name}: {text}  ({elapsed:.0f} s in suite, "
                                   f"~{left / 60:.1f} min left)")
                 if isinstance(module, ModuleType):
-                    results[name], title = run_in_child(name, module.__name__, quick, progress, console, title)
+                    results[name], title = run_in_child(name, module.__name__, quick, progress, console, title,
+                                                        timeout_s=hang_timeout(expected[name]))
                 else:
                     results[name] = _run_here(module, quick, progress)
             if "error" in results[name]:
@@ -136,13 +137,22 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def hang_timeout(budget_s: float) -> float:
+    """Seconds after which a suite's process is taken for hung and ended: far beyond its budget (first runs
+    build the demo photos and model too), so only a deadlock reaches it."""
+    return 4 * budget_s + 600
+
+
 def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[str], None], console: Console,
-                 title: str = "") -> tuple[dict[str, Any], str]:
+                 title: str = "", timeout_s: float | None = None) -> tuple[dict[str, Any], str]:
     """Run the suite module `module_name` in a fresh Python process: (its JSON, its title).
 
     The child's progress lines drive `progress`; its other output is passed on; a child that dies
-    (a signal, an exit without a report) gives a result with "error" saying how it died.
+    (a signal, an exit without a report) gives a result with "error" saying how it died; one still
+    running after `timeout_s` (hung: e.g. a deadlocked worker process) is killed, with its process group,
+    and reported as such.
     """
+    import threading
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tmp = tempfile.mkdtemp(prefix=f"torchspeed-bench-{name}-")
     result_path = os.path.join(tmp, "suite.json")
@@ -150,7 +160,21 @@ def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[s
             "from torchspeed.bench.runner import child_main; child_main()")
     argv = [sys.executable, "-c", code, module_name, name, result_path, "quick" if quick else "full"]
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=_child_env())
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=_child_env(),
+                                start_new_session=True)
+        timed_out = threading.Event()
+
+        def kill_hung() -> None:
+            timed_out.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the suite and its loader workers
+            except OSError:
+                pass
+
+        watchdog = threading.Timer(timeout_s, kill_hung) if timeout_s else None
+        if watchdog:
+            watchdog.daemon = True
+            watchdog.start()
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -160,11 +184,22 @@ def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[s
                 else:
                     console.print(line, markup=False, highlight=False)
             status = proc.wait()
-        except BaseException:  # Ctrl-C reached the child too: give it a moment to stop, then end it
+            if watchdog:
+                watchdog.cancel()
+        except BaseException:  # Ctrl-C: pass it on to the child (its own session), give it a moment, then end it
+            if watchdog:
+                watchdog.cancel()
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+            except OSError:
+                pass
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    proc.kill()
                 proc.wait()
             raise
         payload = None
@@ -174,6 +209,10 @@ def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[s
                     payload = json.load(f)
             except ValueError:
                 payload = None
+        if timed_out.is_set():
+            return {"error": f"the suite's process was still running after {timeout_s:.0f} s (far beyond its "
+                             "budget) and was ended as hung: a deadlocked worker process or runtime; its last "
+                             "progress line above says where"}, title
         if not isinstance(payload, dict) or not isinstance(payload.get("result"), dict):
             return {"error": _death(status)}, title
         result = payload["result"]

@@ -12,10 +12,15 @@ SUITES = ("data", "train", "infer", "compress", "design")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure each technique's speed-up over plain PyTorch here (the report)",
                        description="Run the benchmark suites, each in its own process, and write report.md, the "
-                                   "plots and results.json into --out. A suite that fails or crashes is reported "
-                                   "as failed; the others still run and the report is still written.")
+                                   "plots and results.json into --out. This machine's ceilings (GEMM per precision, "
+                                   "memory bandwidth, JPEG decode per core) are measured first (cached per machine) "
+                                   "and every data, train and infer row says what % of its ceiling it reaches. A suite "
+                                   "that fails or crashes is reported as failed; the others still run and the report "
+                                   "is still written.")
     p.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="which suite (default all)")
-    p.add_argument("--quick", action="store_true", help="fewer images, steps and repeats (what `make demo` runs)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer contenders and shorter measurement windows, each suite within its share of about 8 "
+                        "minutes of measured time; the ceilings are read from this machine's cache (what `make demo` runs)")
     p.add_argument("--out", default="torchspeed-report", metavar="DIR", help="report directory (default ./torchspeed-report)")
     p.add_argument("--report-only", metavar="DIR",
                    help="run nothing: write report.md and the plots again from DIR/results.json")

@@ -37,6 +37,7 @@ PRUNE_RATIO = 0.5
 FINETUNE_STEPS = (60, 150)
 KD_STEPS = (40, 150)
 KD_SEEDS = (2, 3)
+KD_MIN_STEPS = 15
 MAX_TRAIN_SIDE = 96    # larger demo images are trained on crops of this side
 BATCH = 64
 BN_RECALIB = 512       # whole training images used to re-estimate BatchNorm statistics
@@ -141,10 +142,16 @@ def _prune_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, 
     }
 
 
-def _kd_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, Any]:
+def _kd_part(demo: Any, quick: bool, say: Callable[[str], Any], seconds: float | None = None,
+             step_s: float | None = None) -> dict[str, Any]:
+    """With `seconds` and a measured `step_s` (the fine-tune's), the steps per run are what fits the
+    seconds (all seeds and both arms), at most KD_STEPS and at least KD_MIN_STEPS."""
     from torchspeed.runtime import seed_everything
 
     steps, seeds = KD_STEPS[0 if quick else 1], KD_SEEDS[0 if quick else 1]
+    if seconds is not None and step_s:
+        fit = int(seconds / (2 * seeds * step_s * 1.3))  # 1.3: evaluation and setup around the steps
+        steps = min(steps, max(KD_MIN_STEPS, fit))
     example = torch.randn(1, 3, demo.input_size, demo.input_size)
     runs: list[dict[str, Any]] = []
     setup = None
@@ -169,16 +176,19 @@ def _kd_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, Any
     }
 
 
-def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str, Any]:
+def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: float | None = None) -> dict[str, Any]:
+    from torchspeed.bench.budget import Budget
     from torchspeed.bench.demo_model import load_demo_model
     from torchspeed.args import progress_fn
 
     say = progress_fn(progress)
+    budget = Budget.of("compress", quick, budget_s)
     say("loading the demo model (built once, a few minutes)")
     demo = load_demo_model(progress=say)
     t0 = time.perf_counter()
     p = _prune_part(demo, quick, say)
-    kd = _kd_part(demo, quick, say)
+    ft = p["finetune"]
+    kd = _kd_part(demo, quick, say, seconds=budget.left(), step_s=ft["train_seconds"] / max(p["finetune_steps"], 1))
     r = p["report"]
     speedup = r["latency_before_ms"] / r["latency_after_ms"]
     drop = p["acc_before"] - p["acc_after"]

@@ -185,9 +185,16 @@ def _early_stopping(quick: bool) -> dict[str, Any]:
         out = tr.fit(dl, torch.utils.data.DataLoader(val, batch_size=256), epochs=budget)
         return losses, time.perf_counter() - t0, out["epochs"]
 
-    full, t_full, _ = run([])
-    es = EarlyStopping("val_loss", patience=10)
-    stopped, t_es, epochs = run([es])
+    # one thread: a 32-64-2 MLP gains nothing from two, and on busy cores each op's thread barrier waits
+    # for a time slice (the quick run measured 97 s with two threads, 11 s with one, on a loaded 2-core machine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full, t_full, _ = run([])
+        es = EarlyStopping("val_loss", patience=10)
+        stopped, t_es, epochs = run([es])
+    finally:
+        torch.set_num_threads(threads)
     best_epoch = min(range(len(full)), key=full.__getitem__) + 1
     return {"budget_epochs": budget, "stopped_at_epoch": epochs, "epochs_saved": budget - epochs,
             "time_saved_pct": 100 * (1 - t_es / t_full), "best_val_loss_full_run": min(full),
@@ -407,7 +414,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
         hand_prec = mixed
     # 5. where the step's time goes (per-op profile of one step, fp32 NCHW), while the batches are at hand
     step_s = max(r.get("first_call_s") or 0.0 for r in rows)  # about one step (the slowest first call)
-    if not quick or budget.allows(8 * step_s):  # two steps, leaving the auto row and its trials room
+    if not quick or budget.allows(9 * step_s):  # two steps, leaving room for the auto row (3) and its trials (4)
         step("profiling one training step (per-op self time, fp32 NCHW)")
         x0, y0 = fast_stream.next()
         m, o = fresh()
