@@ -3,7 +3,8 @@
 `import torchspeed.train` never imports Lightning; this module does (it needs the `lightning`
 package: `pip install lightning`). Lightning owns its own loop, so of accelerate's choices it takes
 the precision (as Lightning's precision plugin) and channels_last (the LightningModule converted);
-TF32 / cudnn.benchmark are process-wide switches accelerate() has already set in this process.
+TF32 / cudnn.benchmark are process-wide switches accelerate() has already set in this process
+(under DDP, rank 0's are set on every rank).
 torch.compile, DDP and FSDP stay Lightning's to do (`Trainer(strategy=...)`, `torch.compile` on the
 module); measure with `accelerate(model, strategy=None, compile=False, ...)`.
 
@@ -28,7 +29,7 @@ except ImportError:  # the standalone package of older set-ups
     except ImportError:
         raise ImportError("torchspeed.train.lightning needs Lightning: pip install lightning") from None
 
-from torchspeed.train.acceleration import AccelerateReport, Accelerated
+from torchspeed.train.acceleration import Accelerated, AccelerateReport, _apply_cudnn_benchmark, _apply_tf32
 
 __all__ = ["AcceleratedCallback", "lightning_precision", "trainer_kwargs"]
 
@@ -77,9 +78,13 @@ class AcceleratedCallback(_LightningCallback):
     def __init__(self, acc: Accelerated | AccelerateReport):
         r = _report(acc)
         self.precision, self.channels_last, self.device = r.precision, bool(r.channels_last), r.device
+        self.switches = (r.tf32, r.cudnn_benchmark)
 
     def setup(self, trainer: Any, pl_module: torch.nn.Module, stage: str) -> None:
-        self.precision, self.channels_last = trainer.strategy.broadcast((self.precision, self.channels_last), src=0)
+        self.precision, self.channels_last, self.switches = trainer.strategy.broadcast(
+            (self.precision, self.channels_last, self.switches), src=0)
+        _apply_tf32(self.switches[0])  # rank 0's process-wide switches on every rank (None: left as they are)
+        _apply_cudnn_benchmark(self.switches[1])
         if self.channels_last:
             pl_module.to(memory_format=torch.channels_last)
         want = lightning_precision(self.precision)
