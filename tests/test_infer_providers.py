@@ -255,3 +255,14 @@ def test_io_binding_path_matches_the_numpy_path(tmp_path):
     bound = run.run_bound(feed)
     assert isinstance(bound, torch.Tensor) and bound.shape == (3, 3)
     assert torch.allclose(bound, run(feed), atol=1e-6)
+
+
+def test_exact_tolerance_allows_for_tf32_on_a_gpu(monkeypatch):
+    assert search.exact_tolerance(torch.device("cpu")) == 1e-3
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert search.exact_tolerance(torch.device("cuda:0")) == 1e-2
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert search.exact_tolerance(torch.device("cuda:0")) == 1e-3
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # TF32 matmuls
+    assert search.exact_tolerance(torch.device("cuda:0")) == 1e-2

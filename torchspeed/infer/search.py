@@ -692,7 +692,7 @@ def optimize(
     calibration: str = "minmax",
     max_calib_samples: int = 256,
     max_output_error: float = 0.1,
-    exact_tol: float = 1e-3,
+    exact_tol: float | None = None,
     exporter: str = "auto",
     threads: int | None = None,
     repeats: int = 5,
@@ -755,6 +755,8 @@ def optimize(
         raise ValueError(f"max_metric_drop must be in [0, 1), got {max_metric_drop}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} was asked for but torch sees no CUDA device")
+    if exact_tol is None:
+        exact_tol = exact_tolerance(device)
     request = _Request(_resolve(backends, BACKENDS, "backend"), _resolve(precisions, PRECISIONS, "precision"))
     heavy = _onnx_linear_heavy(onnx_path) if onnx_path else _linear_heavy(model)
     facts = ModelFacts(linear_heavy=heavy, calibrated=calib_data is not None, calibration=calibration,
@@ -773,6 +775,14 @@ def optimize(
                        measure=measure, report=report, fmt=fmt, device=device)
     finally:
         torch.set_num_threads(old_threads)
+
+
+def exact_tolerance(device: torch.device) -> float:
+    """How far an fp32 rewrite may be from eager fp32 (max relative error): 1e-3, or 1e-2 on a GPU
+    where TF32 is on for convolutions or matmuls (torch's default for cuDNN convolutions): there eager
+    "fp32" itself rounds inputs to a 10-bit mantissa, and another runtime rounds differently."""
+    tf32 = device.type == "cuda" and (torch.backends.cudnn.allow_tf32 or torch.get_float32_matmul_precision() != "highest")
+    return 1e-2 if tf32 else 1e-3
 
 
 def _check_example(x: Any) -> None:
