@@ -171,6 +171,12 @@ def test_a_users_own_settings_are_kept(pretend_cuda):
     decisions = {r.setting: r.decision for r in report.candidates}
     assert decisions["tf32"].startswith("given (matmul precision 'high'") and decisions["cudnn_benchmark"] == "given"
 
+    torch.backends.cudnn.benchmark = True  # turned on by the user: kept, not measured
+    report = A.AccelerateReport(device="cuda:0")
+    A._choose_cuda_flags(_net(), timer, False, "auto", report, pretend_cuda, 0.05)
+    assert report.cudnn_benchmark is True and torch.backends.cudnn.benchmark is True and timer.calls == []
+    assert {r.setting: r.decision for r in report.candidates}["cudnn_benchmark"].startswith("given (turned on")
+
     torch.set_float32_matmul_precision("highest")
     report = A.AccelerateReport(device="cuda:0", precision="bf16")
     torch.use_deterministic_algorithms(True)

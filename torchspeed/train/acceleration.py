@@ -447,7 +447,7 @@ def _try_compile(model: nn.Module, timer: _StepTimer, precision: str, cl: bool, 
     return compiled if why == "kept" else None
 
 
-_SET_HERE: dict[str, str] = {}  # the matmul precision accelerate() set last (so it is not taken for the user's)
+_SET_HERE: dict[str, Any] = {}  # the switches accelerate() set last (so they are not taken for the user's)
 
 
 def _apply_tf32(on: bool | None) -> None:
@@ -458,6 +458,7 @@ def _apply_tf32(on: bool | None) -> None:
 
 def _apply_cudnn_benchmark(on: bool | None) -> None:
     if on is not None:
+        _SET_HERE["cudnn_benchmark"] = on
         torch.backends.cudnn.benchmark = on
 
 
@@ -470,7 +471,9 @@ def _choose_cuda_flags(model: nn.Module, timer: _StepTimer | None, tf32: bool | 
       anyway. A matmul precision the process already set (`torch.set_float32_matmul_precision`) is
       the user's and is kept.
     - cudnn.benchmark (autotuning: pays with static shapes, costs with varying ones), for models
-      with convolutions; off under deterministic mode. Given True/False is applied as given.
+      with convolutions; left as it is under deterministic mode. Given True/False is applied as
+      given; turned on by the process before accelerate is the user's and kept (off is PyTorch's
+      default, indistinguishable from a choice: pass cudnn_benchmark=False to keep it off).
     Sets report.tf32 / report.cudnn_benchmark (None where the switch does not apply)."""
     if dev.type != "cuda":
         return
@@ -495,6 +498,9 @@ def _choose_cuda_flags(model: nn.Module, timer: _StepTimer | None, tf32: bool | 
     if cudnn_benchmark != "auto":
         report.cudnn_benchmark = bool(cudnn_benchmark)
         rows.append(Trial("cudnn_benchmark", str(report.cudnn_benchmark), decision="given"))
+    elif torch.backends.cudnn.benchmark and _SET_HERE.get("cudnn_benchmark") is not True:
+        report.cudnn_benchmark = True
+        rows.append(Trial("cudnn_benchmark", "True", decision="given (turned on before accelerate)"))
     elif deterministic or not _has_conv(model) or timer is None:
         why = ("deterministic mode" if deterministic else "no convolutions" if not _has_conv(model)
                else "no example batch to measure on")
