@@ -84,7 +84,8 @@ def test_explicit_batch_format_and_measured_settings_on_dict_batches():
                      loss_fn=nn.functional.cross_entropy, trial_steps=1, batch_format=fmt)
     tried = [c for c in acc.report.candidates if c.setting == "channels_last"]
     assert [c.value for c in tried] == ["NCHW", "NHWC"] and all(c.step_s > 0 for c in tried)
-    tr = Trainer(acc, loss_fn=nn.functional.cross_entropy, batch_format=fmt, progress=False)
+    tr = Trainer(acc, loss_fn=nn.functional.cross_entropy, progress=False)  # the format accelerate was given
+    assert tr.batch_format == BatchFormat(inputs=("pixel_values",), target="labels", logits="logits")
     before = tr.evaluate(_loader())["val_loss"]
     assert tr.fit(_loader(), _loader(), epochs=3)["val_loss"] < before
 

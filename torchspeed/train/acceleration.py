@@ -115,6 +115,7 @@ class Accelerated:
     device: torch.device
     module: nn.Module             # the unwrapped model (no DDP / compile wrapper): state_dict lives here
     scaler: Any = None            # torch.amp.GradScaler for fp16, else None
+    batch_format: BatchFormat | None = None  # how the batches were read (the Trainer's default for this model)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.model, self.optimizer))
@@ -194,7 +195,7 @@ class Accelerated:
         if module is None:
             return None
         return cls(model=model, optimizer=optimizer, report=rec.report, device=rec.device, module=module,
-                   scaler=rec.scaler)
+                   scaler=rec.scaler, batch_format=rec.batch_format)
 
 
 @dataclass
@@ -206,6 +207,7 @@ class _Prepared:
     scaler: Any
     module: weakref.ref[nn.Module]
     optimizer: weakref.ref[torch.optim.Optimizer] | None
+    batch_format: BatchFormat | None = None
 
 
 # model returned by accelerate() -> its preparation; entries go when the model is garbage-collected
@@ -734,9 +736,11 @@ def accelerate(
         wrapped = compiled if (compiled is not None and wrapped is model) else torch.compile(wrapped)
     scaler = torch.amp.GradScaler("cuda") if report.precision == "fp16" else None
     _log_choices(report.candidates, report.device)
+    fmt = BatchFormat.of(batch_format)
     _PREPARED[wrapped] = _Prepared(report, dev, scaler, weakref.ref(model),
-                                   weakref.ref(optimizer) if optimizer is not None else None)
-    return Accelerated(model=wrapped, optimizer=optimizer, report=report, device=dev, module=model, scaler=scaler)
+                                   weakref.ref(optimizer) if optimizer is not None else None, fmt)
+    return Accelerated(model=wrapped, optimizer=optimizer, report=report, device=dev, module=model, scaler=scaler,
+                       batch_format=fmt)
 
 
 def _forget(model: nn.Module) -> None:

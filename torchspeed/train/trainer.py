@@ -259,7 +259,7 @@ class Trainer:
                 optimizer = prepared.optimizer
             if optimizer is not prepared.optimizer:  # another optimizer for a prepared model: as given
                 prepared = Accelerated(prepared.model, optimizer, prepared.report, prepared.device,
-                                       prepared.module, prepared.scaler)
+                                       prepared.module, prepared.scaler, prepared.batch_format)
             _check_agrees(prepared, precision=precision, channels_last=channels_last, compile=compile,
                           strategy=strategy, device=device)
             log.debug("Trainer: the model was prepared by accelerate() (%s); nothing is measured again",
@@ -277,7 +277,9 @@ class Trainer:
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         self._raw_model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.batch_format = BatchFormat.of(batch_format)
+        # a prepared model is read the way accelerate() was told, unless the Trainer is told otherwise
+        self.batch_format = BatchFormat.of(batch_format if batch_format is not None or prepared is None
+                                           else prepared.batch_format)
         self.settings = dict(precision=precision, channels_last=channels_last, compile=compile, strategy=strategy,
                              device=device, **(accelerate_kwargs or {}))
         self.callbacks: list[Callback] = list(callbacks or [])
