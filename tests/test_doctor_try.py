@@ -81,7 +81,8 @@ def test_try_interleaves_the_baseline_and_keeps_only_gains_beyond_the_spread():
     assert "channels_last" in rows["channels_last"]["code"]
     apply_measured(payload, t["tried"], ["python", "t.py"])
     f = {x["rule"]: x for x in payload["findings"]}
-    assert f["no-channels-last"]["expected_gain"] == pytest.approx(1 - 0.8 / 1.025, abs=1e-3) and f["no-channels-last"]["measured"]
+    assert f["no-channels-last"]["expected_gain"] == pytest.approx(1 - 0.8 / 1.025, abs=1e-3) and f["no-channels-last"]["measured"] == "kept"
+    assert f["loader-no-workers"]["expected_gain"] == 0.0 and f["loader-no-workers"]["measured_gain"] > 0  # within the spread
     assert f["no-channels-last"]["estimated_gain"] == 0.08 and "measured by doctor --try" in f["no-channels-last"]["gain_basis"]
 
 

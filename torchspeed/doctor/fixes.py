@@ -25,8 +25,12 @@ from typing import Any
 
 __all__ = ["FIX_NAMES", "TOLERANCES", "plan", "code_for", "label", "numerics", "FixState"]
 
-# relative tolerance on each of the first NUMERICS_STEPS losses, by kind of fix
-NUMERICS_STEPS = 3
+# relative tolerance on the first NUMERICS_STEPS losses, by kind of fix: the loss before any update
+# (the forward's math) and the one after the first update (backward and optimizer). Later losses are
+# not compared: early training amplifies rounding chaotically (ResNet-18, SGD lr 0.1: channels_last
+# moved the 2nd loss by 3e-5 relative and the 3rd by 1e-2 on this project's CPU).
+NUMERICS_STEPS = 2
+BATCHES_COMPARED = 3
 TOLERANCES = {"math": 1e-3, "precision": 5e-2}
 FIX_NAMES = ("workers", "persistent_workers", "pin_memory", "bf16", "fp16", "channels_last", "cudnn_benchmark",
              "fused_optimizer", "inference_mode", "threads", "compile")
@@ -199,8 +203,7 @@ def code_for(name: str, value: Any, payload: dict[str, Any]) -> str:
 def numerics(name: str, base: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
     """Does the fix keep the results? Loader fixes: the same samples in the same order (losses move with
     random augmentation, whose draws come from worker seeds, so they are shown, not judged). Other fixes:
-    each of the first NUMERICS_STEPS losses within the kind's relative tolerance of the baseline's (same
-    seed)."""
+    the first NUMERICS_STEPS losses within the kind's relative tolerance of the baseline's (same seed)."""
     kind = KIND.get(name, "math")
     lb, lf = base.get("losses") or [], fixed.get("losses") or []
     k = min(NUMERICS_STEPS, len(lb), len(lf))
@@ -208,11 +211,11 @@ def numerics(name: str, base: dict[str, Any], fixed: dict[str, Any]) -> dict[str
     out: dict[str, Any] = {"kind": kind, "steps_compared": k, "max_rel_diff": diff}
     if kind == "loader":
         pb, pf = base.get("batch_prints") or [], fixed.get("batch_prints") or []
-        n = min(len(pb), len(pf), NUMERICS_STEPS)
+        n = min(len(pb), len(pf), BATCHES_COMPARED)
         out.update(tolerance="the same batches (labels, shapes) in the same order", ok=pb[:n] == pf[:n] if n else None)
         return out
     tol = TOLERANCES[kind]
-    out.update(tolerance=f"relative {tol:g} on each of the first {NUMERICS_STEPS} losses",
+    out.update(tolerance=f"relative {tol:g} on the first {NUMERICS_STEPS} losses",
                ok=None if diff is None or k == 0 else diff <= tol)
     return out
 

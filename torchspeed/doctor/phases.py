@@ -125,7 +125,7 @@ def verdict(phases: dict[str, float], wall_s: float, gpu_busy_s: float | None = 
         evidence.append(f"the GPU was busy {busy:.0%} of the step")
         launch_bound = busy < 0.5 and ds < 0.25
     if host_syncs_per_step:
-        evidence.append(f"{host_syncs_per_step:.1f} host syncs (.item()/.cpu()/.tolist()) per step")
+        evidence.append(f"{host_syncs_per_step:.1f} host syncs (.item()/.cpu()/.tolist()/float()/bool()) per step")
     if ds >= 0.25 and ds >= os_:
         evidence.insert(0, "the model waits for data: on a GPU this is the 'memory full, utilisation near 0%' symptom")
         return "data-bound", evidence

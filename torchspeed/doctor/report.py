@@ -42,6 +42,8 @@ def print_findings(findings: list[dict[str, Any]], console: Any = None, title: s
     for i, f in enumerate(findings, 1):
         f = f.to_dict() if hasattr(f, "to_dict") else f
         gain = {"bug": "BUG", "info": "info"}.get(f["severity"], f"~{f['expected_gain']:.0%} of the time")
+        if f.get("measured"):
+            gain = f"measured {f['measured_speedup']:.2f}x by --try: {f['measured']}"
         con.print(f"{i}. [bold]{f['rule']}[/] ({gain}): {f['message']}", highlight=False)
         con.print(f"   fix: {f['fix']}", highlight=False, markup=False)
         con.print(f"   measure: {f['command']}", highlight=False, markup=False)
@@ -120,6 +122,8 @@ def markdown(d: dict[str, Any], title: str) -> str:
     lines += ["## Advice (ranked)", ""]
     for i, f in enumerate(d.get("findings", []), 1):
         gain = "bug" if f["severity"] == "bug" else f"~{f['expected_gain']:.0%}"
+        if f.get("measured"):
+            gain = f"measured {f['measured_speedup']:.2f}x: {f['measured']}"
         lines += [f"{i}. **{f['rule']}** ({gain}): {f['message']}", f"   - fix: {f['fix']}",
                   f"   - measure: `{f['command']}`", f"   - gain basis: {f['gain_basis']}"]
     if d.get("try"):

@@ -143,8 +143,8 @@ def host_syncs(f: Facts) -> Finding | None:
     per_step = f["settings"].get("host_syncs", 0) / f["steps"]
     if per_step < 2:
         return None
-    return finding("host-syncs", f"{per_step:.1f} host syncs per step (.item(), .cpu(), .tolist(), .numpy() on "
-                   "CUDA tensors) stall the GPU queue", _share(f, "other") * 0.5,
+    return finding("host-syncs", f"{per_step:.1f} host syncs per step (.item(), .cpu(), .tolist(), .numpy(), "
+                   "float(t), int(t), bool(t) on CUDA tensors) stall the GPU queue", _share(f, "other") * 0.5,
                    "assumes half the 'other' time is queue stalls the syncs cause")
 
 

@@ -156,11 +156,14 @@ def apply_measured(payload: dict[str, Any], tried: list[dict[str, Any]], command
         r = by_rule.get(f["rule"])
         if r is None or f.get("severity") == "bug":
             continue
+        gain = 1.0 - r["step_s"] / r["baseline_step_s"]
         f["estimated_gain"] = f["expected_gain"]
-        f["expected_gain"] = round(max(0.0, 1.0 - r["step_s"] / r["baseline_step_s"]), 4)
+        f["measured_gain"] = round(gain, 4)
+        f["measured_speedup"] = round(r["speedup"], 4)
+        f["expected_gain"] = round(max(0.0, gain), 4) if r["kept"] else 0.0  # no gain beyond the noise: none
         f["gain_basis"] = (f"measured by doctor --try {r['fix']}: {r['baseline_step_s']:.3f} -> {r['step_s']:.3f} "
                            f"s/step ({r['speedup']:.2f}x, spread {r['spread']:.0%}): {r['verdict']}")
-        f["measured"] = True
+        f["measured"] = r["verdict"]
     order = {"bug": 0, "speed": 1, "info": 2}
     payload["findings"] = sorted(payload.get("findings") or [],
                                  key=lambda f: (order.get(f["severity"], 3), -f["expected_gain"], f["rule"]))
@@ -188,7 +191,7 @@ def print_tried(t: dict[str, Any], console: Any) -> None:
     print_table("Fixes measured on this script (median s/step; baseline re-measured between fixes)",
                 ["fix", "baseline", "with fix", "speed-up", "spread", "numerics", "verdict"], rows, console)
     console.print(f"a fix is kept when its speed-up exceeds 1 + spread (the baseline's run-to-run range) and its "
-                  f"first {t['numerics_steps']} losses stay within {t['tolerances']['math']:g} (fp32 fixes) or "
+                  f"first {t['numerics_steps']} losses (before and after the first update) stay within {t['tolerances']['math']:g} (fp32 fixes) or "
                   f"{t['tolerances']['precision']:g} (precision fixes) relative; loader fixes must yield the same "
                   "batches in the same order", highlight=False, markup=False)
     kept = [r for r in t["tried"] if r["kept"] and r["code"]]
