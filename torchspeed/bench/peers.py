@@ -73,8 +73,11 @@ class DaliLoader:
         self.threads = threads
 
     def __iter__(self) -> Iterator[Any]:
-        for out in self.it:
-            d = out[0]
+        while True:  # next() on DALI's iterator: iter() on it would ask for a reset mid-epoch
+            try:
+                d = next(self.it)[0]
+            except StopIteration:  # the epoch ended (auto_reset starts the next one)
+                return
             yield d["x"], d["y"].view(-1).long()
 
 

@@ -123,8 +123,9 @@ def _close(loader: Any) -> None:
 
 
 def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], add: Callable[..., None],
-           skipped: Callable[[dict[str, Any]], None]) -> None:
-    """DALI (CPU pipeline; GPU pipeline too on a GPU) and LitData on the pre-resized photos, each at its best count."""
+           skipped: Callable[[dict[str, Any]], None], full: bool = True) -> None:
+    """DALI (CPU pipeline; GPU pipeline too on a GPU) and LitData on the pre-resized photos, each at its best count
+    (LitData from 1 worker in the quick report: with 0 it measured 10-20x slower, and one batch alone takes seconds)."""
     import torch
 
     from torchspeed.bench import peers
@@ -149,7 +150,7 @@ def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], a
         directory = peers.litdata_dir(resized, os.path.join(cache_dir("bench-data"),
                                                             f"{os.path.basename(resized)}-litdata"))
         best, loader, rates = _best("litdata num_workers", lambda n: peers.litdata_loader(
-            directory, BATCH, CROP, n, IMAGENET_MEAN, IMAGENET_STD), list(range(cores + 1)), tune_s, say)
+            directory, BATCH, CROP, n, IMAGENET_MEAN, IMAGENET_STD), list(range(0 if full else 1, cores + 1)), tune_s, say)
         tried = ", ".join(f"{n}: {r:,.0f}" for n, r in rates.items())
         add("litdata", loader, f"LitData optimize() of the photos resized offline to short side {SHORT_SIDE} + "
             f"StreamingDataLoader, PIL + the torchvision transforms, num_workers={best} (best of {tried} img/s)",
@@ -284,7 +285,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
                 "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
             add("torchspeed_on_folder", fast_loader(src, BATCH, **common),
                 "the same pipeline reading the original JPEG files (no pack at all)")
-        _peers(resized, cores, tune_s, say, add, skipped_rows.append)
+        _peers(resized, cores, tune_s, say, add, skipped_rows.append, full=not quick)
 
         # Interleaved rounds (pass r of every contender, then pass r+1): a change in background load
         # spreads over all contenders instead of favouring whichever ran at a quiet moment. The passes

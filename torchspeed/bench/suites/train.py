@@ -336,7 +336,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
     results: dict[str, Any] = {"images": len(indices), "batch_size": BATCH, "crop": CROP, "steps_per_call": k,
                                "device": str(device), "flops_per_sample": flops, "budget_s": budget.seconds}
     # the measurements still to come, for sharing the budget (each about one window)
-    todo = {"rows": 3 + (0 if quick else 3) + (0 if emulated else 1), "setup": 1.5, "profile": 0.7}
+    todo = {"rows": 3 + (0 if quick else 3) + (0 if emulated else 1), "setup": 1.5, "profile": 1.0}
 
     def windows_left() -> float:
         return sum(todo.values())
@@ -412,14 +412,6 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
         measure(f"+ {mixed} autocast", _hand_loop(m, o, fast_stream.next, k, mixed, False),
                 f"torch.autocast({mixed}), fp32 weights", mixed)
         hand_prec = mixed
-    # 5. where the step's time goes (per-op profile of one step, fp32 NCHW), while the batches are at hand
-    step_s = max(r.get("first_call_s") or 0.0 for r in rows)  # about one step (the slowest first call)
-    if not quick or budget.allows(9 * step_s):  # two steps, leaving room for the auto row (3) and its trials (4)
-        step("profiling one training step (per-op self time, fp32 NCHW)")
-        x0, y0 = fast_stream.next()
-        m, o = fresh()
-        results["step_profile"] = step_profile(m, o, x0, y0, per_op, fp32_ceiling)
-    todo["profile"] = 0
     fast = fast_loader(store, BATCH, crop=CROP, device=device, channels_last=True, num_workers=workers)
     # 6. + channels_last (the full report; accelerate() measures it for the auto row in both)
     cl = best = plain
@@ -474,6 +466,15 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
                    auto_prec)
     results["accelerate"] = rep.to_dict()
     batches = [chunks.stream.next() for _ in range(2 if quick else 8)]
+    # where the chosen setting's step time goes (per-op profile of one fp32 step), if the budget allows
+    step_s = max(r.get("first_call_s") or 0.0 for r in rows) / k  # about one step (the slowest first call)
+    if not quick or budget.allows(2 * step_s):
+        layout = "NHWC" if rep.channels_last else "NCHW"
+        step(f"profiling one training step (per-op self time, fp32 {layout})")
+        m, o = fresh(channels_last=rep.channels_last)
+        x0 = batches[0][0].contiguous(memory_format=torch.channels_last if rep.channels_last else torch.contiguous_format)
+        results["step_profile"] = dict(step_profile(m, o, x0, batches[0][1], per_op, fp32_ceiling), layout=layout)
+    todo["profile"] = 0
     del fast, chunks
     overhead = None
     notes: list[str] = []
@@ -571,12 +572,13 @@ def _train_limit(auto: float, flops: float, fp32_ceiling: float | None, profile:
         lim["why"] = "no step profile in this run (budget)"
         return lim
     cats = profile["categories"]
-    conv = [f"{c} {v['gflops']:.0f} GFLOP/s ({v['pct_of_fp32_ceiling']:.0f}%)" for c, v in cats.items()
-            if "pct_of_fp32_ceiling" in v]
+    conv = [f"{c} {v['gflops']:.0f} GFLOP/s" + (f" ({v['pct_of_fp32_ceiling']:.0f}% of the ceiling)"
+                                                  if "pct_of_fp32_ceiling" in v else "")
+            for c, v in cats.items() if "gflops" in v]
     rest = sum(v["seconds"] for c, v in cats.items() if not c.startswith("convolution"))
     top = ", ".join(f"{c} {v['share_pct']:.0f}%" for c, v in list(cats.items())[:5])
-    lim["why"] = (f"one fp32 NCHW step profiled: {top} of the step; the convolutions run at " + "; ".join(conv)
-                  + f" of the GEMM ceiling; the ops without GEMM work (batch norm, ReLU, pooling, adds, optimizer, "
-                  f"other) take {100 * rest / profile['step_s']:.0f}% of the time at ~0 FLOPs"
-                  + f"; accelerate() chose {precision}, channels_last={rep.channels_last}")
+    lim["why"] = (f"one fp32 {profile.get('layout', '')} step profiled: {top} of the step; the convolutions run at "
+                  + "; ".join(conv) + "; the ops without GEMM work (batch norm, ReLU, pooling, adds, optimizer, other) "
+                  f"take {100 * rest / profile['step_s']:.0f}% of the time at ~0 FLOPs; accelerate() chose "
+                  f"{precision}, channels_last={rep.channels_last}")
     return lim
