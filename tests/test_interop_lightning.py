@@ -202,3 +202,11 @@ def test_fast_loader_built_in_train_dataloader_is_sharded_under_lightning_ddp(tm
     everything = {round(float(v), 3) for x, _ in single for v in x.float().sum((1, 2, 3))}
     assert set(r0["seen"]) | set(r1["seen"]) == everything  # every image read by some rank
     assert len(set(r0["seen"]) & set(r1["seen"])) <= 1  # disjoint shards, but for the one padding sample
+
+
+def test_torchspeed_train_never_imports_lightning_or_accelerate():
+    code = ("import sys, torchspeed as ts; ts.train.Trainer; ts.train.accelerate; ts.train.EarlyStopping; "
+            "bad = [m for m in ('lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules]; "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
