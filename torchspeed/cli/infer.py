@@ -35,9 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="example input shape (default 1,3,224,224, or the model's own; the demo model's size for 'demo'; "
                         "an .onnx file's from its graph, this filling its dynamic dimensions)")
     p.add_argument("--calib", metavar="DATA",
-                   help="ImageFolder or packed store of calibration images for INT8 ('demo' for the demo split)")
+                   help="calibration images for INT8: an ImageFolder, a packed store or your Dataset factory "
+                        "(package.module:factory, file.py:factory); 'demo' for the demo split")
     p.add_argument("--eval", metavar="DATA",
-                   help="labelled ImageFolder or packed store to guard top-1 accuracy on ('demo' for the held-out split)")
+                   help="labelled data to guard top-1 accuracy on: an ImageFolder, a packed store or your Dataset "
+                        "factory; 'demo' for the held-out split")
     p.add_argument("--max-metric-drop", type=_fraction, default=0.01, metavar="DROP",
                    help="largest accepted top-1 drop vs eager fp32 (an .onnx file: vs ONNX Runtime fp32 on it; default 0.01)")
     p.add_argument("--max-calib-samples", type=positive_int, default=256, metavar="N",
