@@ -38,15 +38,19 @@ def headline(result: dict[str, Any]) -> dict[str, Any] | None:
     return max(scored, key=lambda r: r.get("cumulative") or r.get("ratio"), default=None)
 
 
-def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
-    """(suite, technique, measured, speed-up, accuracy effect) per suite: the article-001 table for this machine."""
+SUMMARY_COLUMNS = ["suite", "technique", "measured (median)", "speed-up vs plain PyTorch", "accuracy drop",
+                   "% of this machine's ceiling"]
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """(suite, technique, measured, speed-up, accuracy effect, % of ceiling) per suite."""
     out = []
     for name in suites.SUITE_NAMES:
         result = results.get(name)
         if not isinstance(result, dict):
             continue
         if "error" in result:
-            out.append((name, "failed", result["error"].splitlines()[0][:120], "", ""))
+            out.append((name, "failed", result["error"].splitlines()[0][:120], "", "", ""))
             continue
         row = headline(result)
         if row is None:
@@ -58,6 +62,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
             f"{format_number(row.get('median'))} {row.get('unit', '')}".strip(),
             f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else "",
             format_number(row.get("metric_drop")),
+            _pct(row),
         ))
     return out
 
@@ -229,8 +234,7 @@ def write_report(results: dict[str, Any], out: str, command: str = "torchspeed b
         "",
         "## Summary",
         "",
-        _md_table(["suite", "technique", "measured (median)", "speed-up vs plain PyTorch", "accuracy drop"],
-                  summary_rows(results)),
+        _md_table(SUMMARY_COLUMNS, summary_rows(results)),
     ]
     if isinstance(results.get("ceilings"), dict):
         parts += [""] + ceilings_section(results["ceilings"])

@@ -106,7 +106,7 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
 
     report = write_report(read_results(out), out, command=command)  # from the file, as --report-only does
     print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
-                ["suite", "technique", "measured", "speed-up", "accuracy drop"], summary_rows(results), console)
+                ["suite", "technique", "measured", "speed-up", "accuracy drop", "% of ceiling"], summary_rows(results), console)
     console.print(f"report: {report} ({results['seconds'] / 60:.1f} min)")
     return results
 
@@ -275,7 +275,7 @@ def render_report(out: str, console: Console | None = None) -> dict[str, Any]:
     results = read_results(out)
     report = write_report(results, out, command=results.get("command") or "torchspeed bench")
     print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
-                ["suite", "technique", "measured", "speed-up", "accuracy drop"], summary_rows(results), console)
+                ["suite", "technique", "measured", "speed-up", "accuracy drop", "% of ceiling"], summary_rows(results), console)
     console.print(f"report: {report}")
     return results
 
