@@ -685,8 +685,8 @@ def accelerate(
     "auto" (DDP under torchrun, else none) | "ddp" | "fsdp" | None. "auto" settings need
     `example_batch` = one training batch, read by `batch_format` (`torchspeed.batches.BatchFormat`:
     which part is the input, which the target, where the logits are; default: `(x, y)` tuples and
-    dict batches by its auto rules), and `loss_fn(logits, target)`; an option must beat the current choice by `margin`
-    (fraction of step time). Compile's one-off cost must be repaid within `expected_steps` steps;
+    dict batches by its auto rules), and `loss_fn(logits, target)`; an option must beat the current
+    choice by `margin` (fraction of step time). Compile's one-off cost must be repaid within `expected_steps` steps;
     with an expected run shorter than `min_compile_cost_s` it is not tried. `untried` maps a setting
     name to the reason it is deliberately not tried (e.g. {"compile": "quick mode budget"}).
     On CUDA, `tf32` (TF32 for fp32 matmuls) and `cudnn_benchmark` are "auto" (measured) | True |
@@ -720,7 +720,10 @@ def accelerate(
         report.precision, report.channels_last, base_step = _choose_precision_and_layout(
             model, timer, precision, channels_last, dev, margin, report.candidates)
         model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
+        switches = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
         _choose_cuda_flags(model, timer, tf32, cudnn_benchmark, report, dev, margin)
+        if switches != (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark):
+            base_step = None  # measured under other switches: compile's baseline is timed again
         compiled = _choose_compile(model, timer, compile, report, base_step, expected_steps, margin,
                                    min_compile_cost_s, untried)
     if denv.distributed:
