@@ -171,8 +171,8 @@ def _epoch_line(row: dict[str, Any]) -> str:
 
 
 def _own_rng(state: dict[str, Any], e: distributed.DistEnv) -> dict[str, Any]:
-    """The checkpoint's state with this rank's own generators (written by every rank of the same world
-    size; rank 0's otherwise, as at an epoch end any world size may resume)."""
+    """The checkpoint's state with this rank's own generators when a world of this size wrote it;
+    otherwise as written (rank 0's: an epoch-end checkpoint may be resumed by any number of ranks)."""
     ranks = state.get("rng_ranks") or []
     if len(ranks) != e.world_size:
         return state
