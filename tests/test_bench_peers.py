@@ -52,3 +52,36 @@ def test_peer_runs_at_its_best_count():
 
     best, loader, rates = data._best("fake", Loader, [1, 2, 3], 0.05, lambda s: None)
     assert best == 2 and loader.n == 2 and set(rates) == {1, 2, 3} and max(rates, key=rates.get) == 2
+
+
+def test_infer_hand_set_runtimes_timed_against_the_chosen_variant(monkeypatch):
+    """OpenVINO (LATENCY hint) and ONNX Runtime defaults run the same exported model, interleaved with the chosen
+    variant at each batch size; a runtime that is not installed is a skipped row saying so."""
+    import types
+
+    import torch
+
+    from torchspeed.bench.suites import infer
+
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(8, 10)).eval()
+
+    def chosen(x):
+        with torch.inference_mode():
+            return model(x)
+
+    best = types.SimpleNamespace(name="eager fp32", runner=chosen)
+    res = types.SimpleNamespace(fastest_at=lambda b: best)
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    rows, comparisons = infer._hand_set_peers("tiny", model, res, 16, 1e6, 2, lambda s: None)
+    ov = [r for r in rows if "OpenVINO" in r["technique"]]
+    assert len(ov) == 2 and all(r["median"] is None and "openvino not installed" in r["what"] for r in ov)
+    ort = [r for r in rows if "ONNX Runtime defaults" in r["technique"]]
+    assert [r["batch"] for r in ort] == [1, 8] and all(r["median"] > 0 and r["peer"] for r in ort)
+    assert all(r["ceiling"] == "fp32" and r["flops_per_item"] == 1e6 for r in ort)
+    assert [c["batch"] for c in comparisons] == [1, 8]
+    for c in comparisons:
+        assert c["fastest_hand"] == "ONNX Runtime defaults" and c["chosen"] == "eager fp32"
+        assert c["chosen_vs_fastest_hand"] == pytest.approx(c["chosen_ms"] / c["hand_ms"]["ONNX Runtime defaults"])

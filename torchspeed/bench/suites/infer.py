@@ -77,8 +77,8 @@ def _hand_set_peers(name: str, model: Any, res: Any, size: int, flops: float, re
 
     rows: list[dict[str, Any]] = []
     runners: dict[str, Any] = {}
-    what = {"OpenVINO, LATENCY hint": "openvino.compile_model(ONNX, 'CPU', {PERFORMANCE_HINT: LATENCY}): its own "
-                                      "threads and default precision ({precision})",
+    what = {"OpenVINO, LATENCY hint": "openvino.compile_model(ONNX, 'CPU', PERFORMANCE_HINT=LATENCY): its own "
+                                      "threads and default precision (<precision>)",
             "ONNX Runtime defaults": "onnxruntime.InferenceSession(ONNX) with default SessionOptions, CPU provider"}
     tmp = tempfile.mkdtemp(prefix="torchspeed-bench-peers-")
     comparisons: list[dict[str, Any]] = []
@@ -114,7 +114,7 @@ def _hand_set_peers(name: str, model: Any, res: Any, size: int, flops: float, re
                              "min": t.min_s * 1e3, "max": t.max_s * 1e3, "unit": "ms", "ratio": None,
                              "cumulative": None, "metric_drop": None, "peer": True, "batch": b,
                              "flops_per_item": flops, "ceiling": "fp32",
-                             "what": what[t.name].format(precision=prec) + f"; {t.median_s * 1e3 / chosen_ms:.2f}x "
+                             "what": what[t.name].replace("<precision>", prec) + f"; {t.median_s * 1e3 / chosen_ms:.2f}x "
                                      f"the chosen variant's time in the same interleaved run ({chosen_ms:.2f} ms)"})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
