@@ -148,7 +148,8 @@ def openvino_latency(onnx_path: str) -> Callable[[Any], Any]:
     def run(x: Any) -> Any:
         return req.infer({0: x.numpy() if hasattr(x, "numpy") else x})
 
-    run.precision = str(compiled.get_property("INFERENCE_PRECISION_HINT"))  # type: ignore[attr-defined]
+    hint = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower()  # e.g. "<Type: 'float32'>"
+    run.precision = "bf16" if "bf16" in hint or "bfloat16" in hint else "fp16" if "16" in hint else "fp32"  # type: ignore[attr-defined]
     return run
 
 

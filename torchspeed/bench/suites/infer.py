@@ -113,7 +113,7 @@ def _hand_set_peers(name: str, model: Any, res: Any, size: int, flops: float, re
                 rows.append({"technique": f"{name} b{b}: peer {t.name}", "median": t.median_s * 1e3,
                              "min": t.min_s * 1e3, "max": t.max_s * 1e3, "unit": "ms", "ratio": None,
                              "cumulative": None, "metric_drop": None, "peer": True, "batch": b,
-                             "flops_per_item": flops, "ceiling": "fp32",
+                             "flops_per_item": flops, "ceiling": _ceiling_of(prec),
                              "what": what[t.name].replace("<precision>", prec) + f"; {t.median_s * 1e3 / chosen_ms:.2f}x "
                                      f"the chosen variant's time in the same interleaved run ({chosen_ms:.2f} ms)"})
     finally:
