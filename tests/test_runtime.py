@@ -93,3 +93,24 @@ def test_default_precision_follows_gpu_capability(monkeypatch):
     assert runtime.default_precision("cuda:0").name == "fp16"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
     assert runtime.default_precision("cuda:0").name == "bf16"
+
+
+def test_deterministic_sets_the_cublas_workspace_and_warns_when_cuda_started(monkeypatch):
+    import os
+    import warnings
+
+    import torch
+
+    from torchspeed.runtime import deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            deterministic(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert any("before Python starts" in str(w.message) for w in caught)
+    finally:
+        deterministic(False)

@@ -5,6 +5,7 @@ This is the floor every other module stands on; it imports nothing else from tor
 from __future__ import annotations
 
 import os
+import warnings
 import platform
 import random
 import threading
@@ -238,9 +239,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def deterministic(enabled: bool = True) -> None:
     """Make kernels reproducible (and cudnn autotuning off), or restore the fast defaults."""
-    if enabled:
-        # cuBLAS needs a fixed workspace to be deterministic; must be set before the first cuBLAS call.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if enabled and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        # cuBLAS reads its workspace setting once, when CUDA starts: after that, setting it changes nothing.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            warnings.warn("deterministic mode: CUDA was already in use, so CUBLAS_WORKSPACE_CONFIG=:4096:8 comes too "
+                          "late for cuBLAS; set it in the environment before Python starts", RuntimeWarning,
+                          stacklevel=2)
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(enabled, warn_only=False)
