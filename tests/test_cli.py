@@ -122,3 +122,25 @@ def test_info_lists_libraries_backends_and_no_blank_cells(capsys, monkeypatch):
     assert d["backends"]["infer (runtimes)"]["torch"] is None  # torch always runs
     if d["cuda"] is None:
         assert "│ cuda " in err and "none" in err.split("│ cuda ")[1].split("\n")[0]
+
+
+def test_every_option_has_help_and_a_named_metavar():
+    """Placeholders say what goes there (N, PATH, DIR, S...), never argparse's upper-cased dest."""
+    import argparse
+
+    from torchspeed.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    problems = []
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            flag = action.option_strings[-1]
+            if not action.help:
+                problems.append(f"{name} {flag}: no help")
+            takes_value = action.nargs != 0 and not isinstance(action, argparse.BooleanOptionalAction)
+            if takes_value and action.metavar is None and action.choices is None:
+                problems.append(f"{name} {flag}: metavar {action.dest.upper()}")
+    assert not problems, "\n".join(problems)

@@ -3,6 +3,7 @@ early stopping, checkpoints). Runs unchanged under `torchrun --nproc_per_node=K 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from torchspeed.cli import UserError, add_json_option, add_model_options, build_model, positive_int
 from torchspeed.cli.data import counts
@@ -35,28 +36,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="SPEC",
                    help="resnet18 (torchvision), timm:NAME, or your own package.module:factory / file.py:factory")
     add_model_options(p)
-    p.add_argument("--epochs", type=positive_int, required=True, help="number of epochs")
+    p.add_argument("--epochs", type=positive_int, required=True, metavar="N", help="number of epochs")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"), help="default: auto (measured)")
-    p.add_argument("--channels-last", default="auto", type=_on_off_auto, help="auto | on | off (default auto)")
-    p.add_argument("--compile", default="auto", type=_on_off_auto, help="auto | on | off (default auto)")
+    p.add_argument("--channels-last", default="auto", type=_on_off_auto, metavar="auto|on|off", help="auto | on | off (default auto)")
+    p.add_argument("--compile", default="auto", type=_on_off_auto, metavar="auto|on|off", help="auto | on | off (default auto)")
     p.add_argument("--strategy", default="auto", choices=("auto", "ddp", "fsdp", "none"),
                    help="under torchrun: ddp (auto) or fsdp")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="per-process batch size (default 64)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate of SGD+momentum, cosine schedule "
+    p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="per-process batch size (default 64)")
+    p.add_argument("--lr", type=float, default=None, metavar="LR", help="peak learning rate of SGD+momentum, cosine schedule "
                                                           "(default 0.1 x batch/256 x processes)")
-    p.add_argument("--crop", type=positive_int, default=224, help="training crop side (default 224)")
-    p.add_argument("--val-fraction", type=_fraction, default=0.1,
+    p.add_argument("--crop", type=positive_int, default=224, metavar="N", help="training crop side (default 224)")
+    p.add_argument("--val-fraction", type=_fraction, default=0.1, metavar="F",
                    help="held-out share when DATA has no val/ split (default 0.1)")
-    p.add_argument("--patience", type=positive_int, default=10, help="early stopping patience, in validations (default 10)")
+    p.add_argument("--patience", type=positive_int, default=10, metavar="N", help="early stopping patience, in validations (default 10)")
     p.add_argument("--num-workers", type=counts(0), default="auto", metavar="auto|N",
                    help="loader worker processes: auto (measured, default), a number, or a comma list of counts to measure")
     p.add_argument("--threads", type=counts(1), default="auto", metavar="auto|N",
                    help="batch-making threads when num_workers is 0: auto (measured along with --num-workers auto, "
                         "else 1; default), a number, or a comma list of counts to measure")
-    p.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--max-steps", type=positive_int, default=None, metavar="N", help="stop after this many optimizer steps")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
     p.add_argument("--out", default="torchspeed-train", metavar="DIR",
-                   help="output directory: checkpoints/, metrics.csv, summary.json (default ./torchspeed-train)")
+                   help="output directory: model.pt (the trained weights, for --weights), checkpoints/, metrics.csv, "
+                        "summary.json (default ./torchspeed-train)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest checkpoint that passes its check")
     p.add_argument("--overwrite", action="store_true",
@@ -64,6 +66,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json_option(p)
     p.set_defaults(func=run)
+
+
+def _full_state_dict(module: Any) -> dict[str, Any]:
+    """The model's whole state dict on the CPU (gathered from every rank under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _check_out(out: str, resume: bool, overwrite: bool) -> str:
@@ -112,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from torchspeed.atomic import write_json
+    from torchspeed.atomic import atomic_write, write_json
     from torchspeed.data import fast_loader, train_val_split
     from torchspeed.data.sources import is_dataset_spec
     from torchspeed.runtime import resolve_device, seed_everything
@@ -165,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
                "early_stopping": {"stopped": result["stopped_early"], "best_val_loss": stopper.best,
                                   "reason": stopper.reason},
                "accelerate": trainer.report.to_dict(), "checkpoint": checkpoints.last(), "run_id": trainer.run_id}
+    weights = _full_state_dict(trainer.module)  # collective under FSDP: every rank takes part
     if denv.is_main:
+        with atomic_write(os.path.join(args.out, "model.pt"), "wb") as f:
+            torch.save(weights, f)
+        summary["weights"] = os.path.join(args.out, "model.pt")
         console.print(str(trainer.report))
         if stopper.reason:
             console.print(f"early stopping: {stopper.reason}")
