@@ -206,3 +206,17 @@ def test_doctor_try_end_to_end(tmp_path, capsys):
     assert "## Fixes measured (doctor --try)" in (tmp_path / "rep" / "doctor.md").read_text()
     assert main(["doctor", "--steps", "2", "--try", "--", sys.executable, str(tmp_path / "train.py")]) == 2
     assert "--try needs --steps >= 3" in capsys.readouterr().err
+
+
+def test_a_speedup_beyond_removing_the_fixed_phases_is_implausible():
+    """fused_optimizer can at most remove the optimizer phase (10% here): 3x means the load changed."""
+    payload = _payload()
+    payload["steady"] = {"wall_s": 10.0, "phases": {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0}}
+    assert fx.max_speedup("fused_optimizer", payload) == pytest.approx(1 / 0.9)
+    assert fx.max_speedup("threads", payload) is None
+
+    def launch(spec, title):
+        return _raw(1.0) if title == "baseline" else _raw(0.33 if title == "fused_optimizer" else 1.0)
+
+    rows = {r["fix"]: r for r in try_fixes(_raw(1.0), payload, launch, ["fused_optimizer"])["tried"]}
+    assert not rows["fused_optimizer"]["kept"] and rows["fused_optimizer"]["verdict"].startswith("implausible")

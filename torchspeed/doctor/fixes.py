@@ -43,6 +43,23 @@ RULES = {"workers": ("loader-no-workers", "data-bound"), "persistent_workers": (
          "inference_mode": ("eval-without-no-grad",), "threads": ("cpu-oversubscribed",),
          "compile": ("python-overhead",)}
 FUSABLE = ("SGD", "Adam", "AdamW")
+# the phases a fix can shorten: removing them entirely bounds its speed-up (threads: everything)
+PHASES_CHANGED = {"workers": ("data", "copy"), "persistent_workers": ("data", "copy"), "pin_memory": ("data", "copy"),
+                  "bf16": ("forward", "backward", "optimizer", "copy"), "fp16": ("forward", "backward", "optimizer", "copy"),
+                  "channels_last": ("forward", "backward", "optimizer", "copy"), "cudnn_benchmark": ("forward", "backward"),
+                  "fused_optimizer": ("optimizer",), "inference_mode": ("eval",),
+                  "compile": ("forward", "backward", "other")}
+
+
+def max_speedup(name: str, payload: dict[str, Any]) -> float | None:
+    """The speed-up the fix would give if the phases it changes took no time at all (baseline shares);
+    a measured speed-up above it means the machine's load changed during the runs. None: no bound."""
+    phases = (payload.get("steady") or {}).get("phases") or {}
+    wall = (payload.get("steady") or {}).get("wall_s") or 0.0
+    if name not in PHASES_CHANGED or wall <= 0:
+        return None
+    share = min(1.0, sum(phases.get(p, 0.0) for p in PHASES_CHANGED[name]) / wall)
+    return None if share >= 0.999 else 1.0 / (1.0 - share)
 
 
 def label(name: str, value: Any = True) -> str:

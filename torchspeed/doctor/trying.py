@@ -6,7 +6,8 @@ again after every fix (interleaved: A B A C A ...), so drift of a busy machine s
 of as a gain. Per run the steady steps (the first is warm-up) give a median step time; a fix is
 compared with the baseline runs just before and after it; `spread` is the relative range
 (max - min) / median of the baseline's per-run medians, and a fix counts as a gain only when its
-speed-up exceeds 1 + spread and its numerics hold. The kept fixes are then measured together, last.
+speed-up exceeds 1 + spread, stays below what removing the phases it changes would give (a larger one
+means the machine's load changed during the runs) and its numerics hold. The kept fixes are then measured together, last.
 Imports no torch (the parent only launches, reads and judges).
 """
 from __future__ import annotations
@@ -120,11 +121,15 @@ def _row(name: str, value: Any, raw: dict[str, Any], around: list[dict[str, Any]
     if raw.get("status") == "error" or not step_times(raw):
         error = raw.get("error") or f"no steady step measured (status {raw.get('status', 'no report')})"
     gain_ok = speedup is not None and speedup > 1.0 + spread
-    kept = bool(gain_ok and num["ok"] is not False and error is None)
+    bound = fx.max_speedup(name, payload) if name != "combined" else None
+    implausible = bool(speedup and bound and speedup > bound)
+    kept = bool(gain_ok and num["ok"] is not False and error is None and not implausible)
     if error:
         verdict = f"failed: {error}"
     elif num["ok"] is False:
         verdict = "changes results"
+    elif implausible:
+        verdict = f"implausible: above {bound:.2f}x, all its phases removed (the machine's load changed)"
     elif kept:
         verdict = "kept"
     elif speedup is not None and speedup < 1.0 - spread:
@@ -134,7 +139,7 @@ def _row(name: str, value: Any, raw: dict[str, Any], around: list[dict[str, Any]
     row = {"fix": fx.label(name, value) if name != "combined" else name, "name": name, "value": value,
            "baseline_step_s": base_s, "step_s": step_s, "speedup": speedup, "spread": spread,
            "numerics_ok": num["ok"], "numerics": num, "kept": kept, "verdict": verdict, "code": code,
-           "steps": len(step_times(raw))}
+           "steps": len(step_times(raw)), "max_speedup": bound}
     if raw.get("compile_window") is not None:
         windows = raw.get("windows") or []
         first = raw["compile_window"] + 1
