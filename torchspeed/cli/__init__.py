@@ -134,6 +134,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def fraction(low_inclusive: bool = False):
+    """argparse type: a number in (0, 1), or [0, 1) with `low_inclusive`."""
+    interval = "[0, 1)" if low_inclusive else "(0, 1)"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text!r}") from None
+        if not (0 <= value if low_inclusive else 0 < value) or not value < 1:
+            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text!r}")
+        return value
+
+    return parse
+
+
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)

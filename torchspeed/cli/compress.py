@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from torchspeed.cli import add_json_option, add_model_options, build_model, int_tuple, positive_int
+from torchspeed.cli import (
+    add_json_option,
+    add_model_options,
+    build_model,
+    fraction,
+    int_tuple,
+    positive_int,
+)
 
 
 def _positive_float(text: str) -> float:
@@ -49,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model spec: torchvision ('resnet18'), timm ('timm:NAME') or your own (package.module:factory, "
                         "file.py:factory)")
     add_model_options(q)
-    q.add_argument("--ratio", type=_fraction, required=True, metavar="R", help="fraction of channels to remove, in (0, 1)")
+    q.add_argument("--ratio", type=fraction(), required=True, metavar="R", help="fraction of channels to remove, in (0, 1)")
     q.add_argument("--input-shape", type=int_tuple, metavar="N,C,H,W",
                    help="example input shape (default: the model's own, else 1,3,224,224)")
     q.add_argument("--importance", default="l1", metavar="NAME",
@@ -61,16 +68,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the pruned model to DIR (model.pt + pruned.json; Python: ts.compress.load_pruned(DIR))")
     add_json_option(q)
     q.set_defaults(func=run_prune)
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.3, got {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"the ratio is the fraction of channels to remove, in (0, 1); got {text!r}")
-    return value
 
 
 def run_prune(args: argparse.Namespace) -> int:

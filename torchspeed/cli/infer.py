@@ -5,19 +5,17 @@ import argparse
 import os
 from typing import Any
 
-from torchspeed.cli import UserError, add_json_option, add_model_options, build_model, int_tuple, positive_int
+from torchspeed.cli import (
+    UserError,
+    add_json_option,
+    add_model_options,
+    build_model,
+    fraction,
+    int_tuple,
+    positive_int,
+)
 
 CALIB_BATCH, EVAL_BATCH = 32, 50
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval", metavar="DATA",
                    help="labelled data to guard top-1 accuracy on: an ImageFolder, a packed store or your Dataset "
                         "factory; 'demo' for the held-out split")
-    p.add_argument("--max-metric-drop", type=_fraction, default=0.01, metavar="DROP",
+    p.add_argument("--max-metric-drop", type=fraction(low_inclusive=True), default=0.01, metavar="DROP",
                    help="largest accepted top-1 drop vs eager fp32 (an .onnx file: vs ONNX Runtime fp32 on it; default 0.01)")
     p.add_argument("--max-calib-samples", type=positive_int, default=256, metavar="N",
                    help="calibration images used (default 256)")

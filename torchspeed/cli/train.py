@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from torchspeed.cli import UserError, add_json_option, add_model_options, build_model, positive_int
+from torchspeed.cli import (
+    UserError,
+    add_json_option,
+    add_model_options,
+    build_model,
+    fraction,
+    positive_int,
+)
 from torchspeed.cli.data import counts
 
 
@@ -14,16 +21,6 @@ def _on_off_auto(text: str) -> bool | str:
     if v in ("auto", "on", "off", "true", "false"):
         return "auto" if v == "auto" else v in ("on", "true")
     raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0 < v < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {v}")
-    return v
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None, metavar="LR", help="peak learning rate of SGD+momentum, cosine schedule "
                                                           "(default 0.1 x batch/256 x processes)")
     p.add_argument("--crop", type=positive_int, default=224, metavar="N", help="training crop side (default 224)")
-    p.add_argument("--val-fraction", type=_fraction, default=0.1, metavar="F",
+    p.add_argument("--val-fraction", type=fraction(), default=0.1, metavar="F",
                    help="held-out share when DATA has no val/ split (default 0.1)")
     p.add_argument("--patience", type=positive_int, default=10, metavar="N", help="early stopping patience, in validations (default 10)")
     p.add_argument("--num-workers", type=counts(0), default="auto", metavar="auto|N",
@@ -70,7 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _full_state_dict(module: Any) -> dict[str, Any]:
     """The model's whole state dict on the CPU (gathered from every rank under FSDP)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
