@@ -251,3 +251,18 @@ def test_ddp_under_torchrun_gloo_cpu(tmp_path):
     assert d["steps"] == 4 and d["settings"]["parallel"] == "DistributedDataParallel"
     assert d["steady"]["phases"]["forward"] > 0 and d["steady"]["phases"]["backward"] > 0
     assert d["ranks"] == 2
+
+
+def test_torchrun_command_starts_every_worker_through_the_bootstrap(tmp_path):
+    from torchspeed.doctor.runner import child_command
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    cmd = child_command(["torchrun", "--standalone", "--nproc-per-node", "2", str(script), "--lr", "1"])
+    i = cmd.index("--no-python")
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[3:i] == ["--standalone", "--nproc-per-node", "2"]
+    assert cmd[i + 2] == "-c" and cmd[i + 4:] == ["script", str(script), "--lr", "1"]
+    same = child_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(script)])
+    assert same[same.index("--no-python") + 1] == sys.executable
+    with pytest.raises(ValueError, match="torchrun"):
+        child_command(["torchrun", "--nproc-per-node", "2", "-m", "pkg.train"])
