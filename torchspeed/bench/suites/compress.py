@@ -34,10 +34,10 @@ TITLE = "Compression: pruning + fine-tune, knowledge distillation (CPU, at the d
 
 # (quick, full)
 PRUNE_RATIO = 0.5
-FINETUNE_STEPS = (60, 150)
+FINETUNE_STEPS = (40, 150)
 KD_STEPS = (40, 150)
 KD_SEEDS = (2, 3)
-KD_MIN_STEPS = 15
+KD_MIN_STEPS = 10
 MAX_TRAIN_SIDE = 96    # larger demo images are trained on crops of this side
 BATCH = 64
 BN_RECALIB = 512       # whole training images used to re-estimate BatchNorm statistics
