@@ -336,7 +336,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
     results: dict[str, Any] = {"images": len(indices), "batch_size": BATCH, "crop": CROP, "steps_per_call": k,
                                "device": str(device), "flops_per_sample": flops, "budget_s": budget.seconds}
     # the measurements still to come, for sharing the budget (each about one window)
-    todo = {"rows": 3 + (0 if quick else 3) + (0 if emulated else 1), "setup": 1.5, "profile": 1.0}
+    todo = {"rows": 3 + (0 if quick else 3) + (0 if emulated else 1), "setup": 2.0, "profile": 1.0}
 
     def windows_left() -> float:
         return sum(todo.values())
@@ -445,7 +445,9 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
     akw: dict[str, Any] = {"expected_steps": EXPECTED_STEPS}
     if quick:
         akw["untried"] = {"compile": "quick mode budget"}
-        akw["trial_steps"] = 1  # one timed step per option, interleaved: the quick report's budget
+        # two timed steps per option, interleaved (one alone let a 4% noise decide NCHW over NHWC under load,
+        # where 4 interleaved pairs all had NHWC faster)
+        akw["trial_steps"] = 2
     trainer = Trainer(m, o, torch.nn.functional.cross_entropy, progress=False, accelerate_kwargs=akw)
 
     chunks = _Chunk(_Stream(fast), k)
