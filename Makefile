@@ -1,4 +1,5 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# The project's own environment has every extra, the peers the report compares with included.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.installed-stamp
 # `pip install torchspeed` keeps a user's torch. `make lock` rewrites it from the current .venv.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all,peers,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
