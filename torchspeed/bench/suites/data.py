@@ -3,8 +3,12 @@
 Every contender yields the same thing per batch: 64 images, RandomResizedCrop to 128x128 + random
 horizontal flip, float32 NCHW (contiguous) normalised with ImageNet mean/std, plus int64 labels.
 Contenders run one after another in this process on the same demo photos (500x375 JPEG q90);
-each figure is the median of 3 passes of >= 5 s (1 s with --quick), epochs repeated as needed,
-the passes of all contenders interleaved (round-robin) so that background load hits them alike.
+each figure is the median of 3 passes, epochs repeated as needed, the passes of all contenders
+interleaved (round-robin) so that background load hits them alike; a pass lasts what the suite's time
+budget leaves for it (0.5-5 s; `torchspeed.bench.budget`). Peers (DALI's CPU pipeline, LitData) run on
+the same photos resized offline, at their best thread/worker count; every row is set against the
+decode-only ceiling. The quick report leaves out the raw-pixel, full-size and folder variants and
+the resized torchvision loader; the full report adds scale rows (4k and 50k photos).
 """
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 
 Latency is timed at 224x224, batch 1 and 8, with the same explicit thread count for every runtime.
 ResNet-18 is the trained demo model, so its lossy variants (bf16, INT8) are also judged by held-out
-top-1 accuracy (the drop must stay <= 0.01). The demo model is trained and evaluated at its own small
+top-1 accuracy (the drop must stay <= 0.01). Rows carry the FLOPs per image (torch.utils.flop_counter)
+and the ceiling of their precision; the runtimes a user would set up by hand (OpenVINO with its
+LATENCY hint, ONNX Runtime defaults) are timed interleaved with the chosen variant. The quick report
+times ResNet-18 only. The demo model is trained and evaluated at its own small
 input size (training at 224 does not fit the build budget) and exported models have fixed spatial
 sizes, so each variant is built twice: at the demo size, where the accuracy guard judges it, and at
 224, where it is timed; a variant counts as passed only if both pass. MobileNetV3-Small and timm's

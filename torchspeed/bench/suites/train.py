@@ -2,11 +2,16 @@
 
 Rows are cumulative: each adds one technique to the row above, and the ratio is to the first row
 (plain PyTorch: fp32, NCHW, torchvision ImageFolder loader with num_workers=0, a hand-written loop).
-Every figure is the median over repeats of a chunk of K training steps (warm-up chunk excluded),
-timed by torchspeed.measure. Also measured: the Trainer's overhead against a hand-written loop with the
-same settings (same in-memory batches, interleaved), evaluation under inference_mode against
-autograd left on (time and peak memory), and the epochs early stopping saves on a task whose
-validation loss plateaus.
+Every figure is the median over calls of K training steps (the first call, which carries one-off
+costs, excluded), as many calls as fit the row's share of the suite's time budget (at least 2;
+`torchspeed.bench.budget`), timed by torchspeed.measure. Rows carry the FLOPs per sample (counted by
+torch.utils.flop_counter) so the runner can set them against the fp32 GEMM ceiling, and one step of the
+chosen layout is profiled per op to show where the time goes. A precision this CPU only emulates (its
+GEMM ceiling below fp32's) is not run. The full report also measures the tuned torchvision loader,
+channels_last and torch.compile rows, the Trainer's overhead against a hand-written loop with the same
+settings (same in-memory batches, interleaved) and evaluation under inference_mode against autograd left
+on (time and peak memory); both measure the epochs early stopping saves on a task whose validation loss
+plateaus.
 """
 from __future__ import annotations
 
@@ -293,7 +298,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
 
     budget = Budget.of("train", quick, budget_s)
     k = 1 if quick else 2  # steps per timed call; how many calls fit is measured (time_in_window)
-    repeats = 3 if quick else 5  # for the comparisons of the full report
+    repeats = 5  # for the interleaved comparisons of the full report
     phases: dict[str, float] = {}
     clock = {"name": "start", "t": time.perf_counter()}
     report_progress = progress_fn(progress)
