@@ -123,3 +123,25 @@ def test_a_hung_suite_is_ended_and_reported(tmp_path, monkeypatch):
     assert "still running after 3 s" in result["error"] and "hung" in result["error"]
     assert seen == ["about to hang"]
     assert runner.hang_timeout(60) > 60
+
+
+def test_ceilings_are_read_from_the_cache_in_quick_mode_unless_refreshed(tmp_path, monkeypatch):
+    seen = {}
+
+    def ceilings_run(quick, progress):
+        seen["ceilings_quick"] = quick
+        return {"version": 1, "machine": {}, "items": {"decode": {"value": 100.0, "unit": "img/s"}}}
+
+    def data_run(quick, progress):
+        seen["data_quick"] = quick
+        return {"rows": [{"technique": "torchspeed", "median": 50.0, "unit": "img/s", "ceiling": "decode"}]}
+
+    fakes = {"ceilings": types.SimpleNamespace(TITLE="c", run=ceilings_run), "data": types.SimpleNamespace(TITLE="d", run=data_run)}
+    monkeypatch.setattr(suites, "load", lambda name: fakes.get(name))
+    runner.run_suites(["data"], quick=True, out=str(tmp_path / "a"))
+    assert seen == {"ceilings_quick": True, "data_quick": True}
+    results = runner.run_suites(["data"], quick=True, out=str(tmp_path / "b"), refresh_ceilings=True)
+    assert seen == {"ceilings_quick": False, "data_quick": True}
+    assert results["data"]["rows"][0]["pct_of_ceiling"] == 50.0
+    runner.run_suites(["design"], quick=True, out=str(tmp_path / "c"))  # no suite judged against a ceiling
+    assert "ceilings" not in json.loads((tmp_path / "c" / "results.json").read_text())

@@ -2,8 +2,9 @@
 row can say how close it comes ("% of ceiling") instead of only how much faster than plain PyTorch.
 
 Measured (all cores, the torch thread count the suites use):
-- `fp32`, `bf16`: dense matrix-multiply GFLOP/s (torch.mm; square sizes grown until a call lasts long
-  enough to time, up to 2048);
+- `fp32`, `bf16`: dense matrix-multiply GFLOP/s, the fastest of torch.mm, the same GEMM as a 1x1
+  convolution in channels_last (oneDNN's kernels) and, for fp32, ONNX Runtime's MatMul (square sizes
+  grown until a call lasts long enough to time, up to 2048);
 - `int8`: GOP/s of an int8 matrix multiply through the fastest route found here (`torch._int_mm`,
   ONNX Runtime's MatMulInteger and QLinearMatMul, OpenVINO's quantized MatMul); every route's figure is kept;
 - `mem_bw`: GB/s of a large tensor copy (bytes read + written);
@@ -140,6 +141,24 @@ def _torch_mm(dtype_name: str) -> Callable[[int], Callable[[], Any]]:
     return make
 
 
+def _torch_conv1x1(dtype_name: str) -> Callable[[int], Callable[[], Any]]:
+    """An n x n x n GEMM as a 1x1 convolution in channels_last: oneDNN's convolution kernels, which torch's
+    CPU convolutions use (on some CPUs well above what torch.mm's BLAS reaches)."""
+    def make(n: int) -> Callable[[], Any]:
+        import torch
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        hw = max(1, n // 32)
+        x = torch.randn(1, n, 32, hw).to(dtype).contiguous(memory_format=torch.channels_last)
+        conv = torch.nn.Conv2d(n, n, 1, bias=False).to(dtype).to(memory_format=torch.channels_last).eval()
+
+        def run() -> Any:
+            with torch.no_grad():
+                return conv(x)
+        return run
+    return make
+
+
 def _fastest_route(routes: dict[str, Callable[[int], Callable[[], Any]]], budget_s: float, unit: str,
                    label: str) -> dict[str, Any]:
     """The fastest of several routes to the same GEMM; every route's figure (or why it failed) in `routes`."""
@@ -159,7 +178,7 @@ def _fastest_route(routes: dict[str, Callable[[int], Callable[[], Any]]], budget
 
 
 def gemm_gflops(dtype_name: str, budget_s: float = 1.5) -> dict[str, Any]:
-    routes = {"torch.mm": _torch_mm(dtype_name)}
+    routes = {"torch.mm": _torch_mm(dtype_name), "oneDNN 1x1 convolution (NHWC)": _torch_conv1x1(dtype_name)}
     if dtype_name == "fp32":
         routes["onnxruntime MatMul"] = _fp32_onnxruntime
     return _fastest_route(routes, budget_s, "GFLOP/s", dtype_name)

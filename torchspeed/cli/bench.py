@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fewer contenders and shorter measurement windows, each suite within its share of about 8 "
                         "minutes of measured time; the ceilings are read from this machine's cache (what `make demo` runs)")
+    p.add_argument("--refresh-ceilings", action="store_true",
+                   help="measure this machine's ceilings again even with --quick (a ceiling keeps the best of its "
+                        "measurements: run it on a quiet machine)")
     p.add_argument("--out", default="torchspeed-report", metavar="DIR", help="report directory (default ./torchspeed-report)")
     p.add_argument("--report-only", metavar="DIR",
                    help="run nothing: write report.md and the plots again from DIR/results.json")
@@ -30,8 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.report_only:
-        if args.suite != "all" or args.quick or args.json:
-            raise UserError("--report-only DIR renders an existing results.json; it takes no suite, --quick or --json")
+        if args.suite != "all" or args.quick or args.json or args.refresh_ceilings:
+            raise UserError("--report-only DIR renders an existing results.json; it takes no suite, --quick, "
+                            "--refresh-ceilings or --json")
         from torchspeed.bench.runner import render_report
 
         render_report(args.report_only)
@@ -39,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from torchspeed.bench.runner import run_suites
 
     names = SUITES if args.suite == "all" else (args.suite,)
-    command = " ".join(["torchspeed bench", args.suite] + ["--quick"] * args.quick + ["--out", args.out]
+    command = " ".join(["torchspeed bench", args.suite] + ["--quick"] * args.quick
+                       + ["--refresh-ceilings"] * args.refresh_ceilings + ["--out", args.out]
                        + (["--json", args.json] if args.json else []))
-    results = run_suites(names, quick=args.quick, out=args.out, json_path=args.json, command=command)
+    results = run_suites(names, quick=args.quick, out=args.out, json_path=args.json, command=command,
+                         refresh_ceilings=args.refresh_ceilings)
     failed = [n for n in names if isinstance(results.get(n), dict) and "error" in results[n]]
     return 1 if failed else 0
