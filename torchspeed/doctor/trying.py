@@ -7,7 +7,8 @@ of as a gain. Per run the steady steps (the first is warm-up) give a median step
 compared with the baseline runs just before and after it; `spread` is the relative range
 (max - min) / median of the baseline's per-run medians, and a fix counts as a gain only when its
 speed-up exceeds 1 + spread, stays below what removing the phases it changes would give (a larger one
-means the machine's load changed during the runs) and its numerics hold. The kept fixes are then measured together, last.
+means the machine's load changed during the runs) and its numerics hold. A fix that passes is run once
+more with a baseline after it, and judged again on both of its runs (so one quiet minute is not a gain). The kept fixes are then measured together, last.
 Imports no torch (the parent only launches, reads and judges).
 """
 from __future__ import annotations
@@ -57,13 +58,23 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
         b = launch({}, "baseline")
         say(f"[{i}/{runs_total}+] baseline: {_summary(b)}")
         base_runs.append(b)
-    medians = [m for r in base_runs if (m := _median(step_times(r))) is not None]
-    spread = (max(medians) - min(medians)) / statistics.median(medians) if len(medians) >= 2 else 0.0
     reproducible = _reproducible(base_runs)
-    rows = []
-    for k, (name, value, raw) in enumerate(results):
-        around = base_runs[k:k + 2]  # the baseline runs just before and just after this fix
-        rows.append(_row(name, value, raw, around, spread, reproducible, payload))
+    # each fix with the baseline runs just before and just after it
+    pairs = [([raw], base_runs[k:k + 2]) for k, (_, _, raw) in enumerate(results)]
+    rows = _rows(results, pairs, base_runs, reproducible, payload)
+    # a kept fix is measured once more (fix, baseline): a quiet minute during one run is not a gain
+    confirm = [k for k, r in enumerate(rows) if r["kept"]]
+    for n, k in enumerate(confirm, 1):
+        name, value, _ = results[k]
+        raw = launch({name: value}, fx.label(name, value))
+        say(f"[confirm {n}/{len(confirm)}] {fx.label(name, value)}: {_summary(raw)}")
+        b = launch({}, "baseline")
+        say(f"[confirm {n}/{len(confirm)}] baseline: {_summary(b)}")
+        pairs[k] = (pairs[k][0] + [raw], pairs[k][1] + [base_runs[-1], b])
+        base_runs.append(b)
+    if confirm:
+        rows = _rows(results, pairs, base_runs, reproducible, payload)
+    spread = rows[0]["spread"] if rows else _spread(base_runs)
     best: dict[str, dict[str, Any]] = {}  # per fix name, the fastest kept candidate
     for r in rows:
         if r["kept"] and (r["name"] not in best or r["step_s"] < best[r["name"]]["step_s"]):
@@ -73,14 +84,27 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
         spec = {r["name"]: r["value"] for r in best.values()}
         title = " + ".join(fx.label(n, v) for n, v in spec.items())
         raw = launch(spec, f"combined: {title}")
-        say(f"[{runs_total + 1}/{runs_total + 1}] combined {title}: {_summary(raw)}")
-        row = _row("combined", spec, raw, base_runs[-1:], spread, reproducible, payload)
+        say(f"[combined] {title}: {_summary(raw)}")
+        row = _row("combined", spec, [raw], base_runs[-1:], spread, reproducible, payload)
         row["fix"] = f"combined: {title}"
         row["code"] = "\n".join(r["code"] for r in best.values())
         rows.append(row)
     return {"tried": rows, "skipped": skipped, "spread": spread, "baseline_reproducible": reproducible,
             "baseline_runs": [{"step_s": _median(step_times(r)), "steps": len(step_times(r))} for r in base_runs],
             "numerics_steps": fx.NUMERICS_STEPS, "tolerances": dict(fx.TOLERANCES)}
+
+
+def _spread(base_runs: list[dict[str, Any]]) -> float:
+    """(max - min) / median of the baseline's per-run median step times."""
+    medians = [m for r in base_runs if (m := _median(step_times(r))) is not None]
+    return (max(medians) - min(medians)) / statistics.median(medians) if len(medians) >= 2 else 0.0
+
+
+def _rows(results: list[tuple[str, Any, dict[str, Any]]], pairs: list[tuple[list, list]],
+          base_runs: list[dict[str, Any]], reproducible: bool | None, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    spread = _spread(base_runs)
+    return [_row(name, value, pairs[k][0], pairs[k][1], spread, reproducible, payload)
+            for k, (name, value, _) in enumerate(results)]
 
 
 def _summary(raw: dict[str, Any]) -> str:
@@ -101,10 +125,14 @@ def _reproducible(base_runs: list[dict[str, Any]]) -> bool | None:
                for x in losses[1:])
 
 
-def _row(name: str, value: Any, raw: dict[str, Any], around: list[dict[str, Any]], spread: float,
+def _row(name: str, value: Any, raws: list[dict[str, Any]], around: list[dict[str, Any]], spread: float,
          reproducible: bool | None, payload: dict[str, Any]) -> dict[str, Any]:
+    """One fix's row: its runs `raws` (one, or two when a kept fix was measured again) against the
+    baseline runs `around` them."""
+    raw = raws[0]
     base_times = [t for r in around for t in step_times(r)]
-    base_s, step_s = _median(base_times), _median(step_times(raw))
+    fix_times = [t for r in raws for t in step_times(r)]
+    base_s, step_s = _median(base_times), _median(fix_times)
     speedup = base_s / step_s if base_s and step_s else None
     if name == "combined":
         checks = [fx.numerics(n, around[0], raw) for n in value]
@@ -118,7 +146,7 @@ def _row(name: str, value: Any, raw: dict[str, Any], around: list[dict[str, Any]
         num["ok"] = None
         num["tolerance"] += " (not judged: the baseline's own losses differ between runs)"
     error = None
-    if raw.get("status") == "error" or not step_times(raw):
+    if any(r.get("status") == "error" for r in raws) or not step_times(raw):
         error = raw.get("error") or f"no steady step measured (status {raw.get('status', 'no report')})"
     gain_ok = speedup is not None and speedup > 1.0 + spread
     bound = fx.max_speedup(name, payload) if name != "combined" else None
@@ -139,7 +167,7 @@ def _row(name: str, value: Any, raw: dict[str, Any], around: list[dict[str, Any]
     row = {"fix": fx.label(name, value) if name != "combined" else name, "name": name, "value": value,
            "baseline_step_s": base_s, "step_s": step_s, "speedup": speedup, "spread": spread,
            "numerics_ok": num["ok"], "numerics": num, "kept": kept, "verdict": verdict, "code": code,
-           "steps": len(step_times(raw)), "max_speedup": bound}
+           "steps": len(fix_times), "runs": len(raws), "max_speedup": bound}
     if raw.get("compile_window") is not None:
         windows = raw.get("windows") or []
         first = raw["compile_window"] + 1
