@@ -1,3 +1,4 @@
+import os
 import random
 
 import numpy as np
@@ -96,7 +97,6 @@ def test_default_precision_follows_gpu_capability(monkeypatch):
 
 
 def test_deterministic_sets_the_cublas_workspace_and_warns_when_cuda_started(monkeypatch):
-    import os
     import warnings
 
     import torch
@@ -114,3 +114,40 @@ def test_deterministic_sets_the_cublas_workspace_and_warns_when_cuda_started(mon
         assert any("before Python starts" in str(w.message) for w in caught)
     finally:
         deterministic(False)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_waits_for_helper_work_and_the_child_gate_is_free():
+    """DataLoader workers start by fork: one forked while a helper thread decodes could inherit a lock
+    held forever. The fork waits until the helper's unit of work ends; the child's gate is usable."""
+    import threading
+    import time
+
+    from torchspeed.runtime import helper_work
+
+    inside, left = threading.Event(), []
+
+    def work():
+        with helper_work:
+            inside.set()
+            time.sleep(0.3)
+            left.append(time.perf_counter())
+
+    t = threading.Thread(target=work)
+    t.start()
+    inside.wait()
+    pid = os.fork()
+    if pid == 0:  # the child: the gate must not be held
+        with helper_work:
+            pass
+        os._exit(0)
+    forked_at = time.perf_counter()
+    t.join()
+    deadline = time.time() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child's gate was held"
+    assert left and forked_at >= left[0], "the fork landed inside a helper's work"

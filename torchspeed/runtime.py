@@ -5,10 +5,10 @@ This is the floor every other module stands on; it imports nothing else from tor
 from __future__ import annotations
 
 import os
-import warnings
 import platform
 import random
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -112,6 +112,51 @@ def synchronize(device: str | torch.device) -> None:
     """Wait for queued device work, so a host timer measures it (no-op on CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class _ForkGate:
+    """Helper threads decode and convert between `enter` and `exit`; a fork (DataLoader workers start
+    by fork) waits until none is inside. A thread forked away mid-work could hold a lock (malloc's, a
+    decoder's) that the child inherits held forever: worker processes that hang at their first batch.
+    Only leaf work goes inside, never a wait on another thread, so a fork waits one batch at most."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = 0
+        self._forking = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._forking:
+                self._cond.wait()
+            self._busy += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._cond:
+            self._busy -= 1
+            if not self._busy:
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()  # held through the fork: the child gets a consistent, idle gate
+        self._forking = True
+        while self._busy:
+            self._cond.wait()
+
+    def after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+    def after_fork_in_child(self) -> None:
+        self.__init__()
+
+
+helper_work = _ForkGate()
+"""`with helper_work:` around a helper thread's unit of work (one batch), so no fork lands inside it."""
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=helper_work.before_fork, after_in_parent=helper_work.after_fork_in_parent,
+                        after_in_child=helper_work.after_fork_in_child)
 
 
 def start_helper_threads(target: Callable[[int], None], count: int, name: str,

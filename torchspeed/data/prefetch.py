@@ -23,7 +23,7 @@ import torch
 
 from torchspeed.data.threads import put_unless_stopped
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
-from torchspeed.runtime import resolve_device, start_helper_threads
+from torchspeed.runtime import helper_work, resolve_device, start_helper_threads
 
 __all__ = ["BufferPool", "DevicePrefetcher", "normalize_batch", "needs_pinning", "device_tensors"]
 
@@ -262,7 +262,9 @@ class DevicePrefetcher:
         def produce(_: int) -> None:
             try:
                 for batch in self.loader:
-                    if not put(("ok", self.convert(batch, out=self.output_buffer(pool, batch)))):
+                    with helper_work:  # no fork while a batch is converted (see runtime.helper_work)
+                        batch = self.convert(batch, out=self.output_buffer(pool, batch))
+                    if not put(("ok", batch)):
                         return
                 put(("end", done))
             except BaseException as e:  # handed to the consumer, raised there

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from torchspeed.runtime import start_helper_threads
+from torchspeed.runtime import helper_work, start_helper_threads
 
 __all__ = ["ThreadedBatches", "put_unless_stopped"]
 
@@ -59,7 +59,11 @@ class ThreadedBatches:
         def work(i: int) -> None:
             try:
                 for b in range(i, len(jobs), k):
-                    if stop.is_set() or not put_unless_stopped(outputs[i], (True, self.make_batch(jobs[b])), stop):
+                    if stop.is_set():
+                        return
+                    with helper_work:  # no fork while a batch is being made (see runtime.helper_work)
+                        batch = self.make_batch(jobs[b])
+                    if not put_unless_stopped(outputs[i], (True, batch), stop):
                         return
             except BaseException as e:  # handed to the consumer, raised there
                 put_unless_stopped(outputs[i], (False, e), stop)
