@@ -151,3 +151,40 @@ def test_gpu_busy_is_the_union_of_busy_intervals():
     assert busy_time([(0.0, 2.0), (1.0, 3.0)]) == pytest.approx(3.0)  # overlap counted once
     assert busy_time([(5.0, 6.0), (0.0, 10.0), (2.0, 3.0)]) == pytest.approx(10.0)  # nested, unsorted
     assert busy_time([(0.0, 1.0), (1.0, 2.0), (4.0, 4.0), (3.0, 2.5)]) == pytest.approx(2.0)  # touching; empty
+
+
+def test_profile_runs_a_hugging_face_style_model_on_dict_batches():
+    from dataclasses import dataclass
+
+    from torchspeed.batches import BatchFormat
+    from torchspeed.doctor import profile
+
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class HF(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, pixel_values=None, attention_mask=None):
+            return Out(self.fc(pixel_values * attention_mask))
+
+    g = torch.Generator().manual_seed(0)
+    batches = [{"pixel_values": torch.randn(4, 6, generator=g), "attention_mask": torch.ones(4, 6),
+                "labels": torch.randint(0, 3, (4,), generator=g)} for _ in range(6)]
+    model = HF()
+    before = model.fc.weight.detach().clone()
+    rep = profile(model, batches, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                  steps=3, warmup=1)
+    assert rep.steps == 3 and not torch.equal(before, model.fc.weight)
+    class TwoInputs(HF):
+        def forward(self, x, m):
+            return super().forward(pixel_values=x, attention_mask=m)
+
+    two = TwoInputs()
+    named = profile(two, [(b["pixel_values"], b["attention_mask"], b["labels"]) for b in batches],
+                    torch.optim.SGD(two.parameters(), lr=0.1), nn.functional.cross_entropy, steps=2, warmup=1,
+                    batch_format=BatchFormat(inputs=(0, 1), target=2, logits=lambda o: o.logits))
+    assert named.steps == 2

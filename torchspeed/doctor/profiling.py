@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.batches import DICT_KEY_PAIRS, batch_size, split_batch, to_device
+from torchspeed.batches import DICT_KEY_PAIRS, BatchFormat, batch_size, split_batch, to_device
 from torchspeed.doctor.advice import Finding
 from torchspeed.doctor.phases import PHASES, verdict
 from torchspeed.doctor.settings import loader_settings, machine_settings, model_settings
@@ -53,8 +53,14 @@ class ProfileReport:
         return format_profile(self.to_dict())
 
 
-def _split(batch: Any) -> tuple[Any, Any]:
-    """(inputs, targets) as `torchspeed.batches.split_batch` reads them, and any 2-key dict in order."""
+def _split(batch: Any, fmt: BatchFormat | None = None) -> tuple[Any, Any]:
+    """(inputs, targets) as `fmt` says; without one, as `torchspeed.batches.split_batch` reads them, and
+    any 2-key dict in order."""
+    if fmt is not None:
+        x, y = fmt.split(batch)
+        if y is None:
+            raise ValueError("profile(): the batch has no target; name it with batch_format=BatchFormat(target=KEY)")
+        return x, y
     try:
         return split_batch(batch)
     except ValueError:
@@ -69,13 +75,18 @@ def _split(batch: Any) -> tuple[Any, Any]:
 
 def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
             loss_fn: Callable[[Any, Any], torch.Tensor], steps: int = 50, warmup: int = 2,
-            device: str | torch.device | None = None) -> ProfileReport:
+            device: str | torch.device | None = None,
+            batch_format: BatchFormat | dict | None = None) -> ProfileReport:
     """Run `warmup` + `steps` ordinary training steps and time each phase of the measured ones.
 
-    The model is trained for real (its weights change). Batches are `(inputs, targets)`; they are
-    moved to the model's device (or `device`) if they are not there yet. The loader restarts when
-    it runs out. Returns the phase breakdown, verdict with evidence, and ranked findings.
+    The model is trained for real (its weights change). Batches are `(inputs, targets)`, or what
+    `batch_format` (`torchspeed.batches.BatchFormat`) says for dict batches and structured outputs:
+    the model is called on the inputs (a dict as keyword arguments) and `loss_fn` gets the logits.
+    Batches are moved to the model's device (or `device`) if they are not there yet. The loader
+    restarts when it runs out. Returns the phase breakdown, verdict with evidence, and ranked findings.
     """
+    fmt = BatchFormat.of(batch_format)
+    given = fmt if batch_format is not None else None
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if warmup < 0:
@@ -118,14 +129,14 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
         if cuda:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
             ev[0].record()
-        x, y = _split(batch)
+        x, y = _split(batch, given)
         x, y = to_device(x, dev), to_device(y, dev)
         if first_batch is None:
             first_batch = (x, y)
         if cuda:
             ev[1].record()
         t2 = time.perf_counter()
-        out = model(x)
+        out = fmt.logits_of(fmt.forward(model, x))
         loss = loss_fn(out, y)
         if cuda:
             ev[2].record()
@@ -155,7 +166,7 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
         samples += batch_size(x)
     phases = {**totals, "other": max(0.0, wall - sum(totals.values()))}
     if cuda:  # the events' spans include idle gaps: the busy share comes from kernel intervals
-        share = _gpu_busy_share(model, next_batch, optimizer, loss_fn, dev)
+        share = _gpu_busy_share(model, next_batch, optimizer, loss_fn, dev, fmt, given)
         gpu_busy = share * wall if share is not None else gpu_busy
     v, evidence = verdict(phases, wall, gpu_busy if cuda else None)
 
@@ -189,7 +200,8 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
 
 
 def _gpu_busy_share(model: nn.Module, next_batch: Callable[[], Any], optimizer: torch.optim.Optimizer,
-                    loss_fn: Callable[[Any, Any], torch.Tensor], dev: torch.device) -> float | None:
+                    loss_fn: Callable[[Any, Any], torch.Tensor], dev: torch.device, fmt: BatchFormat,
+                    given: BatchFormat | None) -> float | None:
     """The share of one more training step during which the GPU ran a kernel or a copy: the union of
     their intervals (torch.profiler) over the step's wall time. None if the profiler gives no device events."""
     from torchspeed.doctor.phases import busy_time
@@ -199,8 +211,8 @@ def _gpu_busy_share(model: nn.Module, next_batch: Callable[[], Any], optimizer: 
     torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
-        x, y = _split(batch)
-        loss = loss_fn(model(to_device(x, dev)), to_device(y, dev))
+        x, y = _split(batch, given)
+        loss = loss_fn(fmt.logits_of(fmt.forward(model, to_device(x, dev))), to_device(y, dev))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
