@@ -253,6 +253,29 @@ def test_ddp_under_torchrun_gloo_cpu(tmp_path):
     assert d["ranks"] == 2
 
 
+FSDP_SCRIPT = DDP_SCRIPT.replace(
+    "model = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))",
+    "from torch.distributed.fsdp import fully_shard\n"
+    "model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))\n"
+    "fully_shard(model)")
+
+
+@pytest.mark.slow  # two torch processes start: ~25 s on 2 busy cores
+@pytest.mark.timeout(180)
+def test_fsdp_under_torchrun_gloo_cpu(tmp_path):
+    from torchspeed.cli import main
+
+    assert "fully_shard(model)" in FSDP_SCRIPT
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP_SCRIPT)
+    code = main(["doctor", "--steps", "4", "--json", str(tmp_path / "d.json"), "--", "torchrun", "--standalone",
+                 "--nproc-per-node", "2", str(script)])
+    assert code == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["steps"] == 4 and d["settings"]["parallel"] == "FSDP" and d["ranks"] == 2
+    assert d["steady"]["phases"]["forward"] > 0 and d["steady"]["phases"]["backward"] > 0
+
+
 def test_torchrun_command_starts_every_worker_through_the_bootstrap(tmp_path):
     from torchspeed.doctor.runner import child_command
 

@@ -43,6 +43,8 @@ def model_settings(model: nn.Module) -> dict[str, Any]:
         parallel = "DataParallel"
     elif isinstance(model, nn.parallel.DistributedDataParallel):
         parallel = "DistributedDataParallel"
+    elif _is_fsdp(model):
+        parallel = "FSDP"
     return {"class": type(getattr(model, "module", model)).__name__,
             # a lazy module's parameters have no size until its first forward (the one being observed)
             "params": int(sum(q.numel() for q in model.parameters()
@@ -51,3 +53,12 @@ def model_settings(model: nn.Module) -> dict[str, Any]:
             "convs": sum(isinstance(m, nn.modules.conv._ConvNd) for m in mods),
             "bn_or_dropout": any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout)) for m in mods),
             "parallel": parallel}
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    """A module sharded by FSDP2's `fully_shard` (or wrapped by FSDP1)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
