@@ -20,8 +20,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/torchspeed bench --quick
 
+# -X faulthandler: a native crash prints every thread's Python stack, even if a library replaced
+# pytest's own handler.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -X faulthandler -m pytest -q
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
