@@ -2,8 +2,6 @@
 closure step (as Lightning's automatic optimisation runs it), manual updates on p.data without
 torch.optim, gradient accumulation, dict batches, Lightning's Trainer.fit, DDP under torchrun."""
 import json
-import os
-import subprocess
 import sys
 import textwrap
 

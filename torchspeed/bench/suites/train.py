@@ -242,7 +242,6 @@ def step_profile(model: Any, opt: Any, x: Any, y: Any, per_op_flops: dict[str, f
     the optimizer step timed apart, and the GFLOP/s of the convolutions against the fp32 ceiling."""
     import time as _time
 
-    import torch
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
@@ -482,7 +481,8 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
         x0 = batches[0][0].contiguous(memory_format=torch.channels_last if rep.channels_last else torch.contiguous_format)
         results["step_profile"] = dict(step_profile(m, o, x0, batches[0][1], per_op, fp32_ceiling), layout=layout)
     todo["profile"] = 0
-    del fast, chunks
+    del fast, trainer_chunk
+    chunks = None  # the stream over the fast loader goes with it (its threads and buffers)
     overhead = None
     notes: list[str] = []
     if not quick:
