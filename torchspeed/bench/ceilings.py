@@ -98,24 +98,33 @@ def _grow(make: Callable[[int], Callable[[], Any]], start: int = 256, stop: int 
           min_call_s: float = 0.1) -> tuple[int, Callable[[], Any]]:
     """The smallest square size (doubling from `start`) whose call lasts `min_call_s`: slow (emulated)
     routes stay cheap to measure, fast ones get a size large enough to reach their peak."""
+    from torchspeed.measure import time_callable
+
     n = start
     while True:
         fn = make(n)
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        if time.perf_counter() - t0 >= min_call_s or n >= stop:
+        if time_callable(fn, name=f"size {n}", warmup=1, repeats=1).median_s >= min_call_s or n >= stop:
             return n, fn
         n *= 2
+
+
+def _ort_cpu(graph: Any) -> Any:
+    """An ONNX Runtime CPU session of a one-node graph, on every usable core."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from torchspeed.runtime import usable_cores
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = usable_cores()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 def _fp32_onnxruntime(n: int) -> Callable[[], Any]:
     """ONNX Runtime's MatMul with constant weights (its MLAS kernels, which its fp32 convolutions use too)."""
     import numpy as np
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
-
-    from torchspeed.runtime import usable_cores
 
     rng = np.random.default_rng(0)
     graph = helper.make_graph(
@@ -123,10 +132,7 @@ def _fp32_onnxruntime(n: int) -> Callable[[], Any]:
         [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])],
         [numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32), "w")])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = usable_cores()
-    sess = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString(),
-                                opts, providers=["CPUExecutionProvider"])
+    sess = _ort_cpu(graph)
     a = rng.standard_normal((n, n), dtype=np.float32)
     return lambda: sess.run(None, {"a": a})
 
@@ -194,33 +200,22 @@ def _int8_torch(n: int) -> Callable[[], Any]:
 
 def _int8_onnxruntime(n: int) -> Callable[[], Any]:
     import numpy as np
-    import onnx
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
-
-    from torchspeed.runtime import usable_cores
 
     w = np.random.default_rng(0).integers(-128, 127, (n, n), dtype=np.int8)
     graph = helper.make_graph(
         [helper.make_node("MatMulInteger", ["a", "w"], ["y"])], "int8_gemm",
         [helper.make_tensor_value_info("a", TensorProto.UINT8, [n, n])],
         [helper.make_tensor_value_info("y", TensorProto.INT32, [n, n])], [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = usable_cores()
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = _ort_cpu(graph)
     a = np.random.default_rng(1).integers(0, 255, (n, n), dtype=np.uint8)
-    del onnx
     return lambda: sess.run(None, {"a": a})
 
 
 def _int8_onnxruntime_qlinear(n: int) -> Callable[[], Any]:
     """QLinearMatMul (uint8 x int8 -> uint8, constant weights): the kernel ORT runs for quantized models."""
     import numpy as np
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
-
-    from torchspeed.runtime import usable_cores
 
     rng = np.random.default_rng(0)
     consts = [numpy_helper.from_array(rng.integers(-128, 127, (n, n), dtype=np.int8), "w")] + [
@@ -231,10 +226,7 @@ def _int8_onnxruntime_qlinear(n: int) -> Callable[[], Any]:
                             ["y"])
     graph = helper.make_graph([node], "int8_gemm", [helper.make_tensor_value_info("a", TensorProto.UINT8, [n, n])],
                               [helper.make_tensor_value_info("y", TensorProto.UINT8, [n, n])], consts)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = usable_cores()
-    sess = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString(),
-                                opts, providers=["CPUExecutionProvider"])
+    sess = _ort_cpu(graph)
     a = rng.integers(0, 255, (n, n), dtype=np.uint8)
     return lambda: sess.run(None, {"a": a})
 
@@ -304,26 +296,20 @@ def decode_samples(n: int = DECODE_SAMPLES, short_side: int = SHORT_SIDE) -> lis
 
 def decode_rate(samples: list[bytes], budget_s: float = 2.0) -> dict[str, Any]:
     """Full decodes per second on one thread by the fastest CPU decoder; `decode` = that x the cores."""
-    from torchspeed.data.decode import measure_backends
+    from torchspeed.data.decode import jpeg_size, measure_backends
     from torchspeed.runtime import usable_cores
 
     table = measure_backends(samples, repeats=max(3, int(budget_s)))
     rows = [r for r in table if isinstance(r.get("us_per_image"), (int, float)) and r["us_per_image"] > 0]
     best = min(rows, key=lambda r: r["us_per_image"])
     per_core = 1e6 / best["us_per_image"]
-    h, w = _size_of(samples[0])
+    h, w = jpeg_size(samples[0])
     return {"value": per_core, "unit": "img/s", "route": best["decoder"],
             "what": f"JPEG {w}x{h} q90 full decode, {best['decoder']} (fastest of {len(rows)}), one thread",
             "cores": usable_cores(), "decoders": {r["decoder"]: 1e6 / r["us_per_image"] for r in rows}}
 
 
-def _size_of(buf: bytes) -> tuple[int, int]:
-    from torchspeed.data.decode import jpeg_size
-
-    return jpeg_size(buf)
-
-
-def gpu_ceilings(budget_s: float = 3.0) -> dict[str, dict[str, Any]]:
+def gpu_ceilings() -> dict[str, dict[str, Any]]:
     """Tensor-core GEMM, pinned host-to-device copy and nvjpeg batch decode on the first CUDA device."""
     import torch
 
@@ -383,11 +369,10 @@ def measure(progress: Callable[[str], Any] | None = None, budget_s: float = 12.0
     if torch.cuda.is_available():
         say("ceiling: GPU")
         items.update(gpu_ceilings())
-    for name in ("bf16",):  # say when a precision is emulated: its GEMM is slower than fp32's
-        f, b = items.get("fp32", {}).get("value"), items.get(name, {}).get("value")
-        if f and b and b < f:
-            items[name]["emulated"] = True
-            items[name]["what"] += f" (emulated: {b / f:.3g}x fp32)"
+    f, b = items.get("fp32", {}).get("value"), items.get("bf16", {}).get("value")
+    if f and b and b < f:  # bf16 slower than fp32: emulated, say so
+        items["bf16"]["emulated"] = True
+        items["bf16"]["what"] += f" (emulated: {b / f:.3g}x fp32)"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {"version": VERSION, "machine": describe(), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "load_avg_1min": load, "seconds": round(time.perf_counter() - t0, 1), "items": items}
