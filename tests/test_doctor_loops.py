@@ -263,7 +263,6 @@ FSDP_SCRIPT = DDP_SCRIPT.replace(
 def test_fsdp_under_torchrun_gloo_cpu(tmp_path):
     from torchspeed.cli import main
 
-    assert "fully_shard(model)" in FSDP_SCRIPT
     script = tmp_path / "fsdp.py"
     script.write_text(FSDP_SCRIPT)
     code = main(["doctor", "--steps", "4", "--json", str(tmp_path / "d.json"), "--", "torchrun", "--standalone",

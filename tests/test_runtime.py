@@ -111,7 +111,7 @@ def test_deterministic_sets_the_cublas_workspace_and_warns_when_cuda_started(mon
             warnings.simplefilter("always")
             deterministic(True)
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-        assert any("before Python starts" in str(w.message) for w in caught)
+        assert any("in the environment before starting Python" in str(w.message) for w in caught)
     finally:
         deterministic(False)
 

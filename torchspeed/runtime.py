@@ -282,15 +282,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+def ensure_cublas_workspace(cuda_initialized: bool, stacklevel: int = 2) -> None:
+    """Deterministic mode on CUDA needs CUBLAS_WORKSPACE_CONFIG before cuBLAS's first use in the process
+    (it fixes the workspace then, once): set it when it is missing (a user's own value is kept), and warn
+    when CUDA has been used already, since it may then be too late to take effect."""
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+        return
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if cuda_initialized:
+        warnings.warn("deterministic mode is on but CUBLAS_WORKSPACE_CONFIG was not set before CUDA was first "
+                      "used in this process, so cuBLAS may already have chosen a non-deterministic workspace: "
+                      "set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before starting Python, or call "
+                      "torchspeed.runtime.deterministic() before any CUDA work", RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def deterministic(enabled: bool = True) -> None:
     """Make kernels reproducible (and cudnn autotuning off), or restore the fast defaults."""
-    if enabled and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
-        # cuBLAS reads its workspace setting once, when CUDA starts: after that, setting it changes nothing.
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            warnings.warn("deterministic mode: CUDA was already in use, so CUBLAS_WORKSPACE_CONFIG=:4096:8 comes too "
-                          "late for cuBLAS; set it in the environment before Python starts", RuntimeWarning,
-                          stacklevel=2)
+    if enabled:
+        ensure_cublas_workspace(torch.cuda.is_available() and torch.cuda.is_initialized(), stacklevel=3)
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(enabled, warn_only=False)

@@ -292,8 +292,8 @@ class FixState:
         ctx = None
         new_args = None
         if training:
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            dev = x.device.type if x is not None else "cpu"
+            p = next(module.parameters(), None)  # where the module runs, whatever its inputs (keywords too)
+            dev = p.device.type if p is not None else "cpu"
             if self.spec.get("channels_last"):
                 if id(module) not in self._converted:
                     self._converted.add(id(module))
@@ -306,7 +306,7 @@ class FixState:
             if self.spec.get("compile") and id(module) not in self._compiled:
                 self._compiled.add(id(module))
                 module.forward = torch.compile(module.forward)  # from the next call on
-                self.compile_window = len(rec.segments)
+                self.compile_window = rec.steps  # the window (training step) the compile lands in
         elif self.spec.get("inference_mode") and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             ctx = torch.inference_mode()
         if ctx is not None:

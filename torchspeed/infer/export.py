@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchspeed.atomic import atomic_write
 from torchspeed.batches import BatchFormat
 from torchspeed.infer.precision import output_error
 
@@ -196,13 +197,8 @@ def convert_onnx_fp16(src: str | os.PathLike, dst: str | os.PathLike) -> str:
     onnx = _need("onnx")
     model = converter.convert_float_to_float16(onnx.load(os.fspath(src)), keep_io_types=True)
     dst = os.fspath(dst)
-    tmp = f"{dst}.tmp-{os.getpid()}"
-    try:
-        onnx.save(model, tmp)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_write(dst, "wb") as f:
+        f.write(model.SerializeToString())
     return dst
 
 

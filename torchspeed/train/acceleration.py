@@ -36,6 +36,7 @@ from torchspeed.batches import BatchFormat, to_device
 from torchspeed.runtime import (
     PRECISIONS,
     default_precision,
+    ensure_cublas_workspace,
     precision_dtype,
     resolve_device,
     rng_state,
@@ -536,17 +537,9 @@ def _measure_switch(setting: str, apply: Callable[[bool | None], None], model: n
 
 
 def _cublas_workspace_for_determinism(cuda_initialized: bool) -> None:
-    """Deterministic mode on CUDA needs CUBLAS_WORKSPACE_CONFIG before cuBLAS's first use in the
-    process (it fixes the workspace then, once): set it when it is missing, and warn when CUDA has
-    been used already, since it may then be too late to take effect."""
-    if not torch.are_deterministic_algorithms_enabled() or os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
-        return
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    if cuda_initialized:
-        warnings.warn("deterministic mode is on but CUBLAS_WORKSPACE_CONFIG was not set before CUDA was first "
-                      "used in this process, so cuBLAS may already have chosen a non-deterministic workspace: "
-                      "set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before starting Python, or call "
-                      "torchspeed.runtime.deterministic() before any CUDA work", RuntimeWarning, stacklevel=3)
+    """When deterministic algorithms are on, the cuBLAS workspace they need (runtime's one mechanism)."""
+    if torch.are_deterministic_algorithms_enabled():
+        ensure_cublas_workspace(cuda_initialized, stacklevel=3)
 
 
 def _agree_across_ranks(report: AccelerateReport, model: nn.Module) -> None:
