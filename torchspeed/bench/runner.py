@@ -105,12 +105,7 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
     write_json(results_path, results)
     if json_path:
         write_json(json_path, results)
-    from torchspeed.bench.report import summary_rows, write_report
-
-    report = write_report(read_results(out), out, command=command)  # from the file, as --report-only does
-    print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
-                ["suite", "technique", "measured", "speed-up", "accuracy drop", "% of ceiling"], summary_rows(results), console)
-    console.print(f"report: {report} ({results['seconds'] / 60:.1f} min)")
+    render_report(out, console, command=command)  # from the file, as --report-only does
     return results
 
 
@@ -270,16 +265,17 @@ def read_results(out: str) -> dict[str, Any]:
     return results
 
 
-def render_report(out: str, console: Console | None = None) -> dict[str, Any]:
-    """Write `out/report.md` and the plots again from `out/results.json`; returns the results."""
+def render_report(out: str, console: Console | None = None, command: str | None = None) -> dict[str, Any]:
+    """Write `out/report.md` and the plots from `out/results.json` and print the summary; returns the results."""
     from torchspeed.bench.report import summary_rows, write_report
 
     console = console or Console()
     results = read_results(out)
-    report = write_report(results, out, command=results.get("command") or "torchspeed bench")
+    report = write_report(results, out, command=command or results.get("command") or "torchspeed bench")
     print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
                 ["suite", "technique", "measured", "speed-up", "accuracy drop", "% of ceiling"], summary_rows(results), console)
-    console.print(f"report: {report}")
+    took = f" ({results['seconds'] / 60:.1f} min)" if results.get("seconds") is not None else ""
+    console.print(f"report: {report}{took}")
     return results
 
 
