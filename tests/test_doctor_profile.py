@@ -131,6 +131,14 @@ def test_bf16_advice_expects_a_gain_only_with_amx():
     assert "accelerate" in avx["bf16-without-amx"].fix
 
 
+def test_host_syncs_per_step_are_a_finding_on_cuda_only():
+    cuda = {**facts(host_syncs=30), "device": "cuda"}  # 3 reads per step, as the instrument counts them on CUDA
+    f = {x.rule: x for x in loop_findings(cuda)}["host-syncs"]
+    assert f.message.startswith("3.0 host syncs per step") and "read it every N steps" in f.fix
+    assert "host-syncs" not in {x.rule for x in loop_findings({**cuda, "settings": {**cuda["settings"], "host_syncs": 10}})}
+    assert "host-syncs" not in {x.rule for x in loop_findings(facts(host_syncs=30))}  # a read on CPU is free
+
+
 def test_profile_reads_tuple_and_dict_batches():
     m = tiny_model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

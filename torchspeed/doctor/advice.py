@@ -71,8 +71,8 @@ FIXES: dict[str, Fix] = {
         "or ts.data.DevicePrefetcher (copies the next batch on a side stream)",
         "torchspeed doctor --try pin_memory -- python your_train.py"),
     "host-syncs": Fix(
-        "stop forcing host-device syncs every step: accumulate the loss on the device and call .item() "
-        "every N steps (the Trainer logs this way)",
+        "keep the loss on the device; read it every N steps: accumulate `total += loss.detach()` and call "
+        ".item() only when logging (the Trainer logs this way)",
         "torchspeed doctor --steps 50 -- python your_train.py"),
     "cudnn-benchmark-off": Fix(
         "let cuDNN pick the fastest kernels for static shapes: torch.backends.cudnn.benchmark = True "

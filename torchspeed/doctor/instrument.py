@@ -23,8 +23,8 @@ undo); `Recorder.install()` applies it and `Recorder.uninstall()` puts every ori
   makes no torch.optim optimizer (manual `p.data` updates); with a step limit the script is stopped
   cleanly after that many;
 - `Tensor.to` / `Tensor.cuda` called in the loop itself (not inside a phase): phase `copy`;
-- `.item()`, `.cpu()`, `.tolist()`, `.numpy()`, `float(t)`, `int(t)`, `bool(t)` in the loop: host reads,
-  host syncs when the tensor is on CUDA;
+- `.item()`, `.cpu()`, `.tolist()`, `.numpy()`, `float(t)`, `int(t)`, `bool(t)` in the loop on a CUDA
+  tensor: host syncs (on CPU the value is already on the host: such a read costs nothing, is not counted);
 - `F.cross_entropy` / `F.nll_loss` inputs (first calls only): softmax output fed to them;
 - settings: autocast in training forwards, GradScaler, cudnn.benchmark, torch.compile,
   DataParallel / DDP, forwards in eval mode with autograd on, no_grad forwards in train mode.
@@ -98,7 +98,7 @@ class Recorder:
             "parallel": "none", "eval_forwards_with_grad": 0, "train_mode_eval_forwards": 0,
             "host_syncs": 0, "copies": {"count": 0, "bytes": 0, "non_blocking": True, "from_pinned": True},
             "input": None, "model": None, "optimizers": [], "optimizer_options": {}, "loss_checks": [],
-            "backward_calls": 0, "host_reads": 0,
+            "backward_calls": 0,
         }
         self._undo: list[tuple[str, Callable[[], None]]] = []  # (patch name, its undo), in install order
 
@@ -629,14 +629,18 @@ def _copying(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
     return copy
 
 
+def _waits_for_device(t: Any) -> bool:
+    """Does reading `t`'s value on the host wait for its device's queue? On CUDA it does (a host sync);
+    a CPU tensor's value is already there."""
+    return t.is_cuda
+
+
 def _syncing(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
-    """A read of a tensor's value on the host (.item(), float(t), bool(t)...): on CUDA it waits for the
-    queue, a host sync."""
+    """A read of a tensor's value on the host (.item(), float(t), bool(t)...) in the loop: counted as a
+    host sync when it waits for the device (the `host-syncs` rule reads the count per step)."""
     def sync(t, *a, **k):
-        if rec.enabled and rec.in_loop:
-            rec.s["host_reads"] += 1
-            if t.is_cuda:
-                rec.s["host_syncs"] += 1
+        if rec.enabled and rec.in_loop and _waits_for_device(t):
+            rec.s["host_syncs"] += 1
         return orig(t, *a, **k)
     return sync
 

@@ -138,6 +138,7 @@ def no_pin_memory(f: Facts) -> Finding | None:
 
 @rule
 def host_syncs(f: Facts) -> Finding | None:
+    # counted on CUDA tensors only (instrument): on CPU a host read waits for nothing
     if f.get("device") != "cuda" or not f.get("steps"):
         return None
     per_step = f["settings"].get("host_syncs", 0) / f["steps"]
