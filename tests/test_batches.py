@@ -1,11 +1,13 @@
 """The batch adapter: how torchspeed reads batches and outputs that are not `(x, y)` and a tensor."""
+from collections import namedtuple
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from torchspeed.batches import BatchFormat, split_batch
+from torchspeed.batches import BatchFormat, map_tensors, split_batch, to_device
 from torchspeed.metrics import top1_accuracy
 
 
@@ -81,3 +83,27 @@ def test_top1_accuracy_on_hf_dict_batches_matches_a_hand_count():
         hand = sum(int((model(pixel_values=b["pixel_values"][:n]).logits.argmax(1) == b["labels"][:n]).sum())
                    for b, n in zip(batches, (6, 2)))
         assert limited == pytest.approx(hand / 8)
+
+
+def test_map_tensors_keeps_containers_and_leaves_other_values():
+    Pair = namedtuple("Pair", "a b")
+    a, b, ids = torch.ones(2, 3), torch.zeros(1), torch.arange(3)
+    batch = {"x": (a, [b, "tag"]), "pair": Pair(ids, None), "n": 3}
+    out = map_tensors(lambda t: t + 1, batch)
+    assert type(out["x"]) is tuple and type(out["x"][1]) is list and type(out["pair"]) is Pair
+    assert torch.equal(out["x"][0], a + 1) and torch.equal(out["x"][1][0], b + 1) and out["x"][1][1] == "tag"
+    assert torch.equal(out["pair"].a, ids + 1) and out["pair"].b is None and out["n"] == 3
+    assert torch.equal(batch["x"][0], a)  # the input is not modified
+    assert torch.equal(map_tensors(torch.neg, a), -a)
+    arrays = map_tensors(lambda v: v * 2, {"i": np.ones(2), "t": a}, leaf=np.ndarray)
+    assert arrays["i"].tolist() == [2.0, 2.0] and arrays["t"] is a
+    assert map_tensors(type, (1, [2.5]), leaf=object) == (int, [float])
+
+
+def test_to_device_moves_every_tensor_and_sets_the_layout_of_images():
+    Pair = namedtuple("Pair", "x y")
+    x, y = torch.randn(2, 3, 4, 4), torch.tensor([0, 1])
+    moved = to_device(Pair([x], {"y": y}), "cpu", channels_last=True)
+    assert type(moved) is Pair and moved.x[0].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(moved.x[0], x) and moved.y["y"] is y
+    assert to_device(moved.x[0], "cpu", channels_last=False).is_contiguous()

@@ -1,5 +1,5 @@
-"""What a batch is, in one place: splitting it into inputs and targets, moving it to a device, counting
-its samples, and reading logits out of a model's output.
+"""What a batch is, in one place: splitting it into inputs and targets, walking the tensors inside it,
+moving it to a device, counting its samples, and reading logits out of a model's output.
 
 A batch is `(inputs, targets)` (a tuple or list; extra items are ignored) or a dict with a known pair
 of keys (`image`/`label`, `images`/`labels`, `input`/`target`, `inputs`/`targets`). `BatchFormat` says
@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchFormat", "split_batch", "to_device", "batch_size", "logits_of", "DICT_KEY_PAIRS", "LABEL_KEYS"]
+__all__ = ["BatchFormat", "split_batch", "map_tensors", "to_device", "batch_size", "logits_of", "DICT_KEY_PAIRS",
+           "LABEL_KEYS"]
 
 DICT_KEY_PAIRS = (("image", "label"), ("images", "labels"), ("input", "target"), ("inputs", "targets"))
 
@@ -28,19 +29,31 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     return x, y
 
 
+def map_tensors(fn: Callable[[Any], Any], obj: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
+    """`fn` applied to every tensor in `obj` (a tensor, or dicts / tuples / lists of them, nested): the one
+    walker of batch parts, so each caller says only what happens to a tensor. Containers come back as
+    the same kind (a dict as a plain dict, a named tuple as its own type); other values as they are.
+    `leaf`: what `fn` applies to, e.g. `(torch.Tensor, np.ndarray)`, or `object` for every non-container."""
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v, leaf) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        items = [map_tensors(fn, v, leaf) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return fn(obj) if isinstance(obj, leaf) else obj
+
+
 def to_device(x: Any, device: torch.device | str, channels_last: bool | None = None) -> Any:
     """Move a tensor (or a tuple/list/dict of them) to `device`; 4-D float tensors to NHWC (True) or
     NCHW (False) memory format, left as they are with None (a no-op when already in that format)."""
-    if isinstance(x, torch.Tensor):
-        x = x.to(device, non_blocking=True)
-        if channels_last is not None and x.dim() == 4 and x.is_floating_point():
-            x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        return x
-    if isinstance(x, (list, tuple)):
-        return type(x)(to_device(v, device, channels_last) for v in x)
-    if isinstance(x, dict):
-        return {k: to_device(v, device, channels_last) for k, v in x.items()}
-    return x
+    layout = None if channels_last is None else torch.channels_last if channels_last else torch.contiguous_format
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device, non_blocking=True)
+        if layout is not None and t.dim() == 4 and t.is_floating_point():
+            t = t.contiguous(memory_format=layout)
+        return t
+
+    return map_tensors(move, x)
 
 
 def batch_size(x: Any) -> int:
