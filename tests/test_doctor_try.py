@@ -42,8 +42,11 @@ def test_plan_reads_the_capability_before_any_hardware_fix():
     assert {"fp16", "cudnn_benchmark", "pin_memory"} <= {n for n, _ in run}
     run, skipped = fx.plan(_payload(), ["compile", "bf16"])
     assert run == [("compile", True)] and skipped[0]["fix"] == "bf16"
-    with pytest.raises(ValueError, match="unknown fix 'turbo'"):
-        fx.plan(_payload(), ["turbo"])
+    from torchspeed.doctor.runner import run_doctor
+
+    # one check of the names, before anything runs (the script does not even exist)
+    with pytest.raises(ValueError, match="unknown fix 'turbo'; choose from workers, persistent_workers, "):
+        run_doctor([sys.executable, "no_such_script.py"], try_fixes=["channels_last", "turbo"], console=False)
 
 
 def _raw(step_s, losses=(2.3, 2.1, 1.9), prints=([1, 2],), steps=6):
@@ -68,7 +71,7 @@ def test_try_interleaves_the_baseline_and_keeps_only_gains_beyond_the_spread():
             return _raw(0.75)
         return fixed[title]
 
-    t = try_fixes(_raw(1.0), payload, launch)
+    t = try_fixes(_raw(1.0), payload, launch, fx.plan(payload))
     assert calls == ["workers=1", "baseline", "workers=2", "baseline", "channels_last", "baseline",
                      "fused_optimizer", "baseline",  # interleaved
                      "channels_last", "baseline"]  # the kept fix measured again; no combination of one fix
@@ -95,7 +98,7 @@ def test_a_kept_fix_that_does_not_hold_on_its_second_run_is_dropped():
     def launch(spec, title):
         return _raw(1.0) if title == "baseline" else _raw(next(fix_runs))
 
-    (row,) = try_fixes(_raw(1.0), _payload(), launch, ["channels_last"])["tried"]
+    (row,) = try_fixes(_raw(1.0), _payload(), launch, fx.plan(_payload(), ["channels_last"]))["tried"]
     assert row["runs"] == 2 and row["step_s"] == pytest.approx(0.75) and row["speedup"] == pytest.approx(1 / 0.75)
     assert row["kept"]  # 1.33x over both runs, beyond a zero spread
     fix_runs = iter([0.5, 1.0])
@@ -104,7 +107,7 @@ def test_a_kept_fix_that_does_not_hold_on_its_second_run_is_dropped():
     def launch2(spec, title):
         return _raw(next(base)) if title == "baseline" else _raw(next(fix_runs))
 
-    (row,) = try_fixes(_raw(1.0), _payload(), launch2, ["channels_last"])["tried"]
+    (row,) = try_fixes(_raw(1.0), _payload(), launch2, fx.plan(_payload(), ["channels_last"]))["tried"]
     assert row["runs"] == 2 and not row["kept"] and row["verdict"] == "within the spread"
 
 
@@ -120,7 +123,7 @@ def test_two_kept_fixes_are_measured_together_last():
             return _raw(0.6)
         return fixed[title]
 
-    t = try_fixes(_raw(1.0), payload, launch)
+    t = try_fixes(_raw(1.0), payload, launch, fx.plan(payload))
     last = t["tried"][-1]
     assert last["fix"] == "combined: workers=1 + channels_last" and last["kept"]
     assert "num_workers=1" in last["code"] and "channels_last" in last["code"]
@@ -240,5 +243,5 @@ def test_a_speedup_beyond_removing_the_fixed_phases_is_implausible():
     def launch(spec, title):
         return _raw(1.0) if title == "baseline" else _raw(0.33 if title == "fused_optimizer" else 1.0)
 
-    rows = {r["fix"]: r for r in try_fixes(_raw(1.0), payload, launch, ["fused_optimizer"])["tried"]}
+    rows = {r["fix"]: r for r in try_fixes(_raw(1.0), payload, launch, fx.plan(payload, ["fused_optimizer"]))["tried"]}
     assert not rows["fused_optimizer"]["kept"] and rows["fused_optimizer"]["verdict"].startswith("implausible")

@@ -20,10 +20,11 @@ Parent side (planning, code, tolerances) imports no torch; `FixState` (child sid
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["FIX_NAMES", "TOLERANCES", "plan", "code_for", "label", "numerics", "FixState"]
+__all__ = ["FIX_NAMES", "TOLERANCES", "Plan", "check_names", "plan", "code_for", "label", "numerics", "FixState"]
 
 # relative tolerance on the first NUMERICS_STEPS losses, by kind of fix: the loss before any update
 # (the forward's math) and the one after the first update (backward and optimizer). Later losses are
@@ -32,8 +33,6 @@ __all__ = ["FIX_NAMES", "TOLERANCES", "plan", "code_for", "label", "numerics", "
 NUMERICS_STEPS = 2
 BATCHES_COMPARED = 3
 TOLERANCES = {"math": 1e-3, "precision": 5e-2}
-FIX_NAMES = ("workers", "persistent_workers", "pin_memory", "bf16", "fp16", "channels_last", "cudnn_benchmark",
-             "fused_optimizer", "inference_mode", "threads", "compile")
 KIND = {"workers": "loader", "persistent_workers": "loader", "pin_memory": "loader", "bf16": "precision",
         "fp16": "precision"}
 # the findings whose estimated gain a fix measures
@@ -71,106 +70,161 @@ def _train_loaders(s: dict[str, Any]) -> list[dict[str, Any]]:
     return [ld for ld in used if ld.get("training")] or used
 
 
-def plan(payload: dict[str, Any], requested: list[str] | None = None) -> tuple[list[tuple[str, Any]], list[dict[str, str]]]:
-    """(fixes to run as (name, value), skipped fixes with the reason) for a baseline doctor report.
-
-    `requested` None tries every fix the findings call for (never `compile`); a list tries those fixes
-    where this machine can run them. Hardware rules read the capability first: bf16 needs native bf16
-    (`runtime.default_precision`), fp16 + GradScaler, pin_memory and cudnn.benchmark need CUDA."""
-    s = payload.get("settings") or {}
-    rules = {f["rule"] for f in payload.get("findings") or []}
-    cuda = s.get("device") == "cuda"
-    cores = int(s.get("cores") or 1)
-    loaders = [ld for ld in _train_loaders(s) if ld.get("name", "").startswith("DataLoader")]
-    model = s.get("model") or {}
-    inp = s.get("input") or {}
-    mixed = s.get("mixed_precision") or {}
-    steady = (payload.get("steady") or {}).get("phases") or {}
-    run: list[tuple[str, Any]] = []
-    skipped: list[dict[str, str]] = []
+def check_names(requested: list[str] | None) -> None:
+    """The one check of `--try` fix names, made before any run starts: an error listing the valid ones."""
     unknown = [n for n in requested or () if n not in FIX_NAMES]
     if unknown:
         raise ValueError(f"--try: unknown fix {', '.join(map(repr, unknown))}; choose from {', '.join(FIX_NAMES)}")
-    wanted = list(requested) if requested else [n for n in FIX_NAMES if n != "compile"]
 
-    def skip(name: str, reason: str) -> None:
-        skipped.append({"fix": name, "reason": reason})
 
-    for name in wanted:
-        forced = requested is not None
-        if name == "workers":
-            if not loaders:
-                skip(name, "no torch DataLoader feeds the loop")
-            elif not any(ld.get("num_workers") == 0 for ld in loaders) and not forced:
-                skip(name, "the loop's DataLoader already has worker processes")
-            else:
-                for n in sorted({max(1, cores // 2), min(cores, 4)}):
-                    run.append((name, n))
-        elif name == "persistent_workers":
-            if "loader-not-persistent" in rules or forced and any(ld.get("num_workers") for ld in loaders):
-                run.append((name, True))
-            else:
-                skip(name, "no DataLoader restarts its workers between the measured epochs")
-        elif name == "pin_memory":
-            if not cuda:
-                skip(name, "needs CUDA: without a GPU there is no host-to-device copy to speed up")
-            elif not loaders or all(ld.get("pin_memory") for ld in loaders):
-                skip(name, "the loop's DataLoader already pins memory")
-            else:
-                run.append((name, True))
-        elif name in ("bf16", "fp16"):
-            if s.get("autocast"):
-                skip(name, f"the script already trains under autocast ({s.get('autocast_precision')})")
-            elif name == "fp16" and not cuda:
-                skip(name, "needs CUDA (fp16 autocast with a GradScaler)")
-            elif name == "bf16" and mixed.get("name") != "bf16":
-                skip(name, f"needs bf16 hardware: {mixed.get('reason', 'capability unknown')}")
-            elif name == "fp16" and mixed.get("name") == "bf16" and not forced:
-                skip(name, "bf16 is tried instead (this GPU has bf16 tensor cores; no GradScaler needed)")
-            else:
-                run.append((name, True))
-        elif name == "channels_last":
-            if not model.get("convs") or len(inp.get("shape") or []) != 4:
-                skip(name, "no conv model fed 4-D batches")
-            elif inp.get("channels_last"):
-                skip(name, "the batches are already channels_last")
-            else:
-                run.append((name, True))
-        elif name == "cudnn_benchmark":
-            if not cuda:
-                skip(name, "needs CUDA (cuDNN autotuning)")
-            elif s.get("cudnn_benchmark"):
-                skip(name, "torch.backends.cudnn.benchmark is already on")
-            else:
-                run.append((name, True))
-        elif name == "fused_optimizer":
-            opts = s.get("optimizers") or []
-            options = s.get("optimizer_options") or {}
-            if not opts:
-                skip(name, "no torch.optim optimizer steps the model")
-            elif all(options.get(o, {}).get("fused") or options.get(o, {}).get("foreach") for o in opts):
-                skip(name, "the optimizer already runs fused or foreach")
-            else:
-                run.append((name, True))
-        elif name == "inference_mode":
-            if steady.get("eval", 0.0) > 0 or forced:
-                run.append((name, True))
-            else:
-                skip(name, "no evaluation forward runs inside the measured steps")
-        elif name == "threads":
-            threads = int(s.get("torch_threads") or 1)
-            workers = max((ld.get("num_workers", 0) or ld.get("threads", 0) for ld in _train_loaders(s)), default=0)
-            want = max(1, cores - workers) if workers else cores
-            if s.get("device") != "cpu":
-                skip(name, "the model runs on the GPU: intra-op threads matter little")
-            elif want == threads:
-                skip(name, f"torch already uses {threads} intra-op threads with {workers} loader workers on "
-                           f"{cores} cores")
-            else:
-                run.append((name, want))
-        elif name == "compile":
-            run.append((name, True))
-    return run, skipped
+@dataclass(frozen=True)
+class _Seen:
+    """What the baseline run saw, as the per-fix checks read it. `forced`: the user listed the fix."""
+
+    s: dict[str, Any]  # the report's settings
+    rules: set[str]  # the findings' rule ids
+    loaders: list[dict[str, Any]]  # the torch DataLoaders feeding training
+    eval_s: float  # evaluation time in the steady steps
+    forced: bool
+
+    @property
+    def cuda(self) -> bool:
+        return self.s.get("device") == "cuda"
+
+    @property
+    def cores(self) -> int:
+        return int(self.s.get("cores") or 1)
+
+    @property
+    def mixed(self) -> dict[str, Any]:
+        return self.s.get("mixed_precision") or {}  # runtime.default_precision's pick and its reason
+
+
+def _workers(b: _Seen) -> str | list[Any]:
+    if not b.loaders:
+        return "no torch DataLoader feeds the loop"
+    if not any(ld.get("num_workers") == 0 for ld in b.loaders) and not b.forced:
+        return "the loop's DataLoader already has worker processes"
+    return sorted({max(1, b.cores // 2), min(b.cores, 4)})
+
+
+def _persistent_workers(b: _Seen) -> str | list[Any]:
+    if "loader-not-persistent" in b.rules or b.forced and any(ld.get("num_workers") for ld in b.loaders):
+        return [True]
+    return "no DataLoader restarts its workers between the measured epochs"
+
+
+def _pin_memory(b: _Seen) -> str | list[Any]:
+    if not b.cuda:
+        return "needs CUDA: without a GPU there is no host-to-device copy to speed up"
+    if not b.loaders or all(ld.get("pin_memory") for ld in b.loaders):
+        return "the loop's DataLoader already pins memory"
+    return [True]
+
+
+def _under_autocast(b: _Seen) -> str | None:
+    return f"the script already trains under autocast ({b.s.get('autocast_precision')})" if b.s.get("autocast") else None
+
+
+def _bf16(b: _Seen) -> str | list[Any]:
+    if reason := _under_autocast(b):
+        return reason
+    if b.mixed.get("name") != "bf16":
+        return f"needs bf16 hardware: {b.mixed.get('reason', 'capability unknown')}"
+    return [True]
+
+
+def _fp16(b: _Seen) -> str | list[Any]:
+    if reason := _under_autocast(b):
+        return reason
+    if not b.cuda:
+        return "needs CUDA (fp16 autocast with a GradScaler)"
+    if b.mixed.get("name") == "bf16" and not b.forced:
+        return "bf16 is tried instead (this GPU has bf16 tensor cores; no GradScaler needed)"
+    return [True]
+
+
+def _channels_last(b: _Seen) -> str | list[Any]:
+    inp = b.s.get("input") or {}
+    if not (b.s.get("model") or {}).get("convs") or len(inp.get("shape") or []) != 4:
+        return "no conv model fed 4-D batches"
+    if inp.get("channels_last"):
+        return "the batches are already channels_last"
+    return [True]
+
+
+def _cudnn_benchmark(b: _Seen) -> str | list[Any]:
+    if not b.cuda:
+        return "needs CUDA (cuDNN autotuning)"
+    if b.s.get("cudnn_benchmark"):
+        return "torch.backends.cudnn.benchmark is already on"
+    return [True]
+
+
+def _fused_optimizer(b: _Seen) -> str | list[Any]:
+    opts = b.s.get("optimizers") or []
+    options = b.s.get("optimizer_options") or {}
+    if not opts:
+        return "no torch.optim optimizer steps the model"
+    if all(options.get(o, {}).get("fused") or options.get(o, {}).get("foreach") for o in opts):
+        return "the optimizer already runs fused or foreach"
+    return [True]
+
+
+def _inference_mode(b: _Seen) -> str | list[Any]:
+    if b.eval_s > 0 or b.forced:
+        return [True]
+    return "no evaluation forward runs inside the measured steps"
+
+
+def _threads(b: _Seen) -> str | list[Any]:
+    if b.s.get("device") != "cpu":
+        return "the model runs on the GPU: intra-op threads matter little"
+    threads = int(b.s.get("torch_threads") or 1)
+    workers = max((ld.get("num_workers", 0) or ld.get("threads", 0) for ld in _train_loaders(b.s)), default=0)
+    want = max(1, b.cores - workers) if workers else b.cores
+    if want == threads:
+        return f"torch already uses {threads} intra-op threads with {workers} loader workers on {b.cores} cores"
+    return [want]
+
+
+def _compile(b: _Seen) -> str | list[Any]:
+    return [True]  # opt-in: only tried when listed
+
+
+# per fix, in the order they are tried: why the fix is not tried (str), or the values to try it with
+CHECKS: dict[str, Callable[[_Seen], str | list[Any]]] = {
+    "workers": _workers, "persistent_workers": _persistent_workers, "pin_memory": _pin_memory, "bf16": _bf16,
+    "fp16": _fp16, "channels_last": _channels_last, "cudnn_benchmark": _cudnn_benchmark,
+    "fused_optimizer": _fused_optimizer, "inference_mode": _inference_mode, "threads": _threads, "compile": _compile}
+FIX_NAMES = tuple(CHECKS)
+
+
+class Plan(NamedTuple):
+    run: list[tuple[str, Any]]  # (fix name, value), one run each
+    skipped: list[dict[str, str]]  # {"fix", "reason"}
+
+
+def plan(payload: dict[str, Any], requested: list[str] | None = None) -> Plan:
+    """The fixes to run for a baseline doctor report, and the skipped ones with the reason.
+
+    `requested` None tries every fix the findings call for (never `compile`); a list (names already
+    checked by `check_names`) tries those fixes where this machine can run them. Hardware checks read
+    the capability: bf16 needs native bf16 (`runtime.default_precision`), fp16 + GradScaler,
+    pin_memory and cudnn.benchmark need CUDA."""
+    s = payload.get("settings") or {}
+    seen = _Seen(s=s, rules={f["rule"] for f in payload.get("findings") or []},
+                 loaders=[ld for ld in _train_loaders(s) if ld.get("name", "").startswith("DataLoader")],
+                 eval_s=((payload.get("steady") or {}).get("phases") or {}).get("eval", 0.0),
+                 forced=requested is not None)
+    out = Plan([], [])
+    for name in requested if requested is not None else [n for n in FIX_NAMES if n != "compile"]:
+        result = CHECKS[name](seen)
+        if isinstance(result, str):
+            out.skipped.append({"fix": name, "reason": result})
+        else:
+            out.run.extend((name, v) for v in result)
+    return out
 
 
 def code_for(name: str, value: Any, payload: dict[str, Any]) -> str:

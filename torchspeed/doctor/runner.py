@@ -17,6 +17,7 @@ import tempfile
 from typing import Any
 
 from torchspeed.doctor import instrument
+from torchspeed.doctor.fixes import check_names, plan
 from torchspeed.doctor.phases import PHASES, verdict
 
 __all__ = ["child_command", "run_doctor", "build_payload"]
@@ -247,18 +248,13 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
 
     if steps is not None and steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
-    if try_fixes is not None and try_fixes is not False:
+    measure_fixes = try_fixes is not None and try_fixes is not False
+    requested = list(try_fixes) if measure_fixes and try_fixes is not True else None  # None: what the findings call for
+    if measure_fixes:
         if steps is not None and steps < 3:
             raise ValueError(f"--try needs --steps >= 3 (one warm-up step and at least two measured), got {steps}")
         steps = steps or TRY_STEPS
-        requested = None if try_fixes is True else list(try_fixes)
-        from torchspeed.doctor.fixes import FIX_NAMES
-
-        bad = [n for n in requested or () if n not in FIX_NAMES]
-        if bad:
-            raise ValueError(f"--try: unknown fix {', '.join(map(repr, bad))}; choose from {', '.join(FIX_NAMES)}")
-    else:
-        try_fixes = None
+        check_names(requested)
     argv = child_command(command)
     if out:
         try:
@@ -270,7 +266,7 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
     trace_path = os.path.abspath(os.path.join(out or ".", "doctor-trace.json")) if trace else ""
     env[instrument.ENV_TRACE] = trace_path
-    if try_fixes is not None:
+    if measure_fixes:
         env[instrument.ENV_SEED] = "0"  # the baseline run is seeded like the runs it is compared with
     check_interpreter(argv, env)
     status, raw, ranks, timed_out, interrupted = _run_child(argv, env, timeout)
@@ -292,8 +288,8 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
         from rich.console import Console
 
         con = console or Console()
-    if try_fixes is not None:
-        _try(payload, raw, command, argv, env, steps, timeout, try_fixes, con, timed_out or interrupted)
+    if measure_fixes:
+        _try(payload, raw, command, argv, env, steps, timeout, requested, con, timed_out or interrupted)
     # what a person reads: the steady steps (the first step's one-time costs are in the JSON's totals)
     shown = {**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
              "phases": payload["steady"]["phases"]}
@@ -322,11 +318,10 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
 
 
 def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv: list[str], env: dict[str, str],
-         steps: int, timeout: float | None, try_fixes: Any, con: Any, stopped: bool) -> None:
+         steps: int, timeout: float | None, requested: list[str] | None, con: Any, stopped: bool) -> None:
     """doctor --try after the baseline run: measure the fixes, add `tried`, put measured gains in the findings."""
     from torchspeed.doctor import trying
 
-    requested = None if try_fixes is True else list(try_fixes)
     if stopped or len(raw.get("windows") or []) < 2:
         payload["try"] = {"tried": [], "skipped": [], "error": "the baseline run measured fewer than 2 steps: "
                           "nothing to compare fixes with"}
@@ -339,15 +334,13 @@ def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv:
             raise KeyboardInterrupt
         return status, r
 
-    from torchspeed.doctor.fixes import plan as plan_fixes
-
-    plan, _ = plan_fixes(payload, requested)
+    planned = plan(payload, requested)
     say = (lambda m: con.print(m, highlight=False, markup=False)) if con is not None else None
     if say:
-        say(f"torchspeed doctor --try: {len(plan)} fix run(s), each followed by a baseline run, "
+        say(f"torchspeed doctor --try: {len(planned.run)} fix run(s), each followed by a baseline run, "
             f"{steps} steps each (the script's output is hidden)")
     launch = trying.launcher(argv, env, steps, timeout, run_child)
-    result = trying.try_fixes(raw, payload, launch, requested, progress=say)
+    result = trying.try_fixes(raw, payload, launch, planned, progress=say)
     payload["try"] = result
     payload["tried"] = [{k: r[k] for k in ("fix", "baseline_step_s", "step_s", "speedup", "spread", "numerics_ok",
                                            "code", "kept", "verdict", "numerics", "steps")}

@@ -37,12 +37,13 @@ def _median(times: list[float]) -> float | None:
 
 
 def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callable[[dict[str, Any], str], dict[str, Any]],
-              requested: list[str] | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              planned: fx.Plan, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every planned fix and the interleaved baseline through `launch(fixes, title) -> raw record`.
 
-    `baseline` is the first (seeded) run's raw record, `payload` its report (findings, settings).
-    Returns {"tried": rows, "skipped": [...], "baseline_runs": [...], "spread": float}."""
-    plan, skipped = fx.plan(payload, requested)
+    `baseline` is the first (seeded) run's raw record, `payload` its report (findings, settings),
+    `planned` what `fixes.plan` made of it. Returns {"tried": rows, "skipped": [...], "baseline_runs":
+    [...], "spread": float}."""
+    plan, skipped = planned
     say = progress or (lambda msg: None)
     runs_total = 1 + 2 * len(plan)
     base_runs = [baseline]
