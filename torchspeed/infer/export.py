@@ -9,6 +9,7 @@ file passes `onnx.checker`, then runs in ONNX Runtime at two batch sizes next to
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 import warnings
@@ -20,9 +21,10 @@ from torch import nn
 
 from torchspeed.atomic import atomic_write
 from torchspeed.batches import BatchFormat
-from torchspeed.infer.precision import output_error
+from torchspeed.infer.precision import as_fp32, output_error
 
-__all__ = ["export_onnx", "ExportReport", "flatten_inputs", "convert_onnx_fp16", "fp16_converter", "onnx_inputs"]
+__all__ = ["export_onnx", "ExportReport", "flatten_inputs", "convert_onnx_fp16", "fp16_converter", "onnx_inputs",
+           "onnx_example", "read_onnx", "OnnxGraph"]
 
 
 @dataclass
@@ -140,7 +142,7 @@ def export_onnx(model: nn.Module, example_input: Any, path: str | os.PathLike, d
         model = copy.deepcopy(model).cpu()
     model = model.eval()
     flat = _Flat(model, keys, fmt).eval()
-    tensors = [(t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()).contiguous() for t in tensors]
+    tensors = [as_fp32(t.detach().cpu()).contiguous() for t in tensors]
     n0 = len(tensors[0])
     gen = torch.Generator().manual_seed(0)
     # torch.export specialises size-1 dimensions: a batch-1 example is repeated to batch 2 for tracing
@@ -203,40 +205,72 @@ def convert_onnx_fp16(src: str | os.PathLike, dst: str | os.PathLike) -> str:
 
 
 _ONNX_DTYPES = {1: torch.float32, 10: torch.float16, 11: torch.float64, 6: torch.int32, 7: torch.int64, 9: torch.bool}
+_LINEAR_OPS = ("MatMul", "Gemm", "LSTM", "GRU", "Attention")
 
 
-def onnx_inputs(path: str | os.PathLike) -> list[tuple[str, list[int | str | None], torch.dtype]]:
-    """(name, dims, dtype) of each input of an ONNX file; a dynamic dimension is its name (or None)."""
+@dataclass(frozen=True)
+class OnnxGraph:
+    """What optimize reads from an ONNX file, from one parse of it (`read_onnx`): its inputs and how
+    its weights are spread, passed along instead of parsing the file again for each question."""
+
+    path: str
+    inputs: list[tuple[str, list[int | str | None], torch.dtype]]  # (name, dims, dtype); dynamic dim: its name
+    linear_heavy: bool  # more weight elements feed MatMul/Gemm/LSTM/GRU/Attention than Conv: dynamic INT8 pays
+
+    @property
+    def input_names(self) -> list[str]:
+        return [name for name, _, _ in self.inputs]
+
+    @property
+    def fixed_batches(self) -> set[int]:
+        """The batch sizes the inputs are fixed at (empty when the batch dimension is dynamic)."""
+        return {d[0] for _, d, _ in self.inputs if d and isinstance(d[0], int) and d[0] > 0}
+
+
+def read_onnx(path: str | os.PathLike) -> OnnxGraph:
+    """Parse an ONNX file once (without its external weights) for its inputs and weight spread;
+    ValueError naming the file when it is not a readable ONNX model or has inputs optimize cannot feed."""
     onnx = _need("onnx")
     path = os.fspath(path)
     try:
-        model = onnx.load(path, load_external_data=False)
+        graph = onnx.load(path, load_external_data=False).graph
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line naming it
         raise ValueError(f"{path!r} is not a readable ONNX model: {_first_line(e)}") from None
-    initializers = {i.name for i in model.graph.initializer}
-    out = []
-    for inp in model.graph.input:
-        if inp.name in initializers:
+    sizes = {i.name: math.prod(i.dims) for i in graph.initializer}
+    inputs = []
+    for inp in graph.input:
+        if inp.name in sizes:
             continue
         t = inp.type.tensor_type
         if t.elem_type not in _ONNX_DTYPES:
             raise ValueError(f"ONNX input {inp.name!r} of {path!r} has element type {t.elem_type}, which optimize "
                              "cannot feed (float, int32/64 and bool inputs are supported)")
         dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
-        out.append((inp.name, dims, _ONNX_DTYPES[t.elem_type]))
-    if not out:
+        inputs.append((inp.name, dims, _ONNX_DTYPES[t.elem_type]))
+    if not inputs:
         raise ValueError(f"the ONNX model {path!r} has no inputs")
-    return out
+
+    def weights(ops: tuple[str, ...]) -> int:
+        return sum(sizes.get(n, 0) for node in graph.node if node.op_type in ops for n in node.input)
+
+    return OnnxGraph(path, inputs, weights(_LINEAR_OPS) > weights(("Conv", "ConvTranspose")))
 
 
-def onnx_example(path: str | os.PathLike, input_shape: tuple[int, ...] | list[int] | None = None) -> Any:
-    """An example input of batch 1 for an ONNX file, its shape read from the graph: a tensor for a
-    one-input model, a dict by input name otherwise. A dynamic batch dimension becomes 1; any other
-    dynamic dimension must come from `input_shape` (one-input models; --input-shape on the command line)."""
-    inputs = onnx_inputs(path)
+def onnx_inputs(path: str | os.PathLike) -> list[tuple[str, list[int | str | None], torch.dtype]]:
+    """(name, dims, dtype) of each input of an ONNX file; a dynamic dimension is its name (or None)."""
+    return read_onnx(path).inputs
+
+
+def onnx_example(path: str | os.PathLike | OnnxGraph, input_shape: tuple[int, ...] | list[int] | None = None) -> Any:
+    """An example input of batch 1 for an ONNX file (or its `read_onnx` graph), its shape read from
+    the graph: a tensor for a one-input model, a dict by input name otherwise. A dynamic batch
+    dimension becomes 1; any other dynamic dimension must come from `input_shape` (one-input models;
+    --input-shape on the command line)."""
+    graph = path if isinstance(path, OnnxGraph) else read_onnx(path)
+    inputs = graph.inputs
     if input_shape is not None and len(inputs) != 1:
-        raise ValueError(f"the ONNX model {os.fspath(path)!r} has {len(inputs)} inputs "
-                         f"({', '.join(n for n, _, _ in inputs)}); input_shape describes one: pass example_input= "
+        raise ValueError(f"the ONNX model {graph.path!r} has {len(inputs)} inputs "
+                         f"({', '.join(graph.input_names)}); input_shape describes one: pass example_input= "
                          "as a dict of tensors by input name instead")
     gen = torch.Generator().manual_seed(0)
     example = {}

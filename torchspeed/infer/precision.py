@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from torchspeed.batches import map_tensors
 from torchspeed.runtime import PRECISIONS, precision_dtype
 
 __all__ = ["PrecisionModel", "to_precision", "output_error"]
@@ -40,45 +41,28 @@ class PrecisionModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's inputs as it takes them (one tensor, several, or keywords); float32 outputs."""
         if self.channels_last:
-            args, kwargs = _map_tensors((args, kwargs), lambda t: t.contiguous(memory_format=torch.channels_last)
-                                        if t.ndim == 4 and t.is_floating_point() else t)
+            args, kwargs = map_tensors(lambda t: t.contiguous(memory_format=torch.channels_last)
+                                       if t.ndim == 4 and t.is_floating_point() else t, (args, kwargs))
         if self.precision == "fp32":
             return self.model(*args, **kwargs)
         if self.mode == "weights":
-            args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+            args, kwargs = map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, (args, kwargs))
             return _to_float(self.model(*args, **kwargs))
-        device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
-        with torch.autocast(device.type, dtype=self.dtype):
+        devices: list[torch.device] = []
+        map_tensors(lambda t: devices.append(t.device), (args, kwargs))  # autocast where the inputs are
+        with torch.autocast(devices[0].type if devices else "cpu", dtype=self.dtype):
             return _to_float(self.model(*args, **kwargs))
 
 
-def _map_tensors(x: Any, fn: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return {k: _map_tensors(v, fn) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_map_tensors(v, fn) for v in x)
-    return x
-
-
-def _tensors(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (tuple, list)):
-        for v in x:
-            yield from _tensors(v)
+def as_fp32(t: torch.Tensor) -> torch.Tensor:
+    """A floating tensor as float32 (what the runners take and give); ids, masks and flags as they are."""
+    return t.float() if t.is_floating_point() else t
 
 
 def _to_float(out: Any) -> Any:
     """Floating tensors in an output (a tensor, tuple, dict, or a dataclass-style object with `.logits`) as float32."""
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.is_floating_point() else out
-    if isinstance(out, (tuple, list, dict)):
-        return _map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)
+    if isinstance(out, (torch.Tensor, tuple, list, dict)):
+        return map_tensors(as_fp32, out)
     if isinstance(getattr(out, "logits", None), torch.Tensor):
         try:
             out.logits = out.logits.float()

@@ -38,7 +38,7 @@ def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None
     (a `torchspeed.batches.BatchFormat`; auto: `(input, label)` pairs, dict batches) splits into
     inputs and label. A model with several or named inputs gives a dict (or tuple) of arrays per batch;
     floating inputs become float32, ids and masks keep their integer type."""
-    from torchspeed.batches import BatchFormat, batch_size
+    from torchspeed.batches import BatchFormat, batch_size, map_tensors
 
     if calib_data is None:
         raise ValueError("INT8 quantization needs calibration data: pass calib_data= (an iterable of input "
@@ -48,11 +48,11 @@ def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None
     n = 0
     for item in calib_data:
         x = item if isinstance(item, (torch.Tensor, np.ndarray)) else fmt.split(item)[0]
-        x = _arrays(x)
-        size = batch_size(torch.as_tensor(_first_array(x)))
+        x = map_tensors(_array, tuple(x) if isinstance(x, list) else x, leaf=object)  # a list: positional inputs
+        size = batch_size(map_tensors(torch.as_tensor, x, leaf=np.ndarray))
         if max_samples is not None and n + size > max_samples:
-            x = _head(x, max_samples - n)
             size = max_samples - n
+            x = map_tensors(lambda a, k=size: a[:k], x, leaf=np.ndarray)
         if size:
             out.append(x)
             n += size
@@ -63,32 +63,13 @@ def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None
     return out
 
 
-def _arrays(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _arrays(v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return tuple(_arrays(v) for v in x)
+def _array(x: Any) -> np.ndarray:
+    """One input as a contiguous numpy array, floating ones as float32."""
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().contiguous()
         x = (x.float() if x.is_floating_point() else x).numpy()
     a = np.asarray(x)
     return np.ascontiguousarray(a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) else a)
-
-
-def _first_array(x: Any) -> np.ndarray:
-    if isinstance(x, dict):
-        return _first_array(next(iter(x.values())))
-    if isinstance(x, tuple):
-        return _first_array(x[0])
-    return x
-
-
-def _head(x: Any, n: int) -> Any:
-    if isinstance(x, dict):
-        return {k: v[:n] for k, v in x.items()}
-    if isinstance(x, tuple):
-        return tuple(v[:n] for v in x)
-    return x[:n]
 
 
 log = logging.getLogger(__name__)
@@ -143,20 +124,24 @@ def _ort_quant() -> Any:
 
 
 def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any] | None, method: str = "minmax",
-                         per_channel: bool = True, max_samples: int | None = 256, batch_format: Any = None) -> str:
+                         per_channel: bool = True, max_samples: int | None = 256, batch_format: Any = None,
+                         input_names: list[str] | None = None) -> str:
     """Static INT8 (QDQ) quantization of an ONNX model with ONNX Runtime; returns `out_path`.
-    `batch_format` says which part of a calibration batch is the input (see `calibration_arrays`)."""
+    `batch_format` says which part of a calibration batch is the input (see `calibration_arrays`).
+    `input_names`: the model's input names when the caller has read them already (else an ONNX
+    Runtime session on the model reads them)."""
     q = _ort_quant()
     methods = {"minmax": q.CalibrationMethod.MinMax, "entropy": q.CalibrationMethod.Entropy,
                "percentile": q.CalibrationMethod.Percentile}
     if method not in methods:
         raise ValueError(f"calibration method must be one of {', '.join(methods)}, got {method!r}")
     arrays = calibration_arrays(calib_data, max_samples, batch_format)
-    import onnxruntime as ort
-
     from torchspeed.infer.runtimes import _feed_names
 
-    names = [i.name for i in ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"]).get_inputs()]
+    if input_names is None:
+        import onnxruntime as ort
+
+        input_names = [i.name for i in ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"]).get_inputs()]
 
     class Reader(q.CalibrationDataReader):
         def __init__(self) -> None:
@@ -164,7 +149,7 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
 
         def get_next(self) -> dict[str, np.ndarray] | None:
             x = next(self.it, None)
-            return None if x is None else _feed_names(x, names)
+            return None if x is None else _feed_names(x, input_names)
 
         def rewind(self) -> None:
             self.it = iter(arrays)

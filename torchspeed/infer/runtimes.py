@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from torchspeed.atomic import publish_files, write_json
-from torchspeed.batches import BatchFormat, to_device
+from torchspeed.batches import BatchFormat, map_tensors, to_device
+from torchspeed.infer.precision import as_fp32
 from torchspeed.runtime import usable_cores
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "available_backends", "build_torch_module",
@@ -42,16 +43,6 @@ def _as_numpy(x: Any, dtype: Any = np.float32) -> np.ndarray:
 
 def _as_tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
-
-
-def _float_inputs(x: Any) -> Any:
-    """Inputs as tensors, floating ones as float32 (runners take fp32 in); integer ids stay as they are."""
-    if isinstance(x, dict):
-        return {k: _float_inputs(v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return tuple(_float_inputs(v) for v in x)
-    t = _as_tensor(x)
-    return t.float() if t.is_floating_point() else t
 
 
 def module_device(model: Any) -> torch.device:
@@ -161,7 +152,9 @@ class TorchRunner(Runner):
         """Logits for the model's inputs (a tensor, or a dict / tuple of them as `batch_format` says)."""
         if self.device.type == "cpu" and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        x = to_device(_float_inputs(x), self.device)
+        # tensors (arrays made tensors), floating ones as float32; a list is positional inputs, as a tuple
+        x = map_tensors(lambda v: as_fp32(_as_tensor(v)), tuple(x) if isinstance(x, list) else x, leaf=object)
+        x = to_device(x, self.device)
         with torch.inference_mode(), self._compile_config():
             out = self.format.forward(self.module, x)
         return self.format.logits_of(out)

@@ -38,8 +38,9 @@ from torch import nn
 
 from torchspeed import runtime
 from torchspeed.args import as_list, progress_fn
-from torchspeed.batches import BatchFormat, batch_size, to_device
-from torchspeed.infer.precision import output_error
+from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
+from torchspeed.infer.export import OnnxGraph
+from torchspeed.infer.precision import as_fp32, output_error
 from torchspeed.infer.runtimes import (
     Runner,
     TorchRunner,
@@ -251,10 +252,11 @@ class OnnxExport:
         self.error: str | None = None
 
     @classmethod
-    def given(cls, path: str) -> OnnxExport:
-        """The user's own ONNX file: nothing to export."""
-        done = cls(None, None, path, "given", lambda _: None)
-        done.report = {"path": path, "exporter": "given", "fallback_reason": None}
+    def given(cls, graph: OnnxGraph) -> OnnxExport:
+        """The user's own ONNX file (read once by `read_onnx`): nothing to export."""
+        done = cls(None, None, graph.path, "given", lambda _: None)
+        done.report = {"path": graph.path, "exporter": "given", "fallback_reason": None,
+                       "input_names": graph.input_names}
         return done
 
     def path(self) -> str:
@@ -313,7 +315,7 @@ class BuildContext:
         if precision == "int8":
             dst = os.path.join(self.workdir, "model-int8-static.onnx")
             quantize_onnx_static(src, dst, self.calib_data, self.calibration, max_samples=self.max_calib_samples,
-                                 batch_format=self.batch_format)
+                                 batch_format=self.batch_format, input_names=self.onnx.report["input_names"])
             return OrtRunner(dst, "int8", self.threads)
         if precision == "int8-dynamic":
             dst = os.path.join(self.workdir, "model-int8-dynamic.onnx")
@@ -514,11 +516,7 @@ def _batch_of(example: Any, b: int, gen: torch.Generator) -> Any:
     for float inputs, rows repeated for ids and masks; on the example's device."""
     from torchspeed.infer.export import _grow
 
-    if isinstance(example, dict):
-        return {k: _batch_of(v, b, gen) for k, v in example.items()}
-    if isinstance(example, (tuple, list)):
-        return tuple(_batch_of(v, b, gen) for v in example)
-    return _grow(example.float() if example.is_floating_point() else example, b, gen)
+    return map_tensors(lambda t: _grow(as_fp32(t), b, gen), example)
 
 
 def _concat(parts: list[Any]) -> Any:
@@ -533,19 +531,8 @@ def _concat(parts: list[Any]) -> Any:
 
 def _shape_of(x: Any) -> Any:
     """Shapes of the inputs, for the table and the manifest: a list, or a dict of lists."""
-    if isinstance(x, dict):
-        return {k: list(v.shape) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return {f"input_{i}": list(v.shape) for i, v in enumerate(x)}
-    return list(x.shape)
-
-
-def _per_sample(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: tuple(v.shape[1:]) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return tuple(tuple(v.shape[1:]) for v in x)
-    return tuple(x.shape[1:])
+    shapes = map_tensors(lambda t: list(t.shape), x)
+    return {f"input_{i}": s for i, s in enumerate(shapes)} if isinstance(x, (tuple, list)) else shapes
 
 
 def _resolve(choice: str | Sequence[str], allowed: Sequence[str], what: str) -> frozenset[str] | None:
@@ -722,18 +709,19 @@ def optimize(
     """
     report = progress_fn(progress)
     fmt = BatchFormat.of(batch_format)
-    onnx_path = None
+    graph = None  # an ONNX file, parsed once: inputs, fixed batch, weight spread
     if isinstance(model, (str, os.PathLike)):
         onnx_path = os.fspath(model)
         if not onnx_path.lower().endswith(".onnx"):
             raise ValueError(f"optimize() takes an nn.Module or an .onnx file, got the path {onnx_path!r}")
         if not os.path.isfile(onnx_path):
             raise FileNotFoundError(f"ONNX model {onnx_path!r} does not exist")
-        from torchspeed.infer.export import onnx_example, onnx_inputs
+        from torchspeed.infer.export import onnx_example, read_onnx
 
+        graph = read_onnx(onnx_path)
         if example_input is None:
-            example_input = onnx_example(onnx_path, input_shape)
-        fixed = {d[0] for _, d, _ in onnx_inputs(onnx_path) if d and isinstance(d[0], int) and d[0] > 0}
+            example_input = onnx_example(graph, input_shape)
+        fixed = graph.fixed_batches
         if fixed and {int(b) for b in batch_sizes} != fixed:
             raise ValueError(f"the ONNX model {onnx_path!r} has a fixed batch size of {min(fixed)}: time it at that "
                              f"size (batch_sizes=({min(fixed)},), --batch-sizes {min(fixed)}) or export it with a "
@@ -758,9 +746,8 @@ def optimize(
     if exact_tol is None:
         exact_tol = exact_tolerance(device)
     request = _Request(_resolve(backends, BACKENDS, "backend"), _resolve(precisions, PRECISIONS, "precision"))
-    heavy = _onnx_linear_heavy(onnx_path) if onnx_path else _linear_heavy(model)
-    facts = ModelFacts(linear_heavy=heavy, calibrated=calib_data is not None, calibration=calibration,
-                       onnx_file=onnx_path is not None)
+    facts = ModelFacts(linear_heavy=graph.linear_heavy if graph else _linear_heavy(model),
+                       calibrated=calib_data is not None, calibration=calibration, onnx_file=graph is not None)
     if request.precisions is not None and "int8" in request.precisions and calib_data is None and not facts.linear_heavy:
         raise ValueError("precisions includes 'int8' but no calibration set was given: pass calib_data= (an "
                          "iterable of input batches or (input, label) pairs), or use --calib DATA on the command line")
@@ -768,7 +755,7 @@ def optimize(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _search(onnx_path or model, example_input, calib_data, eval_fn, max_metric_drop, request, facts,
+        return _search(graph or model, example_input, calib_data, eval_fn, max_metric_drop, request, facts,
                        batch_sizes, objective, calibration=calibration, max_calib_samples=max_calib_samples,
                        max_output_error=max_output_error, exact_tol=exact_tol, exporter=exporter, threads=threads,
                        repeats=repeats, min_time_s=min_time_s, extra_candidates=extra_candidates, arch=arch,
@@ -794,28 +781,7 @@ def _check_example(x: Any) -> None:
                          f"tuple of batched tensors for a model with named or several inputs; got {x!r:.80}")
 
 
-def _onnx_linear_heavy(path: str) -> bool:
-    """The ONNX form of `_linear_heavy`: more weight elements feeding MatMul/Gemm than Conv nodes."""
-    import onnx
-
-    graph = onnx.load(path, load_external_data=False).graph
-    sizes = {i.name: math.prod(i.dims) for i in graph.initializer}
-    lin = sum(sizes.get(n, 0) for node in graph.node if node.op_type in ("MatMul", "Gemm", "LSTM", "GRU", "Attention")
-              for n in node.input)
-    conv = sum(sizes.get(n, 0) for node in graph.node if node.op_type in ("Conv", "ConvTranspose") for n in node.input)
-    return lin > conv
-
-
-def _detached(x: Any, device: torch.device) -> Any:
-    if isinstance(x, dict):
-        return {k: _detached(v, device) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return tuple(_detached(v, device) for v in x)
-    x = x.detach()
-    return (x.float() if x.is_floating_point() else x).to(device)
-
-
-def _search(model: nn.Module | str, example_input: Any, calib_data: Iterable[Any] | None,
+def _search(model: nn.Module | OnnxGraph, example_input: Any, calib_data: Iterable[Any] | None,
             eval_fn: Callable[[Callable[[Any], Any]], float] | None, max_metric_drop: float, request: _Request,
             facts: ModelFacts, batch_sizes: tuple[int, ...], objective: str, *, calibration: str,
             max_calib_samples: int, max_output_error: float, exact_tol: float, exporter: str, threads: int,
@@ -823,33 +789,34 @@ def _search(model: nn.Module | str, example_input: Any, calib_data: Iterable[Any
             arch: dict[str, Any] | None, measure: bool, report: Callable[[str], None], fmt: BatchFormat,
             device: torch.device) -> OptimizeResult:
     """`optimize` once its arguments are checked and torch's thread count is set."""
-    onnx_path = model if isinstance(model, str) else None
-    if onnx_path is None:
+    graph = model if isinstance(model, OnnxGraph) else None
+    onnx_path = graph.path if graph else None
+    if graph is None:
         arch = arch if arch is not None else getattr(model, "_torchspeed_arch", None)
         if module_device(model) != device:
             import copy
 
             model = copy.deepcopy(model).to(device)
         model = model.eval().float()
-    example = _detached(example_input, device)
+    # detached fp32 copies on the device; a list of inputs is positional, as a tuple
+    example = map_tensors(lambda t: as_fp32(t.detach()).to(device),
+                          tuple(example_input) if isinstance(example_input, list) else example_input)
     gen = torch.Generator().manual_seed(0)
 
     # The reference inputs: representative ones (calibration samples when given), on the model's device.
-    fixed_batch = None  # an ONNX file exported at one batch size runs at that size only
-    if onnx_path is not None:
-        from torchspeed.infer.export import onnx_inputs
-
-        fixed = {d[0] for _, d, _ in onnx_inputs(onnx_path) if d and isinstance(d[0], int) and d[0] > 0}
-        fixed_batch = min(fixed) if fixed else None
+    # an ONNX file exported at one batch size runs at that size only
+    fixed_batch = min(graph.fixed_batches) if graph and graph.fixed_batches else None
     n_verify = fixed_batch or max(8, batch_size(example))
     verify_x = _batch_of(example, n_verify, gen)
     if calib_data is not None:
         from torchspeed.infer.quantize import calibration_arrays
 
         verify_x = to_device(_concat(calibration_arrays(calib_data, fixed_batch or 16, fmt)), device)
-        if isinstance(example, torch.Tensor) and _per_sample(verify_x) != _per_sample(example):
-            raise ValueError(f"calibration inputs have shape {_per_sample(verify_x)} per sample but "
-                             f"example_input has {_per_sample(example)}: they must match")
+        if isinstance(example, torch.Tensor):
+            got, want = map_tensors(lambda t: tuple(t.shape[1:]), (verify_x, example))
+            if got != want:
+                raise ValueError(f"calibration inputs have shape {got} per sample but "
+                                 f"example_input has {want}: they must match")
     ref = None
     if onnx_path is None:
         try:
@@ -866,7 +833,7 @@ def _search(model: nn.Module | str, example_input: Any, calib_data: Iterable[Any
     if onnx_path is None:
         export = OnnxExport(model, example, os.path.join(workdir.name, "model.onnx"), exporter, report, fmt)
     else:
-        export = OnnxExport.given(onnx_path)
+        export = OnnxExport.given(graph)
     ctx = BuildContext(model if onnx_path is None else None, example, threads, arch, workdir.name, export,
                        calib_data, calibration, max_calib_samples, device, fmt)
     variants = list(VARIANTS)
