@@ -114,6 +114,33 @@ def test_resume_in_process_matches_a_straight_run(task, straight, tmp_path, k):
         deterministic(False)
 
 
+def test_checkpoints_of_older_versions_resume_exactly(task, straight, tmp_path):
+    """Older versions kept rank 0's generators at the top level too (`rng`, `epoch_start["rng"]`),
+    the oldest there only: both layouts still resume bit-exactly; one with no RNG state is refused."""
+    deterministic(True)
+    try:
+        tr, train, val = task.build(tmp_path / "run", every=11)
+        tr.fit(train, val, epochs=3, max_steps=11)  # mid-epoch: epoch-start generators matter too
+        state = load_file(last_checkpoint(tmp_path / "run"))
+        mine = state["rng_ranks"][0]
+        older = {**state, "rng": mine["rng"], "epoch_start": {**state["epoch_start"], "rng": mine["epoch_start_rng"]}}
+        oldest = {k: v for k, v in older.items() if k != "rng_ranks"}
+        none = {k: v for k, v in state.items() if k != "rng_ranks"}
+        for name, old in (("older", older), ("oldest", oldest), ("none", none)):
+            path = tmp_path / f"{name}.pt"
+            ckpt.save_file(path, old)
+            seed_everything(12345)
+            tr2, train2, val2 = task.build(seed=0)
+            if name == "none":
+                with pytest.raises(ValueError, match=f"{name}.pt.*holds no RNG state"):
+                    tr2.fit(train2, val2, epochs=3, max_steps=N, resume=path)
+                continue
+            assert tr2.fit(train2, val2, epochs=3, max_steps=N, resume=path)["step"] == N
+            _assert_same(tr2.module.state_dict(), straight[0])
+    finally:
+        deterministic(False)
+
+
 def test_sigkill_then_resume_gives_identical_parameters(task, straight, tmp_path):
     proc = subprocess.Popen([sys.executable, task.PATH, str(tmp_path), str(N)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -151,7 +178,7 @@ def test_interrupted_write_is_never_last(task, tmp_path, monkeypatch):
     good = last_checkpoint(tmp_path)
     assert good.endswith("step-00000004.pt")
     state = load_file(good)  # weights_only=True: tensors and plain types only
-    assert state["global_step"] == 4 and isinstance(state["rng"]["numpy"]["keys"], torch.Tensor)
+    assert state["global_step"] == 4 and isinstance(state["rng_ranks"][0]["rng"]["numpy"]["keys"], torch.Tensor)
 
     real_save = torch.save
 

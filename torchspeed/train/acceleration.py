@@ -21,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -326,13 +324,15 @@ def _has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) for m in model.modules())
 
 
-def _check_arguments(model: Any, precision: str, channels_last: Any, compile: Any, strategy: Any) -> None:  # noqa: A002
+def _check_arguments(model: Any, precision: str, channels_last: Any, compile: Any, strategy: Any,  # noqa: A002
+                     tf32: Any, cudnn_benchmark: Any) -> None:
     """Refuse bad settings before anything is moved or measured."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if precision not in ("auto", *PRECISIONS):
         raise ValueError(f"precision must be 'auto', 'bf16', 'fp16' or 'fp32', got {precision!r}")
-    for name, v in (("channels_last", channels_last), ("compile", compile)):
+    for name, v in (("channels_last", channels_last), ("compile", compile), ("tf32", tf32),
+                    ("cudnn_benchmark", cudnn_benchmark)):
         if v not in ("auto", True, False):
             raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
     if strategy not in ("auto", "ddp", "fsdp", None, "none"):
@@ -688,10 +688,8 @@ def accelerate(
     The model returned can be given to `Trainer` as it is (or the `Accelerated` itself): the
     Trainer then uses these choices and does not measure again.
     """
-    _check_arguments(model, precision, channels_last, compile, strategy)
-    for name, v in (("tf32", tf32), ("cudnn_benchmark", cudnn_benchmark)):
-        if v not in ("auto", True, False):
-            raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
+    _check_arguments(model, precision, channels_last, compile, strategy, tf32, cudnn_benchmark)
+    fmt = BatchFormat.of(batch_format)
     untried = dict(untried or {})
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -707,7 +705,7 @@ def accelerate(
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
     cuda_switches = dev.type == "cuda" and example_batch is not None and "auto" in (tf32, cudnn_benchmark)
-    timer = (_StepTimer(example_batch, loss_fn, dev, trial_steps, BatchFormat.of(batch_format))
+    timer = (_StepTimer(example_batch, loss_fn, dev, trial_steps, fmt)
              if needs_trials or cuda_switches else None)
     with _leaving_no_trace(model) if timer is not None else contextlib.nullcontext():
         report.precision, report.channels_last, base_step = _choose_precision_and_layout(
@@ -732,7 +730,6 @@ def accelerate(
         wrapped = compiled if (compiled is not None and wrapped is model) else torch.compile(wrapped)
     scaler = torch.amp.GradScaler("cuda") if report.precision == "fp16" else None
     _log_choices(report.candidates, report.device)
-    fmt = BatchFormat.of(batch_format)
     _PREPARED[wrapped] = _Prepared(report, dev, scaler, weakref.ref(model),
                                    weakref.ref(optimizer) if optimizer is not None else None, fmt)
     return Accelerated(model=wrapped, optimizer=optimizer, report=report, device=dev, module=model, scaler=scaler,

@@ -124,19 +124,29 @@ def _read_record(path: str) -> dict[str, Any] | None:
 
 def _files_of(path: str) -> tuple[str, str]:
     """(base directory the record's file names are relative to, record file)."""
-    return (path, os.path.join(path, SHARDED_RECORD)) if os.path.isdir(path) else (os.path.dirname(path),
-                                                                                   path + ".json")
+    return (path if os.path.isdir(path) else os.path.dirname(path)), record_path(path)
+
+
+def _record(run_id: str | None, step: int | None, files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A checkpoint's record: its files' sizes and hashes (`_HashingWriter.entry`), its step and run."""
+    return {"format": RECORD_FORMAT, "run_id": run_id, "step": step,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+
+
+def _accepted(rec: dict[str, Any], name: str) -> list[Any]:
+    """The entries file `name` of a record may match: its own and, while `save_file` rewrites a
+    checkpoint under the same name, the previous bytes' (either verifies until the rename)."""
+    return [rec["files"][name]] + ([rec["previous"][name]] if name in rec.get("previous", {}) else [])
 
 
 def _sizes_match(path: str, rec: dict[str, Any]) -> bool:
     base, _ = _files_of(path)
-    for name, entry in rec["files"].items():
+    for name in rec["files"]:
         try:
             size = os.path.getsize(os.path.join(base, name))
         except OSError:
             return False
-        ok = [entry] + ([rec["previous"][name]] if name in rec.get("previous", {}) else [])
-        if not any(isinstance(e, dict) and e.get("bytes") == size for e in ok):
+        if not any(isinstance(e, dict) and e.get("bytes") == size for e in _accepted(rec, name)):
             return False
     return True
 
@@ -154,12 +164,12 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
             f"checkpoint {path!r} cannot be verified: its record {rec_file!r} is missing or unreadable (a write "
             "that was interrupted, or the file was copied without it); it may be corrupt, truncated or not a "
             "torchspeed checkpoint: resume from another one")
-    for name, entry in rec["files"].items():
+    for name in rec["files"]:
         file = os.path.join(base, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint {path!r} is incomplete: {file!r} is missing; resume from another one")
         got = _hash_file(file)
-        ok = [entry] + ([rec["previous"][name]] if name in rec.get("previous", {}) else [])
+        ok = _accepted(rec, name)
         if got not in ok:
             what = ("is truncated or was extended" if all(got["bytes"] != e.get("bytes") for e in ok)
                     else "is corrupt: its sha256 differs from the one recorded when it was written")
@@ -241,13 +251,10 @@ def save_file(path: str | os.PathLike, state: dict[str, Any]) -> None:
     path = os.fspath(path)
     name = os.path.basename(path)
     old = _read_record(path) if os.path.isfile(path) else None
-    record = {"format": RECORD_FORMAT, "run_id": state.get("run_id"), "step": state.get("global_step"),
-              "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": {}}
-    both = False
     with atomic_write(path, "wb") as f:
         w = _HashingWriter(f)
         torch.save(state, w)
-        record["files"][name] = w.entry()
+        record = _record(state.get("run_id"), state.get("global_step"), {name: w.entry()})
         both = old is not None and old["files"].get(name) not in (None, record["files"][name])
         # before the rename: old bytes and new both verify; with no file under the name yet, the record
         # alone lists nothing
@@ -334,9 +341,7 @@ def save_sharded(directory: str, step: int, model: torch.nn.Module, optimizer: A
                 rel = os.path.relpath(os.path.join(root, n), tmp)
                 if rel not in files:
                     files[rel] = _hash_file(os.path.join(root, n))
-        write_json(os.path.join(tmp, SHARDED_RECORD),
-                   {"format": RECORD_FORMAT, "run_id": state.get("run_id"), "step": step,
-                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files})
+        write_json(os.path.join(tmp, SHARDED_RECORD), _record(state.get("run_id"), step, files))
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -46,7 +46,7 @@ _LOG_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_acc", "lr", "sam
 class _MetricsLog:
     """Rows of metrics kept in memory and rewritten atomically to CSV or JSONL (by the extension)."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | os.PathLike | None):
         self.path = os.fspath(path) if path else None
         if self.path and not self.path.endswith((".csv", ".jsonl")):
             raise ValueError(f"log_path {self.path!r} must end in .csv or .jsonl")
@@ -170,17 +170,30 @@ def _epoch_line(row: dict[str, Any]) -> str:
     return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
 
 
+def _generator_of(loader: Any) -> torch.Generator | None:
+    """The loader's own torch.Generator (a DataLoader's shuffling draws from it), if it has one."""
+    gen = getattr(loader, "generator", None)
+    return gen if isinstance(gen, torch.Generator) else None
+
+
 def _own_rng(state: dict[str, Any], e: distributed.DistEnv) -> dict[str, Any]:
-    """The checkpoint's state with this rank's own generators when a world of this size wrote it;
-    otherwise as written (rank 0's: an epoch-end checkpoint may be resumed by any number of ranks)."""
+    """The checkpoint's state with this rank's generators where resuming reads them (`rng`, and
+    `epoch_start["rng"]` mid-epoch).
+
+    A checkpoint holds each rank's generators once, in `rng_ranks`; a world of the size that wrote it
+    takes its own entry, any other world rank 0's (only an epoch-end checkpoint may be resumed by
+    another number of ranks). Checkpoints of older versions also kept rank 0's at the top level:
+    those are used as written when the world differs."""
     ranks = state.get("rng_ranks") or []
     if len(ranks) != e.world_size:
-        return state
+        if "rng" in state or not ranks:
+            return state
+        ranks = ranks[:1] * e.world_size
     mine = ranks[e.rank]
-    state = dict(state, rng=mine["rng"])
-    if state.get("epoch_start") is not None and mine.get("epoch_start_rng") is not None:
-        state["epoch_start"] = dict(state["epoch_start"], rng=mine["epoch_start_rng"])
-    return state
+    start = state.get("epoch_start")
+    if start is not None and mine.get("epoch_start_rng") is not None:
+        start = dict(start, rng=mine["epoch_start_rng"])
+    return dict(state, rng=mine["rng"], epoch_start=start)
 
 
 def _check_agrees(acc: Accelerated, **given: Any) -> None:
@@ -288,7 +301,7 @@ class Trainer:
                 raise ValueError(f"callbacks must be torchspeed.train.Callback instances, got {type(cb).__name__}")
         self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
-        self.log = _MetricsLog(os.fspath(log_path) if log_path else None)
+        self.log = _MetricsLog(log_path)
         self.log_every_n_steps = max(1, int(log_every_n_steps))
         if not (isinstance(progress, bool) or callable(progress)):
             raise ValueError(f"progress must be True, False or a callable taking a text line, got {progress!r}")
@@ -336,8 +349,8 @@ class Trainer:
     def _example_batch(self, loader: Any) -> Any:
         """One batch for accelerate's trials, taken without moving any RNG or loader position."""
         saved = rng_state()
-        gen = getattr(loader, "generator", None)
-        gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
+        gen = _generator_of(loader)
+        gen_state = gen.get_state() if gen is not None else None
         lstate = loader.state_dict() if hasattr(loader, "load_state_dict") and hasattr(loader, "state_dict") else None
         try:
             it = iter(loader)
@@ -370,7 +383,7 @@ class Trainer:
 
     def prepare(self, loader: Iterable[Any], expected_steps: int | None = None) -> Accelerated:
         """Run accelerate() now (fit does it on first use): measure the "auto" settings on one batch."""
-        self._prepare(self._shard(loader) if self.dist.distributed else loader, expected_steps)
+        self._prepare(self._shard(loader), expected_steps)
         return self.acc
 
     def _shard(self, loader: Any) -> Any:
@@ -465,8 +478,9 @@ class Trainer:
     def state_dict(self, include_model: bool = True, rng_ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors and plain types only.
 
-        `rng_ranks`: every rank's generators (`save_checkpoint` gathers them from all ranks); by
-        default this process's only."""
+        `rng_ranks`: every rank's generators, now and at the epoch's start, one entry per rank (the
+        only place they are kept; `save_checkpoint` gathers them from all ranks); by default this
+        process's only."""
         epoch, done = self._position()
         loader = self._loader
         state: dict[str, Any] = {
@@ -475,11 +489,11 @@ class Trainer:
             "batches_done": done,
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
-            "rng": rng_state(),
             "rng_ranks": rng_ranks if rng_ranks is not None else [self._rng_of_this_rank()],
-            "generator": loader.generator.get_state()
-            if isinstance(getattr(loader, "generator", None), torch.Generator) else None,
-            "epoch_start": None if self._epoch_finished else self._epoch_start,
+            "generator": gen.get_state() if (gen := _generator_of(loader)) is not None else None,
+            # the loader's generator when this epoch's iterator was made (the RNG's: rng_ranks)
+            "epoch_start": None if self._epoch_finished or self._epoch_start is None
+            else {"generator": self._epoch_start["generator"]},
             "loader": loader.state_dict() if (loader is not None and not self._epoch_finished
                                                and hasattr(loader, "load_state_dict")) else None,
             "scaler": self.acc.scaler.state_dict() if self.acc.scaler is not None else None,
@@ -577,6 +591,9 @@ class Trainer:
         self._restore(path, ckpt.load_file(path))
 
     def _restore(self, path: str, state: dict[str, Any]) -> None:
+        if not state.get("rng_ranks") and "rng" not in state:
+            raise ValueError(f"checkpoint {path!r} holds no RNG state, so training cannot continue exactly from it "
+                             "(written by another version of torchspeed?); start a new run")
         if state.get("world_size", 1) != self.dist.world_size and state.get("epoch_start") is not None:
             raise ValueError(f"checkpoint {path!r} was written by {state['world_size']} processes mid-epoch; resume "
                              f"it with the same number ({self.dist.world_size} now), or from an epoch-end checkpoint")
@@ -608,8 +625,7 @@ class Trainer:
     def _epoch_iterator(self, loader: Any, epoch: int, resume: dict[str, Any] | None) -> Iterator[Any]:
         """This epoch's batches; on a mid-epoch resume, continue with the next unseen batch."""
         skip = self.batches_done if resume else 0
-        gen = getattr(loader, "generator", None)
-        gen = gen if isinstance(gen, torch.Generator) else None
+        gen = _generator_of(loader)
         if resume:
             if resume.get("loader") is not None and hasattr(loader, "load_state_dict"):
                 loader.load_state_dict(resume["loader"])  # a FastLoader knows its own position
@@ -627,8 +643,7 @@ class Trainer:
                 if resume.get("generator") is not None and gen is not None:
                     gen.set_state(resume["generator"])
         self._set_epoch(loader, epoch)
-        self._epoch_start = {"rng": rng_state(), "generator": loader.generator.get_state()
-                             if isinstance(getattr(loader, "generator", None), torch.Generator) else None}
+        self._epoch_start = {"rng": rng_state(), "generator": gen.get_state() if gen is not None else None}
         it = iter(loader)
         for i in range(skip):  # replay the batches already trained on (same order, same augmentation)
             try:
@@ -701,7 +716,6 @@ class Trainer:
             n_batches = None
         expected = max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None)
         self._prepare(loader, expected)
-        self.dist = distributed.env()
         self._resume_state = None
         if resume is not None:
             self._resume(resume)
