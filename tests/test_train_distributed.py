@@ -202,3 +202,23 @@ def test_rng_states_of_every_rank_round_trip_through_a_checkpoint(tmp_path):
     assert torch.equal(a, torch.rand(3))  # rank 1 continues with rank 1's generators, not rank 0's
     assert torch.equal(own["epoch_start"]["rng"]["torch"], other["epoch_start_rng"]["torch"])
     assert trainer_mod._own_rng(state, distributed.DistEnv(world_size=3, rank=1, local_rank=1)) is state
+
+
+def test_each_rank_finds_its_generators_in_the_one_copy_a_checkpoint_keeps():
+    from torchspeed.runtime import rng_state
+    from torchspeed.train import trainer as trainer_mod
+
+    torch.manual_seed(1)
+    r0 = {"rng": rng_state(), "epoch_start_rng": rng_state()}
+    torch.manual_seed(2)
+    r1 = {"rng": rng_state(), "epoch_start_rng": rng_state()}
+    state = {"rng_ranks": [r0, r1], "epoch_start": {"generator": None}}  # as state_dict() writes it now
+    assert "rng" not in state
+    own = trainer_mod._own_rng(state, distributed.DistEnv(world_size=2, rank=1, local_rank=1))
+    assert torch.equal(own["rng"]["torch"], r1["rng"]["torch"])
+    assert torch.equal(own["epoch_start"]["rng"]["torch"], r1["epoch_start_rng"]["torch"])
+    assert not torch.equal(r0["rng"]["torch"], r1["rng"]["torch"])
+    end = {"rng_ranks": [r0, r1], "epoch_start": None}  # epoch end: any number of ranks takes rank 0's
+    for rank in range(3):
+        own = trainer_mod._own_rng(end, distributed.DistEnv(world_size=3, rank=rank, local_rank=rank))
+        assert torch.equal(own["rng"]["torch"], r0["rng"]["torch"]) and own["epoch_start"] is None
