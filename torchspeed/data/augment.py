@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 __all__ = ["Box", "RandomResizedCropFlip", "ResizeCenterCrop", "SampleRandom", "sample_rng", "render", "render_tensor"]
 
 
-@dataclass(frozen=True)
-class Box:
-    """Region of the stored image to resize to the output (top, left, height, width), then flip or not."""
+class Box(NamedTuple):
+    """Region of the stored image to resize to the output (top, left, height, width), then flip or not.
+
+    A NamedTuple, not a frozen dataclass: one is made per sample, and a frozen dataclass's
+    __init__ (object.__setattr__ per field) costs about twice as much, with the GIL held."""
 
     top: int
     left: int
@@ -78,13 +80,16 @@ class RandomResizedCropFlip:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip_p: float = 0.5
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_log_r", (math.log(self.ratio[0]), math.log(self.ratio[1])))  # once, not per sample
+
     def box(self, height: int, width: int, rng: SampleRandom) -> Box:
         area = height * width
-        log_r = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        (s0, s1), (r0, r1) = self.scale, self._log_r  # type: ignore[attr-defined]
         flip = rng.random() < self.flip_p
         for _ in range(10):
-            target = area * rng.uniform(*self.scale)
-            aspect = math.exp(rng.uniform(*log_r))
+            target = area * rng.uniform(s0, s1)
+            aspect = math.exp(rng.uniform(r0, r1))
             w = int(round(math.sqrt(target * aspect)))
             h = int(round(math.sqrt(target / aspect)))
             if 0 < w <= width and 0 < h <= height:

@@ -40,12 +40,15 @@ class Record:
     label: int
 
 
-__all__ = ["Record", "Decoder", "BACKENDS", "available_backends", "get_decoder", "measure_backends", "choose_backend",
+__all__ = ["Record", "Decoder", "BACKENDS", "dct_factor", "available_backends", "get_decoder", "measure_backends", "choose_backend",
            "decode_record", "jpeg_size", "jpeg_info", "decode_jpeg_batch_cuda", "GPU_BACKENDS"]
 
 
-def _dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
-    """Largest libjpeg scale denominator (8, 4, 2, 1) that keeps the image >= (min_h, min_w)."""
+def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
+    """Largest libjpeg scale denominator (8, 4, 2, 1) that keeps the image >= (min_h, min_w).
+
+    Powers of two only: libjpeg-turbo has SIMD code for the 1/2, 1/4 and 1/8 IDCTs, not for
+    7/8..3/8, and a 7/8 decode measured 1.7x the time of a full one (docs/data.md)."""
     for s in (8, 4, 2):
         if -(-h // s) >= min_h and -(-w // s) >= min_w:
             return s
@@ -73,8 +76,9 @@ class SimpleJpegDecoder(Decoder):
         self.name = "simplejpeg-fast" if fast else "simplejpeg"
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+        # min_factor=2: a scale between 1/2 and 1 (7/8..5/8, no SIMD in libjpeg-turbo) decodes at full size instead
         return self._sj.decode_jpeg(buf, colorspace="RGB", fastdct=self.fast, fastupsample=self.fast,
-                                    min_height=min_h, min_width=min_w)
+                                    min_height=min_h, min_width=min_w, min_factor=2)
 
 
 class OpenCVDecoder(Decoder):
@@ -92,7 +96,7 @@ class OpenCVDecoder(Decoder):
         s = 1
         if min_h > 0 or min_w > 0:
             h, w = jpeg_size(buf)
-            s = _dct_factor(h, w, min_h, min_w)
+            s = dct_factor(h, w, min_h, min_w)
         img = cv2.imdecode(np.frombuffer(buf, np.uint8), self._flags[s])
         if img is None:
             raise ValueError("OpenCV could not decode the JPEG data")
@@ -147,7 +151,7 @@ class TurboJpegDecoder(Decoder):
         s = 1
         if min_h > 0 or min_w > 0:
             h, w = jpeg_size(buf)
-            s = _dct_factor(h, w, min_h, min_w)
+            s = dct_factor(h, w, min_h, min_w)
         return self._tj.decode(bytes(buf), pixel_format=self._fmt, scaling_factor=(1, s))
 
 
@@ -166,7 +170,7 @@ class NvjpegDecoder(Decoder):
             raise RuntimeError("nvjpeg needs a CUDA device (none here)")
         self.device = device
 
-    def decode_batch(self, buffers: Sequence[Any], names: Sequence[str] | None = None) -> list[Any]:
+    def decode_batch(self, buffers: Sequence[Any], names: Sequence[str] | Callable[[int], str] | None = None) -> list[Any]:
         return decode_jpeg_batch_cuda(buffers, self.device, names=names)
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:  # full size: no DCT scaling
@@ -341,7 +345,8 @@ def _nvjpeg(data: list[Any], device: Any) -> list[Any]:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
-def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda", names: Sequence[str] | None = None,
+def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
+                           names: Sequence[str] | Callable[[int], str] | None = None,
                            fallback: str = "simplejpeg") -> list[Any]:
     """Decode many JPEGs at once on the GPU with nvjpeg (torchvision.io.decode_jpeg, batched).
 
@@ -349,7 +354,8 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda", names: 
     for one image it cannot read, so one bad file does not cost the batch: the images nvjpeg cannot
     decode (or whose header is not a baseline/progressive grey or YCbCr JPEG) are decoded on the CPU
     (`fallback`, then PIL, which also reads CMYK and mislabelled PNGs) and copied to the device, with
-    a RuntimeWarning naming each one (`names[i]`, e.g. its file). Only an image that no decoder can
+    a RuntimeWarning naming each one (`names[i]`, e.g. its file; or `names(i)`, called only for such an
+    image, so that a batch without one builds no names). Only an image that no decoder can
     read raises a ValueError naming it. For pipelines that move decoding off a starved CPU onto the
     GPU (`fast_loader(decoder="nvjpeg")`); needs CUDA.
     """
@@ -357,9 +363,14 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda", names: 
 
     if not torch.cuda.is_available():
         raise ValueError("nvjpeg decoding needs a CUDA device; none is available here (use a CPU decoder)")
-    names = list(names) if names is not None else [f"image {i} of the batch" for i in range(len(buffers))]
-    if len(names) != len(buffers):
-        raise ValueError(f"got {len(names)} names for {len(buffers)} images")
+    if names is None:
+        name_of: Callable[[int], str] = lambda i: f"image {i} of the batch"  # noqa: E731
+    elif callable(names):
+        name_of = names
+    else:
+        if len(names) != len(buffers):
+            raise ValueError(f"got {len(names)} names for {len(buffers)} images")
+        name_of = names.__getitem__
     out: list[Any] = [None] * len(buffers)
     gpu = []
     for i, buf in enumerate(buffers):
@@ -379,7 +390,7 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda", names: 
             except Exception:
                 pass
     for i in [i for i, img in enumerate(out) if img is None]:
-        out[i] = _decode_on_cpu(buffers[i], names[i], fallback).to(device)
+        out[i] = _decode_on_cpu(buffers[i], name_of(i), fallback).to(device)
     return out
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
-from torchspeed.data.decode import GPU_BACKENDS, choose_backend, decode_jpeg_batch_cuda, get_decoder
+from torchspeed.data.decode import GPU_BACKENDS, dct_factor, choose_backend, decode_jpeg_batch_cuda, get_decoder
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.sources import DatasetSource, as_source, is_dataset_spec, sample_name, spec_for_tuning
 from torchspeed.data.threads import ThreadedBatches
@@ -59,9 +59,12 @@ class AugmentedDataset(Dataset):
         rec = self.source.record(index)
         box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
         if rec.kind == "jpeg":
-            # ask the decoder for just enough pixels: the box must still cover the output size
-            min_h = math.ceil(rec.height * self.size / box.height)
-            min_w = math.ceil(rec.width * self.size / box.width)
+            # ask the decoder for just enough pixels (the box must still cover the output size), at a
+            # power-of-two scale only: libjpeg-turbo's 7/8..3/8 scaled IDCTs have no SIMD code, and
+            # decoding at 7/8 measured 1.7x the time of a full decode (docs/data.md)
+            h, w = rec.height, rec.width
+            s = dct_factor(h, w, math.ceil(h * self.size / box.height), math.ceil(w * self.size / box.width))
+            min_h, min_w = (-(-h // s), -(-w // s)) if s > 1 else (0, 0)
             try:
                 img = get_decoder(self.decoder).decode(rec.payload, min_h, min_w)
             except Exception as e:  # truncated or corrupt JPEG data: the error names the file (or record)
@@ -92,8 +95,10 @@ class AugmentedDataset(Dataset):
         cropped and resized there (`render_tensor`); labels stay on the host (the prefetcher moves them)."""
         records = [self.source.record(index) for _, index in keys]
         jpegs = [j for j, rec in enumerate(records) if rec.kind == "jpeg"]
-        decoded = dict(zip(jpegs, decode_jpeg_batch_cuda([records[j].payload for j in jpegs], self.device,
-                                                         names=[sample_name(self.source, keys[j][1]) for j in jpegs])
+        def name(i: int) -> str:  # built only for an image nvjpeg cannot read (the fallback's warning)
+            return sample_name(self.source, keys[jpegs[i]][1])
+
+        decoded = dict(zip(jpegs, decode_jpeg_batch_cuda([records[j].payload for j in jpegs], self.device, names=name)
                                   if jpegs else []))
         images = torch.empty(self.batch_shape(len(keys)), dtype=torch.uint8, device=self.device)
         for j, ((epoch, index), rec) in enumerate(zip(keys, records)):
@@ -276,6 +281,7 @@ class FastLoader:
                 self.batches_done += 1
                 yield batch
         except ValueError as e:  # a bad sample in a worker process: its one-line message, not the worker's traceback
+            # parsed from the text: torch's ExceptionWrapper sends only the type and the formatted traceback
             text = str(e)
             if "Original Traceback" not in text:
                 raise

@@ -286,7 +286,7 @@ class PackedDataset:
         magic, code, channels, height, width, label = HEADER.unpack_from(raw)
         if magic != MAGIC or code not in ENCODINGS:
             raise ValueError(f"record {index} of store {self.path!r} has an unknown header; re-pack the store")
-        payload = raw[HEADER.size:]
+        payload = memoryview(raw)[HEADER.size:]  # no copy of the JPEG bytes (the decoders take any buffer)
         if ENCODINGS[code] == "raw":
             payload = np.frombuffer(payload, np.uint8).reshape(height, width, channels)
         return Record(ENCODINGS[code], payload, height, width, label)
