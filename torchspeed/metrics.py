@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from torchspeed.batches import BatchFormat, logits_of
+from torchspeed.batches import BatchFormat, logits_of, map_tensors
 
 __all__ = ["correct_top1", "top1_accuracy"]
 
@@ -43,8 +43,4 @@ def top1_accuracy(predict: Callable[[Any], Any], batches: Iterable[Any], limit: 
 
 def _head(x: Any, n: int) -> Any:
     """The first n samples of a batch part (a tensor, or a tuple/list/dict of them)."""
-    if isinstance(x, dict):
-        return {k: _head(v, n) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_head(v, n) for v in x)
-    return x[:n]
+    return map_tensors(lambda v: v[:n], x, leaf=object)

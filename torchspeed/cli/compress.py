@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchspeed.cli import (
-    add_json_option,
-    add_model_options,
-    build_model,
-    fraction,
-    int_tuple,
-    positive_int,
-)
+from torchspeed.cli import add_json_option, add_model_options, build_model, fraction, int_tuple, positive_int
 
 
 def _positive_float(text: str) -> float:

@@ -5,15 +5,7 @@ import argparse
 import os
 from typing import Any
 
-from torchspeed.cli import (
-    UserError,
-    add_json_option,
-    add_model_options,
-    build_model,
-    fraction,
-    int_tuple,
-    positive_int,
-)
+from torchspeed.cli import UserError, add_json_option, add_model_options, build_model, fraction, int_tuple, positive_int
 
 CALIB_BATCH, EVAL_BATCH = 32, 50
 

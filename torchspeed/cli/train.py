@@ -5,14 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from torchspeed.cli import (
-    UserError,
-    add_json_option,
-    add_model_options,
-    build_model,
-    fraction,
-    positive_int,
-)
+from torchspeed.cli import UserError, add_json_option, add_model_options, build_model, fraction, positive_int
 from torchspeed.cli.data import counts
 
 
