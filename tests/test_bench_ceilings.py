@@ -139,3 +139,26 @@ def test_budget_shares_what_is_left(monkeypatch):
     monkeypatch.delenv(budget.ENV)
     assert budget.seconds_for("train", True) < budget.seconds_for("train", False)
     assert sum(budget.QUICK_S.values()) <= 8 * 60 - 30  # the quick report's 8 minutes, less process start-ups
+
+
+def test_conv_bound_times_every_convolution_alone_and_counts_their_flops():
+    import torch
+
+    from torchspeed.bench.suites.train import _train_limit, conv_bound
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+    x = torch.randn(2, 3, 8, 8)
+    bound = conv_bound(model, x, ceiling_gflops=1.0, repeats=1)
+    assert bound["convolutions"] == 2
+    # FLOPs: forward 2*N*Cout*H*W*Cin*k*k per conv; backward wrt the weight (both) and the input (second only)
+    fwd = [2 * 2 * 8 * 64 * 3 * 9, 2 * 2 * 4 * 64 * 8 * 1]
+    expected = fwd[0] * 2 + fwd[1] * 3
+    assert bound["gflops"] * bound["seconds"] * 1e9 == pytest.approx(expected, rel=1e-6)
+    assert bound["pct_of_fp32_ceiling"] == pytest.approx(100 * bound["gflops"])
+    assert all(p.grad is None for p in model.parameters())  # timed without touching the model's gradients
+    profile = {"step_s": 1.0, "layout": "NCHW", "conv_bound": bound,
+               "categories": {"convolution forward": {"seconds": 0.6, "share_pct": 60.0, "gflops": 10.0}}}
+    rep = type("Rep", (), {"channels_last": False})()
+    why = _train_limit(5.0, 1e9, 100.0, profile, rep, "fp32")["why"]
+    assert "2 convolutions timed alone" in why and f"{bound['pct_of_fp32_ceiling']:.0f}%" in why

@@ -279,6 +279,47 @@ def step_profile(model: Any, opt: Any, x: Any, y: Any, per_op_flops: dict[str, f
     return out
 
 
+def conv_bound(model: Any, x: Any, ceiling_gflops: float | None, repeats: int = 3) -> dict[str, Any]:
+    """Every convolution of one step timed alone at the step's shapes (its own input, forward + backward),
+    summed: the rate a step would reach if every other op cost nothing, i.e. the most oneDNN's
+    convolutions allow at these shapes, whatever the rest of the step does."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torchspeed.measure import time_callable
+
+    seen: list[tuple[Any, Any]] = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: seen.append((mod, inp[0].detach())))
+             for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    seconds = flops = 0.0
+    for k, (conv, inp) in enumerate(seen):
+        inp = inp.clone().requires_grad_(k > 0)  # the first convolution's input (the batch) needs no gradient
+        weight = conv.weight.detach().requires_grad_()
+        wrt = [t for t in (inp, weight) if t.requires_grad]
+        with torch.no_grad():
+            grad = torch.randn_like(conv(inp))
+
+        # the module's own forward (its padding mode) on detached weights, not through the module: the
+        # model's gradients stay untouched and no module hooks run inside autograd.grad
+        def fwd_bwd(conv: Any = conv, inp: Any = inp, weight: Any = weight, wrt: list = wrt, grad: Any = grad) -> None:
+            torch.autograd.grad(conv._conv_forward(inp, weight, conv.bias), wrt, grad)
+
+        counter = FlopCounterMode(display=False)
+        with counter:
+            fwd_bwd()
+        flops += counter.get_total_flops()
+        seconds += time_callable(fwd_bwd, name=f"conv{k}", warmup=0, repeats=repeats).median_s  # warm: counted once
+    gflops = flops / seconds / 1e9 if seconds else 0.0
+    return {"convolutions": len(seen), "seconds": seconds, "gflops": gflops,
+            "pct_of_fp32_ceiling": 100 * gflops / ceiling_gflops if ceiling_gflops else None}
+
+
 def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: float | None = None) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
@@ -480,6 +521,9 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
         m, o = fresh(channels_last=rep.channels_last)
         x0 = batches[0][0].contiguous(memory_format=torch.channels_last if rep.channels_last else torch.contiguous_format)
         results["step_profile"] = dict(step_profile(m, o, x0, batches[0][1], per_op, fp32_ceiling), layout=layout)
+        if not quick or budget.allows(6 * step_s):
+            step("timing each convolution of the step alone (the bound oneDNN sets at these shapes)")
+            results["step_profile"]["conv_bound"] = conv_bound(m, x0, fp32_ceiling, repeats=1 if quick else 3)
     todo["profile"] = 0
     del fast, trainer_chunk
     chunks = None  # the stream over the fast loader goes with it (its threads and buffers)
@@ -588,4 +632,9 @@ def _train_limit(auto: float, flops: float, fp32_ceiling: float | None, profile:
                   + "; ".join(conv) + "; the ops without GEMM work (batch norm, ReLU, pooling, adds, optimizer, other) "
                   f"take {100 * rest / profile['step_s']:.0f}% of the time at ~0 FLOPs; accelerate() chose "
                   f"{precision}, channels_last={rep.channels_last}")
+    bound = profile.get("conv_bound")
+    if bound and bound.get("pct_of_fp32_ceiling") is not None:
+        lim["why"] += (f". Each of the {bound['convolutions']} convolutions timed alone at this step's shapes (forward + "
+                       f"backward) runs at {bound['gflops']:.0f} GFLOP/s together = {bound['pct_of_fp32_ceiling']:.0f}% "
+                       "of the ceiling: the most a step reaches even if every other op cost nothing")
     return lim
