@@ -19,3 +19,27 @@ def test_data_suite_quick_reports_the_issue_keys():
     assert all(r["what"].startswith("skipped: ") for r in result["rows"] if r["median"] is None)
     assert "scale" not in result  # the full report only
     assert [lim["goal"] for lim in result["limits"]][1].startswith(">= 2x DALI")
+
+
+def test_the_suite_counts_its_worker_processes_when_it_waits_for_quiet():
+    """The wait before each timed pass must see a DataLoader worker still busy: a child's CPU time counts."""
+    import subprocess
+    import sys
+    import time
+
+    from torchspeed.bench.suites.data import _cpu_seconds, _settle
+
+    before = _cpu_seconds()
+    if before is None:
+        pytest.skip("no /proc here: the suite does not wait")
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.3: pass\ntime.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while _cpu_seconds() - before < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _cpu_seconds() - before >= 0.25  # the child's 0.3 s of CPU, seen from the parent
+        assert _settle(max_s=1.0) < 5  # a sleeping child is quiet, and the wait is bounded
+    finally:
+        child.kill()
+        child.wait()

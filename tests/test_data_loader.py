@@ -371,3 +371,32 @@ def test_progress_is_a_bool_or_a_callable(tmp_path, capsys):
     packed = []
     pack(IndexDataset(40), tmp_path / "s", format="raw", num_workers=1, progress=packed.append)
     assert packed[-1] == "packed 40/40 samples"
+
+
+def test_the_loader_decodes_at_power_of_two_dct_scales_only(photo_store, photo_folder, monkeypatch):
+    """libjpeg-turbo's 7/8..5/8 scales have no SIMD code (a 7/8 decode measured 1.7x a full one): a box
+    that a 7/8 or 3/4 decode would still cover is decoded at full size, a smaller one at 1/2, 1/4, 1/8."""
+    from torchspeed.data import decode
+
+    real = get_decoder("simplejpeg")
+    seen = []
+
+    class Recording(decode.Decoder):
+        name = "simplejpeg"
+
+        def decode(self, buf, min_h=0, min_w=0):
+            img = real.decode(buf, min_h, min_w)
+            seen.append(((min_h, min_w), img.shape[:2]))
+            return img
+
+    monkeypatch.setitem(decode._INSTANCES, "simplejpeg", Recording())
+    for _ in _epoch(fast_loader(photo_store, 6, crop=24, device="cpu", num_workers=0, threads=1, seed=0,
+                                decoder="simplejpeg")):
+        pass
+    full = (64, 85)  # the store's images
+    allowed = {(0, 0): full, **{(-(-64 // s), -(-85 // s)): (-(-64 // s), -(-85 // s)) for s in (2, 4, 8)}}
+    assert seen and all(allowed.get(asked) == got for asked, got in seen), seen
+    assert {got for _, got in seen} == {full, (32, 43)}  # both full-size and 1/2-scale decodes happen here
+    data = open(os.path.join(photo_folder, "class_00", "img_000000.jpg"), "rb").read()  # 96x72
+    assert real.decode(data, 63, 84).shape[:2] == (72, 96)  # 7/8 would do: full size instead
+    assert real.decode(data, 36, 48).shape[:2] == (36, 48)

@@ -131,3 +131,28 @@ def test_only_host_tensors_are_pinned(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     assert not needs_pinning(images)  # pinned already (a DataLoader with pin_memory=True)
     assert device_tensors((images, labels, "x")) == [] and device_tensors(images) == []
+
+
+def test_names_are_built_only_for_an_image_that_falls_back(photo_store, fake_nvjpeg):
+    calls, rejected = fake_nvjpeg
+    asked = []
+
+    def name(i):
+        asked.append(i)
+        return f"file{i}.jpg"
+
+    buffers = [_jpeg(0), _jpeg(1), _jpeg(2)]
+    decode.decode_jpeg_batch_cuda(buffers, "cpu", names=name)
+    assert asked == []  # nvjpeg read them all: no name was needed
+    rejected.add(buffers[2])
+    with pytest.warns(RuntimeWarning, match=r"nvjpeg could not decode file2\.jpg"):
+        decode.decode_jpeg_batch_cuda(buffers, "cpu", names=name)
+    assert asked == [2]
+    with pytest.raises(ValueError, match="got 2 names for 3 images"):
+        decode.decode_jpeg_batch_cuda(buffers, "cpu", names=["a.jpg", "b.jpg"])
+    # the loader's batch path names a falling-back image by its record in the store
+    source = as_source(photo_store)
+    rejected.add(bytes(source.record(3).payload))
+    gpu = AugmentedDataset(source, ResizeCenterCrop(16), "nvjpeg", seed=0, device="cpu")
+    with pytest.warns(RuntimeWarning, match=r"nvjpeg could not decode record 3 of store"):
+        gpu.__getitems__([(0, 1), (0, 3)])
