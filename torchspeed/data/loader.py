@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
-from torchspeed.data.decode import GPU_BACKENDS, dct_factor, choose_backend, decode_jpeg_batch_cuda, get_decoder
+from torchspeed.data.decode import GPU_BACKENDS, choose_backend, dct_factor, decode_jpeg_batch_cuda, get_decoder
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.sources import DatasetSource, as_source, is_dataset_spec, sample_name, spec_for_tuning
 from torchspeed.data.threads import ThreadedBatches
@@ -95,6 +95,7 @@ class AugmentedDataset(Dataset):
         cropped and resized there (`render_tensor`); labels stay on the host (the prefetcher moves them)."""
         records = [self.source.record(index) for _, index in keys]
         jpegs = [j for j, rec in enumerate(records) if rec.kind == "jpeg"]
+
         def name(i: int) -> str:  # built only for an image nvjpeg cannot read (the fallback's warning)
             return sample_name(self.source, keys[jpegs[i]][1])
 
