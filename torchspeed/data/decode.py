@@ -17,8 +17,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,9 +28,10 @@ from torchspeed.measure import compare
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Record:
-    """One stored sample before decoding: `kind` is 'jpeg', 'raw' or 'array' (already decoded)."""
+class Record(NamedTuple):
+    """One stored sample before decoding: `kind` is 'jpeg', 'raw' or 'array' (already decoded).
+
+    A NamedTuple (one is made per sample read): half the cost of a frozen dataclass, with the GIL held."""
 
     kind: str
     payload: Any  # bytes-like for jpeg/raw, HWC uint8 ndarray for array
