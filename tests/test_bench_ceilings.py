@@ -160,5 +160,7 @@ def test_conv_bound_times_every_convolution_alone_and_counts_their_flops():
     profile = {"step_s": 1.0, "layout": "NCHW", "conv_bound": bound,
                "categories": {"convolution forward": {"seconds": 0.6, "share_pct": 60.0, "gflops": 10.0}}}
     rep = type("Rep", (), {"channels_last": False})()
-    why = _train_limit(5.0, 1e9, 100.0, profile, rep, "fp32")["why"]
-    assert "2 convolutions timed alone" in why and f"{bound['pct_of_fp32_ceiling']:.0f}%" in why
+    lim = _train_limit(5.0, 1e9, 100.0, profile, rep, "fp32")
+    # the bound is the faster of the convolutions' rate in the step (10 GFLOP/s = 10%) and alone
+    assert lim["bound_pct"] == pytest.approx(max(10.0, bound["gflops"]))  # GFLOP/s = % of a 100 GFLOP/s ceiling
+    assert "each of the 2 timed alone" in lim["why"] and f"about {lim['bound_pct']:.0f}%" in lim["why"]

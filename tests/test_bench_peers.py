@@ -85,3 +85,25 @@ def test_infer_hand_set_runtimes_timed_against_the_chosen_variant(monkeypatch):
     for c in comparisons:
         assert c["fastest_hand"] == "ONNX Runtime defaults" and c["chosen"] == "eager fp32"
         assert c["chosen_vs_fastest_hand"] == pytest.approx(c["chosen_ms"] / c["hand_ms"]["ONNX Runtime defaults"])
+
+
+def test_litdata_chatter_is_kept_aside_and_shown_only_on_failure(capfd):
+    import os
+    import subprocess
+    import sys
+
+    from torchspeed.bench.peers import _output_kept_aside
+
+    with _output_kept_aside():  # a worker process writing to the inherited descriptors, as litdata's do
+        subprocess.run([sys.executable, "-c", "import sys; print('advert'); print('progress', file=sys.stderr)"],
+                       check=True)
+    out, err = capfd.readouterr()
+    assert "advert" not in out + err and "progress" not in out + err
+    with pytest.raises(RuntimeError):
+        with _output_kept_aside():
+            os.write(1, b"why it failed\n")
+            raise RuntimeError("optimize failed")
+    out, err = capfd.readouterr()
+    assert "why it failed" in err
+    print("after")  # the descriptors are back
+    assert capfd.readouterr().out == "after\n"

@@ -231,8 +231,9 @@ def _int8_onnxruntime_qlinear(n: int) -> Callable[[], Any]:
     return lambda: sess.run(None, {"a": a})
 
 
-def _int8_openvino(n: int) -> Callable[[], Any]:
-    """A MatMul between FakeQuantize'd operands: OpenVINO's low-precision pass runs it as an int8 GEMM."""
+def _int8_openvino(n: int, conv: bool = False) -> Callable[[], Any]:
+    """A MatMul (or, `conv`, a 1x1 convolution, the kernel quantized CNNs run) between FakeQuantize'd
+    operands: OpenVINO's low-precision pass runs it as an int8 GEMM."""
     import numpy as np
     import openvino as ov
     import openvino.opset13 as ops
@@ -240,24 +241,27 @@ def _int8_openvino(n: int) -> Callable[[], Any]:
     from torchspeed.runtime import usable_cores
 
     rng = np.random.default_rng(0)
-    x = ops.parameter([n, n], np.float32, name="x")
+    shape = [1, n, 32, max(1, n // 32)] if conv else [n, n]
+    x = ops.parameter(shape, np.float32, name="x")
 
     def fq(node: Any, lo: float, hi: float, levels: int) -> Any:
         c = lambda v: ops.constant(np.array(v, dtype=np.float32))  # noqa: E731
         return ops.fake_quantize(node, c(lo), c(hi), c(lo), c(hi), levels)
 
-    w = ops.constant(rng.uniform(-1, 1, (n, n)).astype(np.float32))
-    y = ops.matmul(fq(x, 0.0, 2.55, 256), fq(w, -1.27, 1.27, 255), False, True)
+    w = ops.constant(rng.uniform(-1, 1, (n, n, 1, 1) if conv else (n, n)).astype(np.float32))
+    xq, wq = fq(x, 0.0, 2.55, 256), fq(w, -1.27, 1.27, 255)
+    y = ops.convolution(xq, wq, [1, 1], [0, 0], [0, 0], [1, 1]) if conv else ops.matmul(xq, wq, False, True)
     model = ov.Model([y], [x], "int8_gemm")
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": usable_cores(),
                                                       "PERFORMANCE_HINT": "LATENCY"})
     req = compiled.create_infer_request()
-    a = rng.uniform(0, 2.55, (n, n)).astype(np.float32)
+    a = rng.uniform(0, 2.55, shape).astype(np.float32)
     return lambda: req.infer({0: a})
 
 
 INT8_ROUTES = {"torch._int_mm": _int8_torch, "onnxruntime MatMulInteger": _int8_onnxruntime,
-               "onnxruntime QLinearMatMul": _int8_onnxruntime_qlinear, "openvino FakeQuantize MatMul": _int8_openvino}
+               "onnxruntime QLinearMatMul": _int8_onnxruntime_qlinear, "openvino FakeQuantize MatMul": _int8_openvino,
+               "openvino FakeQuantize 1x1 convolution": lambda n: _int8_openvino(n, conv=True)}
 
 
 def int8_gops(budget_s: float = 3.0) -> dict[str, Any]:

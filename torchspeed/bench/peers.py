@@ -99,12 +99,43 @@ def litdata_dir(folder: str, out: str) -> str:
 
     method = multiprocessing.get_start_method()
     try:
-        ld.optimize(fn=_litdata_item, inputs=list(samples), output_dir=tmp, chunk_bytes="16MB", num_workers=1)
+        with _output_kept_aside():
+            ld.optimize(fn=_litdata_item, inputs=list(samples), output_dir=tmp, chunk_bytes="16MB", num_workers=1)
         os.rename(tmp, out)
     finally:
         multiprocessing.set_start_method(method, force=True)  # optimize() switches the process to spawn
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+class _output_kept_aside:
+    """stdout and stderr of this process and of the workers it starts (file descriptors 1 and 2) written to
+    a temporary file: litdata.optimize prints an advert, progress bars and worker chatter into the report's
+    console. On an error they are written out after all, since there they may say why."""
+
+    def __enter__(self) -> None:
+        import sys
+        import tempfile
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile()
+        self.saved = [os.dup(1), os.dup(2)]
+        for fd in (1, 2):
+            os.dup2(self.file.fileno(), fd)
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+        if kind is not None:
+            self.file.seek(0)
+            os.write(2, self.file.read())
+        self.file.close()
 
 
 def _litdata_item(sample: tuple[str, int]) -> dict[str, Any]:

@@ -79,8 +79,8 @@ def _pct(row: dict[str, Any]) -> str:
     if not isinstance(p, (int, float)):
         return ""
     unit = {"decode": "img/s"}.get(row.get("ceiling", ""), "GOP/s" if row.get("ceiling") == "int8" else "GFLOP/s")
-    above = " - above the ceiling: it was measured at a busier moment; `torchspeed bench` on a quiet machine raises it" \
-        if p > 100 else ""
+    above = (" - above the ceiling: a ceiling is the fastest route timed on its reference GEMM, not a hard limit "
+             "(or it was timed at a busier moment: `--refresh-ceilings` on a quiet machine)") if p > 100 else ""
     return f"{p:.0f}% of {row['ceiling']} ({format_number(row.get('achieved'))} {unit}){above}"
 
 
