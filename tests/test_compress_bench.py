@@ -41,3 +41,12 @@ def test_half_width_student_has_half_the_channels():
     assert model.conv1.out_channels == 32 and model.layer4[0].conv1.out_channels == 256 and model.fc.in_features == 256
     assert model.fc.out_features == 10
     assert float(model.bn1.weight.detach().min()) == 1.0 and float(model.bn1.running_var.min()) == 1.0  # re-initialised
+
+
+def test_a_distillation_gain_between_students_at_chance_is_not_a_figure():
+    from torchspeed.bench.suites.compress import students_learned
+
+    at_chance = [{"alone": 0.1015, "distilled": 0.109}, {"alone": 0.098, "distilled": 0.12}]
+    assert not students_learned(at_chance, 10)
+    assert students_learned(at_chance + [{"alone": 0.11, "distilled": 0.31}], 10)
+    assert students_learned([{"alone": 0.3, "distilled": 0.3}], 2) is False  # 2 classes: chance is 0.5
