@@ -43,3 +43,15 @@ def test_the_suite_counts_its_worker_processes_when_it_waits_for_quiet():
     finally:
         child.kill()
         child.wait()
+
+
+def test_data_goal_splits_an_image_into_decode_other_cpu_and_idle_core_time():
+    from torchspeed.bench.suites.data import _data_limits
+
+    ceilings = {"items": {"decode_per_core": {"value": 8000.0, "route": "simplejpeg-fast"}}}
+    # 2 cores at 4,000 img/s = 500 core-us per image; decode 125 us; the loader used 300 CPU-us per image
+    lim = _data_limits(4000.0, {"dali_cpu": 1900.0}, 2, ceilings, threads=2, workers=0, cpu_us=300.0)[0]
+    assert lim["met"] is False and "25% of 16,000" in lim["measured"]
+    assert "500 core-us" in lim["why"] and "125 us (25%)" in lim["why"]
+    assert "175 us went to reading" in lim["why"] and "200 us of core time per image no loader thread used" in lim["why"]
+    assert "other processes" in _data_limits(4000.0, {}, 2, ceilings, 2, 0)[0]["why"]  # no CPU figure: the old split
