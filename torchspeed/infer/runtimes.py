@@ -381,7 +381,8 @@ class OrtRunner(Runner):
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep, not spin
+        # intra-op threads spin between ops (ONNX Runtime's default): turned off, MobileNetV3-Small at batch 1
+        # measured 1.31x slower on a 2-core CPU (4.13 vs 3.16 ms), ResNet-18 1.03x
         opts.log_severity_level = 3
         self.session = ort.InferenceSession(path, opts, providers=requested)
         self.active = list(self.session.get_providers())

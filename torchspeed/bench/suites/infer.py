@@ -141,7 +141,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     backends = ["torch", "onnxruntime", "openvino", "tensorrt"] + ([] if quick else ["torch.compile"])
     rows: list[dict[str, Any]] = []
     results: dict[str, Any] = {}
-    notes = [f"{usable_cores()} threads for every runtime; ONNX Runtime spinning off; p50 of "
+    notes = [f"{usable_cores()} threads for every runtime; p50 of "
              f"{3 if quick else 7} interleaved repeats",
              f"ResNet-18: trained demo model, held-out top-1 {demo.accuracy:.3f} (fp32) on {n_eval} images; "
              "MobileNetV3-Small / ViT-Tiny: random init, guarded by output agreement (rel. L2 <= 0.1)"]
