@@ -132,6 +132,9 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONFAULTHANDLER"] = "1"  # a native crash in the child prints where it happened
     env["PYTHONUNBUFFERED"] = "1"
+    # torch.profiler's Kineto logs every start/stop (and, on a CUDA build without a GPU, an ERROR line) to
+    # the console; the report has its own progress lines. A user's own setting wins.
+    env.setdefault("KINETO_LOG_LEVEL", "6")  # above USDT (5): Kineto prints nothing
     return env
 
 
