@@ -22,8 +22,10 @@ def test_compress_suite_end_to_end_on_a_tiny_fake_demo(monkeypatch):
         monkeypatch.setattr(suite, name, value)
     steps = []
     result = suite.run(quick=True, progress=steps.append)
-    for key in ("prune_speedup", "prune_metric_drop", "kd_gain", "kd_gain_std"):
+    for key in ("prune_speedup", "prune_metric_drop") + (("kd_gain", "kd_gain_std") if result["kd"]["learned"] else ()):
         assert isinstance(result[key], float) and math.isfinite(result[key]), key
+    if not result["kd"]["learned"]:  # students at chance on random images: no gain is reported as a figure
+        assert result["kd_gain"] is None and any("no figure" in n for n in result["notes"])
     runs = result["kd"]["runs"]
     assert len(runs) == 2 and all(r["gain"] == pytest.approx(r["distilled"] - r["alone"]) for r in runs)
     assert result["kd"]["setup"]["precision"] in ("fp32", "bf16")

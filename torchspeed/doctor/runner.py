@@ -249,7 +249,8 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     if steps is not None and steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     measure_fixes = try_fixes is not None and try_fixes is not False
-    requested = list(try_fixes) if measure_fixes and try_fixes is not True else None  # None: what the findings call for
+    # None (also for True or an empty list): the fixes the findings call for
+    requested = (list(try_fixes) or None) if measure_fixes and try_fixes is not True else None
     if measure_fixes:
         if steps is not None and steps < 3:
             raise ValueError(f"--try needs --steps >= 3 (one warm-up step and at least two measured), got {steps}")

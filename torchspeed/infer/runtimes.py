@@ -6,8 +6,9 @@ JSON manifest that `torchspeed.infer.load` reads back. Runtimes are imported laz
 is reported by `available_backends()`, never fatal.
 
 Thread settings are explicit for every runtime (the same core count for all, so they compare fairly),
-and ONNX Runtime's worker threads do not spin-wait after a run, so they cannot steal the cores of
-the next contender. OpenVINO's precision hint is always set: on CPUs with bf16 instructions it would
+and ONNX Runtime's intra-op threads spin between ops as by its default (measured faster for small
+models; `measure.compare` pauses between contenders so a spinning runtime does not take the next one's
+cores). OpenVINO's precision hint is always set: on CPUs with bf16 instructions it would
 otherwise silently run an "fp32" model in bf16.
 """
 from __future__ import annotations

@@ -234,6 +234,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
         f"(top-1 <= {max(alone + dist):.3f}), so their difference is noise; `torchspeed bench compress` trains longer",
     ]
     return {
-        "prune_speedup": speedup, "prune_metric_drop": drop, "prune_speedup_batched": p["batched"]["speedup"], "kd_gain": kd["kd_gain"], "kd_gain_std": kd["kd_gain_std"],
+        "prune_speedup": speedup, "prune_metric_drop": drop, "prune_speedup_batched": p["batched"]["speedup"], "kd_gain": kd["kd_gain"] if kd["learned"] else None,
+        "kd_gain_std": kd["kd_gain_std"] if kd["learned"] else None,
         "prune": p, "kd": kd, "rows": rows, "notes": notes, "suite_seconds": time.perf_counter() - t0,
     }

@@ -183,11 +183,14 @@ def _cpu_seconds() -> float | None:
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+                # utime, stime, and cutime, cstime: workers that exited and were reaped count in their parent
+                total += sum(int(v) for v in fields[11:15]) / tick
                 for task in os.listdir(f"/proc/{pid}/task"):
                     with open(f"/proc/{pid}/task/{task}/children") as f:
                         todo.extend(f.read().split())
             except (FileNotFoundError, ProcessLookupError):
+                if pid == str(os.getpid()):
+                    return None  # no /proc/PID/task/*/children (kernel without CONFIG_PROC_CHILDREN): workers unseen
                 continue  # a child that just exited
     except OSError:
         return None
