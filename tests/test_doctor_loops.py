@@ -239,20 +239,25 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # two torch processes start: ~25 s on 2 busy cores
-@pytest.mark.timeout(180)
-def test_ddp_under_torchrun_gloo_cpu(tmp_path):
+def _doctor_under_torchrun(tmp_path, script_text: str) -> dict:
+    """`torchspeed doctor --steps 4 -- torchrun --standalone --nproc-per-node 2 SCRIPT`: its JSON report."""
     from torchspeed.cli import main
 
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
+    script = tmp_path / "train.py"
+    script.write_text(script_text)
     code = main(["doctor", "--steps", "4", "--json", str(tmp_path / "d.json"), "--", "torchrun", "--standalone",
                  "--nproc-per-node", "2", str(script)])
     assert code == 0
     d = json.loads((tmp_path / "d.json").read_text())
-    assert d["steps"] == 4 and d["settings"]["parallel"] == "DistributedDataParallel"
+    assert d["steps"] == 4 and d["ranks"] == 2
     assert d["steady"]["phases"]["forward"] > 0 and d["steady"]["phases"]["backward"] > 0
-    assert d["ranks"] == 2
+    return d
+
+
+@pytest.mark.slow  # two torch processes start: ~25 s on 2 busy cores
+@pytest.mark.timeout(180)
+def test_ddp_under_torchrun_gloo_cpu(tmp_path):
+    assert _doctor_under_torchrun(tmp_path, DDP_SCRIPT)["settings"]["parallel"] == "DistributedDataParallel"
 
 
 FSDP_SCRIPT = DDP_SCRIPT.replace(
@@ -265,16 +270,7 @@ FSDP_SCRIPT = DDP_SCRIPT.replace(
 @pytest.mark.slow  # two torch processes start: ~25 s on 2 busy cores
 @pytest.mark.timeout(180)
 def test_fsdp_under_torchrun_gloo_cpu(tmp_path):
-    from torchspeed.cli import main
-
-    script = tmp_path / "fsdp.py"
-    script.write_text(FSDP_SCRIPT)
-    code = main(["doctor", "--steps", "4", "--json", str(tmp_path / "d.json"), "--", "torchrun", "--standalone",
-                 "--nproc-per-node", "2", str(script)])
-    assert code == 0
-    d = json.loads((tmp_path / "d.json").read_text())
-    assert d["steps"] == 4 and d["settings"]["parallel"] == "FSDP" and d["ranks"] == 2
-    assert d["steady"]["phases"]["forward"] > 0 and d["steady"]["phases"]["backward"] > 0
+    assert _doctor_under_torchrun(tmp_path, FSDP_SCRIPT)["settings"]["parallel"] == "FSDP"
 
 
 def test_torchrun_command_starts_every_worker_through_the_bootstrap(tmp_path):
