@@ -27,19 +27,19 @@ def test_the_suite_counts_its_worker_processes_when_it_waits_for_quiet():
     import sys
     import time
 
-    from torchspeed.bench.suites.data import _cpu_seconds, _settle
+    from torchspeed.measure import process_tree_cpu_seconds, wait_until_quiet
 
-    before = _cpu_seconds()
+    before = process_tree_cpu_seconds()
     if before is None:
         pytest.skip("no /proc here: the suite does not wait")
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
                               "while time.process_time() - t < 0.3: pass\ntime.sleep(60)"])
     try:
         deadline = time.monotonic() + 30
-        while _cpu_seconds() - before < 0.25 and time.monotonic() < deadline:
+        while process_tree_cpu_seconds() - before < 0.25 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _cpu_seconds() - before >= 0.25  # the child's 0.3 s of CPU, seen from the parent
-        assert _settle(max_s=1.0) < 5  # a sleeping child is quiet, and the wait is bounded
+        assert process_tree_cpu_seconds() - before >= 0.25  # the child's 0.3 s of CPU, seen from the parent
+        assert wait_until_quiet(max_s=1.0) < 5  # a sleeping child is quiet, and the wait is bounded
     finally:
         child.kill()
         child.wait()
@@ -55,3 +55,20 @@ def test_data_goal_splits_an_image_into_decode_other_cpu_and_idle_core_time():
     assert "500 core-us" in lim["why"] and "125 us (25%)" in lim["why"]
     assert "175 us went to reading" in lim["why"] and "200 us of core time per image no loader thread used" in lim["why"]
     assert "other processes" in _data_limits(4000.0, {}, 2, ceilings, 2, 0)[0]["why"]  # no CPU figure: the old split
+
+
+def test_time_breakdown_example_runs_on_a_small_store(tmp_path):
+    """docs/examples/data_time_breakdown.py reads loader internals: it must keep running as they change."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torchspeed.data import make_photo_folder, pack
+
+    folder = make_photo_folder(str(tmp_path / "photos"), n_images=40, size=(120, 90))
+    pack(folder, str(tmp_path / "store"), short_side=64, format="jpeg", quality=90, progress=False)
+    script = Path(__file__).resolve().parents[1] / "docs" / "examples" / "data_time_breakdown.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "store"), "--crop", "32", "--batch", "8",
+                          "--images", "32"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "decode" in out.stdout

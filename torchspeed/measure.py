@@ -13,12 +13,14 @@ Rules it enforces, so figures compare like with like:
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Timing", "Comparison", "PeakMemory", "time_callable", "time_iterable", "compare"]
+__all__ = ["Timing", "Comparison", "PeakMemory", "time_callable", "time_iterable", "compare", "process_tree_cpu_seconds",
+           "wait_until_quiet"]
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -313,3 +315,49 @@ def compare(
         for c in contenders
     ]
     return Comparison(timings=timings, baseline=baseline)
+
+
+def process_tree_cpu_seconds() -> float | None:
+    """CPU seconds used so far by this process and its live descendants (Linux /proc; None elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total, todo, seen = 0.0, [str(os.getpid())], set()
+    try:
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                # utime, stime, and cutime, cstime: workers that exited and were reaped count in their parent
+                total += sum(int(v) for v in fields[11:15]) / tick
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo.extend(f.read().split())
+            except (FileNotFoundError, ProcessLookupError):
+                if pid == str(os.getpid()):
+                    return None  # no /proc/PID/task/*/children (kernel without CONFIG_PROC_CHILDREN): workers unseen
+                continue  # a child that just exited
+    except OSError:
+        return None
+    return total
+
+
+def wait_until_quiet(max_s: float = 3.0, window_s: float = 0.2, quiet_cores: float = 0.25) -> float:
+    """Wait (at most `max_s`) until this process and its children use under `quiet_cores` cores; the seconds waited.
+
+    Why: a data loader left after its pass still has its prefetched batches in the making (torchvision's
+    tuned loader: 2 workers x prefetch 2 = 4 batches, ~0.5 s of both cores on 2 cores), and that work
+    would land in the next contender's timed pass."""
+    t0 = time.perf_counter()
+    last = process_tree_cpu_seconds()
+    if last is None:
+        return 0.0
+    while time.perf_counter() - t0 < max_s:
+        time.sleep(window_s)
+        now = process_tree_cpu_seconds()
+        if now is None or now - last < quiet_cores * window_s:
+            break
+        last = now
+    return time.perf_counter() - t0

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -170,52 +169,6 @@ def _why(e: BaseException) -> str:
     return str(e) if isinstance(e, PeerMissing) else f"failed here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def _cpu_seconds() -> float | None:
-    """CPU seconds used so far by this process and its live descendants (Linux /proc; None elsewhere)."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total, todo, seen = 0.0, [str(os.getpid())], set()
-    try:
-        while todo:
-            pid = todo.pop()
-            if pid in seen:
-                continue
-            seen.add(pid)
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                # utime, stime, and cutime, cstime: workers that exited and were reaped count in their parent
-                total += sum(int(v) for v in fields[11:15]) / tick
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{task}/children") as f:
-                        todo.extend(f.read().split())
-            except (FileNotFoundError, ProcessLookupError):
-                if pid == str(os.getpid()):
-                    return None  # no /proc/PID/task/*/children (kernel without CONFIG_PROC_CHILDREN): workers unseen
-                continue  # a child that just exited
-    except OSError:
-        return None
-    return total
-
-
-def _settle(max_s: float = 3.0, window_s: float = 0.2, quiet_cores: float = 0.25) -> float:
-    """Wait (at most `max_s`) until this process and its children use under `quiet_cores` cores; the seconds waited.
-
-    Why: a DataLoader left after its pass still has its prefetched batches in the making (torchvision's
-    tuned loader: 2 workers x prefetch 2 = 4 batches, ~0.5 s of both cores here), and that work
-    would land in the next contender's timed pass, or in torchspeed's tuning windows."""
-    t0 = time.perf_counter()
-    last = _cpu_seconds()
-    if last is None:
-        return 0.0
-    while time.perf_counter() - t0 < max_s:
-        time.sleep(window_s)
-        now = _cpu_seconds()
-        if now is None or now - last < quiet_cores * window_s:
-            break
-        last = now
-    return time.perf_counter() - t0
-
-
 def _scale_folder(src: str, n: int) -> str:
     """A cached ImageFolder of `n` images: symlinks cycling over the demo photos of `src` (each file a distinct
     entry, so packing and loading do the full work per image; building it costs no image generation)."""
@@ -274,7 +227,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
     from torchspeed.args import progress_fn
     from torchspeed.bench import ceilings as ceil
     from torchspeed.bench.budget import Budget
-    from torchspeed.measure import time_iterable
+    from torchspeed.measure import process_tree_cpu_seconds, time_iterable, wait_until_quiet
     from torchspeed.data import fast_loader, pack, tune_loader
     from torchspeed.data.demo import demo_folder
     from torchspeed.runtime import describe, usable_cores
@@ -334,7 +287,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
             add("baseline_resized", plain(resized, w_resized),
                 f"the same tuned loader (num_workers={w_resized}) on a folder resized offline to short side {SHORT_SIDE}")
         say("torchspeed: choosing decoder and num_workers (measured)")
-        settled = _settle()  # the tuned torchvision workers finish their prefetch before the tuning windows
+        settled = wait_until_quiet()  # the tuned torchvision workers finish their prefetch before the tuning windows
         ts_loader = fast_loader(store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
                                 tune_seconds=tune_s)
         settings, decoder, decoder_table = ts_loader.settings, ts_loader.decoder, ts_loader.decoder_table
@@ -365,10 +318,10 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
         for r in range(3):
             for name, (loader, _, _) in contenders.items():
                 say(f"round {r + 1}/3: {name} ({pass_s:.1f} s pass)")
-                settled += _settle()  # the previous contender's background prefetch is not this one's time
-                cpu0 = _cpu_seconds()
+                settled += wait_until_quiet()  # the previous contender's background prefetch is not this one's time
+                cpu0 = process_tree_cpu_seconds()
                 t = time_iterable(lambda: loader, name=name, warmup_items=1, passes=1, min_pass_s=pass_s, unit="img")
-                cpu1 = _cpu_seconds()
+                cpu1 = process_tree_cpu_seconds()
                 if name == "torchspeed" and cpu0 is not None and cpu1 is not None:
                     # CPU time the loader's threads/workers used, warm-up item included (a small overestimate)
                     cpu_us.append(1e6 * (cpu1 - cpu0) / max(1.0, sum(t.items) + 1))
