@@ -10,7 +10,7 @@ import torch
 import torchvision
 from torch import nn
 
-from torchspeed.models import arch_spec, create, default_input_shape, load_weights, parse_kwargs, spec_of
+from torchspeed.models import ModelSpec, create, default_input_shape, load_weights, parse_kwargs, spec_of
 
 USER_MODEL = '''
 import torch
@@ -53,7 +53,7 @@ def test_torchvision_and_timm_names():
 def test_user_file_factory(user_file):
     model = create(f"{user_file}:make_tiny", num_classes=5)
     assert type(model).__name__ == "TinyNet" and model.fc.out_features == 5
-    assert spec_of(model) == {"source": "file", "name": f"{user_file}:make_tiny", "kwargs": {"num_classes": 5}}
+    assert spec_of(model) == ModelSpec("file", f"{user_file}:make_tiny", {"num_classes": 5})
     # a class works as a factory too, and the spec rebuilds the same architecture
     cls_model = create(f"{user_file}:TinyNet", width=6)
     assert create(spec_of(cls_model)).conv.out_channels == 6
@@ -62,7 +62,7 @@ def test_user_file_factory(user_file):
 def test_user_module_factory(user_file, monkeypatch):
     monkeypatch.syspath_prepend(str(user_file.parent))
     monkeypatch.delitem(sys.modules, "my_models", raising=False)
-    assert arch_spec("my_models:make_tiny")["source"] == "module"
+    assert ModelSpec.parse("my_models:make_tiny").source == "module"
     assert create("my_models:make_tiny").fc.out_features == 3
 
 
@@ -147,3 +147,20 @@ def test_a_module_spec_imports_from_the_current_directory(tmp_path, monkeypatch)
         load_callable("no_such_mod_xyz:f", what="dataset")
     with pytest.raises(ValueError, match="not a dataset factory"):
         load_callable("resnet18", what="dataset")
+
+
+def test_model_spec_round_trips_through_json_and_rejects_malformed_entries():
+    import json
+
+    spec = ModelSpec.parse("resnet18", num_classes=4)
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert create(spec).fc.out_features == 4
+    assert spec.from_library and not spec.runs_user_code
+    for bad in (None, {"source": "pickle", "name": "x"}, {"source": "timm", "name": 3},
+                {"source": "module", "name": "a:b", "kwargs": []}):
+        with pytest.raises(ValueError, match="manifest.json names no architecture"):
+            ModelSpec.from_dict(bad, where="manifest.json")
+
+
+def test_spec_of_is_none_for_a_model_built_elsewhere():
+    assert spec_of(nn.Linear(2, 2)) is None

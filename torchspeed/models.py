@@ -7,8 +7,9 @@ A model spec is one of
   `factory` is a class or a function returning an `nn.Module`.
 
 Models are randomly initialised (nothing is downloaded); `weights=` fills them from a state-dict file,
-read with `torch.load(weights_only=True)`. The spec is recorded on the model (`spec_of`) so a saved torch
-artifact can rebuild the architecture and load its weights without unpickling any code.
+read with `torch.load(weights_only=True)`. A spec resolves to a `ModelSpec` value, which `create`
+records on the model (`spec_of`) so a saved torch artifact can rebuild the architecture and load its
+weights without unpickling any code.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-__all__ = ["create", "arch_spec", "spec_of", "load_weights", "parse_kwargs", "default_input_shape", "HOW_TO_NAME"]
+__all__ = ["ModelSpec", "create", "spec_of", "load_weights", "parse_kwargs", "default_input_shape", "HOW_TO_NAME"]
 
 HOW_TO_NAME = ("name a torchvision model (resnet18), a timm model (timm:NAME), or your own architecture as "
                "package.module:factory or path/to/file.py:factory")
@@ -51,41 +54,79 @@ def is_factory_spec(spec: str) -> bool:
     return where.endswith(".py") or all(part.isidentifier() for part in where.split("."))
 
 
-def arch_spec(spec: str, **kwargs: Any) -> dict[str, Any]:
-    """Resolve a model spec to {'source', 'name', 'kwargs'} without building it.
+SOURCES = ("torchvision", "timm", "module", "file")
+_SPEC_ATTR = "_torchspeed_spec"  # where `create` records the spec on a model; read through spec_of
 
-    `source` is 'torchvision', 'timm', 'module' or 'file'. Unknown names raise ValueError with close
-    matches ("did you mean").
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"a model spec must be a non-empty string, got {spec!r}: {HOW_TO_NAME}")
-    spec = spec.strip()
-    if is_factory_spec(spec):
-        where, _, factory = spec.rpartition(":")
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise FileNotFoundError(f"model file {where!r} (from {spec!r}) does not exist")
-            return {"source": "file", "name": f"{os.path.abspath(where)}:{factory}", "kwargs": kwargs}
-        return {"source": "module", "name": spec, "kwargs": kwargs}
-    if spec.endswith((".py", ".pt", ".pth", ".pt2", ".onnx", ".ckpt", ".safetensors")) or os.sep in spec:
-        raise ValueError(f"{spec!r} is a file, not a model spec: {HOW_TO_NAME}; weights go in a separate "
-                         "state-dict file (weights=... / --weights)")
-    source, _, name = spec.rpartition(":")
-    source = {"tv": "torchvision"}.get(source.lower(), source.lower())
-    if source not in ("", "torchvision", "timm"):
-        raise ValueError(f"unknown model source {source!r} in {spec!r}: {HOW_TO_NAME}")
-    tv = _torchvision_names()
-    if source in ("", "torchvision") and name in tv:
-        return {"source": "torchvision", "name": name, "kwargs": kwargs}
-    timm = _timm() if source in ("", "timm") else None
-    if timm is not None and timm.is_model(name):
-        return {"source": "timm", "name": name, "kwargs": kwargs}
-    if source == "timm" and timm is None:
-        raise ImportError(f"{spec!r} needs timm: pip install 'torchspeed[compress]'")
-    known = sorted(set(tv) | (set(timm.list_models()) if timm is not None else set()))
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise ValueError(f"unknown model {spec!r}: {HOW_TO_NAME}{hint}")
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build an architecture: its source ('torchvision', 'timm', 'module' or 'file'), its name
+    (a file spec's path made absolute) and the constructor's keyword arguments. JSON-safe through
+    `to_dict`/`from_dict`, which is how saved artifacts and pruned folders name their architecture."""
+
+    source: str
+    name: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str, **kwargs: Any) -> ModelSpec:
+        """Resolve a spec string without building the model. Unknown names raise ValueError with close
+        matches ("did you mean")."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"a model spec must be a non-empty string, got {spec!r}: {HOW_TO_NAME}")
+        spec = spec.strip()
+        if is_factory_spec(spec):
+            where, _, factory = spec.rpartition(":")
+            if where.endswith(".py"):
+                if not os.path.isfile(where):
+                    raise FileNotFoundError(f"model file {where!r} (from {spec!r}) does not exist")
+                return cls("file", f"{os.path.abspath(where)}:{factory}", kwargs)
+            return cls("module", spec, kwargs)
+        if spec.endswith((".py", ".pt", ".pth", ".pt2", ".onnx", ".ckpt", ".safetensors")) or os.sep in spec:
+            raise ValueError(f"{spec!r} is a file, not a model spec: {HOW_TO_NAME}; weights go in a separate "
+                             "state-dict file (weights=... / --weights)")
+        source, _, name = spec.rpartition(":")
+        source = {"tv": "torchvision"}.get(source.lower(), source.lower())
+        if source not in ("", "torchvision", "timm"):
+            raise ValueError(f"unknown model source {source!r} in {spec!r}: {HOW_TO_NAME}")
+        tv = _torchvision_names()
+        if source in ("", "torchvision") and name in tv:
+            return cls("torchvision", name, kwargs)
+        timm = _timm() if source in ("", "timm") else None
+        if timm is not None and timm.is_model(name):
+            return cls("timm", name, kwargs)
+        if source == "timm" and timm is None:
+            raise ImportError(f"{spec!r} needs timm: pip install 'torchspeed[compress]'")
+        known = sorted(set(tv) | (set(timm.list_models()) if timm is not None else set()))
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown model {spec!r}: {HOW_TO_NAME}{hint}")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "the manifest") -> ModelSpec:
+        """The spec a saved file names; anything but {'source', 'name', 'kwargs'} of the right types is a
+        ValueError naming `where`."""
+        if (not isinstance(data, dict) or data.get("source") not in SOURCES or not isinstance(data.get("name"), str)
+                or not isinstance(data.get("kwargs", {}), dict)):
+            raise ValueError(f"{where} names no architecture: expected {{'source': one of {', '.join(SOURCES)}, "
+                             f"'name': str, 'kwargs': dict}}, got {data!r}")
+        return cls(data["source"], data["name"], dict(data.get("kwargs", {})))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "name": self.name, "kwargs": dict(self.kwargs)}
+
+    @property
+    def runs_user_code(self) -> bool:
+        """Building it imports the user's own code (a module or a file), not a library's."""
+        return self.source in ("module", "file")
+
+    @property
+    def from_library(self) -> bool:
+        return self.source in ("torchvision", "timm")
+
+    def with_kwargs(self, **kwargs: Any) -> ModelSpec:
+        """The same architecture with `kwargs` added (they win over the spec's own)."""
+        return ModelSpec(self.source, self.name, {**self.kwargs, **kwargs})
 
 
 def load_callable(spec: str, what: str = "model") -> Any:
@@ -94,12 +135,12 @@ def load_callable(spec: str, what: str = "model") -> Any:
     if not isinstance(spec, str) or not is_factory_spec(spec.strip()):
         raise ValueError(f"{spec!r} is not a {what} factory: name it as package.module:factory or "
                          "path/to/file.py:factory")
-    return _user_factory(arch_spec(spec.strip()), what)
+    return _user_factory(ModelSpec.parse(spec.strip()), what)
 
 
-def _user_factory(spec: dict[str, Any], what: str = "model") -> Any:
-    where, _, factory = spec["name"].rpartition(":")
-    if spec["source"] == "file":
+def _user_factory(spec: ModelSpec, what: str = "model") -> Any:
+    where, _, factory = spec.name.rpartition(":")
+    if spec.source == "file":
         mod_name = f"_torchspeed_user_{abs(hash(where))}"
         module = sys.modules.get(mod_name)
         if module is None:
@@ -119,7 +160,7 @@ def _user_factory(spec: dict[str, Any], what: str = "model") -> Any:
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as e:
-            raise ValueError(f"cannot import module {where!r} for {what} {spec['name']!r} ({e}); is it "
+            raise ValueError(f"cannot import module {where!r} for {what} {spec.name!r} ({e}); is it "
                              "installed, on PYTHONPATH, or in the current directory?") from None
     fn = getattr(module, factory, None)
     if fn is None or not callable(fn):
@@ -130,41 +171,41 @@ def _user_factory(spec: dict[str, Any], what: str = "model") -> Any:
     return fn
 
 
-def create(spec: str | dict[str, Any], *, weights: str | None = None, **kwargs: Any) -> nn.Module:
-    """A model from a spec (see the module docstring) or an `arch_spec` dict, in eval mode.
+def create(spec: str | ModelSpec, *, weights: str | None = None, **kwargs: Any) -> nn.Module:
+    """A model from a spec string (see the module docstring) or a `ModelSpec`, in eval mode.
 
     `kwargs` go to the constructor (e.g. `num_classes=10`); `weights` is a state-dict file.
     """
-    spec = arch_spec(spec, **kwargs) if isinstance(spec, str) else {**spec, "kwargs": {**spec.get("kwargs", {}), **kwargs}}
-    kw = spec.get("kwargs", {})
-    source = spec["source"]
-    if source == "torchvision":
+    spec = ModelSpec.parse(spec, **kwargs) if isinstance(spec, str) else spec.with_kwargs(**kwargs)
+    kw = dict(spec.kwargs)
+    if spec.source == "torchvision":
         import torchvision
 
-        model = torchvision.models.get_model(spec["name"], weights=None, **kw)
-    elif source == "timm":
+        model = torchvision.models.get_model(spec.name, weights=None, **kw)
+    elif spec.source == "timm":
         timm = _timm()
         if timm is None:
-            raise ImportError(f"timm:{spec['name']} needs timm: pip install 'torchspeed[compress]'")
-        model = timm.create_model(spec["name"], pretrained=False, **kw)
-    elif source in ("module", "file"):
+            raise ImportError(f"timm:{spec.name} needs timm: pip install 'torchspeed[compress]'")
+        model = timm.create_model(spec.name, pretrained=False, **kw)
+    elif spec.runs_user_code:
         try:
             model = _user_factory(spec)(**kw)
         except TypeError as e:
-            raise ValueError(f"calling {spec['name']}(**{kw}) failed: {e}") from None
+            raise ValueError(f"calling {spec.name}(**{kw}) failed: {e}") from None
         if not isinstance(model, nn.Module):
-            raise ValueError(f"{spec['name']} returned a {type(model).__name__}, not a torch.nn.Module")
+            raise ValueError(f"{spec.name} returned a {type(model).__name__}, not a torch.nn.Module")
     else:
-        raise ValueError(f"unknown model source {source!r}")
+        raise ValueError(f"unknown model source {spec.source!r}")
     if weights is not None:
         load_weights(model, weights)
-    model._torchspeed_arch = spec  # lets torch-runtime artifacts record how to rebuild it
+    setattr(model, _SPEC_ATTR, spec)  # lets torch-runtime artifacts record how to rebuild it
     return model.eval()
 
 
-def spec_of(model: nn.Module) -> dict[str, Any] | None:
+def spec_of(model: nn.Module) -> ModelSpec | None:
     """The spec a model was built from by `create`, or None for a model built some other way."""
-    return getattr(model, "_torchspeed_arch", None)
+    spec = getattr(model, _SPEC_ATTR, None)
+    return spec if isinstance(spec, ModelSpec) else None
 
 
 def load_weights(model: nn.Module, path: str) -> nn.Module:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "FLOAT_PRECISIONS",
     "PRECISIONS",
     "PrecisionChoice",
     "cache_dir",
@@ -187,14 +188,17 @@ def start_helper_threads(target: Callable[[int], None], count: int, name: str,
     return threads
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # the spelling every API, table and command uses (int8 is infer's)
+# The one precision vocabulary, spelled so in every API, table, command and JSON file. Training and
+# autocast take the floating ones; inference adds int8 (quantized weights and activations).
+FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = (*FLOAT_PRECISIONS, "int8")
 
 
 def precision_dtype(name: str) -> torch.dtype:
     """The floating dtype of a precision name ('fp32', 'bf16', 'fp16')."""
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if name not in dtypes:
-        raise ValueError(f"unknown precision {name!r}: use one of {', '.join(PRECISIONS)}")
+        raise ValueError(f"unknown precision {name!r}: use one of {', '.join(FLOAT_PRECISIONS)}")
     return dtypes[name]
 
 

@@ -38,13 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbosity.add_argument("-q", "--quiet", action="store_true", help="show warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"torchspeed.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"torchspeed.cli.{name}":
-                continue  # that area has not landed yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"torchspeed.cli.{name}").register(sub)
     return parser
 
 
@@ -185,12 +179,11 @@ def build_model(spec: str, args: argparse.Namespace, **defaults: object) -> obje
     `defaults` (e.g. num_classes) apply to torchvision/timm models; the user's own factory gets only
     what --model-kwargs says. --model-kwargs wins over defaults.
     """
-    from torchspeed.models import arch_spec, create, parse_kwargs
+    from torchspeed.models import ModelSpec, create, parse_kwargs
 
     kwargs = parse_kwargs(getattr(args, "model_kwargs", None))
-    resolved = arch_spec(spec)  # resolved once; create() takes the resolved spec
-    library = resolved["source"] in ("torchvision", "timm")
-    kw = {**({k: v for k, v in defaults.items() if v is not None} if library else {}), **kwargs}
+    resolved = ModelSpec.parse(spec)  # resolved once; create() takes the resolved spec
+    kw = {**({k: v for k, v in defaults.items() if v is not None} if resolved.from_library else {}), **kwargs}
     return create(resolved, weights=getattr(args, "weights", None), **kw)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torchspeed.args import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import compare
+from torchspeed.models import ModelSpec
 
 __all__ = ["PruneReport", "PruneResult", "prune", "output_layers", "IMPORTANCES", "save_pruned", "load_pruned"]
 
@@ -248,10 +249,10 @@ _SIZE_ATTRS: dict[type, tuple[str, ...]] = {
 }
 
 
-def save_pruned(model: nn.Module, directory: str, spec: dict[str, Any], report: PruneReport | None = None) -> None:
+def save_pruned(model: nn.Module, directory: str, spec: ModelSpec, report: PruneReport | None = None) -> None:
     """Write a pruned model as `model.pt` (its state dict: tensors only) and `pruned.json` (the
     architecture spec and every resized layer's size), so `load_pruned` rebuilds it without pickle.
-    `spec` is `torchspeed.models.spec_of(original)` or `arch_spec(...)` of the unpruned model."""
+    `spec` is `torchspeed.models.spec_of(original)` or `ModelSpec.parse(...)` of the unpruned model."""
     import os
 
     from torchspeed.atomic import atomic_write, write_json
@@ -262,7 +263,7 @@ def save_pruned(model: nn.Module, directory: str, spec: dict[str, Any], report: 
     with atomic_write(os.path.join(directory, "model.pt"), "wb") as f:
         torch.save(model.state_dict(), f)
     write_json(os.path.join(directory, "pruned.json"),
-               {"spec": spec, "sizes": sizes, "report": report.to_dict() if report else None})
+               {"spec": spec.to_dict(), "sizes": sizes, "report": report.to_dict() if report else None})
 
 
 def load_pruned(directory: str) -> nn.Module:
@@ -278,7 +279,7 @@ def load_pruned(directory: str) -> nn.Module:
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        spec, sizes = meta["spec"], meta["sizes"]
+        spec, sizes = ModelSpec.from_dict(meta["spec"], where=meta_path), meta["sizes"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{meta_path}: not a pruned model written by torchspeed ({e}); run `torchspeed prune` "
                          "again") from None
@@ -287,7 +288,7 @@ def load_pruned(directory: str) -> nn.Module:
     modules = dict(model.named_modules())
     for name, attrs in sizes.items():
         if name not in modules:
-            raise ValueError(f"{meta_path}: layer {name!r} is not in {spec.get('name', spec)}; the architecture "
+            raise ValueError(f"{meta_path}: layer {name!r} is not in {spec.name}; the architecture "
                              "changed since pruning")
         for attr, value in attrs.items():
             setattr(modules[name], attr, tuple(value) if isinstance(value, list) else value)

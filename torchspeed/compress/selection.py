@@ -20,7 +20,7 @@ from torchspeed.args import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import compare
 from torchspeed.models import HOW_TO_NAME, create
-from torchspeed.runtime import PRECISIONS, default_precision, resolve_device
+from torchspeed.runtime import FLOAT_PRECISIONS, default_precision, resolve_device
 from torchspeed.tables import print_table
 
 __all__ = ["BackboneTiming", "SelectResult", "select_backbone"]
@@ -155,10 +155,10 @@ def select_backbone(
     if precision == "auto":
         mixed = default_precision(dev).name
         precisions = ["fp32"] + ([mixed] if mixed != "fp32" else [])
-    elif precision in PRECISIONS:
+    elif precision in FLOAT_PRECISIONS:
         precisions = [precision]
     else:
-        raise ValueError(f"precision must be 'auto', {', '.join(repr(p) for p in PRECISIONS)}, got {precision!r}")
+        raise ValueError(f"precision must be 'auto', {', '.join(repr(p) for p in FLOAT_PRECISIONS)}, got {precision!r}")
     say = progress_fn(progress)
 
     x = torch.randn(shape, device=dev)

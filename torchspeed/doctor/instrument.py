@@ -712,9 +712,9 @@ PATCHES: tuple[AttrPatch | HookPatch, ...] = (
 
 def _precision_name(dtype: Any) -> str:
     """fp32 / bf16 / fp16 for a floating dtype (the package's precision spelling), else the dtype's name."""
-    from torchspeed.runtime import PRECISIONS, precision_dtype
+    from torchspeed.runtime import FLOAT_PRECISIONS, precision_dtype
 
-    return {precision_dtype(p): p for p in PRECISIONS}.get(dtype, str(dtype).replace("torch.", ""))
+    return {precision_dtype(p): p for p in FLOAT_PRECISIONS}.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def _hotspots(prof: Any, n: int = 15) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from torchspeed.batches import map_tensors
-from torchspeed.runtime import PRECISIONS, precision_dtype
+from torchspeed.runtime import FLOAT_PRECISIONS, precision_dtype
 
 __all__ = ["PrecisionModel", "to_precision", "output_error"]
 
@@ -26,8 +26,8 @@ class PrecisionModel(nn.Module):
 
     def __init__(self, model: nn.Module, precision: str = "bf16", mode: str = "autocast", channels_last: bool = False):
         super().__init__()
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision not in FLOAT_PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(FLOAT_PRECISIONS)}, got {precision!r}")
         if mode not in ("autocast", "weights"):
             raise ValueError(f"mode must be 'autocast' or 'weights', got {mode!r}")
         self.precision, self.mode, self.channels_last = precision, mode, channels_last

@@ -27,6 +27,7 @@ from torch import nn
 from torchspeed.atomic import publish_files, write_json
 from torchspeed.batches import BatchFormat, map_tensors, to_device
 from torchspeed.infer.precision import as_fp32
+from torchspeed.models import ModelSpec, spec_of
 from torchspeed.runtime import usable_cores
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "available_backends", "build_torch_module",
@@ -138,10 +139,10 @@ class TorchRunner(Runner):
     so it needs a model built by `torchspeed.models.create` (or the CLI)."""
 
     def __init__(self, model: nn.Module, recipe: dict[str, Any], threads: int | None = None,
-                 arch: dict[str, Any] | None = None, batch_format: BatchFormat | dict | None = None):
+                 arch: ModelSpec | None = None, batch_format: BatchFormat | dict | None = None):
         self.source = model
         self.recipe = dict(recipe)
-        self.arch = arch if arch is not None else getattr(model, "_torchspeed_arch", None)
+        self.arch = arch if arch is not None else spec_of(model)
         self.backend = "torch.compile" if recipe.get("compile") else "torch"
         self.precision = recipe.get("precision", "fp32")
         self.threads = threads or usable_cores()
@@ -182,7 +183,7 @@ class TorchRunner(Runner):
 
         def write(tmp: str) -> None:
             torch.save(state, os.path.join(tmp, "weights.pt"))
-            self._write_manifest(tmp, {"file": "weights.pt", "arch": self.arch, "recipe": self.recipe,
+            self._write_manifest(tmp, {"file": "weights.pt", "arch": self.arch.to_dict(), "recipe": self.recipe,
                                        "threads": self.threads, "device": str(self.device)})
 
         return self._publish(directory, write)
@@ -200,16 +201,14 @@ class TorchRunner(Runner):
         """
         from torchspeed.models import create
 
-        arch = manifest.get("arch")
-        if not isinstance(arch, dict) or "source" not in arch or "name" not in arch:
-            raise ValueError(f"the torch artifact in {directory!r} names no architecture (manifest 'arch' is {arch!r})")
+        arch = ModelSpec.from_dict(manifest.get("arch"), where=f"the torch artifact in {directory!r}")
         if not isinstance(manifest.get("recipe"), dict):
             raise ValueError(f"the torch artifact in {directory!r} is damaged: its manifest has no recipe")
         if model is None:
-            if arch["source"] in ("module", "file") and not trust_code:
+            if arch.runs_user_code and not trust_code:
                 raise ValueError(
-                    f"the torch artifact in {directory!r} was built from your own code ({arch['source']} "
-                    f"{arch['name']!r}); loading it would import that code, so it is not done on the manifest's "
+                    f"the torch artifact in {directory!r} was built from your own code ({arch.source} "
+                    f"{arch.name!r}); loading it would import that code, so it is not done on the manifest's "
                     "word. Build the model yourself and pass it: ts.infer.load(dir, model=my_model) (on the "
                     "command line: give the spec and --weights DIR/weights.pt), or pass trust_code=True if "
                     "you trust this directory")

@@ -41,6 +41,7 @@ from torchspeed.args import as_list, progress_fn
 from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
 from torchspeed.infer.export import OnnxGraph
 from torchspeed.infer.precision import as_fp32, output_error
+from torchspeed.models import ModelSpec, spec_of
 from torchspeed.infer.runtimes import (
     Runner,
     TorchRunner,
@@ -50,12 +51,11 @@ from torchspeed.infer.runtimes import (
 from torchspeed.runtime import default_precision, usable_cores
 
 __all__ = ["optimize", "OptimizeResult", "VariantResult", "Variant", "VARIANTS", "Machine", "ModelFacts",
-           "BuildContext", "OnnxExport", "BACKENDS", "PRECISIONS"]
+           "BuildContext", "OnnxExport", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "torch.compile", "onnxruntime", "onnxruntime-cuda", "openvino", "tensorrt")
-PRECISIONS = (*runtime.PRECISIONS, "int8")
 BASELINE = "eager fp32"
 NO_CALIBRATION = "no calibration data (pass calib_data for INT8)"
 
@@ -285,7 +285,7 @@ class BuildContext:
     model: nn.Module | None  # None when optimizing an ONNX file
     example: Any             # the model's inputs: a tensor, or a dict / tuple of tensors
     threads: int
-    arch: dict[str, Any] | None
+    arch: ModelSpec | None
     workdir: str
     onnx: OnnxExport
     calib_data: Iterable[Any] | None = None
@@ -685,7 +685,7 @@ def optimize(
     repeats: int = 5,
     min_time_s: float = 0.05,
     extra_candidates: dict[str, Callable[[Any], Any]] | None = None,
-    arch: dict[str, Any] | None = None,
+    arch: ModelSpec | None = None,
     measure: bool = True,
     progress: bool | Callable[[str], None] = False,
 ) -> OptimizeResult:
@@ -745,7 +745,7 @@ def optimize(
         raise ValueError(f"device {device} was asked for but torch sees no CUDA device")
     if exact_tol is None:
         exact_tol = exact_tolerance(device)
-    request = _Request(_resolve(backends, BACKENDS, "backend"), _resolve(precisions, PRECISIONS, "precision"))
+    request = _Request(_resolve(backends, BACKENDS, "backend"), _resolve(precisions, runtime.PRECISIONS, "precision"))
     facts = ModelFacts(linear_heavy=graph.linear_heavy if graph else _linear_heavy(model),
                        calibrated=calib_data is not None, calibration=calibration, onnx_file=graph is not None)
     if request.precisions is not None and "int8" in request.precisions and calib_data is None and not facts.linear_heavy:
@@ -786,13 +786,13 @@ def _search(model: nn.Module | OnnxGraph, example_input: Any, calib_data: Iterab
             facts: ModelFacts, batch_sizes: tuple[int, ...], objective: str, *, calibration: str,
             max_calib_samples: int, max_output_error: float, exact_tol: float, exporter: str, threads: int,
             repeats: int, min_time_s: float, extra_candidates: dict[str, Callable[[Any], Any]] | None,
-            arch: dict[str, Any] | None, measure: bool, report: Callable[[str], None], fmt: BatchFormat,
+            arch: ModelSpec | None, measure: bool, report: Callable[[str], None], fmt: BatchFormat,
             device: torch.device) -> OptimizeResult:
     """`optimize` once its arguments are checked and torch's thread count is set."""
     graph = model if isinstance(model, OnnxGraph) else None
     onnx_path = graph.path if graph else None
     if graph is None:
-        arch = arch if arch is not None else getattr(model, "_torchspeed_arch", None)
+        arch = arch if arch is not None else spec_of(model)
         if module_device(model) != device:
             import copy
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from torchspeed.batches import BatchFormat, to_device
 from torchspeed.runtime import (
-    PRECISIONS,
+    FLOAT_PRECISIONS,
     default_precision,
     ensure_cublas_workspace,
     precision_dtype,
@@ -329,7 +329,7 @@ def _check_arguments(model: Any, precision: str, channels_last: Any, compile: An
     """Refuse bad settings before anything is moved or measured."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if precision not in ("auto", *PRECISIONS):
+    if precision not in ("auto", *FLOAT_PRECISIONS):
         raise ValueError(f"precision must be 'auto', 'bf16', 'fp16' or 'fp32', got {precision!r}")
     for name, v in (("channels_last", channels_last), ("compile", compile), ("tf32", tf32),
                     ("cudnn_benchmark", cudnn_benchmark)):
@@ -548,9 +548,9 @@ def _agree_across_ranks(report: AccelerateReport, model: nn.Module) -> None:
         return -1 if v is None else int(v)
 
     p_idx, cl, co, tf, cb = distributed.broadcast_ints(
-        [PRECISIONS.index(report.precision), int(report.channels_last), int(report.compile), code(report.tf32),
+        [FLOAT_PRECISIONS.index(report.precision), int(report.channels_last), int(report.compile), code(report.tf32),
          code(report.cudnn_benchmark)])
-    report.precision, report.channels_last, report.compile = PRECISIONS[p_idx], bool(cl), bool(co)
+    report.precision, report.channels_last, report.compile = FLOAT_PRECISIONS[p_idx], bool(cl), bool(co)
     report.tf32, report.cudnn_benchmark = (None if tf < 0 else bool(tf)), (None if cb < 0 else bool(cb))
     _apply_tf32(report.tf32)
     _apply_cudnn_benchmark(report.cudnn_benchmark)

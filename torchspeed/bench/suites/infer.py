@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from torchspeed.models import ModelSpec
+
 TITLE = "Inference: latency per variant at 224x224 (ms, lower is better), ratio vs eager fp32"
 
 # bench row -> optimize variant name (the order of the table)
@@ -150,7 +152,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     limits: list[dict[str, Any]] = []
     for name, make in _models(quick):
         say(f"{name}: building and verifying variants")
-        arch = {"source": "torchvision", "name": "resnet18", "kwargs": {"num_classes": 10}} if make is None else None
+        arch = ModelSpec("torchvision", "resnet18", {"num_classes": 10}) if make is None else None
         model = demo.model if make is None else make()
         flops = flops_per_image(model, size)
         example = torch.randn(1, 3, size, size)
