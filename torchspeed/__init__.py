@@ -6,7 +6,23 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on first use
+    from torchspeed import (
+        batches,
+        bench,
+        compress,
+        data,
+        doctor,
+        images,
+        infer,
+        measure,
+        metrics,
+        models,
+        runtime,
+        train,
+    )
 
 __version__ = "0.1.0"
 __all__ = ["runtime", "measure", "models", "batches", "metrics", "images", "data", "train", "infer", "compress",
