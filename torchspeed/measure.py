@@ -8,7 +8,10 @@ Rules it enforces, so figures compare like with like:
   (OpenMP, ONNX Runtime, oneDNN) go idle instead of stealing cores from the next contender;
 - peak memory: on CUDA `max_memory_allocated` (reset per contender, synchronised); on Linux CPU the
   process's peak RSS, reset per contender through /proc/self/clear_refs, so one contender's peak
-  cannot leak into the next.
+  cannot leak into the next;
+- a busy machine is noticed, not hidden: `compare` records how many cores other processes used while
+  it timed (`Comparison.others_cores`, from /proc/stat less this process tree), and `busy_warning`
+  words it for a report.
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Timing", "Comparison", "PeakMemory", "time_callable", "time_iterable", "compare", "process_tree_cpu_seconds",
-           "wait_until_quiet"]
+__all__ = ["Timing", "Comparison", "PeakMemory", "OthersLoad", "time_callable", "time_iterable", "compare",
+           "process_tree_cpu_seconds", "machine_busy_cpu_seconds", "busy_warning", "wait_until_quiet"]
+
+BUSY_CORES = 0.3  # other processes using more than this many cores while we time: the figures may be off
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -88,6 +93,7 @@ class Comparison:
 
     timings: list[Timing]
     baseline: str
+    others_cores: float | None = None  # cores other processes used while timing (None: not measurable here)
 
     def __getitem__(self, name: str) -> Timing:
         for t in self.timings:
@@ -104,6 +110,7 @@ class Comparison:
             "baseline": self.baseline,
             "timings": [t.to_dict() for t in self.timings],
             "speedup": {t.name: self.speedup(t.name) for t in self.timings},
+            "others_cores": self.others_cores,
         }
 
     def __str__(self) -> str:
@@ -295,6 +302,7 @@ def compare(
         peaks[cname] = t.peak_mem_bytes
         time.sleep(cooldown_s)
     times: dict[str, list[float]] = {c: [] for c in contenders}
+    others = OthersLoad()
     for _ in range(repeats):
         for cname, fn in contenders.items():
             t0 = time.perf_counter()
@@ -314,7 +322,7 @@ def compare(
         )
         for c in contenders
     ]
-    return Comparison(timings=timings, baseline=baseline)
+    return Comparison(timings=timings, baseline=baseline, others_cores=others.cores())
 
 
 def process_tree_cpu_seconds() -> float | None:
@@ -361,3 +369,42 @@ def wait_until_quiet(max_s: float = 3.0, window_s: float = 0.2, quiet_cores: flo
             break
         last = now
     return time.perf_counter() - t0
+
+
+def machine_busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes of the machine have spent busy (Linux /proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    guest = sum(fields[8:10]) if len(fields) > 9 else 0  # already counted in user and nice
+    return (sum(fields) - idle - guest) / tick
+
+
+class OthersLoad:
+    """How many cores processes other than this one and its children use from now on: the machine's
+    busy CPU time less this process tree's, over the wall time. Started on construction."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._machine0 = machine_busy_cpu_seconds()
+        self._own0 = process_tree_cpu_seconds()
+
+    def cores(self) -> float | None:
+        """Average cores used by other processes since construction (None where /proc cannot tell)."""
+        machine, own = machine_busy_cpu_seconds(), process_tree_cpu_seconds()
+        wall = time.perf_counter() - self._t0
+        if None in (machine, own, self._machine0, self._own0) or wall < 0.05:
+            return None
+        return max(0.0, ((machine - self._machine0) - (own - self._own0)) / wall)
+
+
+def busy_warning(others_cores: float | None) -> str | None:
+    """One sentence for a report when other processes shared the cores while we timed, else None."""
+    if others_cores is None or others_cores <= BUSY_CORES:
+        return None
+    return (f"the machine was busy: other processes used {others_cores:.1f} of {os.cpu_count()} cores while this "
+            "was timed, so these figures may be off; measure again on a quiet machine")
