@@ -39,7 +39,7 @@ def test_auto_rules_for_tuples_known_pairs_and_hf_dicts():
     assert target is None and inputs["input_ids"] is x
 
 
-def test_split_batch_still_refuses_an_unlabelled_dict():
+def test_split_batch_refuses_a_dict_without_a_label():
     with pytest.raises(ValueError, match="label key"):
         split_batch({"pixel_values": torch.zeros(1)})
 

@@ -1,11 +1,13 @@
 """Ceilings: cached per machine (round trip, another machine or version ignored), a ceiling keeps the best
 measurement, rows' % of ceiling arithmetic, the int8 route chosen among those that work, time windows."""
+import dataclasses
 import json
 import time
 
 import pytest
 
 from torchspeed.bench import budget, ceilings
+from torchspeed.bench.rows import Row
 
 MACHINE = {"cpu": "Test CPU", "arch": "x86_64", "cores": 2, "isa": {"avx2": True}, "gpus": [], "torch": "2.14.1",
            "torch_threads": 2, "python": "3.11"}
@@ -63,20 +65,20 @@ def test_get_reads_the_cache_and_refresh_keeps_the_best(cache, monkeypatch):
 
 def test_pct_of_ceiling_arithmetic():
     c = _ceilings()
-    train = {"median": 28.7, "unit": "samples/s", "ceiling": "fp32", "flops_per_item": 3.57e9}
+    train = Row(median=28.7, unit="samples/s", ceiling="fp32", flops_per_item=3.57e9)
     assert ceilings.achieved(train) == pytest.approx(28.7 * 3.57)
     assert ceilings.pct_of_ceiling(train, c) == pytest.approx(100 * 28.7 * 3.57 / 150)    # ~68%
-    infer = {"median": 63.0, "unit": "ms", "batch": 8, "ceiling": "int8", "flops_per_item": 3.64e9}
+    infer = Row(median=63.0, unit="ms", batch=8, ceiling="int8", flops_per_item=3.64e9)
     assert ceilings.pct_of_ceiling(infer, c) == pytest.approx(100 * (8 / 0.063) * 3.64 / 555)
-    data = {"median": 2435.0, "unit": "img/s", "ceiling": "decode"}
+    data = Row(median=2435.0, unit="img/s", ceiling="decode")
     assert ceilings.pct_of_ceiling(data, c) == pytest.approx(100 * 2435 / 5740)
-    assert ceilings.pct_of_ceiling(dict(data, ceiling="bf16"), c) is None       # no such ceiling measured
-    assert ceilings.pct_of_ceiling(dict(data, median=None), c) is None          # a skipped row
-    assert ceilings.pct_of_ceiling(dict(data, median=float("nan")), c) is None
-    assert ceilings.pct_of_ceiling({"median": 5.0, "unit": "ms", "ceiling": "fp32"}, c) is None  # no batch
+    assert ceilings.pct_of_ceiling(dataclasses.replace(data, ceiling="bf16"), c) is None  # no such ceiling measured
+    assert ceilings.pct_of_ceiling(dataclasses.replace(data, median=None), c) is None     # a skipped row
+    assert ceilings.pct_of_ceiling(dataclasses.replace(data, median=float("nan")), c) is None
+    assert ceilings.pct_of_ceiling(Row(median=5.0, unit="ms", ceiling="fp32"), c) is None  # no batch
     assert ceilings.pct_of_ceiling(data, None) is None
 
-    results = {"data": {"rows": [data, {"median": 1.0, "unit": "img/s"}]}, "design": {"rows": [{"median": 2.0}]}}
+    results = {"data": {"rows": [data.to_dict(), {"median": 1.0, "unit": "img/s"}]}, "design": {"rows": [{"median": 2.0}]}}
     ceilings.annotate(results, c)
     assert results["data"]["rows"][0]["pct_of_ceiling"] == pytest.approx(42.42, abs=0.01)
     assert "pct_of_ceiling" not in results["data"]["rows"][1] and "pct_of_ceiling" not in results["design"]["rows"][0]

@@ -3,6 +3,7 @@ still run; each peer is run at its best measured count."""
 import sys
 
 import pytest
+from helpers import tiny_convnet
 
 from torchspeed.bench import peers
 
@@ -30,10 +31,10 @@ def test_data_peers_are_skipped_rows_with_the_note(no_peer_libraries, tmp_path):
     added, skipped = [], []
     data._peers(str(tmp_path), 2, 0.1, lambda s: None, lambda *a, **k: added.append(a), skipped.append)
     assert added == []
-    assert [r["technique"] for r in skipped] == ["dali_cpu", "litdata"]
+    assert [r.technique for r in skipped] == ["dali_cpu", "litdata"]
     for r in skipped:
-        assert r["median"] is None and r["what"].startswith("skipped: ") and "not installed" in r["what"]
-        assert "pip install" in r["what"] and r["peer"] and r["unit"] == "img/s"
+        assert r.median is None and r.what.startswith("skipped: ") and "not installed" in r.what
+        assert "pip install" in r.what and r.peer and r.unit == "img/s" and r.ceiling == "decode"
 
 
 def test_peer_runs_at_its_best_count():
@@ -64,9 +65,7 @@ def test_infer_hand_set_runtimes_timed_against_the_chosen_variant(monkeypatch):
     from torchspeed.bench.suites import infer
 
     pytest.importorskip("onnxruntime")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                                torch.nn.Linear(8, 10)).eval()
+    model = tiny_convnet(classes=10).eval()
 
     def chosen(x):
         with torch.inference_mode():
@@ -76,11 +75,11 @@ def test_infer_hand_set_runtimes_timed_against_the_chosen_variant(monkeypatch):
     res = types.SimpleNamespace(fastest_at=lambda b: best)
     monkeypatch.setitem(sys.modules, "openvino", None)
     rows, comparisons = infer._hand_set_peers("tiny", model, res, 16, 1e6, 2, lambda s: None)
-    ov = [r for r in rows if "OpenVINO" in r["technique"]]
-    assert len(ov) == 2 and all(r["median"] is None and "openvino not installed" in r["what"] for r in ov)
-    ort = [r for r in rows if "ONNX Runtime defaults" in r["technique"]]
-    assert [r["batch"] for r in ort] == [1, 8] and all(r["median"] > 0 and r["peer"] for r in ort)
-    assert all(r["ceiling"] == "fp32" and r["flops_per_item"] == 1e6 for r in ort)
+    ov = [r for r in rows if "OpenVINO" in r.technique]
+    assert len(ov) == 2 and all(r.median is None and "openvino not installed" in r.what for r in ov)
+    ort = [r for r in rows if "ONNX Runtime defaults" in r.technique]
+    assert [r.batch for r in ort] == [1, 8] and all(r.median > 0 and r.peer and r.unit == "ms" for r in ort)
+    assert all(r.ceiling == "fp32" and r.flops_per_item == 1e6 for r in ort)
     assert [c["batch"] for c in comparisons] == [1, 8]
     for c in comparisons:
         assert c["fastest_hand"] == "ONNX Runtime defaults" and c["chosen"] == "eager fp32"

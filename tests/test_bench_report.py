@@ -3,7 +3,7 @@ import types
 
 import pytest
 
-from torchspeed.bench import runner, suites
+from torchspeed.bench import orchestration, suites
 
 
 def _fake_suite(name, rows, keys):
@@ -45,7 +45,6 @@ def fake_suites(monkeypatch):
              "cumulative": None, "metric_drop": 0.004, "what": "NNCF"},
         ], {"ratio": 15.5, "best_variant": "OpenVINO INT8"}),
         "compress": _broken_suite(),
-        "design": None,  # not built
         "ceilings": types.SimpleNamespace(TITLE="ceilings", run=lambda quick, progress: {
             "version": 1, "machine": {}, "measured_at": "2026-11-23 02:40 UTC", "load_avg_1min": 3.5,
             "source": "cache", "items": {
@@ -58,13 +57,13 @@ def fake_suites(monkeypatch):
 
 def test_report_writes_every_file_and_survives_a_failing_suite(tmp_path, fake_suites):
     out = tmp_path / "report"
-    results = runner.run_suites(list(suites.SUITE_NAMES), quick=True, out=str(out), json_path=str(tmp_path / "r.json"))
+    results = orchestration.run_suites(["data", "train", "infer", "compress"], quick=True, out=str(out),
+                                       json_path=str(tmp_path / "r.json"))
     data = json.loads((out / "results.json").read_text())
     assert json.loads((tmp_path / "r.json").read_text()) == data
     assert data["data"]["ratio_vs_tuned"] == 6.0 and data["train"]["ratio"] == 3.0
     assert data["infer"]["best_variant"] == "OpenVINO INT8"
     assert "accelerator caught fire" in data["compress"]["error"]
-    assert "design" not in data
     report = (out / "report.md").read_text()
     assert "## Summary" in report and "This suite failed" in report and "accelerator caught fire" in report
     assert "| data | torchspeed | 600 img/s | 6.00x |" in report
@@ -93,14 +92,33 @@ def test_headline_defaults_to_largest_speedup():
     from torchspeed.bench.report import headline
 
     rows = [{"technique": "a", "ratio": 1.0}, {"technique": "b", "cumulative": 2.5}, {"technique": "c", "ratio": 2.0}]
-    assert headline({"rows": rows})["technique"] == "b"
+    assert headline({"rows": rows}).technique == "b"
     rows[2]["headline"] = True
-    assert headline({"rows": rows})["technique"] == "c"
+    assert headline({"rows": rows}).technique == "c"
 
 
 def test_unknown_suite_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown benchmark suite 'gpu'"):
         suites.load("gpu")
+
+
+def test_every_suite_and_the_ceilings_load_by_name():
+    for name in (*suites.SUITE_NAMES, "ceilings"):
+        module = suites.load(name)
+        assert module.TITLE and callable(module.run), name
+
+
+def test_the_published_report_renders_again_from_its_results(tmp_path):
+    """docs/report/results.json, written by a full run, renders to the same report.md through the typed rows."""
+    import shutil
+    from pathlib import Path
+
+    from rich.console import Console
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "report"
+    shutil.copy(docs / "results.json", tmp_path / "results.json")
+    orchestration.render_report(str(tmp_path), Console(quiet=True))
+    assert (tmp_path / "report.md").read_text() == (docs / "report.md").read_text()
 
 
 def test_a_hung_suite_is_ended_and_reported(tmp_path, monkeypatch):
@@ -118,11 +136,12 @@ def test_a_hung_suite_is_ended_and_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")])))
     seen = []
     t0 = time.perf_counter()
-    result, _ = runner.run_in_child("data", "ts_fake_hung_suite", True, seen.append, Console(quiet=True), timeout_s=3)
+    result, _ = orchestration.run_in_child("data", "ts_fake_hung_suite", True, seen.append, Console(quiet=True),
+                                           timeout_s=3)
     assert time.perf_counter() - t0 < 30
     assert "still running after 3 s" in result["error"] and "hung" in result["error"]
     assert seen == ["about to hang"]
-    assert runner.hang_timeout(60) > 60
+    assert orchestration.hang_timeout(60) > 60
 
 
 def test_ceilings_are_read_from_the_cache_in_quick_mode_unless_refreshed(tmp_path, monkeypatch):
@@ -136,12 +155,13 @@ def test_ceilings_are_read_from_the_cache_in_quick_mode_unless_refreshed(tmp_pat
         seen["data_quick"] = quick
         return {"rows": [{"technique": "torchspeed", "median": 50.0, "unit": "img/s", "ceiling": "decode"}]}
 
-    fakes = {"ceilings": types.SimpleNamespace(TITLE="c", run=ceilings_run), "data": types.SimpleNamespace(TITLE="d", run=data_run)}
-    monkeypatch.setattr(suites, "load", lambda name: fakes.get(name))
-    runner.run_suites(["data"], quick=True, out=str(tmp_path / "a"))
+    fakes = {"ceilings": types.SimpleNamespace(TITLE="c", run=ceilings_run), "data": types.SimpleNamespace(TITLE="d", run=data_run),
+             "design": types.SimpleNamespace(TITLE="g", run=lambda quick, progress: {"rows": []})}
+    monkeypatch.setattr(suites, "load", lambda name: fakes[name])
+    orchestration.run_suites(["data"], quick=True, out=str(tmp_path / "a"))
     assert seen == {"ceilings_quick": True, "data_quick": True}
-    results = runner.run_suites(["data"], quick=True, out=str(tmp_path / "b"), refresh_ceilings=True)
+    results = orchestration.run_suites(["data"], quick=True, out=str(tmp_path / "b"), refresh_ceilings=True)
     assert seen == {"ceilings_quick": False, "data_quick": True}
     assert results["data"]["rows"][0]["pct_of_ceiling"] == 50.0
-    runner.run_suites(["design"], quick=True, out=str(tmp_path / "c"))  # no suite judged against a ceiling
+    orchestration.run_suites(["design"], quick=True, out=str(tmp_path / "c"))  # no suite judged against a ceiling
     assert "ceilings" not in json.loads((tmp_path / "c" / "results.json").read_text())

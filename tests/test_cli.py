@@ -1,3 +1,5 @@
+"""The `torchspeed` command's shared behaviour: help without torch, usage errors as one line, log lines on
+stderr only, `--json -`, `info`, and help text for every option."""
 import os
 import subprocess
 import sys
@@ -34,7 +36,7 @@ def test_unknown_subcommand_is_a_clear_error(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_demo_data_bad_count(capsys):
+def test_demo_data_negative_image_count_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo-data", "x", "--images", "-3"])
     assert e.value.code == 2
@@ -86,12 +88,13 @@ def test_measured_choices_are_logged_to_stderr_only(flags, shown, capsys, monkey
 
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     monkeypatch.setattr(parser, "parse_args", parse)
+    ours = logging.getLogger("torchspeed")
     root_before = (logging.getLogger().level, list(logging.getLogger().handlers))
+    ours_before = (ours.level, list(ours.handlers))
     assert cli.main([*flags, "info"]) == 0
     out, err = capsys.readouterr()
     assert ("chose threads=2" in err) == shown and "chose threads=2" not in out
-    assert logging.getLogger("torchspeed").level == logging.NOTSET
-    assert not any(isinstance(h, cli._LogHandler) for h in logging.getLogger("torchspeed").handlers)
+    assert (ours.level, list(ours.handlers)) == ours_before and ours.level == logging.NOTSET
     assert (logging.getLogger().level, list(logging.getLogger().handlers)) == root_before
 
 
@@ -106,8 +109,9 @@ def test_json_dash_prints_json_alone_on_stdout(capsys, tmp_path):
     assert not os.path.exists("-")
 
 
-def test_info_lists_libraries_backends_and_no_blank_cells(capsys, monkeypatch):
-    """Every optional library with its version or 'not installed'; usable backends per area; CUDA 'none'."""
+def test_info_lists_libraries_decoders_and_runtimes_with_no_blank_cells(capsys, monkeypatch):
+    """Every optional library with its version or 'not installed'; the usable JPEG decoders and inference
+    runtimes; CUDA 'none' when there is none."""
     import json
 
     from torchspeed.cli import info
@@ -118,8 +122,8 @@ def test_info_lists_libraries_backends_and_no_blank_cells(capsys, monkeypatch):
     d = json.loads(out)
     assert d["libraries"]["rich"] and d["libraries"]["not-a-lib"] is None
     assert "not installed" in err
-    assert set(d["backends"]) == {"data (JPEG decoders)", "infer (runtimes)"}
-    assert d["backends"]["infer (runtimes)"]["torch"] is None  # torch always runs
+    assert "simplejpeg" in d["decoders"] and "pil" in d["decoders"]
+    assert d["runtimes"]["torch"] is None  # torch always runs
     if d["cuda"] is None:
         assert "│ cuda " in err and "none" in err.split("│ cuda ")[1].split("\n")[0]
 

@@ -1,12 +1,15 @@
 """recalibrate_bn: BatchNorm running statistics re-estimated on data, nothing else touched."""
 import pytest
 import torch
+from helpers import two_stage_convnet
 from torch import nn
 
 from torchspeed.compress import prune, recalibrate_bn
 
 
-def _net(momentum=0.1):
+def _conv_bn(momentum=0.1):
+    """A 1x1 conv then a BatchNorm with the given momentum and nothing after it: the BatchNorm's
+    inputs are the conv's outputs, so the expected statistics are computed from `net[0]` alone."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=momentum))
 
@@ -17,7 +20,7 @@ def _features(net, xs):
 
 
 def test_running_stats_become_the_data_statistics():
-    net = _net(momentum=0.3)
+    net = _conv_bn(momentum=0.3)
     conv_before = net[0].weight.detach().clone()
     xs = [torch.randn(8, 3, 5, 5) * 3 + 2 for _ in range(3)]
     feats = _features(net, xs)
@@ -33,9 +36,9 @@ def test_running_stats_become_the_data_statistics():
     assert all(p.grad is None for p in net.parameters())
 
 
-def test_dict_and_tensor_batches_and_limit():
+def test_dict_and_tensor_batches_give_the_same_statistics_and_limit_caps_the_samples():
     xs = [torch.randn(8, 3, 5, 5) + 1 for _ in range(3)]
-    a, b = _net(), _net()
+    a, b = _conv_bn(), _conv_bn()
     recalibrate_bn(a, [{"image": x, "label": torch.zeros(8)} for x in xs], limit=10)  # batches of 8 and 2
     recalibrate_bn(b, [torch.cat(xs)[:10]])  # input tensors alone, one batch
     first10 = _features(a, [torch.cat(xs)[:10]])
@@ -46,7 +49,7 @@ def test_dict_and_tensor_batches_and_limit():
 
 
 def test_empty_batches_are_an_error_and_leave_the_statistics():
-    net = _net()
+    net = _conv_bn()
     recalibrate_bn(net, [torch.randn(4, 3, 5, 5) + 5])
     before = {k: v.clone() for k, v in net[1].state_dict().items()}
     with pytest.raises(ValueError, match="empty"):
@@ -58,10 +61,7 @@ def test_empty_batches_are_an_error_and_leave_the_statistics():
 
 
 def test_recalibration_after_pruning_matches_the_pruned_layers_inputs():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3),
-                        nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
-    small = prune(net, torch.randn(1, 3, 12, 12), 0.5, measure=False, round_to=None).model
+    small = prune(two_stage_convnet(), torch.randn(1, 3, 12, 12), 0.5, measure=False, round_to=None).model
     xs = [torch.randn(16, 3, 12, 12) * 2 - 1 for _ in range(2)]
     before = small[4].running_mean.clone()
     recalibrate_bn(small, xs)
@@ -71,4 +71,4 @@ def test_recalibration_after_pruning_matches_the_pruned_layers_inputs():
     torch.testing.assert_close(small[1].running_mean, h1.mean((0, 2, 3)), rtol=1e-4, atol=1e-5)
     # the deeper layer saw inputs normalised by batch statistics during the pass: close, not identical
     torch.testing.assert_close(small[4].running_mean, h4.mean((0, 2, 3)), rtol=0.0, atol=1e-3)
-    assert not torch.allclose(before, small[4].running_mean, atol=1e-3) and small[4].num_features == 8
+    assert not torch.allclose(before, small[4].running_mean, atol=1e-3) and small[4].num_features == 16

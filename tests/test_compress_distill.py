@@ -1,3 +1,5 @@
+"""Knowledge distillation: kd_loss equals Hinton et al.'s formula computed by hand, KDLoss runs the teacher
+without gradient, and distill / finetune train through the Trainer (early stopping, max_steps)."""
 import math
 
 import pytest
@@ -34,7 +36,7 @@ def test_kd_loss_equals_hand_computation(temp, alpha):
     assert float(got) == pytest.approx(_hand_kd(S, T, Y, temp, alpha), rel=1e-5)
 
 
-def test_kd_loss_special_cases():
+def test_kd_loss_is_zero_for_equal_logits_cross_entropy_at_alpha_0_and_computed_in_fp32():
     s, y = torch.tensor(S), torch.tensor(Y)
     assert float(kd_loss(s, s.clone(), y, 4.0, 1.0)) == pytest.approx(0.0, abs=1e-6)  # same logits: no soft loss
     assert float(kd_loss(s, torch.tensor(T), y, 3.0, 0.0)) == pytest.approx(float(F.cross_entropy(s, y)))
@@ -79,11 +81,13 @@ def _kl_to_teacher(teacher, student, x):
 
 
 def _batches(n, seed, batch=32):
+    """Vectors of 8 features with random labels of 4 classes: the distillation target is the teacher."""
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(n)]
 
 
 def _mlp(seed, hidden):
+    """8 -> hidden -> 4 classes: teachers and students of any width on `_batches`' vectors."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
 

@@ -1,3 +1,5 @@
+"""prune: channels really cut out (rounded, output layers kept), the caller's model untouched, iterative
+steps with fine-tuning, the measured figures in one result, clear errors for bad arguments."""
 import pytest
 import torch
 import torchvision
@@ -22,15 +24,16 @@ def pruned():
 
 def test_pruned_model_is_smaller_and_keeps_shapes(pruned):
     model, x, before, result = pruned
-    small, report = result  # unpacks to (model, report)
-    assert report.params_after < report.params_before / 2
-    assert report.macs_after < report.macs_before / 2
-    assert report.params_before == count_params(model) and report.params_after == count_params(small)
-    assert report.macs_after == count_macs(small, x)
+    small, figures = result  # unpacks to (model, result)
+    assert small is result.model and figures is result
+    assert result.params_after < result.params_before / 2
+    assert result.macs_after < result.macs_before / 2
+    assert result.params_before == count_params(model) and result.params_after == count_params(small)
+    assert result.macs_after == count_macs(small, x)
     with torch.no_grad():
         assert small(x).shape == model(x).shape == (2, 10)
         assert small(torch.randn(1, 3, 48, 48)).shape == (1, 10)  # still fully convolutional
-    assert small.fc.out_features == 10 and report.ignored == ["fc"]
+    assert small.fc.out_features == 10 and result.ignored == ["fc"]
 
 
 def test_channels_really_removed_and_rounded_to_8(pruned):
@@ -84,10 +87,10 @@ def test_iterative_steps_call_finetune_and_reach_ratio():
     result = prune(net, torch.randn(1, 3, 16, 16), 0.5, steps=2, measure=False,
                    finetune=lambda m, step: widths.append((step, m[0].out_channels, m.training)))
     assert widths == [(0, 24, False), (1, 16, False)]
-    assert result.report.steps == 2 and result.model[3].out_channels == 16 and result.model[1].num_features == 16
+    assert result.steps == 2 and result.model[3].out_channels == 16 and result.model[1].num_features == 16
 
 
-def test_ignore_and_eval_fn_and_measure():
+def test_ignore_eval_fn_and_measured_latency_are_in_the_result():
     net = _dead_half_net()
     x = torch.randn(2, 3, 12, 12)
     calls = []
@@ -101,7 +104,8 @@ def test_ignore_and_eval_fn_and_measure():
     assert report.metric_before == 0.75 and report.metric_after == 0.5 and report.metric_drop == 0.25
     assert report.latency_before_ms > 0 and report.latency_after_ms > 0
     assert report.speedup == pytest.approx(report.latency_before_ms / report.latency_after_ms)
-    assert "speedup" in report.to_dict() and "->" in str(report)
+    figures = report.to_dict()
+    assert "speedup" in figures and "model" not in figures and "->" in str(report)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -28,15 +28,16 @@ def test_pruned_model_round_trips_through_save_and_load(tmp_path):
     path.write_text(MODEL_FILE)
     original = ts.models.create(f"{path}:make", width=16)
     example = torch.randn(2, 3, 16, 16)
-    pruned, report = ts.compress.prune(original, example, 0.5, round_to=None, measure=False)
-    assert report.params_after < report.params_before
-    save_pruned(pruned, str(tmp_path / "out"), ts.models.spec_of(original), report)
+    result = ts.compress.prune(original, example, 0.5, round_to=None, measure=False)
+    pruned = result.model
+    assert result.params_after < result.params_before
+    save_pruned(pruned, str(tmp_path / "out"), ts.models.spec_of(original), result)
     rebuilt = load_pruned(str(tmp_path / "out"))
     assert rebuilt[0].out_channels == pruned[0].out_channels < 16
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(example), pruned.eval()(example))
     saved = json.loads((tmp_path / "out" / "pruned.json").read_text())
-    assert saved["report"]["params_after"] == report.params_after
+    assert saved["report"] == json.loads(json.dumps(result.to_dict()))
 
 
 def test_prune_command_on_a_file_factory_writes_a_loadable_model(tmp_path, capsys):

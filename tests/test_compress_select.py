@@ -1,39 +1,36 @@
+"""select_backbone and `torchspeed select`: parameters and MACs counted exactly, candidates ranked by
+measured latency, the budget marked, names resolved with clear errors, the JSON the command writes."""
 import json
 
 import pytest
 import torch
 import torchvision
-from torch import nn
+from helpers import tiny_convnet
 
 from torchspeed.cli import main
 from torchspeed.compress import count_macs, count_params, select_backbone
-from torchspeed.models import create as build_model
-
-
-def _tiny():
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, 10))
+from torchspeed.models import create
 
 
 def test_counts_match_hand_computation():
     x = torch.randn(1, 3, 16, 16)
     # conv: 8 out * 3 in * 3*3 kernel per output pixel * 16*16 pixels; linear: 8 * 10
-    assert count_macs(_tiny(), x) == 8 * 3 * 9 * 16 * 16 + 8 * 10
-    assert count_macs(_tiny(), torch.randn(2, 3, 16, 16)) == 2 * (8 * 3 * 9 * 16 * 16 + 8 * 10)
-    assert count_params(_tiny()) == 8 * 3 * 9 + 8 + 8 * 10 + 10
+    assert count_macs(tiny_convnet(10), x) == 8 * 3 * 9 * 16 * 16 + 8 * 10
+    assert count_macs(tiny_convnet(10), torch.randn(2, 3, 16, 16)) == 2 * (8 * 3 * 9 * 16 * 16 + 8 * 10)
+    assert count_params(tiny_convnet(10)) == 8 * 3 * 9 + 8 + 8 * 10 + 10
 
 
 @pytest.fixture(scope="module")
 def ranked():
-    return select_backbone({"big": torchvision.models.resnet18(), "tiny": _tiny()}, (1, 3, 64, 64),
+    return select_backbone({"big": torchvision.models.resnet18(), "tiny": tiny_convnet(10)}, (1, 3, 64, 64),
                            budget_ms=1e6, repeats=3, warmup=1, precision="fp32")
 
 
 def test_obviously_smaller_model_ranks_faster(ranked):
-    from torchspeed.compress import BackboneTiming
+    from torchspeed.compress import BackboneRow
 
     assert [c.name for c in ranked.table] == ["tiny", "big"]
-    assert all(isinstance(c, BackboneTiming) for c in ranked.table)
+    assert all(isinstance(c, BackboneRow) for c in ranked.table)
     tiny, big = ranked.table
     assert tiny.latency_ms < big.latency_ms and tiny.macs < big.macs and tiny.params < big.params
     assert big.params == 11_689_512
@@ -45,14 +42,14 @@ def test_obviously_smaller_model_ranks_faster(ranked):
 
 def test_budget_fit_is_marked_by_measured_latency(ranked):
     assert all(c.fits for c in ranked.table)  # a budget of 1e6 ms fits everything
-    result = select_backbone({"tiny": _tiny()}, (1, 3, 64, 64), budget_ms=1e-6, repeats=2, warmup=1, precision="fp32")
+    result = select_backbone({"tiny": tiny_convnet(10)}, (1, 3, 64, 64), budget_ms=1e-6, repeats=2, warmup=1, precision="fp32")
     assert result.table[0].fits is False and result.fitting == []
     d = ranked.to_dict()
     assert d["budget_ms"] == 1e6 and [c["name"] for c in d["table"]] == ["tiny", "big"] and d["best"] == "tiny"
 
 
 def test_no_budget_means_fits_is_none_and_batch_size_overrides():
-    result = select_backbone([_tiny()], (1, 3, 8, 8), batch_size=4, repeats=2, warmup=1, precision="fp32")
+    result = select_backbone([tiny_convnet(10)], (1, 3, 8, 8), batch_size=4, repeats=2, warmup=1, precision="fp32")
     c = result.table[0]
     assert c.fits is None and result.fitting == [c] and result.batch_size == 4 and result.input_shape == (4, 3, 8, 8)
     assert c.name == "Sequential#0"
@@ -61,7 +58,7 @@ def test_no_budget_means_fits_is_none_and_batch_size_overrides():
 def test_auto_precision_tries_fp32_and_the_mixed_precision():
     from torchspeed.runtime import default_precision
 
-    result = select_backbone([_tiny()], (1, 3, 8, 8), repeats=2, warmup=1)
+    result = select_backbone([tiny_convnet(10)], (1, 3, 8, 8), repeats=2, warmup=1)
     tried = set(result.table[0].tried_ms)
     assert "fp32" in tried and default_precision("cpu").name in tried
     assert result.best.precision == min(result.best.tried_ms, key=result.best.tried_ms.get)
@@ -85,18 +82,18 @@ def test_candidates_as_a_comma_string_and_the_choice_logged(caplog):
 
 def test_progress_true_prints_and_a_callable_receives_messages(capsys):
     seen = []
-    select_backbone([_tiny()], (1, 3, 8, 8), repeats=2, warmup=1, precision="fp32", progress=seen.append)
+    select_backbone([tiny_convnet(10)], (1, 3, 8, 8), repeats=2, warmup=1, precision="fp32", progress=seen.append)
     assert seen and any("timing" in m for m in seen)
-    select_backbone([_tiny()], (1, 3, 8, 8), repeats=2, warmup=1, precision="fp32", progress=True)
+    select_backbone([tiny_convnet(10)], (1, 3, 8, 8), repeats=2, warmup=1, precision="fp32", progress=True)
     assert "timing" in capsys.readouterr().err
     with pytest.raises(ValueError, match="progress must be"):
-        select_backbone([_tiny()], (1, 3, 8, 8), progress="yes")
+        select_backbone([tiny_convnet(10)], (1, 3, 8, 8), progress="yes")
 
 
 def test_names_resolve_to_torchvision_and_timm():
-    assert isinstance(build_model("resnet18"), torchvision.models.ResNet)
-    assert type(build_model("timm:resnet10t")).__module__.startswith("timm.")
-    assert build_model("tv:resnet18", num_classes=7).fc.out_features == 7
+    assert isinstance(create("resnet18"), torchvision.models.ResNet)
+    assert type(create("timm:resnet10t")).__module__.startswith("timm.")
+    assert create("tv:resnet18", num_classes=7).fc.out_features == 7
 
 
 HOW = ("torchvision", "timm:NAME", "file.py:factory", "nn.Module")
@@ -116,12 +113,12 @@ def test_unknown_name_says_how_to_name_models(name, expected):
 @pytest.mark.parametrize("shape, message", [((3,), "input_shape"), ((1, 3, 0, 4), "input_shape"), ("abc", "input_shape")])
 def test_bad_shapes_are_clear(shape, message):
     with pytest.raises(ValueError, match=message):
-        select_backbone([_tiny()], shape)
+        select_backbone([tiny_convnet(10)], shape)
 
 
 def test_model_failing_at_shape_is_named():
     with pytest.raises(ValueError, match=r"candidate 'Sequential#0' fails on input shape \(1, 5, 8, 8\)"):
-        select_backbone([_tiny()], (1, 5, 8, 8))
+        select_backbone([tiny_convnet(10)], (1, 5, 8, 8))
 
 
 def test_cli_select_writes_json(tmp_path, capsys):
@@ -138,3 +135,9 @@ def test_cli_unknown_candidate_is_one_line_exit_2(capsys):
     code = main(["select", "--candidates", "resnet18,frobnet", "--input-shape", "1,3,32,32"])
     err = capsys.readouterr().err
     assert code == 2 and "unknown model 'frobnet'" in err and "Traceback" not in err
+
+
+def test_cli_unknown_precision_names_the_choices_exit_2(capsys):
+    code = main(["select", "--candidates", "resnet18", "--input-shape", "1,3,32,32", "--precision", "int8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "'fp32', 'bf16', 'fp16', got 'int8'" in err and "Traceback" not in err

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from torchspeed.cli import main
-from torchspeed.doctor.runner import build_payload, child_command
+from torchspeed.doctor.launch import build_payload, child_command
 
 SCRIPT = textwrap.dedent("""
     import sys, torch
@@ -118,7 +118,7 @@ def test_doctor_propagates_exit_status(script, tmp_path):
     assert d["exit_status"] == 3 and d["steps"] == 3 and d["status"] == "exited"
 
 
-def test_child_command_parsing(script):
+def test_child_command_keeps_interpreter_options_and_script_arguments(script):
     cmd = child_command([sys.executable, "-u", "-W", "ignore", script, "--lr", "0.1"])
     assert cmd[:4] == [sys.executable, "-u", "-W", "ignore"] and cmd[4] == "-c"
     assert cmd[6:] == ["script", script, "--lr", "0.1"]
@@ -163,7 +163,7 @@ def test_lint_command_on_resnet18(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_doctor_trace_and_cprofile(script, tmp_path):
+def test_doctor_writes_a_profiler_trace_and_python_hot_spots(script, tmp_path):
     out = tmp_path / "rep"
     assert main(["doctor", "--steps", "6", "--trace", "--cprofile", "--out", str(out), "--",
                  sys.executable, script, "forever"]) == 0
@@ -177,8 +177,8 @@ def test_doctor_parent_does_not_import_torch():
     """Only the instrumented child pays for torch; the parent parses, waits and judges."""
     import subprocess
 
-    code = ("import sys; from torchspeed.doctor.runner import build_payload, child_command; "
-            "from torchspeed.doctor.report import print_profile; "
+    code = ("import sys; from torchspeed.doctor.launch import build_payload, child_command; "
+            "from torchspeed.doctor.output import print_profile; "
             "d = build_payload({}, ['python', 't.py'], 0); print_profile(d); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

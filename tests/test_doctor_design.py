@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchspeed.bench.suites import design, load
 
 
-def test_suite_is_registered():
+def test_design_suite_is_registered():
     assert load("design") is design and design.TITLE
 
 
@@ -26,7 +26,7 @@ def test_each_experiment_holds_flops_fixed(name):
         assert max(flops) / min(flops) < 1.06, flops
 
 
-def test_direction_checks():
+def test_direction_checks_read_the_medians_the_right_way_round():
     assert design._holds("g1", [1.0, 1.2, 1.5, 2.0])
     assert not design._holds("g1", [1.3, 1.2, 1.5, 2.0])
     assert design._holds("g2", [1.0, 1.1, 1.2, 1.3]) and not design._holds("g2", [1.0, 0.9, 1.2, 1.3])
@@ -35,7 +35,7 @@ def test_direction_checks():
 
 
 @pytest.mark.slow
-def test_quick_run_end_to_end():
+def test_quick_run_gives_every_row_and_one_headline():
     res = design.run(quick=True, progress=lambda s: None)
     assert len(res["rows"]) == 17 and set(res["holds"]) == {"g1", "g2", "g3", "g4"}
     assert all(r["median"] > 0 and r["unit"] == "ms" for r in res["rows"])

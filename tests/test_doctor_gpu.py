@@ -3,21 +3,18 @@ time, and the `--try` CUDA fixes (pin_memory, cudnn_benchmark, fp16) planned whe
 them."""
 import pytest
 import torch
+from helpers import separable_loader, tiny_convnet
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.doctor.instrument import Recorder
-from torchspeed.doctor.runner import build_payload
+from torchspeed.doctor.launch import build_payload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_doctor_counts_host_syncs_and_phases_stay_within_the_wall_time_on_cuda():
-    g = torch.Generator().manual_seed(0)
-    loader = DataLoader(TensorDataset(torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g)),
-                        batch_size=8)
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(16, 10)).cuda()
+    loader = separable_loader(64, 8, size=32)
+    model = tiny_convnet(classes=10, width=16).cuda()
     rec = Recorder()
     rec.install()
     try:

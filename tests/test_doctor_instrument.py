@@ -1,10 +1,10 @@
 """doctor's instrumentation in this process: the patch table is all that install() changes, and
 uninstall() puts every original object back (identity, not equality)."""
 import torch
+from helpers import separable_loader, tiny_convnet
 from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
-from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed.doctor.instrument import PATCHES, AttrPatch, HookPatch, Recorder
 
@@ -89,9 +89,7 @@ def test_uninstall_puts_back_the_original_objects():
 
 
 def test_installed_recorder_times_a_loop_and_stops_after_uninstall():
-    torch.manual_seed(0)
-    loader = DataLoader(TensorDataset(torch.randn(12, 6), torch.randint(0, 3, (12,))), batch_size=4)
-    model = nn.Linear(6, 3)
+    loader, model = separable_loader(12, 4), tiny_convnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def epoch():

@@ -75,7 +75,7 @@ def test_flops_and_memory_match_analytic_values():
     assert r.layers[0]["layer"] == "0" and r.layers[0]["in"] == (2, 8, 10, 10)
 
 
-def test_groups_fragmentation_bn_and_alignment_rules():
+def test_groups_fragmentation_unfused_bn_and_channel_alignment_rules_fire():
     class Inception(nn.Module):
         def __init__(self):
             super().__init__()
@@ -97,7 +97,7 @@ def test_groups_fragmentation_bn_and_alignment_rules():
     assert m.training  # lint restores the mode it found
 
 
-def test_report_json_round_trip(tmp_path):
+def test_lint_result_round_trips_through_json_and_prints(tmp_path):
     r = ts.doctor.lint(Head(nn.Softmax(dim=1)), X, loss_fn=nn.CrossEntropyLoss())
     from torchspeed.atomic import write_json
 

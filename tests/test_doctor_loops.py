@@ -7,18 +7,13 @@ import textwrap
 
 import pytest
 import torch
+from helpers import separable_loader, tiny_convnet
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from torchspeed.doctor import instrument
 from torchspeed.doctor.instrument import Recorder
-from torchspeed.doctor.runner import build_payload
-
-
-def _loader(n=24, batch=4):
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)),
-                      batch_size=batch)
+from torchspeed.doctor.launch import build_payload
 
 
 def _recorded(loop, max_steps=None):
@@ -45,7 +40,7 @@ def _assert_phases(rec, steps, source="optimizer"):
 
 
 def test_closure_step_counts_forward_and_backward_not_optimizer():
-    loader, model = _loader(), nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 3))
+    loader, model = separable_loader(24, 4), tiny_convnet()
 
     def loop():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -59,13 +54,13 @@ def test_closure_step_counts_forward_and_backward_not_optimizer():
 
     d = _assert_phases(_recorded(loop), 6)
     ph = d["steady"]["phases"]
-    # the step's own work is small next to forward + backward (was: forward 0%, all of it 'optimizer')
+    # the step's own work is small next to the forward and backward its closure runs
     assert ph["optimizer"] < ph["forward"] + ph["backward"]
     assert d["steps"] == 6 and d["settings"]["backward_calls"] == 6
 
 
 def test_lbfgs_closure_several_evaluations_are_one_step():
-    loader, model = _loader(), nn.Linear(6, 3)
+    loader, model = separable_loader(24, 4), tiny_convnet()
 
     def loop():
         opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
@@ -83,7 +78,7 @@ def test_lbfgs_closure_several_evaluations_are_one_step():
 
 
 def test_manual_sgd_without_torch_optim_steps_at_each_backward():
-    loader, model = _loader(), nn.Linear(6, 3)
+    loader, model = separable_loader(24, 4), tiny_convnet()
 
     def loop():
         for x, y in loader:
@@ -100,7 +95,7 @@ def test_manual_sgd_without_torch_optim_steps_at_each_backward():
 
 
 def test_gradient_accumulation_is_one_step_per_optimizer_step():
-    loader, model = _loader(n=32), nn.Linear(6, 3)
+    loader, model = separable_loader(32, 4), tiny_convnet()
 
     def loop():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -155,7 +150,7 @@ def test_dict_batches_model_called_with_keywords():
 def test_float_bool_int_of_tensors_are_host_reads(monkeypatch):
     """float(t), int(t), bool(t) and .item() in the loop read a value on the host: free on CPU (not
     counted), a host sync on CUDA (faked here: the device check says every read waits)."""
-    loader, model = _loader(n=8), nn.Linear(6, 3)
+    loader, model = separable_loader(8, 4), tiny_convnet()
 
     def loop():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -176,7 +171,7 @@ def test_float_bool_int_of_tensors_are_host_reads(monkeypatch):
 
 
 def test_losses_kept_without_sync_and_read_at_the_end():
-    loader, model = _loader(n=8), nn.Linear(6, 3)
+    loader, model = separable_loader(8, 4), tiny_convnet()
     seen = []
 
     def loop():
@@ -199,7 +194,7 @@ def test_lightning_trainer_fit():
     class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+            self.net = tiny_convnet()
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -211,7 +206,7 @@ def test_lightning_trainer_fit():
     def loop():
         trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(Module(), _loader())
+        trainer.fit(Module(), separable_loader(24, 4))
 
     rec = _recorded(loop)
     d = _assert_phases(rec, 6)
@@ -274,7 +269,7 @@ def test_fsdp_under_torchrun_gloo_cpu(tmp_path):
 
 
 def test_torchrun_command_starts_every_worker_through_the_bootstrap(tmp_path):
-    from torchspeed.doctor.runner import child_command
+    from torchspeed.doctor.launch import child_command
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")

@@ -3,6 +3,7 @@ import time
 
 import pytest
 import torch
+from helpers import tiny_convnet
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -13,6 +14,8 @@ from torchspeed.doctor.rules import loop_findings
 
 
 class SleepyData(Dataset):
+    """Images that take 30 ms each to load: a loop fed by it waits for data."""
+
     def __len__(self):
         return 32
 
@@ -21,12 +24,8 @@ class SleepyData(Dataset):
         return torch.randn(3, 8, 8), i % 4
 
 
-def tiny_model():
-    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 4))
-
-
 def test_sleepy_loader_is_data_bound_and_flags_no_workers():
-    m = tiny_model()
+    m = tiny_convnet(classes=4)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     rep = ts.doctor.profile(m, DataLoader(SleepyData(), batch_size=4), opt, nn.CrossEntropyLoss(), steps=3, warmup=1)
     assert rep.verdict == "data-bound", rep.evidence
@@ -40,6 +39,7 @@ def test_sleepy_loader_is_data_bound_and_flags_no_workers():
 
 
 def test_heavy_model_is_compute_bound_and_really_trains():
+    # wide convs on 48x48 images: compute dominates even on a loaded machine
     m = nn.Sequential(nn.Conv2d(3, 48, 3, padding=1), nn.ReLU(), nn.Conv2d(48, 48, 3, padding=1), nn.ReLU(),
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 4))
     before = m[0].weight.detach().clone()
@@ -62,8 +62,8 @@ def test_profile_flags_double_softmax_first():
     assert rep.findings[0].rule == "double-softmax" and rep.findings[0].severity == "bug"
 
 
-def test_profile_bad_input():
-    m = tiny_model()
+def test_profile_rejects_no_steps_an_empty_loader_and_batches_without_targets():
+    m = tiny_convnet(classes=4)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="steps"):
         ts.doctor.profile(m, [], opt, nn.CrossEntropyLoss(), steps=0)
@@ -93,7 +93,7 @@ def test_phase_clock_is_exclusive(monkeypatch):
     assert wall == 2.0 and ph["forward"] == 2.0 and ph["other"] == 0.0
 
 
-def test_verdict_thresholds():
+def test_verdict_from_the_shares_of_data_compute_and_other_and_the_gpu_busy_time():
     base = dict.fromkeys(("data", "copy", "forward", "backward", "optimizer", "other"), 0.0)
     assert verdict({**base, "data": 6, "forward": 4}, 10)[0] == "data-bound"
     assert verdict({**base, "data": 1, "forward": 8, "other": 1}, 10)[0] == "compute-bound"
@@ -108,7 +108,7 @@ def facts(**settings):
             "phases": {"data": 1.0, "copy": 0.0, "forward": 4.0, "backward": 4.0, "optimizer": 0.5, "other": 0.5}}
 
 
-def test_loop_rules_and_ranking():
+def test_loop_rules_fire_and_rank_bugs_first_then_by_expected_gain():
     ld = {"name": "DataLoader #1", "num_workers": 4, "pin_memory": True, "batch_size": 8, "persistent_workers": False,
           "batches": 10, "training": True, "startup_s": [1.0, 0.8, 0.8]}
     f = loop_findings(facts(loaders=[ld], parallel="DataParallel", train_mode_eval_forwards=3, cpu_bf16=True,
@@ -140,7 +140,7 @@ def test_host_syncs_per_step_are_a_finding_on_cuda_only():
 
 
 def test_profile_reads_tuple_and_dict_batches():
-    m = tiny_model()
+    m = tiny_convnet(classes=4)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
     for batch in ((x, y, "extra"), {"image": x, "label": y}, {"pixels": x, "cls": y}):  # any 2-key dict: in order

@@ -7,8 +7,9 @@ import textwrap
 
 import pytest
 import torch
+from helpers import separable_loader
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from torchspeed.doctor import fixes as fx
 from torchspeed.doctor.instrument import Recorder
@@ -42,7 +43,7 @@ def test_plan_reads_the_capability_before_any_hardware_fix():
     assert {"fp16", "cudnn_benchmark", "pin_memory"} <= {n for n, _ in run}
     run, skipped = fx.plan(_payload(), ["compile", "bf16"])
     assert run == [("compile", True)] and skipped[0]["fix"] == "bf16"
-    from torchspeed.doctor.runner import run_doctor
+    from torchspeed.doctor.launch import run_doctor
 
     # one check of the names, before anything runs (the script does not even exist)
     with pytest.raises(ValueError, match="unknown fix 'turbo'; choose from workers, persistent_workers, "):
@@ -147,7 +148,8 @@ def test_compile_steps_exclude_the_compiling_step():
 
 
 class _Probe(nn.Module):
-    """A conv net that remembers whether autocast was on and what memory format its input had."""
+    """A conv net that remembers whether autocast was on and what memory format its input had (what the
+    injected fixes change, which the shared test models do not record)."""
 
     def __init__(self):
         super().__init__()
@@ -160,17 +162,14 @@ class _Probe(nn.Module):
 
 
 def test_fixes_injected_into_a_real_loop_and_undone():
-    from torchspeed.doctor.fixes import FixState
-
     dl_init, sgd_init, threads = DataLoader.__init__, torch.optim.SGD.__init__, torch.get_num_threads()
     rec = Recorder()
     rec.install()
-    rec.fix = FixState({"channels_last": True, "bf16": True, "fused_optimizer": True, "threads": 1, "workers": 1})
-    rec._undo.extend(("fix", u) for u in rec.fix.install(rec))
+    rec.inject({"channels_last": True, "bf16": True, "fused_optimizer": True, "threads": 1, "workers": 1})
     try:
         torch.set_num_threads(2)  # the script's own setting is ignored under the threads fix
         assert torch.get_num_threads() == 1
-        loader = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))), batch_size=4)
+        loader = separable_loader(8, 4)
         assert loader.num_workers == 1 and loader.persistent_workers
         model = _Probe()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

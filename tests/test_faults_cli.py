@@ -1,6 +1,6 @@
-"""Fault suite, the command line: a suite that crashes natively still leaves the report, Ctrl-C exits 130,
-doctor's --timeout exits 124 with one clear line, and an interpreter without torch is named
-(issue 13 items 2 and 10)."""
+"""The command line when things go wrong: a bench suite that crashes natively still leaves the report, a
+missing or damaged results file is named, Ctrl-C exits 130 keeping what finished, doctor's --timeout exits
+124 with one clear line, and an interpreter without torch is named."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from torchspeed.bench import runner, suites
+from torchspeed.bench import orchestration, suites
 from torchspeed.cli import main
 
 OK_SUITE = '''
@@ -43,8 +43,8 @@ def _wide_console(monkeypatch):
 
 @pytest.fixture
 def crashing_suites(tmp_path, monkeypatch):
-    """'data' is a fine suite, 'design' kills its own process with SIGSEGV; the others are not built.
-    They are real modules, so each runs in its own process as the real suites do."""
+    """'design' kills its own process with SIGSEGV, every other suite is a fine one and the ceilings are
+    an empty set. They are real modules, so each runs in its own process as the real suites do."""
     pkg = tmp_path / "fakesuites"
     pkg.mkdir()
     (pkg / "ts_fake_ok_suite.py").write_text(OK_SUITE)
@@ -53,9 +53,15 @@ def crashing_suites(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")])))
     import importlib
 
-    fakes = {"data": importlib.import_module("ts_fake_ok_suite"), "design": importlib.import_module("ts_fake_segv_suite")}
-    monkeypatch.setattr(suites, "load", lambda name: fakes.get(name))
+    ok = importlib.import_module("ts_fake_ok_suite")
+    fakes = {name: ok for name in suites.SUITE_NAMES}
+    fakes["design"] = importlib.import_module("ts_fake_segv_suite")
+    fakes["ceilings"] = types.SimpleNamespace(TITLE="ceilings", run=lambda quick, progress: {"items": {}})
+    monkeypatch.setattr(suites, "load", lambda name: fakes[name])
     return fakes
+
+
+# bench: a crashed suite, a damaged results file
 
 
 def test_a_suite_that_segfaults_still_leaves_the_report(tmp_path, crashing_suites, capfd):
@@ -91,6 +97,9 @@ def test_report_only_names_a_missing_or_damaged_results_file(tmp_path, capsys):
     assert "results.json" in err and "damaged" in err and "Traceback" not in err
 
 
+# Ctrl-C
+
+
 def test_ctrl_c_exits_130_and_keeps_finished_suites(tmp_path, monkeypatch, capsys):
     def done(quick, progress):
         return {"rows": [{"technique": "plain", "median": 1.0, "unit": "ms", "ratio": 1.0}]}
@@ -98,8 +107,10 @@ def test_ctrl_c_exits_130_and_keeps_finished_suites(tmp_path, monkeypatch, capsy
     def interrupted(quick, progress):
         raise KeyboardInterrupt
 
-    fakes = {"data": types.SimpleNamespace(TITLE="d", run=done), "train": types.SimpleNamespace(TITLE="t", run=interrupted)}
-    monkeypatch.setattr(suites, "load", lambda name: fakes.get(name))
+    fakes = {name: types.SimpleNamespace(TITLE=name, run=done) for name in suites.SUITE_NAMES}
+    fakes["train"] = types.SimpleNamespace(TITLE="t", run=interrupted)
+    fakes["ceilings"] = types.SimpleNamespace(TITLE="ceilings", run=lambda quick, progress: {"items": {}})
+    monkeypatch.setattr(suites, "load", lambda name: fakes[name])
     out = tmp_path / "r"
     assert main(["bench", "--out", str(out)]) == 130
     assert "interrupted" in capsys.readouterr().err
@@ -109,8 +120,11 @@ def test_ctrl_c_exits_130_and_keeps_finished_suites(tmp_path, monkeypatch, capsy
 
 
 def test_ctrl_c_before_any_suite_exits_130(monkeypatch):
-    monkeypatch.setattr(runner, "run_suites", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(orchestration, "run_suites", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     assert main(["bench", "--out", "x"]) == 130
+
+
+# doctor: a script that never ends, an interpreter that cannot import torch
 
 
 @pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
-"""Fault suite, inference artifacts: nothing a user hands in runs code, every damaged file is named in
-one line, and an interrupted save never leaves a mix that looks whole (issue 13 items 1, 9, 10)."""
+"""Files a user hands in or keeps: nothing in them runs code, every damaged one is named in one line,
+and an interrupted save leaves the previous files whole."""
 from __future__ import annotations
 
 import json
@@ -36,6 +36,7 @@ def _one_line_error(capsys, *names):
     return err
 
 
+# ----------------------------------------------------------------------------------------- nothing runs code
 def test_lint_refuses_a_pt2_with_a_malicious_pickle(tmp_path, capsys):
     marker = tmp_path / "pwned"
     pt2 = tmp_path / "model.pt2"
@@ -48,7 +49,7 @@ def test_lint_refuses_a_pt2_with_a_malicious_pickle(tmp_path, capsys):
 
 
 def _torch_artifact(tmp_path):
-    from torchspeed.infer.runtimes import TorchRunner
+    from torchspeed.infer.runners import TorchRunner
     from torchspeed.models import create
 
     model = create("resnet18", num_classes=2)
@@ -76,6 +77,7 @@ def test_artifact_weights_with_a_malicious_pickle_are_refused(tmp_path, capsys):
     assert not marker.exists()
 
 
+# ----------------------------------------------------------------------------------------- damaged files named
 def test_truncated_artifact_weights_named(tmp_path, capsys):
     d = _torch_artifact(tmp_path)
     blob = (d / "weights.pt").read_bytes()
@@ -84,11 +86,12 @@ def test_truncated_artifact_weights_named(tmp_path, capsys):
     _one_line_error(capsys, "weights.pt")
 
 
-def _manifest(d, backend, file, **extra):
-    from torchspeed.infer.runtimes import FORMAT
+def _manifest(d, runtime, file, **extra):
+    """A manifest as saved artifacts write it (the runtime under the format's "backend" key)."""
+    from torchspeed.infer.runners import FORMAT
 
     d.mkdir(parents=True, exist_ok=True)
-    (d / "manifest.json").write_text(json.dumps({"format": FORMAT, "version": 1, "backend": backend,
+    (d / "manifest.json").write_text(json.dumps({"format": FORMAT, "version": 1, "backend": runtime,
                                                  "precision": "fp32", "file": file, "threads": 1, **extra}))
 
 
@@ -132,6 +135,7 @@ def test_missing_or_corrupt_manifest_is_one_line(tmp_path, capsys, content, says
     _one_line_error(capsys, "art", says)
 
 
+# ----------------------------------------------------------------------------------------- interrupted saves
 def _tiny_openvino_model():
     ov = pytest.importorskip("openvino")
     import numpy as np
@@ -149,7 +153,7 @@ def test_openvino_save_is_atomic(tmp_path, monkeypatch):
     import torch
 
     from torchspeed.infer import load
-    from torchspeed.infer.runtimes import OpenVINORunner
+    from torchspeed.infer.runners import OpenVINORunner
 
     ov, model = _tiny_openvino_model()
     d = tmp_path / "ov"

@@ -1,6 +1,7 @@
-"""Faults in training and checkpoints: a run never deletes or resumes another run's checkpoints, every
-checkpoint is verified (bit flips and torn files named), interrupted writes are cleaned, a checkpoint
-cannot run code, an unwritable --out fails first, and a SIGKILL during a checkpoint write loses nothing.
+"""Faults in training and checkpoints, grouped by what is promised: one run per checkpoint directory
+(another run's checkpoints are never deleted or resumed; a used or unwritable --out fails before any
+data is read), every checkpoint verified (bit flips and torn files named), nothing in a checkpoint
+runs, temp files of interrupted writes cleaned, and a SIGKILL during a checkpoint write loses nothing.
 
 The resume task, its straight run and the comparison come from test_train_resume (SIGKILL mid-epoch
 then a bit-identical resume is tested there).
@@ -47,7 +48,7 @@ def _files(d):
     return {n: (d / n).read_bytes() for n in sorted(os.listdir(d)) if n.startswith("step-")}
 
 
-# ------------------------------------------------------------------ item 4: one run per directory
+# ------------------------------------------------------------------ one run per checkpoint directory
 def test_new_run_into_used_directory_refuses_then_overwrite_starts_clean(task, tmp_path):
     d = tmp_path / "ck"
     old, train, val = task.build(d, every=1)
@@ -62,8 +63,8 @@ def test_new_run_into_used_directory_refuses_then_overwrite_starts_clean(task, t
     assert repr(str(d)) in msg and "resume" in msg and "overwrite" in msg
     assert _files(d) == before and load_file(last_checkpoint(d))["global_step"] == 12  # nothing lost
 
-    # overwrite: a clean start; the new run's checkpoints survive its own pruning (they used to be
-    # deleted at once because the old run's step numbers were higher)
+    # overwrite: a clean start; the new run's checkpoints survive its own pruning, though the deleted
+    # run's step numbers were higher
     new, train, val = task.build(None, extra=[Checkpoint(d, every_n_steps=1, keep_last=2, overwrite=True)])
     new.fit(train, val, epochs=3, max_steps=3)
     assert _steps(d) == [2, 3] and ckpt.read_run(d) == new.run_id != old.run_id
@@ -125,9 +126,9 @@ def test_cli_train_into_used_out(task, tmp_path, photo_folder, monkeypatch, caps
     assert os.path.isfile(s["checkpoint"]) and s["run_id"] == ckpt.read_run(out / "checkpoints") != old.run_id
 
 
-# ------------------------------------------------------------------ item 6: every checkpoint verified
+# ------------------------------------------------------------------ every checkpoint verified
 def _big_run(d, max_steps, resume=None):
-    """A 64 MiB model (the size the old check skipped), two optimizer steps."""
+    """Two optimizer steps of a 64 MiB model: a large checkpoint is verified like any other."""
     seed_everything(0)
     model = nn.Linear(4096, 4096, bias=False)  # 4096 * 4096 * 4 bytes = 64 MiB
     x = torch.randn(4, 4096)
@@ -189,7 +190,7 @@ def test_torn_checkpoints_are_named_and_none_good_is_an_error(task, tmp_path, ca
         load_file(three)
 
 
-# ------------------------------------------------------------------ item 10: nothing in a checkpoint runs
+# ------------------------------------------------------------------ nothing in a checkpoint runs
 class _Evil:
     def __init__(self, marker):
         self.marker = marker
@@ -217,7 +218,7 @@ def test_malicious_pickle_in_a_checkpoint_is_refused_and_runs_nothing(task, tmp_
     assert not marker.exists()
 
 
-# ------------------------------------------------------------------ item 9: stale temp files
+# ------------------------------------------------------------------ temp files of interrupted writes
 def test_stale_temps_are_cleaned_only_when_no_live_process_holds_the_directory(task, tmp_path):
     tr, train, val = task.build(tmp_path, every=2)
     tr.fit(train, val, epochs=1, max_steps=2)

@@ -75,7 +75,7 @@ def test_hf_style_model_with_dict_batches_and_dataclass_output(hf_model, tmp_pat
         return ts.metrics.top1_accuracy(run, held_out)  # the auto format splits {"pixel_values", "labels"}
 
     r = optimize(hf_model, {"pixel_values": torch.randn(1, 3, 16, 16)}, calib_data=calib, eval_fn=eval_fn,
-                 max_metric_drop=0.05, backends="torch,onnxruntime,openvino", precisions="fp32,int8",
+                 max_metric_drop=0.05, runtimes="torch,onnxruntime,openvino", precisions="fp32,int8",
                  batch_sizes=(1, 2), exporter="torchscript", repeats=1, min_time_s=0.0)
     assert r.baseline_metric > 0.6
     for name in ("eager fp32", "fused fp32", "onnxruntime fp32", "openvino fp32"):
@@ -97,7 +97,7 @@ def test_explicit_format_and_a_dict_output():
     model = DictOut().eval()
     fmt = BatchFormat(inputs="pixel_values", target="labels", logits="logits")
     r = optimize(model, {"pixel_values": torch.randn(1, 3, 16, 16)}, calib_data=_dict_batches(64, 3),
-                 batch_format=fmt, backends="torch,onnxruntime", precisions="fp32", batch_sizes=(1,),
+                 batch_format=fmt, runtimes="torch,onnxruntime", precisions="fp32", batch_sizes=(1,),
                  exporter="torchscript", measure=False)
     assert r["onnxruntime fp32"].status == "ok" and r["onnxruntime fp32"].max_rel_error < 1e-3
     assert r["eager fp32"].input_shape == {"pixel_values": [1, 3, 16, 16]}
@@ -113,7 +113,7 @@ class TwoInputs(nn.Module):
 
 
 def test_tuple_inputs_and_tuple_output():
-    r = optimize(TwoInputs().eval(), (torch.randn(1, 6), torch.randn(1, 2)), backends="torch,onnxruntime",
+    r = optimize(TwoInputs().eval(), (torch.randn(1, 6), torch.randn(1, 2)), runtimes="torch,onnxruntime",
                  precisions="fp32", batch_sizes=(1, 3), repeats=1, min_time_s=0.0, exporter="torchscript")
     assert r["onnxruntime fp32"].status == "ok" and r["onnxruntime fp32"].max_rel_error < 1e-3
     assert r["onnxruntime fp32"].runner.input_names == ["input_0", "input_1"]
@@ -136,7 +136,7 @@ class TinyTextModel(nn.Module):
 def test_text_style_integer_inputs_run_in_onnx_runtime():
     torch.manual_seed(0)
     example = {"input_ids": torch.randint(0, 50, (1, 7)), "attention_mask": torch.ones(1, 7, dtype=torch.long)}
-    r = optimize(TinyTextModel().eval(), example, backends="torch,onnxruntime", precisions="fp32,int8",
+    r = optimize(TinyTextModel().eval(), example, runtimes="torch,onnxruntime", precisions="fp32,int8",
                  batch_sizes=(2,), repeats=1, min_time_s=0.0, exporter="torchscript")
     assert r["onnxruntime fp32"].status == "ok" and r["onnxruntime fp32"].max_rel_error < 1e-3
     dyn = r["onnxruntime int8 dynamic"]

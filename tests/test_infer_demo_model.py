@@ -87,7 +87,7 @@ def test_trained_demo_model_contract_and_int8_accuracy():
     assert dm.load_demo_model().model is not d.model
     calib = list(d.batches("train", 32, limit=128))
     res = optimize(d.model, torch.randn(1, 3, size, size), calib_data=calib,
-                   eval_fn=lambda run: d.evaluate(run, limit=400), backends=["torch", "onnxruntime", "openvino"],
+                   eval_fn=lambda run: d.evaluate(run, limit=400), runtimes=["torch", "onnxruntime", "openvino"],
                    precisions=["fp32", "int8"], measure=False, exporter="torchscript")
     assert abs(res.baseline_metric - d.evaluate(d.model, limit=400)) < 1e-9
     for name in ("onnxruntime int8", "openvino int8"):

@@ -6,27 +6,20 @@ import os
 
 import pytest
 import torch
-from torch import nn
+from helpers import two_stage_convnet
 
 import torchspeed as ts
-from torchspeed.infer import runtimes
+from torchspeed.infer import runners
 from torchspeed.infer.search import optimize
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4)).eval()
 
 
 def _gpu_ort(provider="CUDAExecutionProvider"):
     ort = pytest.importorskip("onnxruntime")
     if provider not in ort.get_available_providers():
         pytest.skip(f"onnxruntime here has no {provider} ({ort.get_available_providers()})")
-    problem = runtimes.ort_cuda_problem()
+    problem = runners.ort_cuda_problem()
     if problem:
         pytest.fail(problem)  # the GPU provider is installed but cannot run beside this torch
 
@@ -34,13 +27,13 @@ def _gpu_ort(provider="CUDAExecutionProvider"):
 @pytest.fixture(scope="module")
 def onnx_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpu") / "net.onnx"
-    ts.infer.export_onnx(_net(), torch.randn(1, 3, 32, 32), path)
+    ts.infer.export_onnx(two_stage_convnet(), torch.randn(1, 3, 32, 32), path)
     return str(path)
 
 
 def test_cuda_model_candidates_run_and_are_timed_on_cuda():
-    model = _net().cuda()
-    r = optimize(model, torch.randn(1, 3, 32, 32, device="cuda"), backends="torch", batch_sizes=(1, 4),
+    model = two_stage_convnet().cuda()
+    r = optimize(model, torch.randn(1, 3, 32, 32, device="cuda"), runtimes="torch", batch_sizes=(1, 4),
                  repeats=2, min_time_s=0.0)
     assert r["eager fp32"].status == "ok" and r["eager fp32"].runner.device.type == "cuda"
     fp16 = r["fp16 + channels_last"]
@@ -51,7 +44,7 @@ def test_cuda_model_candidates_run_and_are_timed_on_cuda():
 
 
 def test_cpu_model_asked_to_run_on_cuda_and_cpu_runtimes_step_aside():
-    r = optimize(_net(), torch.randn(1, 3, 32, 32), device="cuda", batch_sizes=(2,), measure=False)
+    r = optimize(two_stage_convnet(), torch.randn(1, 3, 32, 32), device="cuda", batch_sizes=(2,), measure=False)
     assert r["eager fp32"].runner.device.type == "cuda"
     for name in ("onnxruntime fp32", "openvino fp32"):
         assert r[name].status == "skipped" and "the model is on cuda" in r[name].reason
@@ -59,13 +52,13 @@ def test_cpu_model_asked_to_run_on_cuda_and_cpu_runtimes_step_aside():
 
 def test_ort_cuda_provider_active_with_io_binding(onnx_file):
     _gpu_ort()
-    run = runtimes.OrtRunner(onnx_file, "fp32", providers="cuda", device="cuda")
-    assert run.active[0] == "CUDAExecutionProvider" and run.backend == "onnxruntime-cuda" and run.fallback is None
+    run = runners.OrtRunner(onnx_file, "fp32", providers="cuda", device="cuda")
+    assert run.active[0] == "CUDAExecutionProvider" and run.runtime == "onnxruntime-cuda" and run.fallback is None
     x = torch.randn(5, 3, 32, 32, device="cuda")
     out = run(x)
     assert out.device.type == "cuda" and out.shape == (5, 4)  # stayed on the device (IO binding, DLPack)
     with torch.inference_mode():
-        ref = _net().cuda()(x)
+        ref = two_stage_convnet().cuda()(x)
     assert torch.allclose(out, ref, rtol=1e-2, atol=1e-2)  # TF32 on either side
     assert torch.allclose(run(x.cpu()), ref, rtol=1e-2, atol=1e-2)  # host inputs are moved, not refused
 
@@ -77,10 +70,10 @@ def test_ort_cuda_fp16_model(onnx_file, tmp_path):
     if fp16_converter() is None:
         pytest.skip("no fp16 ONNX converter")
     half = convert_onnx_fp16(onnx_file, tmp_path / "h.onnx")
-    run = runtimes.OrtRunner(half, "fp16", providers="cuda", device="cuda")
+    run = runners.OrtRunner(half, "fp16", providers="cuda", device="cuda")
     x = torch.randn(3, 3, 32, 32, device="cuda")
     with torch.inference_mode():
-        ref = _net().cuda()(x)
+        ref = two_stage_convnet().cuda()(x)
     out = run(x)
     assert out.dtype == torch.float32 and ts.infer.output_error(out, ref)["rel_l2"] < 0.01
 
@@ -88,7 +81,7 @@ def test_ort_cuda_fp16_model(onnx_file, tmp_path):
 def test_tensorrt_active_fp16_on_and_engine_cache_reused(onnx_file, tmp_path):
     _gpu_ort("TensorrtExecutionProvider")
     cache = tmp_path / "engines"
-    run = runtimes.OrtRunner(onnx_file, "fp16", providers="tensorrt", device="cuda", cache_dir=str(cache))
+    run = runners.OrtRunner(onnx_file, "fp16", providers="tensorrt", device="cuda", cache_dir=str(cache))
     assert run.active[0] == "TensorrtExecutionProvider" and run.fallback is None
     options = run.session.get_provider_options()["TensorrtExecutionProvider"]
     assert options["trt_fp16_enable"] in ("1", "True", "true")
@@ -97,15 +90,15 @@ def test_tensorrt_active_fp16_on_and_engine_cache_reused(onnx_file, tmp_path):
     first = run(x)
     engines = {f: os.path.getmtime(cache / f) for f in os.listdir(cache) if f.endswith(".engine")}
     assert engines, os.listdir(cache)
-    again = runtimes.OrtRunner(onnx_file, "fp16", providers="tensorrt", device="cuda", cache_dir=str(cache))
+    again = runners.OrtRunner(onnx_file, "fp16", providers="tensorrt", device="cuda", cache_dir=str(cache))
     assert torch.allclose(again(x), first, rtol=1e-2, atol=1e-2)
     assert {f: os.path.getmtime(cache / f) for f in engines} == engines  # loaded, not rebuilt
 
 
 def test_optimize_cuda_model_with_onnx_runtime_gpu_rows():
     _gpu_ort()
-    model = _net().cuda()
-    r = optimize(model, torch.randn(1, 3, 32, 32, device="cuda"), backends="torch,onnxruntime-cuda,tensorrt",
+    model = two_stage_convnet().cuda()
+    r = optimize(model, torch.randn(1, 3, 32, 32, device="cuda"), runtimes="torch,onnxruntime-cuda,tensorrt",
                  batch_sizes=(1, 4), repeats=2, min_time_s=0.0)
     row = r["onnxruntime-cuda fp32"]
     assert row.status == "ok" and row.extra["providers"][0] == "CUDAExecutionProvider", row.reason
@@ -121,4 +114,4 @@ def test_onnx_runtime_cuda_matches_torch_cuda():
     ort = pytest.importorskip("onnxruntime")
     if not getattr(ort, "cuda_version", ""):
         pytest.skip("onnxruntime here is a CPU build")
-    assert runtimes.ort_cuda_problem() is None
+    assert runners.ort_cuda_problem() is None

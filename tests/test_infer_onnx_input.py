@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
+from helpers import tiny_convnet
 
 import torchspeed as ts
 from torchspeed.infer.export import onnx_example, onnx_inputs
@@ -17,16 +17,10 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("openvino")
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)).eval()
-
-
 @pytest.fixture(scope="module")
 def onnx_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("onnx") / "net.onnx"
-    ts.infer.export_onnx(_net(), torch.randn(1, 3, 16, 16), path, exporter="torchscript")
+    ts.infer.export_onnx(tiny_convnet(classes=3, batchnorm=True).eval(), torch.randn(1, 3, 16, 16), path, exporter="torchscript")
     return path
 
 
@@ -36,14 +30,14 @@ def dynamic_hw_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("onnx") / "dyn.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(_net(), (torch.randn(2, 3, 16, 16),), str(path), dynamo=False, input_names=["x"],
+        torch.onnx.export(tiny_convnet(classes=3, batchnorm=True).eval(), (torch.randn(2, 3, 16, 16),), str(path), dynamo=False, input_names=["x"],
                           output_names=["y"], dynamic_axes={"x": {0: "n", 2: "h", 3: "w"}, "y": {0: "n"}})
     return path
 
 
 def test_onnx_file_variants_compete_against_its_own_fp32(onnx_file):
     calib = [torch.randn(8, 3, 16, 16) for _ in range(2)]
-    r = optimize(onnx_file, calib_data=calib, backends="onnxruntime,openvino", precisions="fp32,int8",
+    r = optimize(onnx_file, calib_data=calib, runtimes="onnxruntime,openvino", precisions="fp32,int8",
                  batch_sizes=(1, 2), repeats=1, min_time_s=0.0)
     assert r.table[0].name == "onnxruntime fp32" and r.table[0].status == "ok"
     assert r.table[0].input_shape == [1, 3, 16, 16]  # read from the graph
@@ -59,7 +53,7 @@ def test_onnx_file_variants_compete_against_its_own_fp32(onnx_file):
 def test_onnx_guard_compares_with_the_files_own_outputs(onnx_file, tmp_path):
     """A deliberately wrong candidate is rejected against ONNX Runtime fp32 on the file, and a saved
     artifact of the file reproduces its outputs at any batch size."""
-    r = optimize(pathlib.Path(onnx_file), backends="onnxruntime", precisions="fp32", batch_sizes=(1,),
+    r = optimize(pathlib.Path(onnx_file), runtimes="onnxruntime", precisions="fp32", batch_sizes=(1,),
                  repeats=1, min_time_s=0.0, extra_candidates={"off by one": lambda path: (lambda x: _ref(path, x) + 1)})
     assert r["off by one"].status == "rejected" and "output error" in r["off by one"].reason
     r.best.save(tmp_path / "a")
@@ -81,7 +75,7 @@ def test_input_shape_fills_dynamic_dimensions(dynamic_hw_file):
         onnx_example(dynamic_hw_file)
     with pytest.raises(ValueError, match="does not fit the ONNX input 'x'"):
         onnx_example(dynamic_hw_file, (1, 4, 16, 16))
-    r = optimize(dynamic_hw_file, input_shape=(1, 3, 20, 20), backends="onnxruntime", precisions="fp32",
+    r = optimize(dynamic_hw_file, input_shape=(1, 3, 20, 20), runtimes="onnxruntime", precisions="fp32",
                  batch_sizes=(1,), measure=False)
     assert r.table[0].status == "ok" and r.table[0].input_shape == [1, 3, 20, 20]
 
@@ -100,7 +94,7 @@ def test_cli_optimize_an_onnx_file(onnx_file, tmp_path, capsys):
     from torchspeed.cli import main
 
     js, out = tmp_path / "r.json", tmp_path / "best"
-    code = main(["optimize", str(onnx_file), "--backends", "onnxruntime,openvino", "--precisions", "fp32",
+    code = main(["optimize", str(onnx_file), "--runtimes", "onnxruntime,openvino", "--precisions", "fp32",
                  "--batch-sizes", "1", "--json", str(js), "--out", str(out)])
     assert code == 0, capsys.readouterr()
     d = json.loads(js.read_text())

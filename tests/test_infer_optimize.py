@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from helpers import two_stage_convnet
 from torch import nn
 
 import torchspeed as ts
@@ -24,16 +25,9 @@ def _task(n: int, seed: int):
     return x, y
 
 
-def _net():
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
-
-
 @pytest.fixture(scope="module")
 def trained():
-    torch.manual_seed(0)
-    model = _net()
+    model = two_stage_convnet(seed=0).train()
     x, y = _task(1536, 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for epoch in range(2):
@@ -66,7 +60,7 @@ def result(trained):
         return b
 
     return optimize(model, torch.randn(1, 3, 16, 16), calib_data=calib, eval_fn=eval_fn, max_metric_drop=0.02,
-                    backends=["torch", "onnxruntime", "openvino"], batch_sizes=(1, 4), exporter="torchscript",
+                    runtimes=["torch", "onnxruntime", "openvino"], batch_sizes=(1, 4), exporter="torchscript",
                     repeats=2, min_time_s=0.0, extra_candidates={"broken": broken})
 
 
@@ -108,7 +102,7 @@ def test_saved_artifact_reproduces_outputs(result, tmp_path, name):
 
 def test_torch_artifact_by_name_round_trip(tmp_path):
     model = ts.models.create("resnet18", num_classes=3)
-    from torchspeed.infer.runtimes import TorchRunner
+    from torchspeed.infer.runners import TorchRunner
 
     r = TorchRunner(model, {"fuse": True, "precision": "fp32"})
     r.save(tmp_path / "t")
@@ -116,7 +110,7 @@ def test_torch_artifact_by_name_round_trip(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     assert torch.allclose(back(x), r(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="without pickle"):
-        TorchRunner(_net().eval(), {}).save(tmp_path / "u")
+        TorchRunner(two_stage_convnet(), {}).save(tmp_path / "u")
 
 
 @torch.library.custom_op("torchspeed_test::scramble", mutates_args=())
@@ -139,11 +133,11 @@ class CustomOpNet(nn.Module):
 
 
 def test_unsupported_operator_marks_candidates_failed_not_raised():
-    r = optimize(CustomOpNet().eval(), torch.randn(1, 3, 8, 8), backends=["torch", "onnxruntime", "openvino"],
+    r = optimize(CustomOpNet().eval(), torch.randn(1, 3, 8, 8), runtimes=["torch", "onnxruntime", "openvino"],
                  precisions=["fp32"], batch_sizes=(1,), repeats=1, exporter="torchscript")
     for name in ("onnxruntime fp32", "openvino fp32"):
         assert r[name].status == "failed" and "scramble" in r[name].reason, r[name].reason
-    assert r["eager fp32"].status == "ok" and r.best is not None and r.best.backend == "torch"
+    assert r["eager fp32"].status == "ok" and r.best is not None and r.best.runtime == "torch"
 
 
 def test_clear_errors(trained):
@@ -151,18 +145,18 @@ def test_clear_errors(trained):
     with pytest.raises(ValueError, match="did you mean resnet18"):
         ts.models.create("resnett18")
     with pytest.raises(ValueError, match=r"cannot run on inputs of shape \(1, 1, 16, 16\)"):
-        optimize(model, torch.randn(1, 1, 16, 16), backends=["torch"], precisions=["fp32"])
+        optimize(model, torch.randn(1, 1, 16, 16), runtimes=["torch"], precisions=["fp32"])
     with pytest.raises(ValueError, match="calibration"):
         optimize(model, torch.randn(1, 3, 16, 16), precisions=["int8"])
-    with pytest.raises(ValueError, match="unknown backend 'tensorflow'"):
-        optimize(model, torch.randn(1, 3, 16, 16), backends=["tensorflow"])
+    with pytest.raises(ValueError, match="unknown runtime 'tensorflow'"):
+        optimize(model, torch.randn(1, 3, 16, 16), runtimes=["tensorflow"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ts.infer.load("/nonexistent/artifact")
 
 
 def test_export_onnx_dynamic_batch_from_batch_one(tmp_path):
     """The dynamo exporter with a batch-1 example still gives a batch-dynamic model, checked in ORT."""
-    model = _net().eval()
+    model = two_stage_convnet()
     rep = ts.infer.export_onnx(model, torch.randn(1, 3, 16, 16), tmp_path / "m.onnx")
     assert rep.exporter in ("dynamo", "torchscript")
     assert not isinstance(rep.input_shape[0], int)  # symbolic batch dimension
@@ -184,7 +178,7 @@ def test_cli_optimize_end_to_end(tmp_path, capsys):
     from torchspeed.cli import main
 
     out, js = tmp_path / "best", tmp_path / "r.json"
-    code = main(["optimize", "resnet18", "--num-classes", "4", "--input-shape", "1,3,32,32", "--backends", "torch",
+    code = main(["optimize", "resnet18", "--num-classes", "4", "--input-shape", "1,3,32,32", "--runtimes", "torch",
                  "--precisions", "fp32", "--batch-sizes", "1,2", "--out", str(out), "--json", str(js)])
     assert code == 0, capsys.readouterr()
     assert json.loads(js.read_text())["best"] in ("eager fp32", "fused fp32")
@@ -206,7 +200,7 @@ def test_cli_errors_are_one_line(capsys):
 def test_calibration_methods_selectable(trained, tmp_path, method):
     model, calib, eval_fn = trained
     from torchspeed.infer.quantize import quantize_onnx_static
-    from torchspeed.infer.runtimes import OrtRunner
+    from torchspeed.infer.runners import OrtRunner
 
     ts.infer.export_onnx(model, torch.randn(1, 3, 16, 16), tmp_path / "m.onnx", exporter="torchscript")
     quantize_onnx_static(str(tmp_path / "m.onnx"), str(tmp_path / "q.onnx"), calib, method=method)
@@ -217,27 +211,27 @@ def test_calibration_methods_selectable(trained, tmp_path, method):
 
 
 def test_result_vocabulary(result):
-    """`.table` is a list of VariantResult rows; `.best` a property; labels spell fp32/bf16/fp16/int8."""
-    assert all(isinstance(r, ts.infer.VariantResult) for r in result.table)
+    """`.table` is a list of VariantRow rows; `.best` a property; labels spell fp32/bf16/fp16/int8."""
+    assert all(isinstance(r, ts.infer.VariantRow) for r in result.table)
     assert isinstance(type(result).best, property)
     assert not any("f32" in r.name.replace("fp32", "") for r in result.table)
     assert {r.precision for r in result.table} <= {"fp32", "bf16", "fp16", "int8", "int8-dynamic", "custom"}
     assert result["onnxruntime int8"].label and result["openvino int8"].label
 
 
-def test_backends_and_precisions_take_a_comma_string(trained):
+def test_runtimes_and_precisions_take_a_comma_string(trained):
     model = trained[0]
-    r = optimize(model, torch.randn(1, 3, 16, 16), backends="torch, onnxruntime", precisions="fp32",
+    r = optimize(model, torch.randn(1, 3, 16, 16), runtimes="torch, onnxruntime", precisions="fp32",
                  batch_sizes=(1,), exporter="torchscript", measure=False)
     assert r["onnxruntime fp32"].status == "ok"
-    assert r["openvino fp32"].status == "skipped" and r["openvino fp32"].reason == "backend not requested"
+    assert r["openvino fp32"].status == "skipped" and r["openvino fp32"].reason == "runtime not requested"
     assert r["bf16 + channels_last"].reason == "precision not requested"
-    with pytest.raises(ValueError, match="unknown backend 'tensorflow'"):
-        optimize(model, torch.randn(1, 3, 16, 16), backends="torch,tensorflow")
+    with pytest.raises(ValueError, match="unknown runtime 'tensorflow'"):
+        optimize(model, torch.randn(1, 3, 16, 16), runtimes="torch,tensorflow")
 
 
 def test_a_variant_that_does_not_apply_is_skipped_with_its_reason(trained, monkeypatch):
-    from torchspeed.infer import search
+    from torchspeed.infer import variants
 
     seen = []
 
@@ -245,15 +239,15 @@ def test_a_variant_that_does_not_apply_is_skipped_with_its_reason(trained, monke
         seen.append((machine, model))
         return "needs a quantum accelerator"
 
-    extra = search.Variant("quantum fp32", "torch", "fp32", "a variant for no machine",
+    extra = variants.Variant("quantum fp32", "torch", "fp32", "a variant for no machine",
                            build=lambda ctx: pytest.fail("a skipped variant must not be built"),
                            applicable=applicable)
-    monkeypatch.setattr(search, "VARIANTS", (*search.VARIANTS, extra))
-    r = optimize(trained[0], torch.randn(1, 3, 16, 16), backends="torch", precisions="fp32", batch_sizes=(1,),
+    monkeypatch.setattr(variants, "VARIANTS", (*variants.VARIANTS, extra))
+    r = optimize(trained[0], torch.randn(1, 3, 16, 16), runtimes="torch", precisions="fp32", batch_sizes=(1,),
                  measure=False)
     row = r["quantum fp32"]
     assert row.status == "skipped" and row.reason == "needs a quantum accelerator"
-    assert isinstance(seen[0][0], search.Machine) and isinstance(seen[0][1], search.ModelFacts)
+    assert isinstance(seen[0][0], variants.Machine) and isinstance(seen[0][1], variants.ModelFacts)
     assert seen[0][1].calibrated is False
 
 
@@ -265,7 +259,7 @@ def test_thread_count_restored_even_when_a_variant_raises(trained):
         def explode(m):
             raise RuntimeError("this variant cannot be built")
 
-        r = optimize(model, torch.randn(1, 3, 16, 16), backends="torch", precisions="fp32", batch_sizes=(1,),
+        r = optimize(model, torch.randn(1, 3, 16, 16), runtimes="torch", precisions="fp32", batch_sizes=(1,),
                      repeats=1, min_time_s=0.0, threads=2, extra_candidates={"explodes": explode})
         assert r["explodes"].status == "failed" and "cannot be built" in r["explodes"].reason
         assert r.threads == 2 and torch.get_num_threads() == 1
@@ -274,7 +268,7 @@ def test_thread_count_restored_even_when_a_variant_raises(trained):
             raise RuntimeError("the evaluation itself is broken")
 
         with pytest.raises(RuntimeError, match="evaluation itself"):
-            optimize(model, torch.randn(1, 3, 16, 16), eval_fn=broken_eval, backends="torch", precisions="fp32",
+            optimize(model, torch.randn(1, 3, 16, 16), eval_fn=broken_eval, runtimes="torch", precisions="fp32",
                      batch_sizes=(1,), threads=2)
         assert torch.get_num_threads() == 1
     finally:
@@ -284,7 +278,7 @@ def test_thread_count_restored_even_when_a_variant_raises(trained):
 def test_one_info_line_per_variant_and_one_for_the_choice(trained, caplog):
     model, calib, eval_fn = trained
     with caplog.at_level(logging.INFO, logger="torchspeed"):
-        r = optimize(model, torch.randn(1, 3, 16, 16), eval_fn=eval_fn, backends="torch", precisions="fp32,bf16",
+        r = optimize(model, torch.randn(1, 3, 16, 16), eval_fn=eval_fn, runtimes="torch", precisions="fp32,bf16",
                      batch_sizes=(1, 2), repeats=1, min_time_s=0.0)
     lines = [rec.getMessage() for rec in caplog.records
              if rec.name == "torchspeed.infer.search" and rec.levelno == logging.INFO]
@@ -349,7 +343,7 @@ def netdef(tmp_path):
 
 
 def test_torch_artifact_from_user_code_needs_the_callers_model(netdef, tmp_path):
-    from torchspeed.infer.runtimes import TorchRunner
+    from torchspeed.infer.runners import TorchRunner
 
     model = ts.models.create(netdef, width=8)
     r = TorchRunner(model, {"fuse": True})
@@ -372,7 +366,7 @@ def test_cli_user_model_with_weights_and_image_folders(netdef, photo_folder, tmp
     js = tmp_path / "r.json"
     code = main(["optimize", netdef, "--model-kwargs", '{"width": 6}', "--weights", str(tmp_path / "w.pt"),
                  "--input-shape", "1,3,32,32", "--calib", str(photo_folder), "--eval", str(photo_folder),
-                 "--max-calib-samples", "8", "--max-eval-samples", "12", "--backends", "torch,onnxruntime",
+                 "--max-calib-samples", "8", "--max-eval-samples", "12", "--runtimes", "torch,onnxruntime",
                  "--precisions", "fp32,int8", "--batch-sizes", "1", "--max-metric-drop", "0.5", "--json", str(js)])
     assert code == 0, capsys.readouterr()
     d = json.loads(js.read_text())

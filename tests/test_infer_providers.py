@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchspeed.infer import runtimes, search
-from torchspeed.infer.runtimes import ort_cuda_problem, ort_providers, provider_label
+from torchspeed.infer import runners, search, variants
+from torchspeed.infer.result import VariantRow
+from torchspeed.infer.runners import ort_cuda_problem, ort_providers, provider_label
 
 pytest.importorskip("onnxruntime")
 
@@ -46,9 +47,9 @@ def test_cuda_and_cpu_provider_lists_and_the_shared_stream():
 def test_label_names_the_provider_really_running():
     assert provider_label(["TensorrtExecutionProvider"], ["TensorrtExecutionProvider", "CPUExecutionProvider"]) == \
         ("onnxruntime-tensorrt", None)
-    backend, why = provider_label(["TensorrtExecutionProvider", "CUDAExecutionProvider"],
+    runtime, why = provider_label(["TensorrtExecutionProvider", "CUDAExecutionProvider"],
                                   ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    assert backend == "onnxruntime-cuda" and "asked for TensorrtExecutionProvider" in why and "CUDAExecutionProvider" in why
+    assert runtime == "onnxruntime-cuda" and "asked for TensorrtExecutionProvider" in why and "CUDAExecutionProvider" in why
     assert provider_label(["CUDAExecutionProvider"], ["CPUExecutionProvider"])[0] == "onnxruntime"
 
 
@@ -78,21 +79,21 @@ def fake_ort(monkeypatch):
 
     _FakeSession.created.clear()
     monkeypatch.setattr(onnxruntime, "InferenceSession", _FakeSession)
-    monkeypatch.setattr(runtimes, "check_ort_cuda", lambda **_: None)
+    monkeypatch.setattr(runners, "check_ort_cuda", lambda **_: None)
     return _FakeSession
 
 
 def test_runner_that_fell_back_from_tensorrt_says_so(fake_ort, tmp_path):
-    r = runtimes.OrtRunner("model.onnx", "fp16", providers="tensorrt", cache_dir=str(tmp_path))
+    r = runners.OrtRunner("model.onnx", "fp16", providers="tensorrt", cache_dir=str(tmp_path))
     requested = fake_ort.created[0].requested
     assert requested[0][0] == "TensorrtExecutionProvider" and requested[0][1]["trt_fp16_enable"] is True
-    assert r.backend == "onnxruntime-cuda" and r.active[0] == "CUDAExecutionProvider"
+    assert r.runtime == "onnxruntime-cuda" and r.active[0] == "CUDAExecutionProvider"
     assert "asked for TensorrtExecutionProvider" in r.fallback
 
 
 def test_a_fallen_back_row_is_dropped_with_the_reason(fake_ort, tmp_path):
-    variant = search.Variant("onnxruntime-tensorrt fp16", "onnxruntime-tensorrt", "fp16", "TensorRT",
-                             lambda c: runtimes.OrtRunner("m.onnx", "fp16", providers="tensorrt", cache_dir=str(tmp_path)))
+    variant = variants.Variant("onnxruntime-tensorrt fp16", "onnxruntime-tensorrt", "fp16", "TensorRT",
+                             lambda c: runners.OrtRunner("m.onnx", "fp16", providers="tensorrt", cache_dir=str(tmp_path)))
     row, out = search.build_variant(variant, types.SimpleNamespace(example=torch.zeros(1, 3)), torch.zeros(2, 3))
     assert row.status == "failed" and row.runner is None and out is None
     assert "asked for TensorrtExecutionProvider but ONNX Runtime runs CUDAExecutionProvider" in row.reason
@@ -100,9 +101,9 @@ def test_a_fallen_back_row_is_dropped_with_the_reason(fake_ort, tmp_path):
 
 
 def test_gpu_provider_checks_the_cuda_versions_first(monkeypatch):
-    monkeypatch.setattr(runtimes, "ort_cuda_problem", lambda **_: "onnxruntime-gpu 1.0 is built for CUDA 11.8 ...")
+    monkeypatch.setattr(runners, "ort_cuda_problem", lambda **_: "onnxruntime-gpu 1.0 is built for CUDA 11.8 ...")
     with pytest.raises(RuntimeError, match="built for CUDA 11.8"):
-        runtimes.OrtRunner("model.onnx", "fp32", providers="cuda")
+        runners.OrtRunner("model.onnx", "fp32", providers="cuda")
 
 
 # ----------------------------------------------------------------------------------------- CUDA versions
@@ -127,43 +128,42 @@ def test_cuda_version_check_names_both_versions(ort_cuda, torch_cuda, says):
 
 def test_check_ort_cuda_raises_with_the_message():
     with pytest.raises(RuntimeError, match="built for CUDA 11.8 but torch 2.14.1 uses CUDA 12.4"):
-        runtimes.check_ort_cuda(ort_cuda="11.8", torch_cuda="12.4", ort_version="1.18.0", torch_version="2.14.1")
+        runners.check_ort_cuda(ort_cuda="11.8", torch_cuda="12.4", ort_version="1.18.0", torch_version="2.14.1")
 
 
 # ----------------------------------------------------------------------------------------- device placement
 def _variant(name):
-    return next(v for v in search.VARIANTS if v.name == name)
+    return next(v for v in variants.VARIANTS if v.name == name)
 
 
 def _machine(device):
-    usable = dict.fromkeys(search.BACKENDS)
-    return search.Machine(usable, native_bf16=True, device=device)
+    usable = dict.fromkeys(runners.RUNTIMES)
+    return variants.Machine(usable, native_bf16=True, device=device)
 
 
-FACTS = search.ModelFacts(linear_heavy=False, calibrated=True, calibration="minmax")
+FACTS = variants.ModelFacts(linear_heavy=False, calibrated=True, calibration="minmax")
 
 
 def test_on_cuda_fp16_competes_and_cpu_runtimes_step_aside():
-    auto = search._Request(None, None)
     cuda, cpu = _machine("cuda:0"), _machine("cpu")
-    assert auto.skip_reason(_variant("fp16 + channels_last"), cuda, FACTS) is None
-    assert "emulated on CPU" in auto.skip_reason(_variant("fp16 + channels_last"), cpu, FACTS)
+    assert variants.skip_reason(_variant("fp16 + channels_last"), cuda, FACTS) is None
+    assert "emulated on CPU" in variants.skip_reason(_variant("fp16 + channels_last"), cpu, FACTS)
     for name in ("onnxruntime fp32", "onnxruntime int8", "openvino fp32", "openvino int8"):
-        assert "the model is on cuda:0" in auto.skip_reason(_variant(name), cuda, FACTS)
-        assert auto.skip_reason(_variant(name), cpu, FACTS) is None
+        assert "the model is on cuda:0" in variants.skip_reason(_variant(name), cuda, FACTS)
+        assert variants.skip_reason(_variant(name), cpu, FACTS) is None
     for name in ("onnxruntime-cuda fp32", "onnxruntime-cuda fp16", "onnxruntime-tensorrt fp16"):
-        assert auto.skip_reason(_variant(name), cuda, FACTS) is None, name
-        assert auto.skip_reason(_variant(name), cpu, FACTS)  # a CPU model is not moved to the GPU
-    no_bf16 = search.Machine(dict.fromkeys(search.BACKENDS), native_bf16=False, device="cuda:0")
-    assert "no native bf16 on this GPU" in auto.skip_reason(_variant("bf16 + channels_last"), no_bf16, FACTS)
+        assert variants.skip_reason(_variant(name), cuda, FACTS) is None, name
+        assert variants.skip_reason(_variant(name), cpu, FACTS)  # a CPU model is not moved to the GPU
+    no_bf16 = variants.Machine(dict.fromkeys(runners.RUNTIMES), native_bf16=False, device="cuda:0")
+    assert "no native bf16 on this GPU" in variants.skip_reason(_variant("bf16 + channels_last"), no_bf16, FACTS)
 
 
 def test_gpu_rows_skipped_with_the_install_hint_when_onnxruntime_has_no_cuda():
-    backends = dict.fromkeys(search.BACKENDS)
-    backends["onnxruntime-cuda"] = backends["tensorrt"] = ort_cuda_problem(
+    usable = dict.fromkeys(runners.RUNTIMES)
+    usable["onnxruntime-cuda"] = usable["tensorrt"] = ort_cuda_problem(
         ort_cuda="", torch_cuda="13.0", ort_version="1.31.0", torch_version="2.14.1")
-    machine = search.Machine(backends, native_bf16=True, device="cuda:0")
-    reason = search._Request(None, None).skip_reason(_variant("onnxruntime-tensorrt fp16"), machine, FACTS)
+    machine = variants.Machine(usable, native_bf16=True, device="cuda:0")
+    reason = variants.skip_reason(_variant("onnxruntime-tensorrt fp16"), machine, FACTS)
     assert "CPU build" in reason and "torchspeed[infer-gpu]" in reason
 
 
@@ -180,7 +180,7 @@ def test_timing_synchronises_on_the_models_device(monkeypatch):
         return {name: timing for name in contenders}  # compare()'s result is looked up by name
 
     monkeypatch.setattr(torchspeed.measure, "compare", fake_compare)
-    row = search.VariantResult("onnxruntime fp32", "onnxruntime", "fp32", True, runner=lambda x: x)
+    row = VariantRow("onnxruntime fp32", "onnxruntime", "fp32", True, runner=lambda x: x)
     search.time_variants([row], torch.zeros(1, 3), (2,), torch.Generator(), 1, 0.0, lambda _: None, device="cuda:0")
     assert seen["device"] == "cuda:0" and seen["baseline"] == "onnxruntime fp32"
     assert row.latency_ms[2]["p50_ms"] == pytest.approx(1.0)
@@ -188,9 +188,9 @@ def test_timing_synchronises_on_the_models_device(monkeypatch):
 
 def test_torch_runner_runs_where_the_model_is():
     model = nn.Linear(3, 2)
-    r = runtimes.TorchRunner(model, {})
+    r = runners.TorchRunner(model, {})
     assert r.device == torch.device("cpu") and r(np.zeros((2, 3), np.float32)).shape == (2, 2)
-    assert runtimes.module_device(model.to("meta")) == torch.device("meta")
+    assert runners.module_device(model.to("meta")) == torch.device("meta")
 
 
 def test_asking_for_cuda_without_one_is_a_clear_error():
@@ -215,7 +215,7 @@ def test_fp16_conversion_keeps_float32_inputs_and_outputs(tmp_path):
     assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     assert m.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     try:
-        run = runtimes.OrtRunner(str(tmp_path / "h.onnx"), "fp16")
+        run = runners.OrtRunner(str(tmp_path / "h.onnx"), "fp16")
     except Exception as e:  # noqa: BLE001 - the CPU provider lacks fp16 kernels for some ops
         pytest.skip(f"the CPU provider cannot run this fp16 model: {e}")
     x = torch.randn(5, 8)
@@ -230,7 +230,7 @@ def test_cli_device_cuda_without_one_is_one_line(capsys):
     from torchspeed.cli import main
 
     assert main(["optimize", "resnet18", "--num-classes", "2", "--input-shape", "1,3,32,32", "--device", "cuda",
-                 "--backends", "torch", "--precisions", "fp32"]) == 2
+                 "--runtimes", "torch", "--precisions", "fp32"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "no CUDA device" in err and "Traceback" not in err
 
@@ -250,7 +250,7 @@ def test_io_binding_path_matches_the_numpy_path(tmp_path):
 
     export_onnx(Mixed().eval(), {"ids": torch.randint(0, 10, (1, 5)), "scale": torch.rand(1, 1)}, tmp_path / "m.onnx",
                 exporter="torchscript")
-    run = runtimes.OrtRunner(str(tmp_path / "m.onnx"))
+    run = runners.OrtRunner(str(tmp_path / "m.onnx"))
     feed = {"ids": torch.randint(0, 10, (3, 5)), "scale": torch.rand(3, 1)}
     bound = run.run_bound(feed)
     assert isinstance(bound, torch.Tensor) and bound.shape == (3, 3)

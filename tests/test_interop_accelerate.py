@@ -4,6 +4,7 @@ by the process group / WORLD_SIZE and RANK) and trained in an ordinary Accelerat
 is a test-only dependency, imported only here."""
 import pytest
 import torch
+from helpers import tiny_convnet
 from torch import nn
 
 accelerate = pytest.importorskip("accelerate")
@@ -15,9 +16,7 @@ def test_fast_loader_through_accelerator_prepare(small_photo_folder):
     accelerator = accelerate.Accelerator(cpu=True)
     loader = ts.data.fast_loader(small_photo_folder, batch_size=4, train=True, crop=32, device=accelerator.device,
                                  num_workers=0, threads=1)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(8, 2))
+    model = tiny_convnet()
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)

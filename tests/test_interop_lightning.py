@@ -10,21 +10,16 @@ import textwrap
 
 import pytest
 import torch
+from helpers import tiny_convnet
 from torch import nn
 
 L = pytest.importorskip("lightning")
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, 2))
-
-
 class Classifier(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = _net()
+        self.net = tiny_convnet()
         self.seen = []  # (autocast dtype or None, input memory format is channels_last, weight NHWC)
 
     def forward(self, x):
@@ -102,7 +97,7 @@ def test_accelerated_callback_applies_precision_and_channels_last(small_photo_fo
     # a precision the user gave the Trainer is theirs: kept
     module = Classifier()
     trainer = _trainer(max_steps=1, limit_val_batches=0, precision="bf16-true", callbacks=[AcceleratedCallback(
-        ts.train.accelerate(_net(), precision="fp32", channels_last=False, compile=False, strategy=None,
+        ts.train.accelerate(tiny_convnet(), precision="fp32", channels_last=False, compile=False, strategy=None,
                             device="cpu"))])
     trainer.fit(module, datamodule=dm)
     assert trainer.precision == "bf16-true"

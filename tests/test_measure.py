@@ -1,3 +1,5 @@
+"""The one timing tool: statistics, interleaving and ratios of medians on a controlled clock, epochs of
+an iterable, peak memory, JSON output."""
 import json
 import time
 
@@ -116,22 +118,3 @@ def test_real_clock_smoke():
     t = measure.time_callable(lambda: time.sleep(0.002), warmup=1, repeats=3)
     assert 0.0015 < t.median_s < 0.5
 
-
-def test_build_directory_is_atomic(tmp_path):
-    import os
-
-    from torchspeed.atomic import build_directory
-
-    target = tmp_path / "cache" / "thing"
-
-    def failing(tmp):
-        (open(os.path.join(tmp, "half"), "w")).write("x")
-        raise RuntimeError("interrupted")
-
-    with pytest.raises(RuntimeError, match="interrupted"):
-        build_directory(target, failing)
-    assert not target.exists() and os.listdir(tmp_path / "cache") == []  # nothing half-built left behind
-    calls = []
-    assert build_directory(target, lambda tmp: calls.append(open(os.path.join(tmp, "ok"), "w").close())) == str(target)
-    assert build_directory(target, lambda tmp: calls.append("again")) == str(target)  # cached: not rebuilt
-    assert len(calls) == 1 and (target / "ok").exists()

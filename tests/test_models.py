@@ -134,8 +134,6 @@ def test_parse_kwargs():
 
 def test_a_module_spec_imports_from_the_current_directory(tmp_path, monkeypatch):
     """The installed `torchspeed` script's sys.path lacks the current directory; specs still find it."""
-    import sys
-
     from torchspeed.models import load_callable
 
     (tmp_path / "my_project_nets.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(2, 3)\n")

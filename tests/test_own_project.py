@@ -60,7 +60,7 @@ def project(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_tune_loader_train_lint_optimize_prune_on_my_own_code(project, capsys):
+def test_tune_train_lint_optimize_and_prune_run_on_a_projects_own_factories(project, capsys):
     data, net = "my_project/data.py:build_dataset", "my_project/nets.py:make_net"
 
     assert main(["tune-loader", data, "--batch-size", "8", "--crop", "32", "--num-workers", "0",
@@ -77,7 +77,7 @@ def test_tune_loader_train_lint_optimize_prune_on_my_own_code(project, capsys):
     assert main(["lint", net, "--input-shape", "1,3,32,32", "--json", "lint.json"]) == 0
     assert json.loads((project / "lint.json").read_text())
 
-    assert main(["optimize", net, "--weights", str(best), "--input-shape", "1,3,32,32", "--backends", "torch",
+    assert main(["optimize", net, "--weights", str(best), "--input-shape", "1,3,32,32", "--runtimes", "torch",
                  "--precisions", "fp32", "--batch-sizes", "1", "--eval", data, "--calib", data,
                  "--out", "deploy", "--json", "opt.json"]) == 0
     assert (project / "deploy" / "manifest.json").exists()

@@ -1,9 +1,12 @@
+"""This machine and torch's set-up on it: RNG state round trips, seeding and determinism, the default
+precision from CPU flags and GPU capability, and forks that wait for helper threads."""
 import os
 import random
 
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_convnet
 
 from torchspeed import runtime
 
@@ -42,8 +45,7 @@ def test_seed_everything_validates(bad):
 
 def _tiny_run(seed: int) -> torch.Tensor:
     runtime.seed_everything(seed)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(4))
-    model(torch.zeros(1, 3, 8, 8))
+    model = tiny_convnet(classes=4, seed=None)  # initialised from the seeded generator
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
     for _ in range(5):
@@ -73,10 +75,11 @@ def test_deterministic_toggles_torch_flags():
     assert not torch.are_deterministic_algorithms_enabled()
 
 
-def test_describe_reports_machine():
+def test_describe_names_the_machine_its_isa_flags_and_gpus():
     info = runtime.describe()
     assert info["cores"] >= 1 and info["torch"] == torch.__version__
-    assert set(runtime._ISA_FLAGS) <= set(info["isa"])
+    assert {"avx2", "avx512f", "amx_bf16"} <= set(info["isa"])
+    assert all(isinstance(v, bool) for v in info["isa"].values())
     assert isinstance(info["gpus"], list)
     assert info["cpu"] in runtime.describe_line(info)
 
@@ -98,8 +101,6 @@ def test_default_precision_follows_gpu_capability(monkeypatch):
 
 def test_deterministic_sets_the_cublas_workspace_and_warns_when_cuda_started(monkeypatch):
     import warnings
-
-    import torch
 
     from torchspeed.runtime import deterministic
 

@@ -5,33 +5,24 @@ import math
 
 import pytest
 import torch
+from helpers import separable_loader, tiny_convnet
 from torch import nn
 
 from torchspeed.runtime import default_precision
 from torchspeed.train import Callback, EarlyStopping, Trainer, accelerate
 
 
-def _data(n=256, seed=0, batch=32, shuffle=True):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, 8, 8, generator=g)
-    y = (x[:, 0].mean((1, 2)) > 0).long()
-    ds = torch.utils.data.TensorDataset(x, y)
-    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=shuffle,
-                                       generator=torch.Generator().manual_seed(seed))
-
-
-def _net(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
-
-
 FIXED = dict(precision="fp32", channels_last=False, compile=False, progress=False)
+
+
+def _first_batch():
+    return next(iter(separable_loader(shuffle=True)))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_training_reduces_loss_on_cpu(precision):
-    model = _net()
-    dl = _data()
+    model = tiny_convnet()
+    dl = separable_loader(shuffle=True)
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), nn.functional.cross_entropy,
                  precision=precision, channels_last=False, compile=False, progress=False)
     before = tr.evaluate(dl)["val_loss"]
@@ -44,8 +35,8 @@ def test_training_reduces_loss_on_cpu(precision):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GradScaler path needs CUDA")
 def test_fp16_gradscaler_on_cuda():
-    model = _net()
-    dl = _data()
+    model = tiny_convnet()
+    dl = separable_loader(shuffle=True)
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.2), nn.functional.cross_entropy, precision="fp16",
                  channels_last=False, compile=False, progress=False, device="cuda")
     before = tr.evaluate(dl)["val_loss"]
@@ -55,8 +46,8 @@ def test_fp16_gradscaler_on_cuda():
 
 
 def test_evaluate_matches_a_manual_computation_and_runs_without_autograd():
-    model = _net(3)
-    dl = _data(shuffle=False)
+    model = tiny_convnet(seed=3)
+    dl = separable_loader()
     seen = []
     model.register_forward_hook(lambda m, i, o: seen.append(torch.is_inference_mode_enabled()))
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED)
@@ -71,25 +62,25 @@ def test_evaluate_matches_a_manual_computation_and_runs_without_autograd():
 
 
 def test_gradient_accumulation_equals_the_big_batch():
-    big = _net(1)
+    big = tiny_convnet(seed=1)
     Trainer(big, torch.optim.SGD(big.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED).fit(
-        _data(64, batch=32, shuffle=False), epochs=1)
-    acc = _net(1)
+        separable_loader(64), epochs=1)
+    acc = tiny_convnet(seed=1)
     Trainer(acc, torch.optim.SGD(acc.parameters(), lr=0.1), nn.functional.cross_entropy, grad_accum_steps=2,
-            **FIXED).fit(_data(64, batch=16, shuffle=False), epochs=1)
+            **FIXED).fit(separable_loader(64, 16), epochs=1)
     for a, b in zip(big.parameters(), acc.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_clipping_scheduler_and_jsonl_log(tmp_path):
-    model = _net()
+    model = tiny_convnet()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     before = [p.detach().clone() for p in model.parameters()]
     log = tmp_path / "m.jsonl"
     tr = Trainer(model, opt, nn.functional.cross_entropy, scheduler=sched, max_grad_norm=1e-3, log_path=log,
                  log_every_n_steps=2, **FIXED)
-    tr.fit(_data(256), _data(64), epochs=1, max_steps=8)
+    tr.fit(separable_loader(shuffle=True), separable_loader(64, shuffle=True), epochs=1, max_steps=8)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.25)  # stepped every optimizer step: 8 steps, 2 halvings
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm()
     assert moved <= 8 * 1e-3 * 1.0 + 1e-6  # each step moved at most lr x max_grad_norm
@@ -113,7 +104,7 @@ def test_nan_loss_is_a_clear_error_naming_the_step():
     model = _Poison(at=3)
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED)
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 3 \(epoch 1, batch 3\)"):
-        tr.fit(_data(), epochs=1)
+        tr.fit(separable_loader(shuffle=True), epochs=1)
 
 
 def test_early_stopping_lightning_semantics():
@@ -141,7 +132,7 @@ def test_early_stopping_lightning_semantics():
 
 
 def test_early_stopping_stops_the_trainer_at_the_right_check():
-    model = _net()
+    model = tiny_convnet()
     checks = []
 
     class Count(Callback):
@@ -151,7 +142,8 @@ def test_early_stopping_stops_the_trainer_at_the_right_check():
     # lr=0: validation loss is flat from the first check, so patience=2 stops at check 3
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.functional.cross_entropy,
                  callbacks=[Count(), EarlyStopping(patience=2)], **FIXED)
-    out = tr.fit(_data(64), _data(64, shuffle=False), epochs=20)  # unshuffled: the same float sums every check
+    # validation unshuffled: the same float sums every check
+    out = tr.fit(separable_loader(64, shuffle=True), separable_loader(64), epochs=20)
     assert len(checks) == 3 and out["epochs"] == 3 and out["stopped_early"]
 
 
@@ -162,14 +154,14 @@ def test_callback_can_stop_after_a_step():
             if step == 5:
                 trainer.should_stop = True
 
-    model = _net()
+    model = tiny_convnet()
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
                  callbacks=[StopAt()], **FIXED)
-    assert tr.fit(_data(), epochs=3)["step"] == 5
+    assert tr.fit(separable_loader(shuffle=True), epochs=3)["step"] == 5
 
 
 def test_loss_fn_with_inputs_for_distillation():
-    teacher = _net(7).eval()
+    teacher = tiny_convnet(seed=7).eval()
 
     class KD:
         needs_inputs = True
@@ -179,19 +171,19 @@ def test_loss_fn_with_inputs_for_distillation():
                 t = teacher(x)
             return nn.functional.mse_loss(out, t)
 
-    student = _net(8)
+    student = tiny_convnet(seed=8)
     tr = Trainer(student, torch.optim.SGD(student.parameters(), lr=0.3, momentum=0.9), KD(), **FIXED)
-    dl = _data()
+    dl = separable_loader(shuffle=True)
     before = tr.evaluate(dl)["val_loss"]
     tr.fit(dl, epochs=3)
     assert tr.evaluate(dl)["val_loss"] < before / 2
 
 
 def test_accelerate_reports_every_candidate_and_restores_weights():
-    model = _net()
+    model = tiny_convnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    batch = next(iter(_data()))
+    batch = _first_batch()
     acc = accelerate(model, opt, example_batch=batch, loss_fn=nn.functional.cross_entropy, trial_steps=2,
                      untried={"compile": "quick mode budget"})
     m, o = acc
@@ -217,15 +209,15 @@ def test_accelerate_reports_every_candidate_and_restores_weights():
 
 
 def test_accelerate_compile_is_charged_against_the_run_length():
-    model = _net()
-    acc = accelerate(model, None, precision="fp32", channels_last=False, example_batch=next(iter(_data())),
+    model = tiny_convnet()
+    acc = accelerate(model, None, precision="fp32", channels_last=False, example_batch=_first_batch(),
                      expected_steps=10, min_compile_cost_s=20.0)
     c = [c for c in acc.report.candidates if c.setting == "compile" and c.value == "True"][0]
     assert c.decision.startswith("not tried: expected run") and not acc.report.compile
 
 
 def test_bad_arguments_are_clear():
-    model = _net()
+    model = tiny_convnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="precision must be"):
         accelerate(model, opt, precision="fp8")
@@ -235,29 +227,33 @@ def test_bad_arguments_are_clear():
         accelerate(model, opt, precision="fp16", channels_last=False, compile=False, device="cpu")
     with pytest.raises(ValueError, match="log_path"):
         Trainer(model, opt, nn.functional.cross_entropy, log_path="x.txt")
+    with pytest.raises(ValueError, match="precision must be"):  # refused when the Trainer is made, not at fit
+        Trainer(model, opt, nn.functional.cross_entropy, precision="fp8")
+    with pytest.raises(ValueError, match="tf32 must be 'auto', True or False"):
+        Trainer(model, opt, nn.functional.cross_entropy, accelerate_kwargs={"tf32": "yes"})
     with pytest.raises(ValueError, match="a batch must be"):
         Trainer(model, opt, nn.functional.cross_entropy, **FIXED).fit([torch.zeros(2, 3, 8, 8)], epochs=1)
 
 
 @pytest.mark.slow
 def test_accelerate_tries_compile_and_reports_its_cost():
-    model = _net()
+    model = tiny_convnet()
     acc = accelerate(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", channels_last=False,
-                     example_batch=next(iter(_data())), loss_fn=nn.functional.cross_entropy, expected_steps=10**6,
+                     example_batch=_first_batch(), loss_fn=nn.functional.cross_entropy, expected_steps=10**6,
                      min_compile_cost_s=0.0)
     comp = {c.value: c for c in acc.report.candidates if c.setting == "compile"}
     assert comp["True"].step_s > 0 and comp["True"].one_off_s > 0  # measured, with its compile time
     assert comp["True"].decision.startswith(("kept", "rejected"))
     assert acc.report.compile == (comp["True"].decision == "kept")
     assert hasattr(acc.model, "_orig_mod") == acc.report.compile and acc.module is model
-    out = acc.model(next(iter(_data()))[0])
+    out = acc.model(_first_batch()[0])
     assert out.shape == (32, 2)
 
 
 # ------------------------------------------------------------------ the plain-loop API: backward / step
 def _hand_and_accelerated(precision, seed=0):
     """Two identical nets and plain SGD optimizers: one for a hand-written loop, one through accelerate()."""
-    hand, mine = _net(seed), _net(seed)
+    hand, mine = tiny_convnet(seed=seed), tiny_convnet(seed=seed)
     ho = torch.optim.SGD(hand.parameters(), lr=0.1, momentum=0.9)
     mo = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
     acc = accelerate(mine, mo, precision=precision, channels_last=False, compile=False, fused_optimizer=False)
@@ -269,7 +265,7 @@ def test_backward_and_step_give_the_hand_loops_losses_gradients_and_weights(prec
     hand, ho, acc = _hand_and_accelerated(precision)
     model, opt = acc
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    for x, y in list(_data(96, shuffle=False)):
+    for x, y in list(separable_loader(96)):
         with torch.autocast("cpu", dtype=dtype, enabled=precision != "fp32"):
             ref = nn.functional.cross_entropy(hand(x), y)
         ref.backward()
@@ -290,7 +286,7 @@ def test_backward_and_step_give_the_hand_loops_losses_gradients_and_weights(prec
 def test_step_clips_the_gradient_norm_before_stepping():
     hand, ho, acc = _hand_and_accelerated("fp32", seed=4)
     model, opt = acc
-    x, y = next(iter(_data(32, shuffle=False)))
+    x, y = next(iter(separable_loader(32)))
     before = [p.detach().clone() for p in model.parameters()]
     nn.functional.cross_entropy(hand(x), y).backward()
     total = torch.nn.utils.clip_grad_norm_(hand.parameters(), 1e-3)
@@ -310,9 +306,9 @@ def test_step_clips_the_gradient_norm_before_stepping():
 def test_trainer_takes_a_prepared_model_without_measuring_again(monkeypatch):
     from torchspeed.train import acceleration
 
-    model = _net()
+    model = tiny_convnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    acc = accelerate(model, opt, example_batch=next(iter(_data())), loss_fn=nn.functional.cross_entropy,
+    acc = accelerate(model, opt, example_batch=_first_batch(), loss_fn=nn.functional.cross_entropy,
                      trial_steps=1, untried={"compile": "test budget"})
     timers = []
     real_init = acceleration._StepTimer.__init__
@@ -320,29 +316,29 @@ def test_trainer_takes_a_prepared_model_without_measuring_again(monkeypatch):
                         lambda self, *a, **kw: (timers.append(1), real_init(self, *a, **kw))[1])
     m, o = acc
     tr = Trainer(m, o, nn.functional.cross_entropy, progress=False)
-    before = tr.evaluate(_data())["val_loss"]
-    out = tr.fit(_data(), _data(), epochs=2)
+    before = tr.evaluate(separable_loader(shuffle=True))["val_loss"]
+    out = tr.fit(separable_loader(shuffle=True), separable_loader(shuffle=True), epochs=2)
     assert timers == [] and tr.report is acc.report  # no trials: the same report, the same choices
     assert tr.model is m and tr.module is model and tr.optimizer is opt
     assert out["val_loss"] < before
     # the Accelerated itself, the optimizer taken from it
     tr2 = Trainer(acc, loss_fn=nn.functional.cross_entropy, progress=False)
     assert tr2.acc is acc and tr2.optimizer is opt
-    tr2.fit(_data(64), epochs=1)
+    tr2.fit(separable_loader(64, shuffle=True), epochs=1)
     assert timers == []
     # a setting that contradicts the preparation is an error, not silently ignored
     other = "fp32" if acc.report.precision != "fp32" else "bf16"
     with pytest.raises(ValueError, match=f"prepared by accelerate\\(\\) with precision={acc.report.precision}"):
         Trainer(m, o, nn.functional.cross_entropy, precision=other)
     # the Trainer's own preparation is not taken for a user's: a new Trainer prepares the model afresh
-    plain = _net()
+    plain = tiny_convnet()
     tr3 = Trainer(plain, torch.optim.SGD(plain.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED)
-    tr3.fit(_data(64), epochs=1)
+    tr3.fit(separable_loader(64, shuffle=True), epochs=1)
     assert acceleration.Accelerated.of(plain) is None
 
 
 def test_trainer_takes_a_wrapped_model_that_accelerate_returned():
-    model = _net()
+    model = tiny_convnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     m, o = accelerate(model, opt, precision="fp32", channels_last=False, compile=True)
     assert hasattr(m, "_orig_mod")  # torch.compile's wrapper (compiles lazily, on the first call)
@@ -368,10 +364,10 @@ class _CountedLoss(torch.Tensor):
 
 def test_the_loss_is_read_at_logging_points_not_every_step(tmp_path):
     _CountedLoss.reads = []
-    model = _net()
+    model = tiny_convnet()
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out, y: nn.functional.cross_entropy(
         out, y).as_subclass(_CountedLoss), log_every_n_steps=4, log_path=tmp_path / "m.jsonl", **FIXED)
-    out = tr.fit(_data(256), epochs=2)  # 8 steps per epoch
+    out = tr.fit(separable_loader(shuffle=True), epochs=2)  # 8 steps per epoch
     assert out["step"] == 16
     # reading points: steps 4, 8, 12 and 16, one transfer each (the epoch ends at 8 and 16 find nothing unread)
     assert len(_CountedLoss.reads) == 4, _CountedLoss.reads
@@ -385,16 +381,16 @@ def test_a_nan_loss_found_later_still_names_its_step():
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
                  log_every_n_steps=4, **FIXED)
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 2 \(epoch 1, batch 2\).*read every"):
-        tr.fit(_data(), epochs=1)
+        tr.fit(separable_loader(shuffle=True), epochs=1)
     assert tr.global_step == 4  # found at the reading point after step 4
 
 
 def test_progress_callable_receives_short_lines():
     lines = []
-    model = _net()
+    model = tiny_convnet()
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
                  precision="fp32", channels_last=False, compile=False, progress=lines.append, log_every_n_steps=4)
-    tr.fit(_data(256), _data(64), epochs=1)
+    tr.fit(separable_loader(shuffle=True), separable_loader(64, shuffle=True), epochs=1)
     assert lines[0].startswith("epoch 1 step 4 loss ") and lines[1].startswith("epoch 1 step 8 loss ")
     assert lines[2].startswith("epoch 1 step 8 train_loss ") and "val_loss" in lines[2]
     assert lines[-1].startswith("done: 8 steps")
@@ -404,9 +400,9 @@ def test_progress_callable_receives_short_lines():
 
 # ------------------------------------------------------------------ logging
 def test_accelerate_logs_one_info_line_per_setting(caplog):
-    model = _net()
+    model = tiny_convnet()
     with caplog.at_level(logging.INFO, logger="torchspeed.train.acceleration"):
-        acc = accelerate(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=next(iter(_data())),
+        acc = accelerate(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=_first_batch(),
                          loss_fn=nn.functional.cross_entropy, trial_steps=1, untried={"compile": "test budget"})
     lines = [r.getMessage() for r in caplog.records if r.name == "torchspeed.train.acceleration"]
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "torchspeed.train.acceleration")
@@ -425,12 +421,12 @@ def test_accelerate_logs_one_info_line_per_setting(caplog):
 @pytest.mark.parametrize("fused", [False, True])
 def test_step_reports_a_step_the_grad_scaler_skipped(fused):
     # fp16 needs CUDA; the GradScaler logic is the same with a CPU scaler, so test it here
-    model = _net(5)
+    model = tiny_convnet(seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = accelerate(model, opt, precision="fp32", channels_last=False, compile=False, fused_optimizer=fused)
     assert (acc.report.optimizer == "fused") == fused
     acc.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
-    x, y = next(iter(_data(32, shuffle=False)))
+    x, y = next(iter(separable_loader(32)))
     acc.backward(nn.functional.cross_entropy(model(x), y))
     grads = [p.grad.clone() / 16.0 for p in model.parameters()]  # the loss was scaled by 16
     before = [p.detach().clone() for p in model.parameters()]

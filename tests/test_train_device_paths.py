@@ -6,25 +6,13 @@ import warnings
 
 import pytest
 import torch
+from helpers import separable_loader, tiny_convnet
 from torch import nn
 
 from torchspeed.train import Trainer, accelerate
 from torchspeed.train import acceleration as A
 
 FIXED = dict(precision="fp32", channels_last=False, compile=False, progress=False)
-
-
-def _data(n=64, batch=8):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 3, 8, 8, generator=g)
-    y = (x[:, 0].mean((1, 2)) > 0).long()
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(4, 2))
 
 
 class _Reads:
@@ -44,7 +32,7 @@ class _Reads:
 
 
 def _fit_reads(monkeypatch, n_batches, scaler=False, accum=1):
-    model = _net()
+    model = tiny_convnet(width=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = accelerate(model, opt, device="cpu", fused_optimizer=False, **{k: v for k, v in FIXED.items()
                                                                         if k != "progress"})
@@ -56,7 +44,7 @@ def _fit_reads(monkeypatch, n_batches, scaler=False, accum=1):
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: scale_reads.append(1) or 1.0)
     with monkeypatch.context() as m:
         reads = _Reads(m)
-        res = tr.fit(_data(n_batches * 8), epochs=1)
+        res = tr.fit(separable_loader(n_batches * 8, 8), epochs=1)
     assert res["step"] == n_batches // accum and not scale_reads
     return reads.n
 
@@ -75,20 +63,20 @@ def test_fp16_scaler_reads_once_per_optimizer_step_and_never_the_scale(monkeypat
 
 
 def test_evaluate_under_fsdp_uses_no_grad_and_training_follows(monkeypatch):
-    model = _net()
+    model = tiny_convnet(width=4)
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED)
-    tr.prepare(_data())
+    tr.prepare(separable_loader(64, 8))
     modes = []
     model.register_forward_hook(lambda m, i, o: modes.append((torch.is_inference_mode_enabled(),
                                                               torch.is_grad_enabled())))
-    tr.evaluate(_data())
+    tr.evaluate(separable_loader(64, 8))
     assert set(modes) == {(True, False)}  # inference_mode without FSDP
     modes.clear()
     tr.acc.report.strategy = "fsdp"  # FSDP2's unsharded parameters must not become inference tensors
-    before = tr.evaluate(_data())["val_loss"]
+    before = tr.evaluate(separable_loader(64, 8))["val_loss"]
     assert set(modes) == {(False, False)}
     tr.acc.report.strategy = None
-    res = tr.fit(_data(), _data(), epochs=2)  # evaluate-before-fit, then training works
+    res = tr.fit(separable_loader(64, 8), separable_loader(64, 8), epochs=2)  # evaluate-before-fit, then training works
     assert res["val_loss"] < before
 
 
@@ -145,16 +133,18 @@ def pretend_cuda(monkeypatch):
 
 
 def test_tf32_and_cudnn_benchmark_are_measured_and_recorded(pretend_cuda):
-    report = A.AccelerateReport(device="cuda:0")
-    A._choose_cuda_flags(_net(), _FakeTimer({"False": 1.0, "True": 0.5}), "auto", "auto", report, pretend_cuda, 0.05)
+    report = A.AccelerateResult(device="cuda:0")
+    A._choose_cuda_flags(tiny_convnet(width=4), _FakeTimer({"False": 1.0, "True": 0.5}), "auto", "auto", report,
+                         pretend_cuda, 0.05)
     assert report.tf32 is True and torch.get_float32_matmul_precision() == "high"
     assert report.cudnn_benchmark is True and torch.backends.cudnn.benchmark is True
     rows = {(r.setting, r.value): r.decision for r in report.candidates}
     assert rows[("tf32", "True")] == "kept" and rows[("cudnn_benchmark", "True")] == "kept"
     assert "tf32=True cudnn_benchmark=True" in str(report)
 
-    report = A.AccelerateReport(device="cuda:0")  # within the margin: both off
-    A._choose_cuda_flags(_net(), _FakeTimer({"False": 1.0, "True": 0.99}), "auto", "auto", report, pretend_cuda, 0.05)
+    report = A.AccelerateResult(device="cuda:0")  # within the margin: both off
+    A._choose_cuda_flags(tiny_convnet(width=4), _FakeTimer({"False": 1.0, "True": 0.99}), "auto", "auto", report,
+                         pretend_cuda, 0.05)
     assert report.tf32 is False and torch.get_float32_matmul_precision() == "highest"
     assert report.cudnn_benchmark is False and torch.backends.cudnn.benchmark is False
     assert {(r.setting, r.decision) for r in report.candidates} >= {("tf32", "rejected: not 5% faster")}
@@ -162,9 +152,9 @@ def test_tf32_and_cudnn_benchmark_are_measured_and_recorded(pretend_cuda):
 
 def test_a_users_own_settings_are_kept(pretend_cuda):
     torch.set_float32_matmul_precision("high")  # set by the user before accelerate
-    report = A.AccelerateReport(device="cuda:0")
+    report = A.AccelerateResult(device="cuda:0")
     timer = _FakeTimer({"False": 1.0, "True": 0.5})
-    A._choose_cuda_flags(_net(), timer, "auto", False, report, pretend_cuda, 0.05)
+    A._choose_cuda_flags(tiny_convnet(width=4), timer, "auto", False, report, pretend_cuda, 0.05)
     assert report.tf32 is True and torch.get_float32_matmul_precision() == "high"
     assert report.cudnn_benchmark is False and torch.backends.cudnn.benchmark is False
     assert timer.calls == []  # nothing measured: both were the user's
@@ -172,17 +162,17 @@ def test_a_users_own_settings_are_kept(pretend_cuda):
     assert decisions["tf32"].startswith("given (matmul precision 'high'") and decisions["cudnn_benchmark"] == "given"
 
     torch.backends.cudnn.benchmark = True  # turned on by the user: kept, not measured
-    report = A.AccelerateReport(device="cuda:0")
-    A._choose_cuda_flags(_net(), timer, False, "auto", report, pretend_cuda, 0.05)
+    report = A.AccelerateResult(device="cuda:0")
+    A._choose_cuda_flags(tiny_convnet(width=4), timer, False, "auto", report, pretend_cuda, 0.05)
     assert report.cudnn_benchmark is True and torch.backends.cudnn.benchmark is True and timer.calls == []
     assert {r.setting: r.decision for r in report.candidates}["cudnn_benchmark"].startswith("given (turned on")
 
     torch.set_float32_matmul_precision("highest")
-    report = A.AccelerateReport(device="cuda:0", precision="bf16")
+    report = A.AccelerateResult(device="cuda:0", precision="bf16")
     torch.use_deterministic_algorithms(True)
     try:
         torch.backends.cudnn.benchmark = False
-        A._choose_cuda_flags(_net(), timer, "auto", "auto", report, pretend_cuda, 0.05)
+        A._choose_cuda_flags(tiny_convnet(width=4), timer, "auto", "auto", report, pretend_cuda, 0.05)
     finally:
         torch.use_deterministic_algorithms(False)
     assert report.tf32 is None and report.cudnn_benchmark is None and timer.calls == []
@@ -192,11 +182,12 @@ def test_a_users_own_settings_are_kept(pretend_cuda):
 
 
 def test_cpu_has_no_cuda_switches():
-    acc = accelerate(_net(), None, device="cpu", **{k: v for k, v in FIXED.items() if k != "progress"})
+    acc = accelerate(tiny_convnet(width=4), None, device="cpu", **{k: v for k, v in FIXED.items() if k != "progress"})
     assert acc.report.tf32 is None and acc.report.cudnn_benchmark is None
     assert not {r.setting for r in acc.report.candidates} & {"tf32", "cudnn_benchmark"}
     with pytest.raises(ValueError, match="tf32 must be 'auto', True or False"):
-        accelerate(_net(), None, device="cpu", tf32="yes", **{k: v for k, v in FIXED.items() if k != "progress"})
+        accelerate(tiny_convnet(width=4), None, device="cpu", tf32="yes",
+                   **{k: v for k, v in FIXED.items() if k != "progress"})
 
 
 def test_cublas_workspace_is_set_for_deterministic_mode(monkeypatch):

@@ -105,11 +105,13 @@ print("done", rank)
 
 
 def _net():
+    """The torchrun script's `net()`, built here for the one-process reference run (the same weights)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 36, 4), nn.ReLU(), nn.Linear(4, 3))
 
 
 def _data(n=64, batch=16):
+    """The script's `data()` at the global batch (2 ranks x 8): three classes of random labels."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from helpers import separable_loader
 from torch import nn
 
 from torchspeed.train import Callback, Checkpoint, Trainer, accelerate
@@ -19,15 +20,14 @@ FP16 = dict(precision="fp16", channels_last=False, compile=False, progress=False
 
 
 def _mlp(seed=0, dropout=0.0):
+    """A two-layer MLP on 4x4 images (not the shared convnet): matmuls only, so fp16 and its GradScaler
+    are what is exercised, with dropout to test the CUDA generator's restore."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Flatten(), nn.Linear(48, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 2))
 
 
-def _data(n=128, batch=16, seed=0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, 4, 4, generator=g)
-    y = (x[:, 0].mean((1, 2)) > 0).long()
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.to(device), y.to(device)), batch_size=batch)
+def _data(n=128, batch=16):
+    return separable_loader(n, batch, size=4, device="cuda")
 
 
 def test_fp16_clipping_applies_to_the_unscaled_gradients():

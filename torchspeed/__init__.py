@@ -20,13 +20,14 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on 
         measure,
         metrics,
         models,
+        recipes,
         runtime,
         train,
     )
 
 __version__ = "0.1.0"
 __all__ = ["runtime", "measure", "models", "batches", "metrics", "images", "data", "train", "infer", "compress",
-           "doctor", "bench"]
+           "recipes", "doctor", "bench"]
 
 # Every measured choice is logged at INFO on "torchspeed.*"; a program shows them with
 # logging.basicConfig(level=logging.INFO) (the command line shows them by default).

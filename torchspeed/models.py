@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ModelSpec", "create", "spec_of", "load_weights", "parse_kwargs", "default_input_shape", "HOW_TO_NAME"]
+__all__ = ["ModelSpec", "create", "build", "spec_of", "load_weights", "parse_kwargs", "default_input_shape", "HOW_TO_NAME"]
 
 HOW_TO_NAME = ("name a torchvision model (resnet18), a timm model (timm:NAME), or your own architecture as "
                "package.module:factory or path/to/file.py:factory")
@@ -200,6 +200,17 @@ def create(spec: str | ModelSpec, *, weights: str | None = None, **kwargs: Any) 
         load_weights(model, weights)
     setattr(model, _SPEC_ATTR, spec)  # lets torch-runtime artifacts record how to rebuild it
     return model.eval()
+
+
+def build(spec: str | ModelSpec, *, weights: str | None = None, model_kwargs: str | Mapping[str, Any] | None = None,
+          **library_defaults: Any) -> nn.Module:
+    """The model a command or recipe asks for by spec. `library_defaults` (e.g. num_classes; None values
+    ignored) apply to torchvision / timm models only: the user's own factory gets just `model_kwargs`
+    (a JSON object's text or a mapping), which wins over the defaults."""
+    kwargs = parse_kwargs(model_kwargs) if isinstance(model_kwargs, str) or model_kwargs is None else dict(model_kwargs)
+    parsed = ModelSpec.parse(spec) if isinstance(spec, str) else spec
+    chosen = {k: v for k, v in library_defaults.items() if v is not None} if parsed.from_library else {}
+    return create(parsed, weights=weights, **{**chosen, **kwargs})
 
 
 def spec_of(model: nn.Module) -> ModelSpec | None:

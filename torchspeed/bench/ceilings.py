@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from torchspeed.bench.rows import Row
+
 TITLE = "Ceilings: what this machine's cores reach at best"
 VERSION = 1
 SHORT_SIDE = 160        # the stores' image size (bench data and train suites)
@@ -286,24 +288,24 @@ def decode_samples(n: int = DECODE_SAMPLES, short_side: int = SHORT_SIDE) -> lis
     from PIL import Image
 
     from torchspeed.data.demo import demo_folder
-    from torchspeed.data.packer import _load_file
+    from torchspeed.data.packer import load_image_file
     from torchspeed.images import scan_folder
 
     _, samples = scan_folder(demo_folder(4000))
     out = []
     for path, _ in sorted(samples, key=lambda s: os.path.basename(s[0]))[:n]:
         buf = io.BytesIO()
-        Image.fromarray(_load_file(path, short_side)).save(buf, format="JPEG", quality=90)
+        Image.fromarray(load_image_file(path, short_side)).save(buf, format="JPEG", quality=90)
         out.append(buf.getvalue())
     return out
 
 
 def decode_rate(samples: list[bytes], budget_s: float = 2.0) -> dict[str, Any]:
     """Full decodes per second on one thread by the fastest CPU decoder; `decode` = that x the cores."""
-    from torchspeed.data.decode import jpeg_size, measure_backends
+    from torchspeed.data.decode import jpeg_size, measure_decoders
     from torchspeed.runtime import usable_cores
 
-    table = measure_backends(samples, repeats=max(3, int(budget_s)))
+    table = measure_decoders(samples, repeats=max(3, int(budget_s)))
     rows = [r for r in table if isinstance(r.get("us_per_image"), (int, float)) and r["us_per_image"] > 0]
     best = min(rows, key=lambda r: r["us_per_image"])
     per_core = 1e6 / best["us_per_image"]
@@ -396,7 +398,7 @@ def get(refresh: bool = False, progress: Callable[[str], Any] | None = None) -> 
 
 
 def run(quick: bool, progress: Callable[[str], Any] | bool = False) -> dict[str, Any]:
-    """The runner's entry point (it runs this in its own process, like a suite): the quick report reads
+    """The orchestrator's entry point (it runs this in its own process, like a suite): the quick report reads
     the cache, the full report measures again."""
     from torchspeed.args import progress_fn
 
@@ -405,31 +407,31 @@ def run(quick: bool, progress: Callable[[str], Any] | bool = False) -> dict[str,
 
 # ---------------------------------------------------------------- rows against their ceiling
 
-def rate_of(row: dict[str, Any]) -> float | None:
+def rate_of(row: Row) -> float | None:
     """Items per second of a row: its median for a "<unit>/s" row, batch / latency for an "ms" row."""
-    m = row.get("median")
+    m = row.median
     if not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
         return None
-    unit = str(row.get("unit", ""))
+    unit = str(row.unit)
     if unit.endswith("/s"):
         return float(m)
-    if unit == "ms" and isinstance(row.get("batch"), (int, float)):
-        return row["batch"] * 1e3 / m
+    if unit == "ms" and isinstance(row.batch, (int, float)):
+        return row.batch * 1e3 / m
     return None
 
 
-def achieved(row: dict[str, Any]) -> float | None:
+def achieved(row: Row) -> float | None:
     """What a row achieves in its ceiling's unit: G(FL)OP/s when it counts work per item, else items/s."""
     rate = rate_of(row)
     if rate is None:
         return None
-    per_item = row.get("flops_per_item")
+    per_item = row.flops_per_item
     return rate * per_item / 1e9 if isinstance(per_item, (int, float)) else rate
 
 
-def pct_of_ceiling(row: dict[str, Any], ceilings: dict[str, Any] | None) -> float | None:
-    """100 x achieved / the ceiling named by the row's "ceiling" key (None when either is unknown)."""
-    item = ((ceilings or {}).get("items") or {}).get(row.get("ceiling") or "")
+def pct_of_ceiling(row: Row, ceilings: dict[str, Any] | None) -> float | None:
+    """100 x achieved / the ceiling the row names (None when either is unknown)."""
+    item = ((ceilings or {}).get("items") or {}).get(row.ceiling or "")
     value = achieved(row)
     if not item or not isinstance(item.get("value"), (int, float)) or item["value"] <= 0 or value is None:
         return None
@@ -437,14 +439,15 @@ def pct_of_ceiling(row: dict[str, Any], ceilings: dict[str, Any] | None) -> floa
 
 
 def annotate(results: dict[str, Any], ceilings: dict[str, Any] | None) -> None:
-    """Give every row that names a ceiling its `achieved` and `pct_of_ceiling` (in place)."""
+    """Give every row (in the suites' JSON) that names a ceiling its `achieved` and `pct_of_ceiling`, in place."""
     for name, result in results.items():
         if not isinstance(result, dict) or name == "ceilings":
             continue
-        for row in result.get("rows", []) or []:
-            if isinstance(row, dict) and row.get("ceiling"):
-                row["achieved"] = achieved(row)
-                row["pct_of_ceiling"] = pct_of_ceiling(row, ceilings)
+        for d in result.get("rows", []) or []:
+            if isinstance(d, dict) and d.get("ceiling"):
+                row = Row.from_dict(d)
+                d["achieved"] = achieved(row)
+                d["pct_of_ceiling"] = pct_of_ceiling(row, ceilings)
 
 
 def ceiling_rows(ceilings: dict[str, Any]) -> list[tuple[str, str, str, str]]:

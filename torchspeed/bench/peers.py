@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torchspeed.bench.rows import Row
+
 INSTALL = {"dali": "pip install nvidia-dali-cuda120 (or: pip install 'torchspeed[peers]')",
            "litdata": "pip install litdata (or: pip install 'torchspeed[peers]')",
            "openvino": "pip install openvino (or: pip install 'torchspeed[infer]')",
@@ -36,10 +38,9 @@ def _require(name: str, module: str) -> Any:
         raise PeerMissing(f"{name} not installed ({e.__class__.__name__}: {e}); {INSTALL[name]}") from None
 
 
-def skipped_row(technique: str, why: str, unit: str, **extra: Any) -> dict[str, Any]:
+def skipped_row(technique: str, why: str, unit: str, **columns: Any) -> Row:
     """A peer row without a figure: the report shows why."""
-    return {"technique": technique, "median": None, "min": None, "max": None, "unit": unit, "ratio": None,
-            "cumulative": None, "metric_drop": None, "what": f"skipped: {why}", "peer": True, **extra}
+    return Row.skipped(technique, why, unit, peer=True, **columns)
 
 
 # ---------------------------------------------------------------- data

@@ -1,7 +1,7 @@
 """The report: `report.md` (machine, summary, one table per suite), PNG plots and the summary table.
 
-Input is the dict `runner.run_suites` collects: {"machine": ..., "<suite>": suite JSON, ...}, each
-suite JSON holding "rows" as described in `torchspeed.bench.suites`.
+Input is the dict `orchestration.run_suites` collects: {"machine": ..., "<suite>": suite JSON, ...},
+each suite JSON holding "rows" as described in `torchspeed.bench.suites`, read back as `Row`s.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from torchspeed.atomic import atomic_write
 from torchspeed.bench import suites
+from torchspeed.bench.rows import Row, rows_of
 from torchspeed.tables import format_number
 
 WHAT = {
@@ -21,21 +22,21 @@ WHAT = {
 }
 
 
-def _spread(row: dict[str, Any]) -> str:
-    lo, hi = row.get("min"), row.get("max")
+def _spread(row: Row) -> str:
+    lo, hi = row.min, row.max
     if lo is None or hi is None:
         return ""
     return f"{format_number(lo)}-{format_number(hi)}"
 
 
-def headline(result: dict[str, Any]) -> dict[str, Any] | None:
+def headline(result: dict[str, Any]) -> Row | None:
     """The row that sums a suite up: one marked `"headline": True`, else the largest speed-up."""
-    rows = [r for r in result.get("rows", []) if isinstance(r, dict)]
-    marked = [r for r in rows if r.get("headline")]
+    rows = rows_of(result)
+    marked = [r for r in rows if r.headline]
     if marked:
         return marked[0]
-    scored = [r for r in rows if isinstance(r.get("cumulative") or r.get("ratio"), (int, float))]
-    return max(scored, key=lambda r: r.get("cumulative") or r.get("ratio"), default=None)
+    scored = [r for r in rows if isinstance(r.speedup, (int, float))]
+    return max(scored, key=lambda r: r.speedup, default=None)
 
 
 SUMMARY_COLUMNS = ["suite", "technique", "measured (median)", "speed-up vs plain PyTorch", "accuracy drop",
@@ -55,13 +56,13 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str,
         row = headline(result)
         if row is None:
             continue
-        ratio = row.get("cumulative") or row.get("ratio")
+        ratio = row.speedup
         out.append((
             name,
-            row.get("technique", ""),
-            f"{format_number(row.get('median'))} {row.get('unit', '')}".strip(),
+            row.technique,
+            f"{format_number(row.median)} {row.unit}".strip(),
             f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else "",
-            format_number(row.get("metric_drop")),
+            format_number(row.metric_drop),
             _pct(row),
         ))
     return out
@@ -74,30 +75,32 @@ def _md_table(columns: list[str], rows: list[tuple[Any, ...]]) -> str:
     return "\n".join(lines)
 
 
-def _pct(row: dict[str, Any]) -> str:
-    p = row.get("pct_of_ceiling")
+def _pct(row: Row) -> str:
+    p = row.pct_of_ceiling
     if not isinstance(p, (int, float)):
         return ""
-    unit = {"decode": "img/s"}.get(row.get("ceiling", ""), "GOP/s" if row.get("ceiling") == "int8" else "GFLOP/s")
+    unit = {"decode": "img/s"}.get(row.ceiling or "", "GOP/s" if row.ceiling == "int8" else "GFLOP/s")
     above = (" - above the ceiling: a ceiling is the fastest route timed on its reference GEMM, not a hard limit "
              "(or it was timed at a busier moment: `--refresh-ceilings` on a quiet machine)") if p > 100 else ""
-    return f"{p:.0f}% of {row['ceiling']} ({format_number(row.get('achieved'))} {unit}){above}"
+    return f"{p:.0f}% of {row.ceiling} ({format_number(row.achieved)} {unit}){above}"
 
 
 def suite_table(result: dict[str, Any]) -> str:
-    with_ceiling = any(isinstance(r.get("pct_of_ceiling"), (int, float)) for r in result.get("rows", []))
+    """A suite's rows as a markdown table (the ceiling column only when a row reaches one)."""
+    table = rows_of(result)
+    with_ceiling = any(isinstance(r.pct_of_ceiling, (int, float)) for r in table)
     rows = [
         (
-            r.get("technique", ""),
-            f"{format_number(r.get('median'))} {r.get('unit', '')}".strip(),
+            r.technique,
+            f"{format_number(r.median)} {r.unit}".strip(),
             _spread(r),
-            f"{r['ratio']:.2f}x" if isinstance(r.get("ratio"), (int, float)) else "",
-            f"{r['cumulative']:.2f}x" if isinstance(r.get("cumulative"), (int, float)) else "",
-            format_number(r.get("metric_drop")),
+            f"{r.ratio:.2f}x" if isinstance(r.ratio, (int, float)) else "",
+            f"{r.cumulative:.2f}x" if isinstance(r.cumulative, (int, float)) else "",
+            format_number(r.metric_drop),
             *((_pct(r),) if with_ceiling else ()),
-            r.get("what", ""),
+            r.what,
         )
-        for r in result.get("rows", [])
+        for r in table
     ]
     return _md_table(["technique", "median", "spread (min-max)", "vs plain PyTorch", "cumulative", "accuracy drop",
                       *(("% of this machine's ceiling",) if with_ceiling else ()), "what this is"], rows)
@@ -153,26 +156,27 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result.get("rows", []) if isinstance(r.get("median"), (int, float))]
+    table = rows_of(result)
+    rows = [r for r in table if r.measured]
     if not rows:
         return []
-    written = _plot_ceiling(name, result, out, plt)
-    cumulative_rows = [r for r in rows if isinstance(r.get("cumulative"), (int, float))]
+    written = _plot_ceiling(name, table, out, plt)
+    cumulative_rows = [r for r in rows if isinstance(r.cumulative, (int, float))]
     if name == "train" and cumulative_rows:
         rows = cumulative_rows
-        values, xlabel, fname = [r["cumulative"] for r in rows], "cumulative speed-up over plain PyTorch (x)", "train_speedup.png"
+        values = [r.cumulative for r in rows]
+        xlabel, fname = "cumulative speed-up over plain PyTorch (x)", "train_speedup.png"
     else:
-        rows = [r for r in rows if r.get("unit") == rows[0].get("unit")]  # one unit per axis
-        values = [r["median"] for r in rows]
-        if rows[0].get("unit") == "ms":
+        rows = [r for r in rows if r.unit == rows[0].unit]  # one unit per axis
+        values = [r.median for r in rows]
+        if rows[0].unit == "ms":
             xlabel, fname = "median latency (ms, lower is better)", f"{name}_latency.png"
         else:
-            xlabel, fname = f"median {rows[0].get('unit', '')}", f"{name}.png"
-    labels = [r["technique"] for r in rows]
+            xlabel, fname = f"median {rows[0].unit}", f"{name}.png"
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
     y = range(len(rows))
     ax.barh(list(y), values, color="#4C72B0")
-    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.set_yticks(list(y), [r.technique for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
     ax.set_title(WHAT.get(name, name), fontsize=10)
@@ -182,41 +186,46 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     _save_png(fig, os.path.join(out, fname))
     plt.close(fig)
     written.append(fname)
-    scatter = [r for r in rows if isinstance(r.get("metric_drop"), (int, float)) and r.get("unit") == "ms"]
+    scatter = [r for r in rows if isinstance(r.metric_drop, (int, float)) and r.unit == "ms"]
     if name == "infer" and scatter:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        ax.scatter([r["median"] for r in scatter], [100 * r["metric_drop"] for r in scatter], color="#DD8452")
-        for r in scatter:
-            ax.annotate(r["technique"], (r["median"], 100 * r["metric_drop"]), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_xlabel("median latency (ms, log scale)")
-        ax.set_ylabel("accuracy drop vs fp32 (percentage points)")
-        ax.set_title("Inference candidates: accuracy vs latency", fontsize=10)
-        fig.tight_layout()
-        _save_png(fig, os.path.join(out, "infer_accuracy_vs_latency.png"))
-        plt.close(fig)
-        written.append("infer_accuracy_vs_latency.png")
+        written.append(_plot_accuracy(scatter, out, plt))
     return written
 
 
-def _plot_ceiling(name: str, result: dict[str, Any], out: str, plt: Any) -> list[str]:
+def _plot_accuracy(rows: list[Row], out: str, plt: Any) -> str:
+    """Inference variants: accuracy drop against latency."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([r.median for r in rows], [100 * r.metric_drop for r in rows], color="#DD8452")
+    for r in rows:
+        ax.annotate(r.technique, (r.median, 100 * r.metric_drop), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("median latency (ms, log scale)")
+    ax.set_ylabel("accuracy drop vs fp32 (percentage points)")
+    ax.set_title("Inference candidates: accuracy vs latency", fontsize=10)
+    fig.tight_layout()
+    fname = "infer_accuracy_vs_latency.png"
+    _save_png(fig, os.path.join(out, fname))
+    plt.close(fig)
+    return fname
+
+
+def _plot_ceiling(name: str, table: list[Row], out: str, plt: Any) -> list[str]:
     """One plot per suite: each row's % of the ceiling of its kind of work (100% = this machine's best)."""
-    rows = [r for r in result.get("rows", []) if isinstance(r.get("pct_of_ceiling"), (int, float))]
+    rows = [r for r in table if isinstance(r.pct_of_ceiling, (int, float))]
     if not rows:
         return []
     fname = f"{name}_ceiling.png"
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.4))
     y = list(range(len(rows)))
     colours = {"decode": "#4C72B0", "fp32": "#55A868", "bf16": "#C44E52", "int8": "#8172B2"}
-    ax.barh(y, [r["pct_of_ceiling"] for r in rows], color=[colours.get(r["ceiling"], "#937860") for r in rows])
+    ax.barh(y, [r.pct_of_ceiling for r in rows], color=[colours.get(r.ceiling, "#937860") for r in rows])
     ax.axvline(100, color="black", linewidth=1)
-    ax.set_yticks(y, [f"{r['technique']} [{r['ceiling']}]" for r in rows], fontsize=7)
+    ax.set_yticks(y, [f"{r.technique} [{r.ceiling}]" for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("% of this machine's ceiling for the row's kind of work (100 = the ceiling)")
     ax.set_title(f"{name}: how close each row comes to this machine's limit", fontsize=10)
     for i, r in enumerate(rows):
-        ax.text(r["pct_of_ceiling"], i, f" {r['pct_of_ceiling']:.0f}%", va="center", fontsize=6)
+        ax.text(r.pct_of_ceiling, i, f" {r.pct_of_ceiling:.0f}%", va="center", fontsize=6)
     fig.tight_layout()
     _save_png(fig, os.path.join(out, fname))
     plt.close(fig)

@@ -173,18 +173,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="state-dict file to load into the model (torch.save'd; read with weights_only=True)")
 
 
-def build_model(spec: str, args: argparse.Namespace, **defaults: object) -> object:
-    """The model a command was asked for, through the one factory (torchspeed.models.create).
+def build_model(spec: str, args: argparse.Namespace, **library_defaults: object) -> object:
+    """The model a command was asked for (`torchspeed.models.build`), with its --weights and --model-kwargs."""
+    from torchspeed.models import build
 
-    `defaults` (e.g. num_classes) apply to torchvision/timm models; the user's own factory gets only
-    what --model-kwargs says. --model-kwargs wins over defaults.
-    """
-    from torchspeed.models import ModelSpec, create, parse_kwargs
-
-    kwargs = parse_kwargs(getattr(args, "model_kwargs", None))
-    resolved = ModelSpec.parse(spec)  # resolved once; create() takes the resolved spec
-    kw = {**({k: v for k, v in defaults.items() if v is not None} if resolved.from_library else {}), **kwargs}
-    return create(resolved, weights=getattr(args, "weights", None), **kw)
+    return build(spec, weights=getattr(args, "weights", None), model_kwargs=getattr(args, "model_kwargs", None),
+                 **library_defaults)
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from torchspeed.bench.suites import SUITE_NAMES
 from torchspeed.cli import UserError, add_json_option
-
-SUITES = ("data", "train", "infer", "compress", "design")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "and every data, train and infer row says what % of its ceiling it reaches. A suite "
                                    "that fails or crashes is reported as failed; the others still run and the report "
                                    "is still written.")
-    p.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="which suite (default all)")
+    p.add_argument("suite", nargs="?", default="all", choices=(*SUITE_NAMES, "all"), help="which suite (default all)")
     p.add_argument("--quick", action="store_true",
                    help="fewer contenders and shorter measurement windows, each suite within its share of about 8 "
                         "minutes of measured time; the ceilings are read from this machine's cache (what `make demo` runs)")
@@ -36,17 +35,21 @@ def run(args: argparse.Namespace) -> int:
         if args.suite != "all" or args.quick or args.json or args.refresh_ceilings:
             raise UserError("--report-only DIR renders an existing results.json; it takes no suite, --quick, "
                             "--refresh-ceilings or --json")
-        from torchspeed.bench.runner import render_report
+        from torchspeed.bench.orchestration import render_report
 
         render_report(args.report_only)
         return 0
-    from torchspeed.bench.runner import run_suites
+    from torchspeed.bench.orchestration import run_suites
 
-    names = SUITES if args.suite == "all" else (args.suite,)
-    command = " ".join(["torchspeed bench", args.suite] + ["--quick"] * args.quick
-                       + ["--refresh-ceilings"] * args.refresh_ceilings + ["--out", args.out]
-                       + (["--json", args.json] if args.json else []))
-    results = run_suites(names, quick=args.quick, out=args.out, json_path=args.json, command=command,
+    names = SUITE_NAMES if args.suite == "all" else (args.suite,)
+    results = run_suites(names, quick=args.quick, out=args.out, json_path=args.json, command=_command(args),
                          refresh_ceilings=args.refresh_ceilings)
     failed = [n for n in names if isinstance(results.get(n), dict) and "error" in results[n]]
     return 1 if failed else 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line as the report records it."""
+    return " ".join(["torchspeed bench", args.suite] + ["--quick"] * args.quick
+                    + ["--refresh-ceilings"] * args.refresh_ceilings + ["--out", args.out]
+                    + (["--json", args.json] if args.json else []))

@@ -31,8 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="input batch shape, e.g. 1,3,224,224")
     p.add_argument("--budget-ms", type=_positive_float, metavar="MS", help="latency budget per batch; marks which fit")
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="batch size (replaces N of --input-shape)")
-    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
-                   help="auto: time fp32 and the device's mixed precision, keep the faster (default auto)")
+    p.add_argument("--precision", default="auto", metavar="NAME",
+                   help="auto (default): time fp32 and the device's mixed precision, keep the faster; "
+                        "or fp32, bf16, fp16")
     p.add_argument("--device", default="cpu", metavar="DEVICE", help="device to measure on (default cpu; 'auto' picks a GPU if present)")
     p.add_argument("--repeats", type=positive_int, default=15, metavar="N", help="timed repeats per candidate (default 15)")
     p.add_argument("--warmup", type=positive_int, default=3, metavar="N", help="untimed runs per candidate first (default 3)")
@@ -76,16 +77,16 @@ def run_prune(args: argparse.Namespace) -> int:
     example = torch.randn(*(args.input_shape or default_input_shape(model) or (1, 3, 224, 224)))
     console = Console()
     with console.status("pruning") as status:
-        pruned, report = prune(model, example, args.ratio, importance=args.importance, steps=args.steps,
-                               round_to=args.round_to, progress=status.update)
-    console.print(str(report))
+        result = prune(model, example, args.ratio, importance=args.importance, steps=args.steps,
+                       round_to=args.round_to, progress=status.update)
+    console.print(str(result))
     if args.out:
-        save_pruned(pruned, args.out, spec_of(model), report)
+        save_pruned(result.model, args.out, spec_of(model), result)
         console.print(f"pruned model written to {args.out} (ts.compress.load_pruned({args.out!r}))")
     if args.json:
         from torchspeed.atomic import write_json
 
-        write_json(args.json, report.to_dict())
+        write_json(args.json, result.to_dict())
     return 0
 
 

@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    from torchspeed.doctor.runner import run_doctor as _run
+    from torchspeed.doctor.launch import run_doctor as _run
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -73,7 +73,7 @@ def run_lint(args: argparse.Namespace) -> int:
     from torch import nn
 
     from torchspeed.doctor.linting import lint
-    from torchspeed.doctor.report import print_lint
+    from torchspeed.doctor.output import print_lint
     from torchspeed.models import default_input_shape
 
     if args.threads:
@@ -85,13 +85,13 @@ def run_lint(args: argparse.Namespace) -> int:
     x = torch.randn(*shape, device=device)
     loss = {"ce": nn.CrossEntropyLoss(), "nll": nn.NLLLoss(), "none": None}[args.loss]
     try:
-        report = lint(model, x, loss_fn=loss)
+        result = lint(model, x, loss_fn=loss)
     except RuntimeError as e:
         raise ValueError(f"{args.model} does not run on input shape {shape}: {str(e).splitlines()[0]} "
                          "(set --input-shape)") from None
-    print_lint(report, top=args.top)
+    print_lint(result, top=args.top)
     if args.json:
         from torchspeed.atomic import write_json
 
-        write_json(args.json, report.to_dict())
+        write_json(args.json, result.to_dict())
     return 0

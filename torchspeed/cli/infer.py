@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-from torchspeed.cli import UserError, add_json_option, add_model_options, build_model, fraction, int_tuple, positive_int
+from torchspeed.cli import UserError, add_json_option, add_model_options, fraction, int_tuple, positive_int
 
 CALIB_BATCH, EVAL_BATCH = 32, 50
 
@@ -41,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", choices=("latency", "throughput"), default="latency",
                    help="latency: best = lowest p50 at the first batch size (default); throughput: highest "
                         "throughput at the largest")
-    p.add_argument("--backends", default="auto", metavar="A,B",
+    p.add_argument("--runtimes", default="auto", metavar="A,B",
                    help="comma list of torch,torch.compile,onnxruntime,onnxruntime-cuda,openvino,tensorrt (default auto)")
     p.add_argument("--precisions", default="auto", metavar="A,B", help="comma list of fp32,bf16,fp16,int8 (default auto)")
     p.add_argument("--device", default="cpu", metavar="DEVICE",
@@ -66,64 +65,28 @@ def _image_batches(root: str, n: int, shape: tuple[int, ...], batch_size: int) -
     return [(x.contiguous(), y) for x, y in loader]
 
 
-def _load_model(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...]]:
-    """(model or .onnx path, demo or None, default input shape)."""
-    from torchspeed.models import default_input_shape
+def _resolve(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(the resolved model, the demo bundle or None): 'demo' here (it lives in bench, a higher layer),
+    anything else through `torchspeed.infer.resolve_model`."""
+    from torchspeed.infer.model_input import ResolvedModel, resolve_model
 
-    if args.model.lower().endswith(".onnx"):
-        return _onnx_model(args)
-    if args.model == "demo" or os.path.isdir(args.model):
-        if args.weights or args.model_kwargs:
-            raise UserError("--weights and --model-kwargs apply to a model built from a spec, not to "
-                            f"{args.model!r}")
-    if args.model == "demo":
-        from torchspeed.bench.demo_model import load_demo_model
+    if args.model != "demo":
+        return resolve_model(args.model, weights=args.weights, model_kwargs=args.model_kwargs,
+                             num_classes=args.num_classes, input_shape=args.input_shape), None
+    if args.weights or args.model_kwargs:
+        raise UserError(f"--weights and --model-kwargs apply to a model built from a spec, not to {args.model!r}")
+    from torchspeed.bench.demo_model import load_demo_model
 
-        demo = load_demo_model()
-        return demo.model, demo, (1, 3, demo.input_size, demo.input_size)
-    if os.path.isdir(args.model):
-        from torchspeed.infer.artifact import load
-
-        runner = load(args.model)
-        if getattr(runner, "source", None) is None:
-            raise UserError(f"{args.model!r} holds a {runner.backend} artifact; optimize needs a PyTorch model "
-                            "(a torch artifact directory, or a model spec with --weights)")
-        return runner.source, None, (1, 3, 224, 224)
-    model = build_model(args.model, args, num_classes=args.num_classes)
-    return model, None, default_input_shape(model) or (1, 3, 224, 224)
+    demo = load_demo_model()
+    return ResolvedModel(demo.model, args.input_shape or (1, 3, demo.input_size, demo.input_size)), demo
 
 
-def _onnx_model(args: argparse.Namespace) -> tuple[str, None, tuple[int, ...]]:
-    """An .onnx file: its input shape read from the graph (--input-shape fills dynamic dimensions)."""
-    from torchspeed.infer.export import onnx_example
-
-    given = [flag for flag, value in (("--weights", args.weights), ("--model-kwargs", args.model_kwargs),
-                                      ("--num-classes", args.num_classes)) if value]
-    if given:
-        raise UserError(f"{', '.join(given)} apply to a model built from a spec, not to the ONNX file {args.model!r}")
-    if not os.path.isfile(args.model):
-        raise UserError(f"ONNX model {args.model!r} does not exist")
-    example = onnx_example(args.model, args.input_shape)
-    if not hasattr(example, "shape"):
-        raise UserError(f"{args.model!r} takes several inputs ({', '.join(example)}); the command line feeds "
-                        "one-input models: call torchspeed.infer.optimize with example_input= as a dict")
-    return args.model, None, tuple(example.shape)
-
-
-def run(args: argparse.Namespace) -> int:
-    import torch
-    from rich.console import Console
-
-    from torchspeed.atomic import write_json
-    from torchspeed.infer.search import optimize
+def _judging_data(args: argparse.Namespace, shape: tuple[int, ...], demo: Any) -> tuple[Any, Any]:
+    """(calibration batches or None, eval_fn or None) from --calib / --eval."""
     from torchspeed.metrics import top1_accuracy
 
-    console = Console()
-    model, demo, default_shape = _load_model(args)
-    shape = default_shape if isinstance(model, str) else (args.input_shape or default_shape)
     if len(shape) != 4 and (args.calib or args.eval):
         raise UserError(f"--calib/--eval read images, which needs a 4-d --input-shape N,C,H,W; got {shape}")
-    example = torch.randn(shape)
     calib = eval_fn = None
     if args.calib == "demo" or args.eval == "demo":
         if demo is None:
@@ -144,18 +107,30 @@ def run(args: argparse.Namespace) -> int:
 
         def eval_fn(run):
             return top1_accuracy(run, eval_batches)
+    return calib, eval_fn
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from torchspeed.atomic import write_json
+    from torchspeed.infer.search import optimize
     from torchspeed.runtime import resolve_device
 
+    console = Console()
+    resolved, demo = _resolve(args)
+    shape = resolved.input_shape
+    calib, eval_fn = _judging_data(args, shape, demo)
     try:
         device = resolve_device(args.device)
     except RuntimeError as e:
         raise UserError(f"--device {args.device!r}: {e}") from None
     with console.status("optimize: starting") as status:
-        result = optimize(model, example, calib_data=calib, eval_fn=eval_fn, max_metric_drop=args.max_metric_drop,
-                          device=device,
-                          backends=args.backends, precisions=args.precisions, batch_sizes=args.batch_sizes,
-                          objective=args.objective, max_calib_samples=args.max_calib_samples,
-                          progress=lambda s: status.update(f"optimize: {s}"))
+        result = optimize(resolved.model, torch.randn(shape), calib_data=calib, eval_fn=eval_fn,
+                          max_metric_drop=args.max_metric_drop, device=device, runtimes=args.runtimes,
+                          precisions=args.precisions, batch_sizes=args.batch_sizes, objective=args.objective,
+                          max_calib_samples=args.max_calib_samples, progress=lambda s: status.update(f"optimize: {s}"))
     result.print(console)
     best = result.best
     if best is None:

@@ -1,4 +1,4 @@
-"""`torchspeed info`: the machine as torchspeed sees it: CPU and ISA, GPU, libraries, usable backends."""
+"""`torchspeed info`: the machine as torchspeed sees it: CPU and ISA, GPU, libraries, usable JPEG decoders and inference runtimes."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +27,7 @@ LIBRARIES = (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="describe this machine (CPU, ISA, GPU, library versions, usable backends, "
+    p = sub.add_parser("info", help="describe this machine (CPU, ISA, GPU, library versions, usable JPEG decoders and inference runtimes, "
                                     "default precision)")
     add_json_option(p)
     p.set_defaults(func=run)
@@ -49,27 +49,29 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
-def _backend_cell(backends: dict[str, str | None]) -> str:
-    usable = [name for name, why in backends.items() if why is None]
+def _usable(names: dict[str, str | None]) -> str:
+    usable = [name for name, why in names.items() if why is None]
     return ", ".join(usable) or "none"
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchspeed.data import available_backends as data_backends
-    from torchspeed.infer import available_backends as infer_backends
+    from torchspeed.data import available_decoders
+    from torchspeed.infer import available_runtimes
     from torchspeed.runtime import default_precision, describe
     from torchspeed.tables import print_table
 
     info: dict[str, Any] = describe()
     info["default_precision"] = default_precision().to_dict()
     info["libraries"] = library_versions()
-    info["backends"] = {"data (JPEG decoders)": data_backends(), "infer (runtimes)": infer_backends()}
-    shown = {k: v for k, v in info.items() if k not in ("isa", "gpus", "default_precision", "libraries", "backends")}
+    info["decoders"] = available_decoders()
+    info["runtimes"] = available_runtimes()
+    shown = {k: v for k, v in info.items()
+             if k not in ("isa", "gpus", "default_precision", "libraries", "decoders", "runtimes")}
     rows = [(k, "none" if v is None else v) for k, v in shown.items()]
     rows.append(("isa", ", ".join(k for k, v in info["isa"].items() if v) or "-"))
     rows.append(("gpus", "; ".join(f"{g['name']} (sm {g['capability']})" for g in info["gpus"]) or "none"))
     rows.append(("default precision", f"{info['default_precision']['name']}: {info['default_precision']['reason']}"))
-    rows += [(f"backends: {area}", _backend_cell(b)) for area, b in info["backends"].items()]
+    rows += [("JPEG decoders (data)", _usable(info["decoders"])), ("inference runtimes", _usable(info["runtimes"]))]
     print_table("This machine", ["what", "value"], rows)
     print_table("Libraries", ["library", "version"],
                 [(name, v or "not installed") for name, v in info["libraries"].items()])

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchspeed.runtime import precision_dtype, synchronize
+from torchspeed.runtime import FLOAT_PRECISIONS, precision_dtype, synchronize
 
 __all__ = ["count_params", "count_macs", "inference_fn"]
 
@@ -45,13 +45,13 @@ def inference_fn(model: nn.Module, example_input: torch.Tensor, precision: str =
     device = example_input.device
     if precision == "fp32":
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    elif precision in ("bf16", "fp16"):
+    elif precision in FLOAT_PRECISIONS:
         dtype = precision_dtype(precision)
 
         def autocast() -> contextlib.AbstractContextManager:
             return torch.autocast(device.type, dtype=dtype)
     else:
-        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
+        raise ValueError(f"precision must be one of {', '.join(map(repr, FLOAT_PRECISIONS))}, got {precision!r}")
 
     def run() -> None:
         with torch.inference_mode(), autocast():

@@ -90,6 +90,7 @@ class KDLoss:
 
 
 def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32, the loss `finetune` trains with when no teacher is given."""
     return F.cross_entropy(outputs.float(), targets)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import compare
 from torchspeed.models import ModelSpec
 
-__all__ = ["PruneReport", "PruneResult", "prune", "output_layers", "IMPORTANCES", "save_pruned", "load_pruned"]
+__all__ = ["PruneResult", "prune", "output_layers", "IMPORTANCES", "save_pruned", "load_pruned"]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,11 @@ def _torch_pruning():
 
 
 @dataclass
-class PruneReport:
-    """What pruning changed, measured: sizes on `example_input`, latency before/after, optional metric."""
+class PruneResult:
+    """The pruned model and what pruning changed, measured: sizes on `example_input`, latency
+    before/after, the optional metric. Unpacks as `model, result = prune(...)`."""
 
+    model: nn.Module = field(repr=False, compare=False)
     ratio: float
     importance: str
     steps: int
@@ -65,6 +67,14 @@ class PruneReport:
     metric_after: float | None = None
     ignored: list[str] | None = None
 
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self))
+
+    @property
+    def report(self) -> PruneResult:
+        """This result itself, so `prune(...).report.speedup` and `prune(...).speedup` read alike."""
+        return self
+
     @property
     def speedup(self) -> float | None:
         if self.latency_before_ms is None or self.latency_after_ms is None:
@@ -78,7 +88,9 @@ class PruneReport:
         return self.metric_before - self.metric_after
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "speedup": self.speedup, "metric_drop": self.metric_drop}
+        """The figures as JSON-ready values (the model left out)."""
+        figures = {f.name: copy.copy(getattr(self, f.name)) for f in fields(self) if f.name != "model"}
+        return {**figures, "speedup": self.speedup, "metric_drop": self.metric_drop}
 
     def __str__(self) -> str:
         text = (f"pruned {self.ratio:.0%} of channels ({self.importance}, {self.steps} step(s)): "
@@ -89,17 +101,6 @@ class PruneReport:
         if self.metric_drop is not None:
             text += f", metric {self.metric_before:.4f} -> {self.metric_after:.4f}"
         return text
-
-
-@dataclass
-class PruneResult:
-    """The pruned model and its report; unpacks as `model, report = prune(...)`."""
-
-    model: nn.Module
-    report: PruneReport
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.model, self.report))
 
 
 def output_layers(model: nn.Module, example_input: torch.Tensor) -> list[nn.Module]:
@@ -142,7 +143,7 @@ def prune(
     inplace: bool = False,
     progress: bool | Callable[[str], Any] = False,
 ) -> PruneResult:
-    """Remove `ratio` of the channels of every prunable layer; return the smaller model and a report.
+    """Remove `ratio` of the channels of every prunable layer; return the smaller model and its figures.
 
     - `importance`: how channels are ranked, one of `IMPORTANCES` ('l1' by default).
     - `ignore`: modules whose output channels stay (the output layers are always kept).
@@ -150,7 +151,7 @@ def prune(
       after every step (e.g. a few hundred steps of `ts.compress.finetune`), so the network recovers
       before the next cut.
     - `round_to`: keep channel counts multiples of this (None: exact ratio).
-    - `eval_fn(model) -> metric` (higher is better) is recorded before and after, in the report.
+    - `eval_fn(model) -> metric` (higher is better) is recorded before and after, in the result.
     - `measure`: time the original and the pruned model on `example_input` (fp32, eval mode,
       interleaved by torchspeed.measure); the measured speed-up is logged at INFO on this module's logger.
     - `progress`: True prints each stage to stderr; a callable receives those messages.
@@ -158,6 +159,35 @@ def prune(
     """
     tp = _torch_pruning()
     say = progress_fn(progress)
+    _check_arguments(model, example_input, ratio, importance, steps, round_to)
+    was_training = model.training
+    work = model if inplace else copy.deepcopy(model)
+    work.eval()  # trace without updating BatchNorm statistics
+    out_before = _run_example(work, example_input)
+    reference = copy.deepcopy(work) if measure and inplace else model
+    params_before, macs_before = count_params(work), count_macs(work, example_input)
+    metric_before = float(eval_fn(work)) if eval_fn is not None else None
+
+    keep = _kept_layers(model, work, example_input, ignore)
+    _cut_channels(tp, work, example_input, float(ratio), importance, steps, round_to, global_pruning, keep,
+                  finetune, say)
+    _check_output_shape(work, example_input, out_before)
+    result = PruneResult(
+        model=work, ratio=float(ratio), importance=importance, steps=steps, round_to=round_to,
+        params_before=params_before, params_after=count_params(work),
+        macs_before=macs_before, macs_after=count_macs(work, example_input),
+        metric_before=metric_before, metric_after=float(eval_fn(work)) if eval_fn is not None else None,
+        ignored=_module_names(work, keep),
+    )
+    if measure:
+        result.latency_before_ms, result.latency_after_ms = _latencies_ms(reference, work, example_input, repeats, say)
+        reference.train(was_training)
+    work.train(was_training)
+    log.log(logging.INFO if measure else logging.DEBUG, "prune: %s", result)
+    return result
+
+
+def _check_arguments(model: Any, example_input: Any, ratio: Any, importance: Any, steps: Any, round_to: Any) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"prune() needs an nn.Module, got {type(model).__name__}")
     if not isinstance(example_input, torch.Tensor):
@@ -171,20 +201,21 @@ def prune(
     if round_to is not None and (not isinstance(round_to, int) or round_to < 1):
         raise ValueError(f"round_to must be a positive integer or None, got {round_to!r}")
 
-    original = model
-    was_training = original.training
-    work = original if inplace else copy.deepcopy(original)
-    work.eval()  # trace without updating BatchNorm statistics
+
+def _run_example(model: nn.Module, example_input: torch.Tensor) -> Any:
+    """The model's output on `example_input`; a model that cannot run on it is the caller's error."""
     try:
         with torch.no_grad():
-            out_before = work(example_input)
+            return model(example_input)
     except Exception as e:
         raise ValueError(f"the model cannot run on example_input of shape {tuple(example_input.shape)}: "
                          f"{type(e).__name__}: {e}") from None
-    reference = copy.deepcopy(work) if measure and inplace else original
-    params_before, macs_before = count_params(work), count_macs(work, example_input)
-    metric_before = float(eval_fn(work)) if eval_fn is not None else None
 
+
+def _kept_layers(original: nn.Module, work: nn.Module, example_input: torch.Tensor,
+                 ignore: Sequence[nn.Module] | None) -> list[nn.Module]:
+    """The layers of `work` whose output channels stay: the output layers, and the twins in `work`
+    of the caller's `ignore` modules (named in `original`, which `work` may be a copy of)."""
     keep = output_layers(work, example_input)
     if ignore:
         by_id = {id(m): m for m in original.modules()}
@@ -193,10 +224,17 @@ def prune(
             if id(m) not in by_id:
                 raise ValueError(f"ignore lists a {type(m).__name__} that is not a submodule of the model")
             keep.append(twins[id(m)])
+    return keep
+
+
+def _cut_channels(tp: Any, work: nn.Module, example_input: torch.Tensor, ratio: float, importance: str, steps: int,
+                  round_to: int | None, global_pruning: bool, keep: list[nn.Module],
+                  finetune: Callable[[nn.Module, int], Any] | None, say: Callable[[str], Any]) -> None:
+    """Torch-Pruning's dependency graph cuts the channels in `steps` equal steps, `finetune` after each."""
     cls_name, kwargs = IMPORTANCES[importance]
     scorer = getattr(tp.importance, cls_name)(**kwargs)
     pruner = tp.pruner.BasePruner(
-        work, example_input, importance=scorer, pruning_ratio=float(ratio), iterative_steps=steps,
+        work, example_input, importance=scorer, pruning_ratio=ratio, iterative_steps=steps,
         ignored_layers=keep, round_to=round_to, global_pruning=global_pruning,
     )
     for step in range(steps):
@@ -207,30 +245,24 @@ def prune(
             say(f"fine-tuning after step {step + 1}/{steps}")
             finetune(work, step)
     work.eval()
+
+
+def _check_output_shape(work: nn.Module, example_input: torch.Tensor, out_before: Any) -> None:
     with torch.no_grad():
         out_after = work(example_input)
     if getattr(out_after, "shape", None) != getattr(out_before, "shape", None):
         raise RuntimeError(f"pruning changed the output shape from {tuple(out_before.shape)} to "
                            f"{tuple(out_after.shape)}; pass the output layer in ignore=[...]")
 
-    report = PruneReport(
-        ratio=float(ratio), importance=importance, steps=steps, round_to=round_to,
-        params_before=params_before, params_after=count_params(work),
-        macs_before=macs_before, macs_after=count_macs(work, example_input),
-        metric_before=metric_before, metric_after=float(eval_fn(work)) if eval_fn is not None else None,
-        ignored=_module_names(work, keep),
-    )
-    if measure:
-        say("timing the original and the pruned model, interleaved")
-        reference.eval()
-        timing = compare({"original": inference_fn(reference, example_input), "pruned": inference_fn(work, example_input)},
-                         repeats=repeats, warmup=3, min_time_s=0.02, device=example_input.device)
-        report.latency_before_ms = timing["original"].median_s * 1e3
-        report.latency_after_ms = timing["pruned"].median_s * 1e3
-        reference.train(was_training)
-    work.train(was_training)
-    log.log(logging.INFO if measure else logging.DEBUG, "prune: %s", report)
-    return PruneResult(model=work, report=report)
+
+def _latencies_ms(reference: nn.Module, pruned: nn.Module, example_input: torch.Tensor, repeats: int,
+                  say: Callable[[str], Any]) -> tuple[float, float]:
+    """Median latency of the original and the pruned model, timed interleaved by torchspeed.measure."""
+    say("timing the original and the pruned model, interleaved")
+    reference.eval()
+    contenders = {"original": inference_fn(reference, example_input), "pruned": inference_fn(pruned, example_input)}
+    timing = compare(contenders, repeats=repeats, warmup=3, min_time_s=0.02, device=example_input.device)
+    return timing["original"].median_s * 1e3, timing["pruned"].median_s * 1e3
 
 
 # The attributes that say a layer's size, by layer type: a pruned model is rebuilt from its
@@ -249,10 +281,11 @@ _SIZE_ATTRS: dict[type, tuple[str, ...]] = {
 }
 
 
-def save_pruned(model: nn.Module, directory: str, spec: ModelSpec, report: PruneReport | None = None) -> None:
+def save_pruned(model: nn.Module, directory: str, spec: ModelSpec, report: PruneResult | None = None) -> None:
     """Write a pruned model as `model.pt` (its state dict: tensors only) and `pruned.json` (the
     architecture spec and every resized layer's size), so `load_pruned` rebuilds it without pickle.
-    `spec` is `torchspeed.models.spec_of(original)` or `ModelSpec.parse(...)` of the unpruned model."""
+    `spec` is `torchspeed.models.spec_of(original)` or `ModelSpec.parse(...)` of the unpruned model;
+    `report`, the `prune` result, is kept beside them as its figures."""
     import os
 
     from torchspeed.atomic import atomic_write, write_json
@@ -263,7 +296,7 @@ def save_pruned(model: nn.Module, directory: str, spec: ModelSpec, report: Prune
     with atomic_write(os.path.join(directory, "model.pt"), "wb") as f:
         torch.save(model.state_dict(), f)
     write_json(os.path.join(directory, "pruned.json"),
-               {"spec": spec.to_dict(), "sizes": sizes, "report": report.to_dict() if report else None})
+               {"spec": spec.to_dict(), "sizes": sizes, "report": report.to_dict() if report is not None else None})
 
 
 def load_pruned(directory: str) -> nn.Module:

@@ -15,15 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchspeed.args import as_list
-from torchspeed.args import progress_fn
+from torchspeed.args import as_list, progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
-from torchspeed.measure import compare
+from torchspeed.measure import Timing, compare
 from torchspeed.models import HOW_TO_NAME, create
 from torchspeed.runtime import FLOAT_PRECISIONS, default_precision, resolve_device
 from torchspeed.tables import print_table
 
-__all__ = ["BackboneTiming", "SelectResult", "select_backbone"]
+__all__ = ["BackboneRow", "SelectResult", "select_backbone"]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ _HOW_TO_NAME = f"{HOW_TO_NAME}, or pass an nn.Module (a dict {{label: module}} n
 
 
 @dataclass
-class BackboneTiming:
+class BackboneRow:
     """One measured backbone. `latency_ms` is the median (p50) per batch at the faster precision tried."""
 
     name: str
@@ -52,24 +51,24 @@ class BackboneTiming:
 class SelectResult:
     """The measured backbones ranked fastest first (`table`), with the settings they were measured at."""
 
-    table: list[BackboneTiming]
+    table: list[BackboneRow]
     input_shape: tuple[int, ...]
     batch_size: int
     budget_ms: float | None
     device: str
 
     @property
-    def best(self) -> BackboneTiming:
+    def best(self) -> BackboneRow:
         """The fastest backbone measured (within the budget whenever any backbone is)."""
         return self.table[0]
 
     @property
-    def fastest(self) -> BackboneTiming:
+    def fastest(self) -> BackboneRow:
         """The same row as `best`: backbones are ranked by measured latency alone."""
         return self.table[0]
 
     @property
-    def fitting(self) -> list[BackboneTiming]:
+    def fitting(self) -> list[BackboneRow]:
         """Backbones within the budget (all of them when no budget was given), fastest first."""
         return [c for c in self.table if c.fits is not False]
 
@@ -143,71 +142,99 @@ def select_backbone(
     shape, batch = _input_shape(input_shape, batch_size)
     if budget_ms is not None and not budget_ms > 0:
         raise ValueError(f"budget_ms must be a positive number of milliseconds, got {budget_ms!r}")
-    if isinstance(candidates, str):
-        candidates = as_list(candidates, name="candidates")
-    items = list(candidates.items()) if isinstance(candidates, Mapping) else [(_label(c, i), c) for i, c in enumerate(candidates)]
-    if not items:
-        raise ValueError(f"select_backbone needs at least one candidate; {_HOW_TO_NAME}")
-    labels = [label for label, _ in items]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"candidate names must be unique, got {labels}")
+    items = _labelled(candidates)
     dev = resolve_device(device)
-    if precision == "auto":
-        mixed = default_precision(dev).name
-        precisions = ["fp32"] + ([mixed] if mixed != "fp32" else [])
-    elif precision in FLOAT_PRECISIONS:
-        precisions = [precision]
-    else:
-        raise ValueError(f"precision must be 'auto', {', '.join(repr(p) for p in FLOAT_PRECISIONS)}, got {precision!r}")
+    precisions = _precisions_to_try(precision, dev)
     say = progress_fn(progress)
 
     x = torch.randn(shape, device=dev)
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     sizes: dict[str, tuple[int, int]] = {}
-    contenders = {}
+    contenders: dict[str, Callable[[], None]] = {}
     for label, cand in items:
         say(f"building {label}")
-        try:
-            model = create(cand) if isinstance(cand, str) else cand
-        except ValueError as e:  # the factory's message, plus what else select_backbone takes
-            raise ValueError(f"{e} (select_backbone also takes nn.Modules; a dict {{label: module}} names several)"
-                             ) from None
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"candidate {label!r} is a {type(model).__name__}; {_HOW_TO_NAME}")
-        model = model.to(dev).eval()
-        if channels_last and x.dim() == 4:
-            model = model.to(memory_format=torch.channels_last)
-        try:
-            macs = count_macs(model, x[:1])
-        except Exception as e:  # the model cannot run at this shape: say which and why
-            raise ValueError(f"candidate {label!r} fails on input shape {shape}: {type(e).__name__}: {e}") from None
-        sizes[label] = (count_params(model), macs)
+        model = _build(label, cand, dev, channels_last and x.dim() == 4)
+        sizes[label] = (count_params(model), _macs_per_sample(label, model, x, shape))
         for p in precisions:
             contenders[f"{label}|{p}"] = inference_fn(model, x, p)
     say(f"timing {len(contenders)} variants, interleaved")
     comparison = compare(contenders, warmup=warmup, repeats=repeats, items=batch, unit="samples",
                          device=dev, cooldown_s=0.05)
-
-    ranked = []
-    for label, _ in items:
-        timings = {p: comparison[f"{label}|{p}"] for p in precisions}
-        best_p = min(timings, key=lambda p: timings[p].median_s)
-        t = timings[best_p]
-        latency = t.median_s * 1e3
-        ranked.append(BackboneTiming(
-            name=label, params=sizes[label][0], macs=sizes[label][1], latency_ms=latency,
-            latency_p90_ms=t.p90_s * 1e3, throughput=t.throughput or batch / t.median_s, precision=best_p,
-            fits=None if budget_ms is None else latency <= budget_ms,
-            tried_ms={p: tm.median_s * 1e3 for p, tm in timings.items()},
-        ))
-    ranked.sort(key=lambda c: c.latency_ms)
+    ranked = sorted((_row(label, sizes[label], {p: comparison[f"{label}|{p}"] for p in precisions}, batch, budget_ms)
+                     for label, _ in items), key=lambda c: c.latency_ms)
     result = SelectResult(table=ranked, input_shape=shape, batch_size=batch, budget_ms=budget_ms, device=str(dev))
-    best = result.best
+    _log_choice(result)
+    return result
+
+
+def _labelled(candidates: str | Sequence[str | nn.Module] | Mapping[str, str | nn.Module]) -> list[tuple[str, Any]]:
+    """(label, name or module) for each candidate; labels unique, at least one candidate."""
+    if isinstance(candidates, str):
+        candidates = as_list(candidates, name="candidates")
+    if isinstance(candidates, Mapping):
+        items = list(candidates.items())
+    else:
+        items = [(_label(c, i), c) for i, c in enumerate(candidates)]
+    if not items:
+        raise ValueError(f"select_backbone needs at least one candidate; {_HOW_TO_NAME}")
+    labels = [label for label, _ in items]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"candidate names must be unique, got {labels}")
+    return items
+
+
+def _precisions_to_try(precision: str, device: torch.device) -> list[str]:
+    """fp32 and the device's mixed precision for "auto", else the one precision asked for."""
+    if precision == "auto":
+        mixed = default_precision(device).name
+        return ["fp32"] + ([mixed] if mixed != "fp32" else [])
+    if precision in FLOAT_PRECISIONS:
+        return [precision]
+    raise ValueError(f"precision must be 'auto', {', '.join(repr(p) for p in FLOAT_PRECISIONS)}, got {precision!r}")
+
+
+def _build(label: str, candidate: str | nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
+    """The candidate as a module on `device`, in eval mode (and channels_last when asked)."""
+    try:
+        model = create(candidate) if isinstance(candidate, str) else candidate
+    except ValueError as e:  # the factory's message, plus what else select_backbone takes
+        raise ValueError(f"{e} (select_backbone also takes nn.Modules; a dict {{label: module}} names several)"
+                         ) from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"candidate {label!r} is a {type(model).__name__}; {_HOW_TO_NAME}")
+    model = model.to(device).eval()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def _macs_per_sample(label: str, model: nn.Module, x: torch.Tensor, shape: tuple[int, ...]) -> int:
+    try:
+        return count_macs(model, x[:1])
+    except Exception as e:  # the model cannot run at this shape: say which and why
+        raise ValueError(f"candidate {label!r} fails on input shape {shape}: {type(e).__name__}: {e}") from None
+
+
+def _row(label: str, size: tuple[int, int], timings: dict[str, Timing], batch: int,
+         budget_ms: float | None) -> BackboneRow:
+    """The candidate's row at its fastest precision."""
+    best_p = min(timings, key=lambda p: timings[p].median_s)
+    t = timings[best_p]
+    latency = t.median_s * 1e3
+    return BackboneRow(
+        name=label, params=size[0], macs=size[1], latency_ms=latency,
+        latency_p90_ms=t.p90_s * 1e3, throughput=t.throughput or batch / t.median_s, precision=best_p,
+        fits=None if budget_ms is None else latency <= budget_ms,
+        tried_ms={p: tm.median_s * 1e3 for p, tm in timings.items()},
+    )
+
+
+def _log_choice(result: SelectResult) -> None:
+    best, ranked, budget_ms = result.best, result.table, result.budget_ms
     budget = ("" if budget_ms is None else
               f"; {len(result.fitting)} of {len(ranked)} within {budget_ms:g} ms")
     others = ", ".join(f"{c.name} {c.latency_ms:.2f} ms" for c in ranked[1:])
     log.info("select_backbone: fastest %s at %s, p50 %.2f ms per batch of %d on %s (%s params, %.3f GMACs per "
-             "sample)%s%s", best.name, best.precision, best.latency_ms, batch, dev, f"{best.params / 1e6:.2f}M",
-             best.macs / 1e9, budget, f"; then {others}" if others else "")
-    return result
+             "sample)%s%s", best.name, best.precision, best.latency_ms, result.batch_size, result.device,
+             f"{best.params / 1e6:.2f}M", best.macs / 1e9, budget, f"; then {others}" if others else "")

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from torchspeed.doctor.rules import loader_parallelism, training_loaders
+
 __all__ = ["FIX_NAMES", "TOLERANCES", "Plan", "check_names", "plan", "code_for", "label", "numerics", "FixState"]
 
 # relative tolerance on the first NUMERICS_STEPS losses, by kind of fix: the loss before any update
@@ -62,12 +64,8 @@ def max_speedup(name: str, payload: dict[str, Any]) -> float | None:
 
 
 def label(name: str, value: Any = True) -> str:
+    """How a fix with its value is named in progress lines and tables: `workers=2`, `channels_last`."""
     return name if value is True else f"{name}={value}"
-
-
-def _train_loaders(s: dict[str, Any]) -> list[dict[str, Any]]:
-    used = [ld for ld in s.get("loaders") or [] if ld.get("batches")]
-    return [ld for ld in used if ld.get("training")] or used
 
 
 def check_names(requested: list[str] | None) -> None:
@@ -181,7 +179,7 @@ def _threads(b: _Seen) -> str | list[Any]:
     if b.s.get("device") != "cpu":
         return "the model runs on the GPU: intra-op threads matter little"
     threads = int(b.s.get("torch_threads") or 1)
-    workers = max((ld.get("num_workers", 0) or ld.get("threads", 0) for ld in _train_loaders(b.s)), default=0)
+    workers = loader_parallelism(b.s)
     want = max(1, b.cores - workers) if workers else b.cores
     if want == threads:
         return f"torch already uses {threads} intra-op threads with {workers} loader workers on {b.cores} cores"
@@ -214,7 +212,7 @@ def plan(payload: dict[str, Any], requested: list[str] | None = None) -> Plan:
     pin_memory and cudnn.benchmark need CUDA."""
     s = payload.get("settings") or {}
     seen = _Seen(s=s, rules={f["rule"] for f in payload.get("findings") or []},
-                 loaders=[ld for ld in _train_loaders(s) if ld.get("name", "").startswith("DataLoader")],
+                 loaders=[ld for ld in training_loaders(s) if ld.get("name", "").startswith("DataLoader")],
                  eval_s=((payload.get("steady") or {}).get("phases") or {}).get("eval", 0.0),
                  forced=requested is not None)
     out = Plan([], [])
@@ -230,7 +228,7 @@ def plan(payload: dict[str, Any], requested: list[str] | None = None) -> Plan:
 def code_for(name: str, value: Any, payload: dict[str, Any]) -> str:
     """The lines to add to the script to keep the fix (what the bootstrap injected)."""
     s = payload.get("settings") or {}
-    ld = (_train_loaders(s) or [{}])[0]
+    ld = (training_loaders(s) or [{}])[0]
     bs = ld.get("batch_size")
     dev = "cuda" if s.get("device") == "cuda" else "cpu"
     opt = (s.get("optimizers") or ["SGD"])[0]
@@ -304,8 +302,6 @@ class FixState:
         self._converted: set[int] = set()  # modules made channels_last
         self._compiled: set[int] = set()
         self.scaler: Any = None
-        self.compile_s: float | None = None
-        self._compile_t0: float | None = None
         self.compile_window: int | None = None
 
     def install(self, rec: Any) -> list[Any]:
@@ -402,6 +398,8 @@ class FixState:
 
 
 def _to_float(out: Any) -> Any:
+    """The floating tensors of a model's output in fp32, as the printed code computes the loss. Dicts are
+    changed in place on purpose: a Hugging Face ModelOutput (a dict subclass) keeps its type and fields."""
     import torch
 
     if isinstance(out, torch.Tensor):

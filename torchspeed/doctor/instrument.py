@@ -64,7 +64,7 @@ class Recorder:
     """Accumulates phase times per step window and the settings seen."""
 
     def __init__(self, max_steps: int | None = None, trace_path: str | None = None):
-        from torchspeed.doctor.phases import PHASES, PhaseClock
+        from torchspeed.doctor.phases import PhaseClock
 
         self.pid = os.getpid()
         self.loop_thread = threading.get_ident()  # the script's thread: the training loop runs here
@@ -85,7 +85,6 @@ class Recorder:
         self._samples = 0
         self.fix: Any = None  # doctor --try: the fixes.FixState this run injects
         self.non_blocking = False  # --try pin_memory: pinned copies to CUDA made non_blocking
-        self.phase_names = PHASES
         self._fwd_stack: list[bool] = []
         self._pending_eval_grad = False
         self._bn_cache: dict[int, bool] = {}
@@ -241,6 +240,13 @@ class Recorder:
         while self._undo:
             _, undo = self._undo.pop()
             undo()
+
+    def inject(self, fixes: dict[str, Any]) -> None:
+        """doctor --try: inject `fixes` ({fix name: value}) into the run; `uninstall()` undoes them too."""
+        from torchspeed.doctor.fixes import FixState
+
+        self.fix = FixState(fixes)
+        self._undo.extend(("fix", undo) for undo in self.fix.install(self))
 
     def _disable(self) -> None:
         self.enabled = False
@@ -546,7 +552,7 @@ def _backward(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
             rec.losses.append(tensors.detach().clone())  # read after the run: no sync now
         if rec.fix is not None and rec.fix.scaler is not None and a:
             a = (rec.fix.scale_loss(a[0]), *a[1:])
-        depth = len(rec.clock._stack)
+        depth = rec.clock.depth
         rec._enter("backward")
         try:
             out = orig(*a, **k)
@@ -736,51 +742,17 @@ def _hotspots(prof: Any, n: int = 15) -> list[dict[str, Any]]:
 
 def main() -> None:
     """Bootstrap entry: sys.argv is ['-c', MODE, TARGET, *args]."""
-    import runpy
-
     from torchspeed.atomic import write_json
 
     out = os.environ.pop(ENV_OUT, None)
     if out and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun worker: one record per rank
         out = f"{out}.rank{os.environ.get('RANK', '0')}"
-    steps = os.environ.pop(ENV_STEPS, "") or None
-    trace = os.environ.pop(ENV_TRACE, "") or None
-    use_cprofile = os.environ.pop(ENV_CPROFILE, "") == "1"
-    seed = os.environ.pop(ENV_SEED, "")
-    fixes = os.environ.pop(ENV_FIXES, "")
+    rec, prof = _recorder_from_env()
     mode, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    rec = Recorder(max_steps=int(steps) if steps else None, trace_path=trace)
-    rec.install()
-    if fixes:
-        import json
-
-        from torchspeed.doctor.fixes import FixState
-
-        rec.fix = FixState(json.loads(fixes))
-        rec._undo.extend(("fix", undo) for undo in rec.fix.install(rec))
-    if seed:
-        from torchspeed.runtime import seed_everything
-
-        seed_everything(int(seed))  # every --try run alike, so their losses compare
-    if mode == "script":
-        sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-    else:
-        sys.argv = ["-m" if mode == "module" else "-c", *args]
-        sys.path[0] = "" if mode == "code" else os.getcwd()
-    prof = None
-    if use_cprofile:
-        import cProfile
-
-        prof = rec.cprofile = cProfile.Profile()
+    _become_the_script(mode, target, args)
     status, code, error, pending = "finished", 0, None, None
     try:
-        if mode == "script":
-            runpy.run_path(target, run_name="__main__")
-        elif mode == "module":
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+        _run_script(mode, target)
     except StopScript:
         status = "stopped"
     except SystemExit as e:
@@ -806,6 +778,54 @@ def main() -> None:
     if pending is not None:
         raise pending
     sys.exit(0)
+
+
+def _recorder_from_env() -> tuple[Recorder, Any]:
+    """The installed Recorder as the parent's environment asks (step limit, trace, fixes, seed), and the
+    cProfile profiler when asked (enabled by the Recorder at the first step)."""
+    steps = os.environ.pop(ENV_STEPS, "") or None
+    trace = os.environ.pop(ENV_TRACE, "") or None
+    use_cprofile = os.environ.pop(ENV_CPROFILE, "") == "1"
+    seed = os.environ.pop(ENV_SEED, "")
+    fixes = os.environ.pop(ENV_FIXES, "")
+    rec = Recorder(max_steps=int(steps) if steps else None, trace_path=trace)
+    rec.install()
+    if fixes:
+        import json
+
+        rec.inject(json.loads(fixes))
+    if seed:
+        from torchspeed.runtime import seed_everything
+
+        seed_everything(int(seed))  # every --try run alike, so their losses compare
+    prof = None
+    if use_cprofile:
+        import cProfile
+
+        prof = rec.cprofile = cProfile.Profile()
+    return rec, prof
+
+
+def _become_the_script(mode: str, target: str, args: list[str]) -> None:
+    """sys.argv and sys.path[0] as Python sets them for the script, module or code run directly."""
+    if mode == "script":
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+    else:
+        sys.argv = ["-m" if mode == "module" else "-c", *args]
+        sys.path[0] = "" if mode == "code" else os.getcwd()
+
+
+def _run_script(mode: str, target: str) -> None:
+    """Run the user's script, module or code as `__main__`."""
+    import runpy
+
+    if mode == "script":
+        runpy.run_path(target, run_name="__main__")
+    elif mode == "module":
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
 
 
 def _print_user_traceback(e: BaseException) -> None:

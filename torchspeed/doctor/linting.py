@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchspeed.doctor.advice import Finding, finding, rank
 
-__all__ = ["LintReport", "lint", "loss_pairing"]
+__all__ = ["LintResult", "lint", "loss_pairing"]
 
 _VIEW = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze", "slice", "select",
          "as_strided", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind", "reshape", "lift_fresh",
@@ -213,7 +213,7 @@ def loss_pairing(model: nn.Module, example_input: Any, loss_fn: Any, target: Any
 
 
 @dataclass
-class LintReport:
+class LintResult:
     """Per-layer costs, model totals and the ranked findings of `lint`."""
 
     model: str
@@ -228,12 +228,13 @@ class LintReport:
                 "by_kind": self.by_kind, "layers": self.layers, "findings": [f.to_dict() for f in self.findings]}
 
     def __str__(self) -> str:
-        from torchspeed.doctor.report import format_lint
+        from torchspeed.doctor.output import format_lint
 
         return format_lint(self)
 
 
-def _median_times(runs: list[list[_Op]]) -> list[float]:
+def _fastest_times(runs: list[list[_Op]]) -> list[float]:
+    """Per op, its time in the least-disturbed traced pass (the last pass's if the passes differ)."""
     n = len(runs[-1])
     if any(len(r) != n for r in runs):
         return [op.time_s for op in runs[-1]]
@@ -242,7 +243,7 @@ def _median_times(runs: list[list[_Op]]) -> list[float]:
 
 
 def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any = None,
-         repeats: int = 3) -> LintReport:
+         repeats: int = 3) -> LintResult:
     """Trace one inference forward pass (eval mode, no_grad) and judge the model.
 
     `example_input`: a tensor (or tuple of tensors) on the model's device. `loss_fn` (optional, e.g.
@@ -265,16 +266,26 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
     finally:
         model.train(was)
     ops = tracer.ops
-    times = _median_times(runs)
-    for op, t in zip(ops, times):
+    for op, t in zip(ops, _fastest_times(runs)):
         op.time_s = t
     mops = [op for op in ops if op.phase == "model"]
     total_t = sum(op.time_s for op in mops) or 1e-12
-    total_b = sum(op.bytes for op in mops) or 1.0
-    total_f = sum(op.flops for op in mops) or 1.0
+    mods = dict(model.named_modules())
+    layers = _layer_rows(model, mods, mops, shapes, total_t)
+    ctx = _Ctx(model, mods, mops, layers, shapes, total_t, out)
+    findings = [f for r in _MODEL_RULES if (f := r(ctx)) is not None]
+    findings += _pairing_findings(ops)
+    shape = list(example_input.shape) if isinstance(example_input, torch.Tensor) else []
+    totals = {"flops": sum(op.flops for op in mops) or 1.0, "memory_bytes": sum(op.bytes for op in mops) or 1.0,
+              "time_s": total_t, "params": float(sum(p.numel() for p in model.parameters())), "ops": float(len(mops))}
+    return LintResult(type(model).__name__, shape, totals, sorted(layers.values(), key=lambda r: -r["time_s"]),
+                      _by_kind(mops, total_t), rank(findings))
 
+
+def _by_kind(ops: list[_Op], total_t: float) -> dict[str, dict[str, float]]:
+    """Ops, FLOPs, memory access and time per kind of op (conv, matmul, norm, elementwise...)."""
     by_kind: dict[str, dict[str, float]] = {}
-    for op in mops:
+    for op in ops:
         k = by_kind.setdefault(op.kind, {"ops": 0, "flops": 0.0, "memory_bytes": 0.0, "time_s": 0.0})
         k["ops"] += 1
         k["flops"] += op.flops
@@ -282,10 +293,14 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
         k["time_s"] += op.time_s
     for k in by_kind.values():
         k["time_share"] = k["time_s"] / total_t
+    return by_kind
 
-    mods = dict(model.named_modules())
+
+def _layer_rows(model: nn.Module, mods: dict[str, nn.Module], ops: list[_Op], shapes: dict[str, dict[str, Any]],
+                total_t: float) -> dict[str, dict[str, Any]]:
+    """Per module that ran ops (views aside): its type, ops, FLOPs, memory access, time, shapes."""
     layers: dict[str, dict[str, Any]] = {}
-    for op in mops:
+    for op in ops:
         if op.kind == "view":
             continue
         row = layers.setdefault(op.module, {"layer": op.module, "type": type(mods[op.module]).__name__
@@ -300,15 +315,7 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
         row["time_share"] = row["time_s"] / total_t
         row["flops_per_byte"] = row["flops"] / row["memory_bytes"] if row["memory_bytes"] else None
         row.update(shapes.get(row["layer"], {}))
-
-    ctx = _Ctx(model, mods, mops, layers, shapes, total_t, out)
-    findings = [f for r in _MODEL_RULES if (f := r(ctx)) is not None]
-    findings += _pairing_findings(ops)
-    shape = list(example_input.shape) if isinstance(example_input, torch.Tensor) else []
-    totals = {"flops": total_f, "memory_bytes": total_b, "time_s": total_t,
-              "params": float(sum(p.numel() for p in model.parameters())), "ops": float(len(mops))}
-    return LintReport(type(model).__name__, shape, totals,
-                      sorted(layers.values(), key=lambda r: -r["time_s"]), by_kind, rank(findings))
+    return layers
 
 
 @dataclass

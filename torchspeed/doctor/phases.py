@@ -39,10 +39,10 @@ class PhaseClock:
     def current(self) -> str | None:
         return self._stack[-1][0] if self._stack else None
 
-    def start_window(self) -> None:
-        """Begin a step window now unless one is open."""
-        if self._window_start is None:
-            self._window_start = time.perf_counter()
+    @property
+    def depth(self) -> int:
+        """How many phases are open: what `unwind` closes back down to after an exception."""
+        return len(self._stack)
 
     def enter(self, phase: str) -> None:
         now = self._now()

@@ -22,11 +22,11 @@ from torchspeed.doctor.phases import PHASES, verdict
 from torchspeed.doctor.settings import loader_settings, machine_settings, model_settings
 from torchspeed.measure import PeakMemory
 
-__all__ = ["ProfileReport", "profile"]
+__all__ = ["ProfileResult", "profile"]
 
 
 @dataclass
-class ProfileReport:
+class ProfileResult:
     """The phase breakdown of `steps` measured training steps, the verdict and the ranked advice."""
 
     steps: int
@@ -48,7 +48,7 @@ class ProfileReport:
                 "findings": [f.to_dict() for f in self.findings]}
 
     def __str__(self) -> str:
-        from torchspeed.doctor.report import format_profile
+        from torchspeed.doctor.output import format_profile
 
         return format_profile(self.to_dict())
 
@@ -73,10 +73,58 @@ def _split(batch: Any, fmt: BatchFormat | None = None) -> tuple[Any, Any]:
                          f"the loader yielded {type(batch).__name__}{keys}") from None
 
 
+class _Restarting:
+    """The loader's batches, starting a new pass when one runs out; counts the passes begun."""
+
+    def __init__(self, loader: Iterable[Any]):
+        self.loader = loader
+        self.it = iter(loader)
+        self.epochs = 1
+
+    def next(self) -> Any:
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            self.epochs += 1
+            try:
+                return next(self.it)
+            except StopIteration:
+                raise ValueError("profile(): the loader yielded no batches") from None
+
+
+@dataclass
+class _Step:
+    """What the training step ran on: the model, optimizer and loss, the device and how batches read."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    dev: torch.device
+    fmt: BatchFormat
+    given: BatchFormat | None  # the batch format the caller named (None: read batches by convention)
+
+    @property
+    def cuda(self) -> bool:
+        return self.dev.type == "cuda"
+
+
+@dataclass
+class _Totals:
+    """Sums over the measured steps."""
+
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES[:-1], 0.0))
+    gpu_busy: float = 0.0
+    wall: float = 0.0
+    samples: int = 0
+    step_ms: list[float] = field(default_factory=list)
+    first_batch: tuple[Any, Any] | None = None
+
+
 def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
             loss_fn: Callable[[Any, Any], torch.Tensor], steps: int = 50, warmup: int = 2,
             device: str | torch.device | None = None,
-            batch_format: BatchFormat | dict | None = None) -> ProfileReport:
+            batch_format: BatchFormat | dict | None = None) -> ProfileResult:
     """Run `warmup` + `steps` ordinary training steps and time each phase of the measured ones.
 
     The model is trained for real (its weights change). Batches are `(inputs, targets)`, or what
@@ -86,94 +134,104 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
     restarts when it runs out. Returns the phase breakdown, verdict with evidence, and ranked findings.
     """
     fmt = BatchFormat.of(batch_format)
-    given = fmt if batch_format is not None else None
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     p = next(model.parameters(), None)
     dev = torch.device(device) if device is not None else (p.device if p is not None else torch.device("cpu"))
-    cuda = dev.type == "cuda"
+    step = _Step(model, optimizer, loss_fn, dev, fmt, fmt if batch_format is not None else None)
     model.train()
-    it = iter(loader)
-    epochs_started = 1
-
-    def next_batch() -> Any:
-        nonlocal it, epochs_started
-        try:
-            return next(it)
-        except StopIteration:
-            it = iter(loader)
-            epochs_started += 1
-            try:
-                return next(it)
-            except StopIteration:
-                raise ValueError("profile(): the loader yielded no batches") from None
-
-    totals = dict.fromkeys(PHASES[:-1], 0.0)
-    gpu_busy = 0.0
-    wall = 0.0
-    samples = 0
-    step_ms: list[float] = []
-    first_batch = None
+    batches = _Restarting(loader)
     mem = PeakMemory(dev)
-    for i in range(warmup + steps):
-        measured = i >= warmup
-        if i == warmup:
-            if cuda:
-                torch.cuda.synchronize(dev)
-            mem.reset()
-        t0 = time.perf_counter()
-        batch = next_batch()
-        t1 = time.perf_counter()
-        if cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
-            ev[0].record()
-        x, y = _split(batch, given)
-        x, y = to_device(x, dev), to_device(y, dev)
-        if first_batch is None:
-            first_batch = (x, y)
-        if cuda:
-            ev[1].record()
-        t2 = time.perf_counter()
-        out = fmt.logits_of(fmt.forward(model, x))
-        loss = loss_fn(out, y)
-        if cuda:
-            ev[2].record()
-        t3 = time.perf_counter()
-        loss.backward()
-        if cuda:
-            ev[3].record()
-        t4 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            ev[4].record()
-            torch.cuda.synchronize(dev)
-        t5 = time.perf_counter()
-        if not measured:
-            continue
-        if cuda:
-            gpu = [ev[k].elapsed_time(ev[k + 1]) / 1e3 for k in range(4)]
-            parts = {"data": t1 - t0, "copy": gpu[0], "forward": gpu[1], "backward": gpu[2], "optimizer": gpu[3]}
-            gpu_busy += sum(gpu)
-        else:
-            parts = {"data": t1 - t0, "copy": t2 - t1, "forward": t3 - t2, "backward": t4 - t3, "optimizer": t5 - t4}
-        for k, v in parts.items():
-            totals[k] += v
-        wall += t5 - t0
-        step_ms.append((t5 - t0) * 1e3)
-        samples += batch_size(x)
-    phases = {**totals, "other": max(0.0, wall - sum(totals.values()))}
-    if cuda:  # the events' spans include idle gaps: the busy share comes from kernel intervals
-        share = _gpu_busy_share(model, next_batch, optimizer, loss_fn, dev, fmt, given)
-        gpu_busy = share * wall if share is not None else gpu_busy
-    v, evidence = verdict(phases, wall, gpu_busy if cuda else None)
+    t = _measure(step, batches, warmup, steps, mem)
+    phases = {**t.phases, "other": max(0.0, t.wall - sum(t.phases.values()))}
+    gpu_busy = None
+    if step.cuda:  # the events' spans include idle gaps: the busy share comes from kernel intervals
+        share = _gpu_busy_share(step, batches.next)
+        gpu_busy = share * t.wall if share is not None else t.gpu_busy
+    v, evidence = verdict(phases, t.wall, gpu_busy)
+    settings = _loop_settings(step, loader, warmup + steps, batches.epochs, t.first_batch)
+    from torchspeed.doctor.rules import loop_findings
 
+    facts = {"device": dev.type, "steps": steps, "wall_s": t.wall, "phases": phases, "settings": settings, "verdict": v}
+    t.step_ms.sort()
+    return ProfileResult(
+        steps=steps, wall_s=t.wall, phases=phases,
+        per_step_ms={"median": t.step_ms[len(t.step_ms) // 2], "min": t.step_ms[0], "max": t.step_ms[-1]},
+        throughput=t.samples / t.wall if t.wall > 0 else None, peak_memory_bytes=mem.peak(), verdict=v,
+        evidence=evidence, settings=settings, findings=loop_findings(facts), gpu_busy_s=gpu_busy)
+
+
+def _measure(step: _Step, batches: _Restarting, warmup: int, steps: int, mem: PeakMemory) -> _Totals:
+    """Run the steps; sum the phases of those after `warmup` (peak memory counted from there)."""
+    t = _Totals()
+    for i in range(warmup + steps):
+        if i == warmup:
+            if step.cuda:
+                torch.cuda.synchronize(step.dev)
+            mem.reset()
+        parts, wall, x, y = _timed_step(step, batches)
+        if t.first_batch is None:
+            t.first_batch = (x, y)
+        if i < warmup:
+            continue
+        for k, v in parts.items():
+            t.phases[k] += v
+        if step.cuda:
+            t.gpu_busy += sum(v for k, v in parts.items() if k != "data")
+        t.wall += wall
+        t.step_ms.append(wall * 1e3)
+        t.samples += batch_size(x)
+    return t
+
+
+def _timed_step(step: _Step, batches: _Restarting) -> tuple[dict[str, float], float, Any, Any]:
+    """One training step: (seconds per phase, wall seconds, inputs, targets). On CUDA, events time the
+    GPU work of copy / forward / backward / optimizer; the host clock times the wait for data and the wall."""
+    cuda = step.cuda
+    t0 = time.perf_counter()
+    batch = batches.next()
+    t1 = time.perf_counter()
+    if cuda:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+        ev[0].record()
+    x, y = _split(batch, step.given)
+    x, y = to_device(x, step.dev), to_device(y, step.dev)
+    if cuda:
+        ev[1].record()
+    t2 = time.perf_counter()
+    loss = step.loss_fn(step.fmt.logits_of(step.fmt.forward(step.model, x)), y)
+    if cuda:
+        ev[2].record()
+    t3 = time.perf_counter()
+    loss.backward()
+    if cuda:
+        ev[3].record()
+    t4 = time.perf_counter()
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        ev[4].record()
+        torch.cuda.synchronize(step.dev)
+    t5 = time.perf_counter()
+    if cuda:
+        gpu = [ev[k].elapsed_time(ev[k + 1]) / 1e3 for k in range(4)]
+        parts = {"data": t1 - t0, "copy": gpu[0], "forward": gpu[1], "backward": gpu[2], "optimizer": gpu[3]}
+    else:
+        parts = {"data": t1 - t0, "copy": t2 - t1, "forward": t3 - t2, "backward": t4 - t3, "optimizer": t5 - t4}
+    return parts, t5 - t0, x, y
+
+
+def _loop_settings(step: _Step, loader: Iterable[Any], batches: int, epochs: int,
+                   first_batch: tuple[Any, Any] | None) -> dict[str, Any]:
+    """The settings the loop rules judge (as `doctor` records them), and the loss pairing checked on
+    the first batch."""
+    dev = step.dev
     settings = machine_settings()
     ls = loader_settings(loader)
-    settings["loaders"] = [{**ls, "batches": warmup + steps, "epochs": epochs_started}] if ls else []
-    settings["model"] = model_settings(model)
+    settings["loaders"] = [{**ls, "batches": batches, "epochs": epochs}] if ls else []
+    settings["model"] = model_settings(step.model)
     settings["parallel"] = settings["model"]["parallel"]
     settings["autocast"] = torch.is_autocast_enabled(dev.type) or (
         dev.type == "cpu" and torch.is_autocast_enabled("cpu"))
@@ -187,36 +245,27 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
         from torchspeed.doctor.linting import loss_pairing
 
         settings["loss_checks"] = [{"rule": f.rule, "message": f.message, "where": f.where}
-                                   for f in loss_pairing(model, x0[:2], loss_fn, _slice(first_batch[1]))]
-    from torchspeed.doctor.rules import loop_findings
-
-    facts = {"device": dev.type, "steps": steps, "wall_s": wall, "phases": phases, "settings": settings, "verdict": v}
-    step_ms.sort()
-    return ProfileReport(
-        steps=steps, wall_s=wall, phases=phases,
-        per_step_ms={"median": step_ms[len(step_ms) // 2], "min": step_ms[0], "max": step_ms[-1]},
-        throughput=samples / wall if wall > 0 else None, peak_memory_bytes=mem.peak(), verdict=v,
-        evidence=evidence, settings=settings, findings=loop_findings(facts), gpu_busy_s=gpu_busy if cuda else None)
+                                   for f in loss_pairing(step.model, x0[:2], step.loss_fn, _slice(first_batch[1]))]
+    return settings
 
 
-def _gpu_busy_share(model: nn.Module, next_batch: Callable[[], Any], optimizer: torch.optim.Optimizer,
-                    loss_fn: Callable[[Any, Any], torch.Tensor], dev: torch.device, fmt: BatchFormat,
-                    given: BatchFormat | None) -> float | None:
+def _gpu_busy_share(step: _Step, next_batch: Callable[[], Any]) -> float | None:
     """The share of one more training step during which the GPU ran a kernel or a copy: the union of
     their intervals (torch.profiler) over the step's wall time. None if the profiler gives no device events."""
     from torchspeed.doctor.phases import busy_time
 
     batch = next_batch()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    torch.cuda.synchronize(dev)
+    torch.cuda.synchronize(step.dev)
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
-        x, y = _split(batch, given)
-        loss = loss_fn(fmt.logits_of(fmt.forward(model, to_device(x, dev))), to_device(y, dev))
+        x, y = _split(batch, step.given)
+        out = step.fmt.logits_of(step.fmt.forward(step.model, to_device(x, step.dev)))
+        loss = step.loss_fn(out, to_device(y, step.dev))
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(dev)
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(step.dev)
     wall = time.perf_counter() - t0
     spans = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -224,4 +273,5 @@ def _gpu_busy_share(model: nn.Module, next_batch: Callable[[], Any], optimizer: 
 
 
 def _slice(y: Any) -> Any:
+    """The first two targets: the loss pairing check runs on two samples."""
     return y[:2] if isinstance(y, torch.Tensor) and y.dim() else y

@@ -12,7 +12,7 @@ from typing import Any
 
 from torchspeed.doctor.advice import Finding, finding, rank
 
-__all__ = ["RULES", "loop_findings"]
+__all__ = ["RULES", "loader_parallelism", "loop_findings", "training_loaders"]
 
 Facts = dict[str, Any]
 RULES: list[Callable[[Facts], Finding | None]] = []
@@ -28,11 +28,17 @@ def _share(f: Facts, *phases: str) -> float:
     return sum(f["phases"].get(p, 0.0) for p in phases) / wall if wall > 0 else 0.0
 
 
-def _train_loaders(f: Facts) -> list[dict[str, Any]]:
-    loaders = f["settings"].get("loaders") or []
-    used = [ld for ld in loaders if ld.get("batches", 0) > 0]
-    train = [ld for ld in used if ld.get("training", True)]
-    return train or used
+def training_loaders(settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The loaders that fed training (they yielded batches and are not evaluation-only), or every loader
+    that yielded batches when none is marked training: what the loop rules and `--try`'s fixes judge."""
+    used = [ld for ld in settings.get("loaders") or [] if (ld.get("batches") or 0) > 0]
+    return [ld for ld in used if ld.get("training", True)] or used
+
+
+def loader_parallelism(settings: dict[str, Any]) -> int:
+    """The cores the training loaders keep busy: worker processes, or a FastLoader's decoding threads
+    when it has no workers (the oversubscription rule and the `threads` fix both count them)."""
+    return max((ld.get("num_workers", 0) or ld.get("threads", 0) for ld in training_loaders(settings)), default=0)
 
 
 def _compute_share(f: Facts) -> float:
@@ -42,7 +48,7 @@ def _compute_share(f: Facts) -> float:
 @rule
 def loader_no_workers(f: Facts) -> Finding | None:
     # a FastLoader makes batches in the background (threads or a prefetcher) even with num_workers=0
-    loaders = [ld for ld in _train_loaders(f) if ld.get("num_workers") == 0 and not ld.get("background")]
+    loaders = [ld for ld in training_loaders(f["settings"]) if ld.get("num_workers") == 0 and not ld.get("background")]
     if not loaders:
         return None
     data = _share(f, "data")
@@ -59,7 +65,7 @@ def loader_no_workers(f: Facts) -> Finding | None:
 
 @rule
 def loader_not_persistent(f: Facts) -> Finding | None:
-    for ld in _train_loaders(f):
+    for ld in training_loaders(f["settings"]):
         starts = ld.get("startup_s") or []
         if ld.get("num_workers", 0) > 0 and not ld.get("persistent_workers") and len(starts) > 1:
             lost = sum(starts[1:])
@@ -75,7 +81,7 @@ def loader_not_persistent(f: Facts) -> Finding | None:
 def data_bound(f: Facts) -> Finding | None:
     if f.get("verdict") != "data-bound":
         return None
-    if any(ld.get("num_workers") == 0 for ld in _train_loaders(f)):
+    if any(ld.get("num_workers") == 0 for ld in training_loaders(f["settings"])):
         return None  # loader-no-workers says it more precisely
     data = _share(f, "data", "copy")
     return finding("data-bound", f"the loop is data-bound even with loader workers: {data:.0%} of step time is "
@@ -115,7 +121,7 @@ def no_autocast(f: Facts) -> Finding | None:
 def pin_memory_without_cuda(f: Facts) -> Finding | None:
     if f.get("device") == "cuda" or f["settings"].get("cuda_available"):
         return None
-    pinned = [ld for ld in _train_loaders(f) if ld.get("pin_memory")]
+    pinned = [ld for ld in training_loaders(f["settings"]) if ld.get("pin_memory")]
     if not pinned:
         return None
     return finding("pin-memory-without-cuda", "DataLoader(pin_memory=True) on a machine without CUDA: pinning "
@@ -194,11 +200,10 @@ def cpu_oversubscribed(f: Facts) -> Finding | None:
         return None
     s = f["settings"]
     cores, threads = s.get("cores") or 0, s.get("torch_threads") or 0
-    # loader parallelism: worker processes, or a FastLoader's decoding threads when it has no workers
-    workers = max((ld.get("num_workers", 0) or ld.get("threads", 0) for ld in _train_loaders(f)), default=0)
+    workers = loader_parallelism(s)
     if not cores or workers == 0 or threads + workers <= cores:
         return None
-    kind = "loader worker" if any(ld.get("num_workers") for ld in _train_loaders(f)) else "loader thread"
+    kind = "loader worker" if any(ld.get("num_workers") for ld in training_loaders(s)) else "loader thread"
     kind += "s" if workers != 1 else ""
     return finding("cpu-oversubscribed", f"{workers} {kind} + {threads} intra-op threads on {cores} "
                    "cores: they time-slice each other", 0.1,

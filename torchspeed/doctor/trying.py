@@ -19,10 +19,11 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from torchspeed.args import progress_fn
 from torchspeed.doctor import fixes as fx
 from torchspeed.measure import Timing
 
-__all__ = ["try_fixes", "step_times", "apply_measured", "print_tried", "markdown_tried"]
+__all__ = ["apply_measured", "launcher", "markdown_tried", "print_tried", "step_times", "try_fixes"]
 
 
 def step_times(raw: dict[str, Any]) -> list[float]:
@@ -37,14 +38,14 @@ def _median(times: list[float]) -> float | None:
 
 
 def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callable[[dict[str, Any], str], dict[str, Any]],
-              planned: fx.Plan, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              planned: fx.Plan, progress: bool | Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Run every planned fix and the interleaved baseline through `launch(fixes, title) -> raw record`.
 
     `baseline` is the first (seeded) run's raw record, `payload` its report (findings, settings),
-    `planned` what `fixes.plan` made of it. Returns {"tried": rows, "skipped": [...], "baseline_runs":
-    [...], "spread": float}."""
+    `planned` what `fixes.plan` made of it; `progress` (True or a callable) gets a line per run.
+    Returns {"tried": rows, "skipped": [...], "baseline_runs": [...], "spread": float}."""
     plan, skipped = planned
-    say = progress or (lambda msg: None)
+    say = progress_fn(progress)
     runs_total = 1 + 2 * len(plan)
     base_runs = [baseline]
     results: list[tuple[str, Any, dict[str, Any]]] = []

@@ -5,7 +5,7 @@ import os
 
 from torch import nn
 
-from torchspeed.infer.runtimes import RUNNERS, Runner, TorchRunner, read_manifest
+from torchspeed.infer.runners import RUNNERS, RUNTIME_KEY, Runner, TorchRunner, read_manifest
 
 __all__ = ["load"]
 
@@ -21,7 +21,7 @@ def load(directory: str | os.PathLike, *, model: nn.Module | None = None, trust_
     """
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
-    cls = RUNNERS[manifest["backend"]]
+    cls = RUNNERS[manifest[RUNTIME_KEY]]
     if issubclass(cls, TorchRunner):
         runner: Runner = cls.load(directory, manifest, model=model, trust_code=trust_code)
     else:

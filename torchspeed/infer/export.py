@@ -23,12 +23,12 @@ from torchspeed.atomic import atomic_write
 from torchspeed.batches import BatchFormat
 from torchspeed.infer.precision import as_fp32, output_error
 
-__all__ = ["export_onnx", "ExportReport", "flatten_inputs", "convert_onnx_fp16", "fp16_converter", "onnx_inputs",
-           "onnx_example", "read_onnx", "OnnxGraph"]
+__all__ = ["export_onnx", "ExportResult", "flatten_inputs", "grow_batch", "convert_onnx_fp16", "fp16_converter",
+           "onnx_inputs", "onnx_example", "read_onnx", "OnnxGraph"]
 
 
 @dataclass
-class ExportReport:
+class ExportResult:
     """What was exported, how, and how far ONNX Runtime's outputs are from PyTorch's."""
 
     path: str
@@ -111,8 +111,9 @@ def _ort_session(path: str) -> Any:
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
-def _grow(t: torch.Tensor, b: int, gen: torch.Generator) -> torch.Tensor:
-    """`t` cut or extended to batch `b`: random rows for float inputs, repeated rows for ids/masks."""
+def grow_batch(t: torch.Tensor, b: int, gen: torch.Generator) -> torch.Tensor:
+    """`t` cut or extended to batch `b`: random rows for float inputs, repeated rows for ids/masks. The
+    export check and optimize's verification and timing inputs are all made this way."""
     if t.is_floating_point():
         extra = torch.randn((max(0, b - len(t)),) + tuple(t.shape[1:]), generator=gen, dtype=t.dtype)
         return torch.cat([t, extra.to(t.device)])[:b].contiguous()
@@ -122,7 +123,7 @@ def _grow(t: torch.Tensor, b: int, gen: torch.Generator) -> torch.Tensor:
 
 def export_onnx(model: nn.Module, example_input: Any, path: str | os.PathLike, dynamic_batch: bool = True,
                 opset: int | None = None, check_batch_sizes: tuple[int, int] | None = None,
-                exporter: str = "auto", batch_format: BatchFormat | dict | None = None) -> ExportReport:
+                exporter: str = "auto", batch_format: BatchFormat | dict | None = None) -> ExportResult:
     """Export `model` (eval mode, fp32, on the CPU) to ONNX at `path`; verify with onnx.checker and ONNX Runtime.
 
     `example_input` (a tensor, or a dict / tuple of tensors: the model's inputs, named inputs for a
@@ -131,22 +132,34 @@ def export_onnx(model: nn.Module, example_input: Any, path: str | os.PathLike, d
     with `.logits` works by default). A model on a GPU is exported from a CPU copy.
     Raises ValueError naming the failing operator when neither exporter can handle the model.
     """
-    onnx = _need("onnx")
     names, tensors, keys = flatten_inputs(example_input)
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"exporter must be 'auto', 'dynamo' or 'torchscript', got {exporter!r}")
-    fmt = BatchFormat.of(batch_format)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if any(p.device.type != "cpu" for p in (*model.parameters(), *model.buffers())):
         model = copy.deepcopy(model).cpu()
     model = model.eval()
-    flat = _Flat(model, keys, fmt).eval()
+    flat = _Flat(model, keys, BatchFormat.of(batch_format)).eval()
     tensors = [as_fp32(t.detach().cpu()).contiguous() for t in tensors]
     n0 = len(tensors[0])
-    gen = torch.Generator().manual_seed(0)
     # torch.export specialises size-1 dimensions: a batch-1 example is repeated to batch 2 for tracing
     xs = tuple(t.repeat(2, *([1] * (t.ndim - 1))) if dynamic_batch and n0 == 1 else t for t in tensors)
+    used, fallback_reason = _write_onnx(flat, xs, names, path, dynamic_batch, opset, exporter, type(model).__name__)
+    sess = _ort_session(path)
+    inp = sess.get_inputs()[0]
+    result = ExportResult(path, used, dynamic_batch, inp.name, list(inp.shape), fallback_reason=fallback_reason,
+                          input_names=[i.name for i in sess.get_inputs()])
+    sizes = check_batch_sizes or ((n0, n0 + 2) if dynamic_batch else (n0,))
+    result.max_error = _ort_errors(sess, flat, names, tensors, sizes)
+    return result
+
+
+def _write_onnx(flat: nn.Module, xs: tuple[torch.Tensor, ...], names: list[str], path: str, dynamic_batch: bool,
+                opset: int | None, exporter: str, model_name: str) -> tuple[str, str | None]:
+    """Export with the dynamo exporter, else TorchScript (`exporter` 'auto'), check the graph and put
+    it at `path` only when it passed; (exporter used, why dynamo failed or None)."""
+    onnx = _need("onnx")
     tmp = f"{path}.tmp-{os.getpid()}"
     fallback_reason, used = None, None
     try:
@@ -157,34 +170,36 @@ def export_onnx(model: nn.Module, example_input: Any, path: str | os.PathLike, d
             except Exception as e:  # noqa: BLE001 - any exporter failure: try the other one, keep the reason
                 fallback_reason = f"dynamo exporter failed: {type(e).__name__}: {_first_line(e)}"
                 if exporter == "dynamo":
-                    raise ValueError(f"cannot export {type(model).__name__} to ONNX: {fallback_reason}") from None
+                    raise ValueError(f"cannot export {model_name} to ONNX: {fallback_reason}") from None
         if used is None:
             try:
                 _export_torchscript(flat, xs, names, tmp, dynamic_batch, opset)
                 used = "torchscript"
             except Exception as e:  # noqa: BLE001
                 msg = f"TorchScript exporter failed: {type(e).__name__}: {_first_line(e)}"
-                raise ValueError(f"cannot export {type(model).__name__} to ONNX: "
+                raise ValueError(f"cannot export {model_name} to ONNX: "
                                  f"{'; '.join(filter(None, [fallback_reason, msg]))}") from None
         onnx.checker.check_model(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    sess = _ort_session(path)
-    inp = sess.get_inputs()[0]
+    return used, fallback_reason
+
+
+def _ort_errors(sess: Any, flat: nn.Module, names: list[str], tensors: list[torch.Tensor],
+                sizes: tuple[int, ...]) -> dict[int, float]:
+    """Batch size -> max relative error of ONNX Runtime's outputs against PyTorch's on the same inputs."""
+    gen = torch.Generator().manual_seed(0)
     graph_names = [i.name for i in sess.get_inputs()]
-    report = ExportReport(path, used, dynamic_batch, inp.name, list(inp.shape), fallback_reason=fallback_reason,
-                          input_names=graph_names)
-    sizes = check_batch_sizes or ((n0, n0 + 2) if dynamic_batch else (n0,))
+    errors = {}
     with torch.inference_mode():
         for b in sizes:
-            xb = [_grow(t, b, gen) for t in tensors]
+            xb = [grow_batch(t, b, gen) for t in tensors]
             ref = flat(*xb)
             feed = {n: t.numpy() for n, t in zip(names, xb) if n in graph_names}  # an unused input is dropped
-            out = sess.run(None, feed)[0]
-            report.max_error[b] = output_error(out, ref)["max_rel"]
-    return report
+            errors[b] = output_error(sess.run(None, feed)[0], ref)["max_rel"]
+    return errors
 
 
 def convert_onnx_fp16(src: str | os.PathLike, dst: str | os.PathLike) -> str:

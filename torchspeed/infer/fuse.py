@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
-__all__ = ["fuse_conv_bn", "FuseReport", "fuse_conv_bn_report"]
+__all__ = ["fuse_conv_bn", "FuseResult", "fuse_conv_bn_report"]
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 @dataclass
-class FuseReport:
+class FuseResult:
     """How many BatchNorms were folded, and by which method ('fx' or 'module-walk' and why)."""
 
     fused: int
@@ -91,18 +91,18 @@ def _fuse_walk(model: nn.Module) -> int:
     return fused
 
 
-def fuse_conv_bn_report(model: nn.Module, inplace: bool = False) -> tuple[nn.Module, FuseReport]:
+def fuse_conv_bn_report(model: nn.Module, inplace: bool = False) -> tuple[nn.Module, FuseResult]:
     """`fuse_conv_bn` that also says how many BatchNorms it folded and how."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"fuse_conv_bn expects an nn.Module, got {type(model).__name__}")
     model = (model if inplace else copy.deepcopy(model)).eval()
     try:
         fused_model, n = _fuse_fx(model)
-        return fused_model, FuseReport(n, "fx")
+        return fused_model, FuseResult(n, "fx")
     except Exception as e:  # noqa: BLE001 - any tracing failure means: use the module walk
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     n = _fuse_walk(model)
-    return model, FuseReport(n, f"module-walk (FX tracing failed: {reason})")
+    return model, FuseResult(n, f"module-walk (FX tracing failed: {reason})")
 
 
 def fuse_conv_bn(model: nn.Module, inplace: bool = False) -> nn.Module:

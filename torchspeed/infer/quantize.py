@@ -136,7 +136,7 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
     if method not in methods:
         raise ValueError(f"calibration method must be one of {', '.join(methods)}, got {method!r}")
     arrays = calibration_arrays(calib_data, max_samples, batch_format)
-    from torchspeed.infer.runtimes import _feed_names
+    from torchspeed.infer.runners import feed_names
 
     if input_names is None:
         import onnxruntime as ort
@@ -149,7 +149,7 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
 
         def get_next(self) -> dict[str, np.ndarray] | None:
             x = next(self.it, None)
-            return None if x is None else _feed_names(x, input_names)
+            return None if x is None else feed_names(x, input_names)
 
         def rewind(self) -> None:
             self.it = iter(arrays)

@@ -1,14 +1,31 @@
 """Training: accelerate() (measured precision / channels_last / compile, DDP and FSDP2 wrapping), the
-Trainer, callbacks (EarlyStopping, Checkpoint) and exact, atomic resume."""
+Trainer, callbacks (EarlyStopping, Checkpoint), exact, atomic resume. The image-classification recipe
+`torchspeed train` runs is `torchspeed.recipes.train_classifier`, a layer up (it stands on data too)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torchspeed._lazy import lazy_getattr
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on first use
+    from torchspeed.train.acceleration import (
+        AccelerateOptions,
+        Accelerated,
+        AccelerateResult,
+        TrialRow,
+        accelerate,
+    )
+    from torchspeed.train.callbacks import Callback, Checkpoint, EarlyStopping
+    from torchspeed.train.checkpoint import CheckpointError, last_checkpoint, load_file
+    from torchspeed.train.trainer import Trainer
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
     "accelerate": "acceleration",
     "Accelerated": "acceleration",
-    "AccelerateReport": "acceleration",
+    "AccelerateOptions": "acceleration",
+    "AccelerateResult": "acceleration",
+    "TrialRow": "acceleration",
     "Trainer": "trainer",
     "Callback": "callbacks",
     "EarlyStopping": "callbacks",

@@ -7,14 +7,15 @@ Each "auto" setting is decided by timing a few real training steps (forward, los
 user's model on an example batch, and an option is kept only when it is faster by a clear margin;
 one-off costs (torch.compile's compile time) are charged against the expected length of the run.
 The model's weights, buffers and RNG state are restored after the trials, so trying options
-changes nothing about training. The report lists every option as a `Trial` row with its figures and
+changes nothing about training. The result lists every option as a `TrialRow` with its figures and
 decision, and each setting's outcome is logged as one INFO line on this module's logger.
 
-`accelerate` runs four steps in order, one function each: the precision and memory-format trials
-(`_choose_precision_and_layout`), the compile trial (`_choose_compile`), the distributed wrapper
-(`_wrap_for_strategy`) and the optimizer implementation (`_choose_optimizer_implementation`). The
-`Accelerated` it returns runs the training step the chosen way: `autocast()`, `backward(loss)`,
-`step(optimizer)`.
+The settings are one `AccelerateOptions` value, checked once when it is made (`accelerate` builds it
+from its keywords; the Trainer holds one). `accelerate` runs four steps in order, one function each:
+the precision and memory-format trials (`_choose_precision_and_layout`), the compile trial
+(`_choose_compile`), the distributed wrapper (`_wrap_for_strategy`) and the optimizer implementation
+(`_choose_optimizer_implementation`). The `Accelerated` it returns runs the training step the chosen
+way: `autocast()`, `backward(loss)`, `step(optimizer)`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import copy
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,14 +44,64 @@ from torchspeed.runtime import (
 )
 from torchspeed.train import distributed
 
-__all__ = ["accelerate", "Accelerated", "AccelerateReport", "Trial", "autocast_for"]
+__all__ = ["accelerate", "accelerate_with", "AccelerateOptions", "Accelerated", "AccelerateResult", "TrialRow",
+           "apply_cudnn_benchmark", "apply_tf32", "autocast_for", "forget_prepared"]
 
 log = logging.getLogger(__name__)
 
 
+_AUTO_OR_BOOL = ("auto", True, False)
+_STRATEGIES = ("auto", "ddp", "fsdp", None)
+
+
+@dataclass(frozen=True)
+class AccelerateOptions:
+    """accelerate()'s settings, checked once here: "auto" is measured, anything else is used as given.
+
+    `strategy` "none" is read as None. `untried` maps a setting to the reason it is deliberately not
+    tried. The fields are accelerate()'s keywords of the same names (see its docstring)."""
+
+    precision: str = "auto"
+    channels_last: bool | str = "auto"
+    compile: bool | str = "auto"  # noqa: A003 (the public name of the setting)
+    strategy: str | None = "auto"
+    device: str | torch.device = "auto"
+    tf32: bool | str = "auto"
+    cudnn_benchmark: bool | str = "auto"
+    expected_steps: int | None = None
+    trial_steps: int = 3
+    margin: float = 0.05
+    min_compile_cost_s: float = 20.0
+    untried: Mapping[str, str] = field(default_factory=dict)
+    fused_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("auto", *FLOAT_PRECISIONS):
+            raise ValueError(f"precision must be 'auto' or one of {', '.join(repr(p) for p in FLOAT_PRECISIONS)}, "
+                             f"got {self.precision!r}")
+        for name in ("channels_last", "compile", "tf32", "cudnn_benchmark"):
+            value = getattr(self, name)
+            if value not in _AUTO_OR_BOOL:
+                raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+        strategy = None if self.strategy == "none" else self.strategy
+        if strategy not in _STRATEGIES:
+            raise ValueError(f"strategy must be 'auto', 'ddp', 'fsdp' or None, got {self.strategy!r}")
+        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "untried", dict(self.untried or {}))
+
+    @property
+    def measures_step(self) -> bool:
+        """Whether precision, memory format or compile is left to measurement (an example batch is needed)."""
+        return "auto" in (self.precision, self.channels_last, self.compile)
+
+    def measures_cuda_switches(self, device: torch.device) -> bool:
+        """Whether TF32 or cudnn.benchmark is left to measurement on `device` (CUDA only)."""
+        return device.type == "cuda" and "auto" in (self.tf32, self.cudnn_benchmark)
+
+
 @dataclass
-class Trial:
-    """One row of the report: one option of one setting, measured (or deliberately not tried)."""
+class TrialRow:
+    """One row of the result: one option of one setting, measured (or deliberately not tried)."""
 
     setting: str                  # "precision" | "channels_last" | "precision+channels_last" | "compile" | ...
     value: str
@@ -63,8 +114,8 @@ class Trial:
 
 
 @dataclass
-class AccelerateReport:
-    """What accelerate() chose, and every option it considered (`candidates`, a list of `Trial` rows)."""
+class AccelerateResult:
+    """What accelerate() chose, and every option it considered (`candidates`, a list of `TrialRow`s)."""
 
     device: str
     precision: str = "fp32"
@@ -74,7 +125,7 @@ class AccelerateReport:
     optimizer: str = "unchanged"
     tf32: bool | None = None              # TF32 for fp32 matrix multiplies (CUDA); None: not applicable here
     cudnn_benchmark: bool | None = None   # cuDNN autotuning (CUDA); None: not applicable here
-    candidates: list[Trial] = field(default_factory=list)
+    candidates: list[TrialRow] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -110,7 +161,7 @@ class Accelerated:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
-    report: AccelerateReport
+    report: AccelerateResult
     device: torch.device
     module: nn.Module             # the unwrapped model (no DDP / compile wrapper): state_dict lives here
     scaler: Any = None            # torch.amp.GradScaler for fp16, else None
@@ -201,7 +252,7 @@ class Accelerated:
 class _Prepared:
     """What accelerate() decided for a model it returned, held without keeping the model alive."""
 
-    report: AccelerateReport
+    report: AccelerateResult
     device: torch.device
     scaler: Any
     module: weakref.ref[nn.Module]
@@ -324,19 +375,10 @@ def _has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) for m in model.modules())
 
 
-def _check_arguments(model: Any, precision: str, channels_last: Any, compile: Any, strategy: Any,  # noqa: A002
-                     tf32: Any, cudnn_benchmark: Any) -> None:
-    """Refuse bad settings before anything is moved or measured."""
+def _check_model(model: Any) -> None:
+    """Refuse what cannot be prepared before anything is moved or measured."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if precision not in ("auto", *FLOAT_PRECISIONS):
-        raise ValueError(f"precision must be 'auto', 'bf16', 'fp16' or 'fp32', got {precision!r}")
-    for name, v in (("channels_last", channels_last), ("compile", compile), ("tf32", tf32),
-                    ("cudnn_benchmark", cudnn_benchmark)):
-        if v not in ("auto", True, False):
-            raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
-    if strategy not in ("auto", "ddp", "fsdp", None, "none"):
-        raise ValueError(f"strategy must be 'auto', 'ddp', 'fsdp' or None, got {strategy!r}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
         raise ValueError("model is already wrapped (DDP or torch.compile); pass the plain nn.Module to accelerate(), "
                          "or pass the Accelerated that accelerate() returned (or its model) to the Trainer")
@@ -352,12 +394,12 @@ def _resolve_strategy(strategy: str | None, dev: torch.device,
         return denv, dev, None
     if strategy == "auto":
         return denv, dev, "ddp" if denv.distributed else None
-    return denv, dev, None if strategy == "none" else strategy
+    return denv, dev, strategy
 
 
 def _choose_precision_and_layout(model: nn.Module, timer: _StepTimer | None, precision: str,
                                  channels_last: bool | str, dev: torch.device, margin: float,
-                                 rows: list[Trial]) -> tuple[str, bool, float | None]:
+                                 rows: list[TrialRow]) -> tuple[str, bool, float | None]:
     """Precision and memory format, searched jointly: on CPUs bf16 may only pay off in NHWC (oneDNN
     reorders NCHW bf16 activations), so a one-axis-at-a-time search could miss the best pair. The
     plain way (fp32 when auto, NCHW when auto) is the baseline; another pair is kept only when it is
@@ -366,12 +408,12 @@ def _choose_precision_and_layout(model: nn.Module, timer: _StepTimer | None, pre
     layouts = [bool(channels_last)] if channels_last != "auto" else [False, True]
     if channels_last == "auto" and not (_has_conv(model) and _image_input(timer.inputs)):
         layouts = [False]
-        rows.append(Trial("channels_last", "True", decision="not tried: no 2-D convolutions / 4-D input"))
+        rows.append(TrialRow("channels_last", "True", decision="not tried: no 2-D convolutions / 4-D input"))
     precision_given = "given" if precision != "auto" else f"kept ({default_precision(dev).reason})"
     if len(precs) * len(layouts) == 1:
-        rows.append(Trial("precision", precs[0], decision=precision_given))
+        rows.append(TrialRow("precision", precs[0], decision=precision_given))
         if channels_last != "auto":
-            rows.append(Trial("channels_last", str(layouts[0]), decision="given"))
+            rows.append(TrialRow("channels_last", str(layouts[0]), decision="given"))
         return precs[0], layouts[0], None
 
     nhwc = copy.deepcopy(model).to(memory_format=torch.channels_last) if True in layouts else None
@@ -389,17 +431,17 @@ def _choose_precision_and_layout(model: nn.Module, timer: _StepTimer | None, pre
     for n, t in times.items():
         why = "kept" if n == chosen else "baseline" if n == base else (
             f"rejected: not {margin:.0%} faster than {base}" if n == best else f"rejected: slower than {chosen}")
-        rows.append(Trial(label, n, t, decision=why))
+        rows.append(TrialRow(label, n, t, decision=why))
     prec, cl = combos[chosen]
     if len(precs) == 1:
-        rows.append(Trial("precision", prec, decision=precision_given))
+        rows.append(TrialRow("precision", prec, decision=precision_given))
     if len(layouts) == 1 and channels_last != "auto":
-        rows.append(Trial("channels_last", str(cl), decision="given"))
+        rows.append(TrialRow("channels_last", str(cl), decision="given"))
     return prec, cl, times[chosen]
 
 
 def _choose_compile(model: nn.Module, timer: _StepTimer | None, compile: bool | str,  # noqa: A002
-                    report: AccelerateReport, base_step: float | None, expected_steps: int | None,
+                    report: AccelerateResult, base_step: float | None, expected_steps: int | None,
                     margin: float, min_compile_cost_s: float, untried: dict[str, str]) -> nn.Module | None:
     """torch.compile only where it pays: its one-off compile time is charged against the expected
     run, and a run too short to repay a typical compile (`min_compile_cost_s`) does not try it.
@@ -407,18 +449,18 @@ def _choose_compile(model: nn.Module, timer: _StepTimer | None, compile: bool | 
     rows = report.candidates
     if compile != "auto":
         report.compile = bool(compile)
-        rows.append(Trial("compile", str(report.compile), decision="given"))
+        rows.append(TrialRow("compile", str(report.compile), decision="given"))
         return None
     if "compile" in untried:
-        rows.append(Trial("compile", "True", decision=f"not tried: {untried['compile']}"))
+        rows.append(TrialRow("compile", "True", decision=f"not tried: {untried['compile']}"))
         return None
     if base_step is None:
         base_step, _ = timer.measure(timer.step_fn(model, report.precision, report.channels_last))
     steps = expected_steps or 0
-    rows.append(Trial("compile", "False", base_step))
+    rows.append(TrialRow("compile", "False", base_step))
     if steps and steps * base_step < min_compile_cost_s:
         rows[-1].decision = "kept"
-        rows.append(Trial("compile", "True", decision=(
+        rows.append(TrialRow("compile", "True", decision=(
             f"not tried: expected run ~{steps * base_step:.0f} s is too short to repay a compile "
             f"(typically >= {min_compile_cost_s:.0f} s)")))
         return None
@@ -428,14 +470,14 @@ def _choose_compile(model: nn.Module, timer: _StepTimer | None, compile: bool | 
 
 
 def _try_compile(model: nn.Module, timer: _StepTimer, precision: str, cl: bool, base_step: float, steps: int,
-                 margin: float, rows: list[Trial]) -> nn.Module | None:
+                 margin: float, rows: list[TrialRow]) -> nn.Module | None:
     """Compile, time, and keep only if the saving over the expected run repays the compile time."""
     try:
         compiled = torch.compile(model)
         t_c, first = timer.measure(timer.step_fn(compiled, precision, cl))
     except Exception as e:  # a model the compiler cannot handle is a rejected option, not a crash
         rows[-1].decision = "kept"
-        rows.append(Trial("compile", "True", decision=f"rejected: compile failed ({type(e).__name__}: {e})"[:200]))
+        rows.append(TrialRow("compile", "True", decision=f"rejected: compile failed ({type(e).__name__}: {e})"[:200]))
         return None
     one_off = max(0.0, first - t_c)
     saving = (base_step - t_c) * steps if steps else None
@@ -446,27 +488,30 @@ def _try_compile(model: nn.Module, timer: _StepTimer, precision: str, cl: bool, 
     else:
         why = "kept"
     rows[-1].decision = "baseline" if why == "kept" else "kept"
-    rows.append(Trial("compile", "True", t_c, one_off, why))
+    rows.append(TrialRow("compile", "True", t_c, one_off, why))
     return compiled if why == "kept" else None
 
 
 _SET_HERE: dict[str, Any] = {}  # the switches accelerate() set last (so they are not taken for the user's)
 
 
-def _apply_tf32(on: bool | None) -> None:
+def apply_tf32(on: bool | None) -> None:
+    """Set TF32 for fp32 matmuls as chosen (None: leave it); public so a Lightning run and every rank
+    apply the same switch accelerate() measured."""
     if on is not None:
         _SET_HERE["matmul"] = "high" if on else "highest"
         torch.set_float32_matmul_precision(_SET_HERE["matmul"])
 
 
-def _apply_cudnn_benchmark(on: bool | None) -> None:
+def apply_cudnn_benchmark(on: bool | None) -> None:
+    """Set cudnn.benchmark as chosen (None: leave it); public for the same reason as `apply_tf32`."""
     if on is not None:
         _SET_HERE["cudnn_benchmark"] = on
         torch.backends.cudnn.benchmark = on
 
 
 def _choose_cuda_flags(model: nn.Module, timer: _StepTimer | None, tf32: bool | str, cudnn_benchmark: bool | str,
-                       report: AccelerateReport, dev: torch.device, margin: float) -> None:
+                       report: AccelerateResult, dev: torch.device, margin: float) -> None:
     """CUDA's two process-wide speed switches, each measured like the other settings (or as given):
 
     - TF32 for fp32 matrix multiplies (sm >= 8.0; PyTorch leaves it off for matmuls while cuDNN
@@ -484,39 +529,39 @@ def _choose_cuda_flags(model: nn.Module, timer: _StepTimer | None, tf32: bool | 
     major, _ = torch.cuda.get_device_capability(dev)
     if tf32 != "auto":
         report.tf32 = bool(tf32)
-        rows.append(Trial("tf32", str(report.tf32), decision="given"))
+        rows.append(TrialRow("tf32", str(report.tf32), decision="given"))
     elif torch.get_float32_matmul_precision() not in ("highest", _SET_HERE.get("matmul")):
         report.tf32 = torch.get_float32_matmul_precision() != "highest"
-        rows.append(Trial("tf32", str(report.tf32), decision=(
+        rows.append(TrialRow("tf32", str(report.tf32), decision=(
             f"given (matmul precision {torch.get_float32_matmul_precision()!r} set before accelerate)")))
     elif major < 8 or report.precision != "fp32" or timer is None:
         why = (f"sm {major}.x has no TF32" if major < 8 else "mixed precision chosen: matmuls run in "
                f"{report.precision}" if report.precision != "fp32" else "no example batch to measure on")
-        rows.append(Trial("tf32", "True", decision=f"not tried: {why}"))
+        rows.append(TrialRow("tf32", "True", decision=f"not tried: {why}"))
     else:
-        report.tf32 = _measure_switch("tf32", _apply_tf32, model, timer, report, margin)
-    _apply_tf32(report.tf32)
+        report.tf32 = _measure_switch("tf32", apply_tf32, model, timer, report, margin)
+    apply_tf32(report.tf32)
 
     deterministic = torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic
     if cudnn_benchmark != "auto":
         report.cudnn_benchmark = bool(cudnn_benchmark)
-        rows.append(Trial("cudnn_benchmark", str(report.cudnn_benchmark), decision="given"))
+        rows.append(TrialRow("cudnn_benchmark", str(report.cudnn_benchmark), decision="given"))
     elif torch.backends.cudnn.benchmark and _SET_HERE.get("cudnn_benchmark") is not True:
         report.cudnn_benchmark = True
-        rows.append(Trial("cudnn_benchmark", "True", decision="given (turned on before accelerate)"))
+        rows.append(TrialRow("cudnn_benchmark", "True", decision="given (turned on before accelerate)"))
     elif deterministic or not _has_conv(model) or timer is None:
         why = ("deterministic mode" if deterministic else "no convolutions" if not _has_conv(model)
                else "no example batch to measure on")
-        rows.append(Trial("cudnn_benchmark", "True", decision=f"not tried: {why}; left as it is "
+        rows.append(TrialRow("cudnn_benchmark", "True", decision=f"not tried: {why}; left as it is "
                           f"({torch.backends.cudnn.benchmark})"))
     else:
-        report.cudnn_benchmark = _measure_switch("cudnn_benchmark", _apply_cudnn_benchmark, model, timer, report,
+        report.cudnn_benchmark = _measure_switch("cudnn_benchmark", apply_cudnn_benchmark, model, timer, report,
                                                  margin)
-    _apply_cudnn_benchmark(report.cudnn_benchmark)
+    apply_cudnn_benchmark(report.cudnn_benchmark)
 
 
 def _measure_switch(setting: str, apply: Callable[[bool | None], None], model: nn.Module, timer: _StepTimer,
-                    report: AccelerateReport, margin: float) -> bool:
+                    report: AccelerateResult, margin: float) -> bool:
     """Time the training step with a process-wide switch off and on (interleaved; the switch is set
     before each call, so a one-off cost such as cuDNN's autotuning falls in the warm-up); on is kept
     only when `margin` faster. Adds both rows."""
@@ -530,8 +575,8 @@ def _measure_switch(setting: str, apply: Callable[[bool | None], None], model: n
 
     times = timer.compare({"False": with_switch(False), "True": with_switch(True)})
     keep = _margin_ok(times["False"], times["True"], margin)
-    report.candidates.append(Trial(setting, "False", times["False"], decision="baseline" if keep else "kept"))
-    report.candidates.append(Trial(setting, "True", times["True"],
+    report.candidates.append(TrialRow(setting, "False", times["False"], decision="baseline" if keep else "kept"))
+    report.candidates.append(TrialRow(setting, "True", times["True"],
                                    decision="kept" if keep else f"rejected: not {margin:.0%} faster"))
     return keep
 
@@ -542,7 +587,7 @@ def _cublas_workspace_for_determinism(cuda_initialized: bool) -> None:
         ensure_cublas_workspace(cuda_initialized, stacklevel=3)
 
 
-def _agree_across_ranks(report: AccelerateReport, model: nn.Module) -> None:
+def _agree_across_ranks(report: AccelerateResult, model: nn.Module) -> None:
     """Every rank must make the same choices, whatever its own timings said: rank 0's win."""
     def code(v: bool | None) -> int:
         return -1 if v is None else int(v)
@@ -552,8 +597,8 @@ def _agree_across_ranks(report: AccelerateReport, model: nn.Module) -> None:
          code(report.cudnn_benchmark)])
     report.precision, report.channels_last, report.compile = FLOAT_PRECISIONS[p_idx], bool(cl), bool(co)
     report.tf32, report.cudnn_benchmark = (None if tf < 0 else bool(tf)), (None if cb < 0 else bool(cb))
-    _apply_tf32(report.tf32)
-    _apply_cudnn_benchmark(report.cudnn_benchmark)
+    apply_tf32(report.tf32)
+    apply_cudnn_benchmark(report.cudnn_benchmark)
     model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
 
 
@@ -592,13 +637,13 @@ def _fsdp_wrap(module: nn.Module, precision: str = "fp32") -> nn.Module:
 
 def _wrap_for_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy_eff: str | None,
                        asked: str | None, dev: torch.device, denv: distributed.DistEnv,
-                       untried: dict[str, str], rows: list[Trial], precision: str = "fp32") -> nn.Module:
+                       untried: dict[str, str], rows: list[TrialRow], precision: str = "fp32") -> nn.Module:
     """DDP or FSDP2 as asked (not measured: one process per device is the way to use several).
     FSDP replaces the parameters by shards, so the optimizer is pointed at the new ones."""
     if strategy_eff == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        rows.append(Trial("strategy", "ddp", decision=f"kept: torchrun world of {denv.world_size}"))
+        rows.append(TrialRow("strategy", "ddp", decision=f"kept: torchrun world of {denv.world_size}"))
         return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     if strategy_eff == "fsdp":
         names = {id(p): n for n, p in model.named_parameters()}
@@ -606,10 +651,10 @@ def _wrap_for_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None
         if optimizer is not None:
             _rebind_optimizer(optimizer, names, model)
         mp = "" if precision == "fp32" else f", {precision} parameters (MixedPrecisionPolicy, fp32 reduce)"
-        rows.append(Trial("strategy", "fsdp", decision=f"kept: fully_shard over {denv.world_size} ranks{mp}"))
+        rows.append(TrialRow("strategy", "fsdp", decision=f"kept: fully_shard over {denv.world_size} ranks{mp}"))
         return wrapped
     if "strategy" in untried:
-        rows.append(Trial("strategy", str(asked), decision=f"not used: {untried['strategy']}"))
+        rows.append(TrialRow("strategy", str(asked), decision=f"not used: {untried['strategy']}"))
     return model
 
 
@@ -636,9 +681,9 @@ def _choose_optimizer_implementation(optimizer: torch.optim.Optimizer, device: t
     return "foreach"
 
 
-def _log_choices(rows: Iterable[Trial], device: str) -> None:
+def _log_choices(rows: Iterable[TrialRow], device: str) -> None:
     """One INFO line per setting: every option with its measured median step and its decision."""
-    by_setting: dict[str, list[Trial]] = {}
+    by_setting: dict[str, list[TrialRow]] = {}
     for r in rows:
         by_setting.setdefault(r.setting, []).append(r)
     for setting, trials in by_setting.items():
@@ -688,44 +733,38 @@ def accelerate(
     The model returned can be given to `Trainer` as it is (or the `Accelerated` itself): the
     Trainer then uses these choices and does not measure again.
     """
-    _check_arguments(model, precision, channels_last, compile, strategy, tf32, cudnn_benchmark)
+    options = AccelerateOptions(
+        precision=precision, channels_last=channels_last, compile=compile, strategy=strategy, device=device,
+        tf32=tf32, cudnn_benchmark=cudnn_benchmark, expected_steps=expected_steps, trial_steps=trial_steps,
+        margin=margin, min_compile_cost_s=min_compile_cost_s, untried=untried or {}, fused_optimizer=fused_optimizer)
+    return accelerate_with(options, model, optimizer, example_batch=example_batch, loss_fn=loss_fn,
+                           batch_format=batch_format)
+
+
+def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    example_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                    batch_format: BatchFormat | dict | None = None) -> Accelerated:
+    """accelerate() with its settings given as one `AccelerateOptions` (how the Trainer calls it)."""
+    _check_model(model)
     fmt = BatchFormat.of(batch_format)
-    untried = dict(untried or {})
-    dev = resolve_device(device)
+    untried = dict(options.untried)
+    dev = resolve_device(options.device)
     if dev.type == "cuda":
         _cublas_workspace_for_determinism(torch.cuda.is_initialized())
-    denv, dev, strategy_eff = _resolve_strategy(strategy, dev, untried)
+    denv, dev, strategy_eff = _resolve_strategy(options.strategy, dev, untried)
     model.to(dev)
-    report = AccelerateReport(device=str(dev), strategy=strategy_eff)
-
-    needs_trials = "auto" in (precision, channels_last, compile)
-    if needs_trials and example_batch is None:
-        raise ValueError("accelerate(): an 'auto' setting needs example_batch=(inputs, targets) to measure "
-                         "options on; pass one batch, or give precision/channels_last/compile explicitly")
-    if precision == "fp16" and dev.type != "cuda":
-        raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
-    cuda_switches = dev.type == "cuda" and example_batch is not None and "auto" in (tf32, cudnn_benchmark)
-    timer = (_StepTimer(example_batch, loss_fn, dev, trial_steps, fmt)
-             if needs_trials or cuda_switches else None)
+    report = AccelerateResult(device=str(dev), strategy=strategy_eff)
+    timer = _trial_timer(options, dev, example_batch, loss_fn, fmt)
     with _leaving_no_trace(model) if timer is not None else contextlib.nullcontext():
-        report.precision, report.channels_last, base_step = _choose_precision_and_layout(
-            model, timer, precision, channels_last, dev, margin, report.candidates)
-        model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
-        switches = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
-        _choose_cuda_flags(model, timer, tf32, cudnn_benchmark, report, dev, margin)
-        if switches != (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark):
-            base_step = None  # measured under other switches: compile's baseline is timed again
-        compiled = _choose_compile(model, timer, compile, report, base_step, expected_steps, margin,
-                                   min_compile_cost_s, untried)
+        compiled = _choose_step_settings(model, timer, options, report, dev, untried)
     if denv.distributed:
         _agree_across_ranks(report, model)
-
-    wrapped = _wrap_for_strategy(model, optimizer, strategy_eff, strategy, dev, denv, untried, report.candidates,
-                                 report.precision)
-    if optimizer is not None and fused_optimizer:
+    wrapped = _wrap_for_strategy(model, optimizer, strategy_eff, options.strategy, dev, denv, untried,
+                                 report.candidates, report.precision)
+    if optimizer is not None and options.fused_optimizer:
         report.optimizer = _choose_optimizer_implementation(optimizer, dev, dtensor=strategy_eff == "fsdp")
-        report.candidates.append(Trial("optimizer", report.optimizer,
-                                       decision="preferred (one kernel over all parameters)"))
+        report.candidates.append(TrialRow("optimizer", report.optimizer,
+                                          decision="preferred (one kernel over all parameters)"))
     if report.compile:
         wrapped = compiled if (compiled is not None and wrapped is model) else torch.compile(wrapped)
     scaler = torch.amp.GradScaler("cuda") if report.precision == "fp16" else None
@@ -736,7 +775,36 @@ def accelerate(
                        batch_format=fmt)
 
 
-def _forget(model: nn.Module) -> None:
-    """Stop treating `model` as one accelerate() returned (the Trainer's own preparation: a later
-    Trainer given the same model prepares it afresh, with its own settings)."""
+def _trial_timer(options: AccelerateOptions, dev: torch.device, example_batch: Any,
+                 loss_fn: Callable[..., torch.Tensor] | None, fmt: BatchFormat) -> _StepTimer | None:
+    """The timer of the trials, or None when nothing is measured; refuses what cannot be measured or run."""
+    if options.measures_step and example_batch is None:
+        raise ValueError("accelerate(): an 'auto' setting needs example_batch=(inputs, targets) to measure "
+                         "options on; pass one batch, or give precision/channels_last/compile explicitly")
+    if options.precision == "fp16" and dev.type != "cuda":
+        raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
+    cuda_switches = example_batch is not None and options.measures_cuda_switches(dev)
+    if not (options.measures_step or cuda_switches):
+        return None
+    return _StepTimer(example_batch, loss_fn, dev, options.trial_steps, fmt)
+
+
+def _choose_step_settings(model: nn.Module, timer: _StepTimer | None, options: AccelerateOptions,
+                          report: AccelerateResult, dev: torch.device, untried: dict[str, str]) -> nn.Module | None:
+    """Precision and memory format, then the CUDA switches, then compile (timed under the switches
+    chosen); fills `report`. Returns the compiled model when the compile trial kept it."""
+    report.precision, report.channels_last, base_step = _choose_precision_and_layout(
+        model, timer, options.precision, options.channels_last, dev, options.margin, report.candidates)
+    model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
+    switches = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+    _choose_cuda_flags(model, timer, options.tf32, options.cudnn_benchmark, report, dev, options.margin)
+    if switches != (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark):
+        base_step = None  # measured under other switches: compile's baseline is timed again
+    return _choose_compile(model, timer, options.compile, report, base_step, options.expected_steps, options.margin,
+                           options.min_compile_cost_s, untried)
+
+
+def forget_prepared(model: nn.Module) -> None:
+    """Stop treating `model` as one accelerate() returned. The Trainer calls it on its own preparation,
+    so a later Trainer given the same model prepares it afresh with its own settings."""
     _PREPARED.pop(model, None)

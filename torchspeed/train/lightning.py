@@ -29,7 +29,7 @@ except ImportError:  # the standalone package of older set-ups
     except ImportError:
         raise ImportError("torchspeed.train.lightning needs Lightning: pip install lightning") from None
 
-from torchspeed.train.acceleration import Accelerated, AccelerateReport, _apply_cudnn_benchmark, _apply_tf32
+from torchspeed.train.acceleration import Accelerated, AccelerateResult, apply_cudnn_benchmark, apply_tf32
 
 __all__ = ["AcceleratedCallback", "lightning_precision", "trainer_kwargs"]
 
@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 _PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
-def _report(acc: Accelerated | AccelerateReport) -> AccelerateReport:
+def _report(acc: Accelerated | AccelerateResult) -> AccelerateResult:
     if isinstance(acc, Accelerated):
         return acc.report
-    if isinstance(acc, AccelerateReport):
+    if isinstance(acc, AccelerateResult):
         return acc
     raise TypeError(f"expected what torchspeed.train.accelerate() returned (or its .report), got {type(acc).__name__}")
 
@@ -55,7 +55,7 @@ def lightning_precision(precision: str) -> str:
         raise ValueError(f"precision must be one of {sorted(_PRECISION)}, got {precision!r}") from None
 
 
-def trainer_kwargs(acc: Accelerated | AccelerateReport) -> dict[str, Any]:
+def trainer_kwargs(acc: Accelerated | AccelerateResult) -> dict[str, Any]:
     """The `lightning.Trainer` arguments that follow accelerate()'s measurement: `precision` (and
     `accelerator`, from the device it measured on)."""
     r = _report(acc)
@@ -75,7 +75,7 @@ class AcceleratedCallback(_LightningCallback):
     keep theirs: pass `**trainer_kwargs(acc)` to the Trainer there.
     """
 
-    def __init__(self, acc: Accelerated | AccelerateReport):
+    def __init__(self, acc: Accelerated | AccelerateResult):
         r = _report(acc)
         self.precision, self.channels_last, self.device = r.precision, bool(r.channels_last), r.device
         self.switches = (r.tf32, r.cudnn_benchmark)
@@ -83,8 +83,8 @@ class AcceleratedCallback(_LightningCallback):
     def setup(self, trainer: Any, pl_module: torch.nn.Module, stage: str) -> None:
         self.precision, self.channels_last, self.switches = trainer.strategy.broadcast(
             (self.precision, self.channels_last, self.switches), src=0)
-        _apply_tf32(self.switches[0])  # rank 0's process-wide switches on every rank (None: left as they are)
-        _apply_cudnn_benchmark(self.switches[1])
+        apply_tf32(self.switches[0])  # rank 0's process-wide switches on every rank (None: left as they are)
+        apply_cudnn_benchmark(self.switches[1])
         if self.channels_last:
             pl_module.to(memory_format=torch.channels_last)
         want = lightning_precision(self.precision)

@@ -20,6 +20,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,7 +32,14 @@ from torchspeed.metrics import correct_top1
 from torchspeed.runtime import resolve_device, rng_state, set_rng_state
 from torchspeed.train import checkpoint as ckpt
 from torchspeed.train import distributed
-from torchspeed.train.acceleration import Accelerated, _forget, accelerate, autocast_for
+from torchspeed.train.acceleration import (
+    AccelerateOptions,
+    Accelerated,
+    AccelerateResult,
+    accelerate_with,
+    autocast_for,
+    forget_prepared,
+)
 from torchspeed.train.callbacks import Callback, Checkpoint
 
 __all__ = ["Trainer"]
@@ -165,6 +173,18 @@ class _Progress:
             self.bar.stop()
 
 
+@dataclass
+class _Span:
+    """Samples trained on since `t0` (an epoch, an optimizer step, a metrics row) and their rate."""
+
+    samples: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+    def rate(self, world_size: int, now: float) -> float:
+        """Samples per second over every rank (each rank trains as many)."""
+        return self.samples * world_size / max(now - self.t0, 1e-9)
+
+
 def _epoch_line(row: dict[str, Any]) -> str:
     """'epoch 1 step 8 train_loss 0.693 val_loss 0.65 val_acc 0.75 ...': an epoch's row as one line."""
     return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
@@ -196,19 +216,17 @@ def _own_rng(state: dict[str, Any], e: distributed.DistEnv) -> dict[str, Any]:
     return dict(state, rng=mine["rng"], epoch_start=start)
 
 
-def _check_agrees(acc: Accelerated, **given: Any) -> None:
+def _check_agrees(acc: Accelerated, options: AccelerateOptions) -> None:
     """A prepared model comes with its settings: a Trainer setting that says otherwise is an error
     (silently ignoring it, or preparing the model twice, would both surprise)."""
     r = acc.report
     chosen = {"precision": r.precision, "channels_last": r.channels_last, "compile": r.compile,
               "strategy": r.strategy, "device": acc.device}
-    for name, want in given.items():
-        if want == "auto":
+    for name, got in chosen.items():
+        want = getattr(options, name)
+        if isinstance(want, str) and want == "auto":
             continue
-        got = chosen[name]
-        if name == "strategy":
-            want = None if want == "none" else want
-        elif name == "device":
+        if name == "device":
             want = torch.device(want)
             if want.type == got.type and want.index is None:
                 continue
@@ -216,6 +234,40 @@ def _check_agrees(acc: Accelerated, **given: Any) -> None:
             raise ValueError(f"the model was prepared by accelerate() with {name}={got}; the Trainer was given "
                              f"{name}={want!r}. Leave {name} on 'auto' (the prepared choice is used), or pass "
                              "the plain model to let the Trainer prepare it")
+
+
+def _take_prepared(model: Any, optimizer: Any, options: AccelerateOptions) -> tuple[Accelerated | None, Any, Any]:
+    """(the preparation accelerate() made, the model, the optimizer): a model accelerate() returned (or
+    the Accelerated itself) is trained as prepared, with its optimizer unless another is given."""
+    prepared = Accelerated.of(model)
+    if prepared is None:
+        return None, model, optimizer
+    if optimizer is None:
+        optimizer = prepared.optimizer
+    if optimizer is not prepared.optimizer:  # another optimizer for a prepared model: as given
+        prepared = Accelerated(prepared.model, optimizer, prepared.report, prepared.device,
+                               prepared.module, prepared.scaler, prepared.batch_format)
+    _check_agrees(prepared, options)
+    log.debug("Trainer: the model was prepared by accelerate() (%s); nothing is measured again",
+              ", ".join(f"{k}={v}" for k, v in prepared.report.to_dict().items() if k != "candidates"))
+    return prepared, prepared.model, optimizer
+
+
+def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, scheduler_interval: str, grad_accum_steps: Any,
+                  max_grad_norm: float | None) -> None:
+    """Refuse a Trainer that could not train, before anything runs."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be callable as loss_fn(outputs, targets)")
+    if scheduler_interval not in ("step", "epoch"):
+        raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
+    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be a positive integer, got {grad_accum_steps!r}")
+    if max_grad_norm is not None and max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
 
 
 class Trainer:
@@ -230,7 +282,9 @@ class Trainer:
 
     `model` may be a model `accelerate()` returned, or the `Accelerated` itself: its choices are used
     as they are (nothing is measured again; `optimizer` may then be left out). Settings given here
-    that contradict them are an error; "auto" ones follow them.
+    that contradict them are an error; "auto" ones follow them. precision, channels_last, compile,
+    strategy, device and `accelerate_kwargs` (accelerate()'s other keywords) make the Trainer's
+    `options`, an `AccelerateOptions`.
     `loss_fn` may instead take `(outputs, targets, inputs)` when it has `needs_inputs = True`
     (distillation). `scheduler` steps every optimizer step (`scheduler_interval="step"`) or epoch.
     `grad_accum_steps` micro-batches make one optimizer step; `max_grad_norm` clips gradients.
@@ -265,36 +319,14 @@ class Trainer:
         accelerate_kwargs: dict[str, Any] | None = None,
         batch_format: BatchFormat | dict | None = None,
     ):
-        prepared = Accelerated.of(model)
-        if prepared is not None:
-            model = prepared.model
-            if optimizer is None:
-                optimizer = prepared.optimizer
-            if optimizer is not prepared.optimizer:  # another optimizer for a prepared model: as given
-                prepared = Accelerated(prepared.model, optimizer, prepared.report, prepared.device,
-                                       prepared.module, prepared.scaler, prepared.batch_format)
-            _check_agrees(prepared, precision=precision, channels_last=channels_last, compile=compile,
-                          strategy=strategy, device=device)
-            log.debug("Trainer: the model was prepared by accelerate() (%s); nothing is measured again",
-                      ", ".join(f"{k}={v}" for k, v in prepared.report.to_dict().items() if k != "candidates"))
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not callable(loss_fn):
-            raise ValueError("loss_fn must be callable as loss_fn(outputs, targets)")
-        if scheduler_interval not in ("step", "epoch"):
-            raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
-        if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be a positive integer, got {grad_accum_steps!r}")
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.options = AccelerateOptions(precision=precision, channels_last=channels_last, compile=compile,
+                                         strategy=strategy, device=device, **(accelerate_kwargs or {}))
+        prepared, model, optimizer = _take_prepared(model, optimizer, self.options)
+        _check_inputs(model, optimizer, loss_fn, scheduler_interval, grad_accum_steps, max_grad_norm)
         self._raw_model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         # a prepared model is read the way accelerate() was told, unless the Trainer is told otherwise
         self.batch_format = BatchFormat.of(batch_format if batch_format is not None or prepared is None
                                            else prepared.batch_format)
-        self.settings = dict(precision=precision, channels_last=channels_last, compile=compile, strategy=strategy,
-                             device=device, **(accelerate_kwargs or {}))
         self.callbacks: list[Callback] = list(callbacks or [])
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
@@ -320,6 +352,7 @@ class Trainer:
         self._epoch_start: dict[str, Any] | None = None
         self._epoch_finished = False
         self._loader: Any = None
+        self._resume_state: dict[str, Any] | None = None  # the loaded checkpoint's state, this rank's generators
 
     # ---------------------------------------------------------------- properties
     @property
@@ -341,8 +374,8 @@ class Trainer:
         return self.dist.is_main
 
     @property
-    def report(self) -> Any:
-        """accelerate()'s report: every candidate measured and the decisions."""
+    def report(self) -> AccelerateResult | None:
+        """accelerate()'s result: every candidate measured and the decisions (None before it ran)."""
         return self.acc.report if self.acc else None
 
     # ---------------------------------------------------------------- set-up
@@ -369,16 +402,14 @@ class Trainer:
     def _prepare(self, loader: Any, expected_steps: int | None) -> None:
         if self.acc is not None:
             return
-        s = dict(self.settings)
-        example = None
-        cuda_switches = resolve_device(s["device"]).type == "cuda" and "auto" in (s.get("tf32", "auto"),
-                                                                                 s.get("cudnn_benchmark", "auto"))
-        if "auto" in (s["precision"], s["channels_last"], s["compile"]) or cuda_switches:
-            example = self._example_batch(loader)
-        s.setdefault("expected_steps", expected_steps)
-        self.acc = accelerate(self._raw_model, self.optimizer, example_batch=example, loss_fn=self.loss_fn,
-                              batch_format=self.batch_format, **s)
-        _forget(self.acc.model)
+        options = self.options
+        if options.expected_steps is None:
+            options = replace(options, expected_steps=expected_steps)
+        measured = options.measures_step or options.measures_cuda_switches(resolve_device(options.device))
+        example = self._example_batch(loader) if measured else None
+        self.acc = accelerate_with(options, self._raw_model, self.optimizer, example_batch=example,
+                                   loss_fn=self.loss_fn, batch_format=self.batch_format)
+        forget_prepared(self.acc.model)
         self.dist = distributed.env()
 
     def prepare(self, loader: Iterable[Any], expected_steps: int | None = None) -> Accelerated:
@@ -704,6 +735,32 @@ class Trainer:
 
     def _fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int,
              max_steps: int | None, resume: str | os.PathLike | None) -> dict[str, Any]:
+        loader, n_batches, resume_state = self._start_run(train_loader, epochs, max_steps, resume)
+        bar = _Progress(self.progress if self.is_main else False)
+        run = _Span()
+        last: dict[str, Any] = {}
+        self._call("on_train_start")
+        try:
+            while self.epoch < epochs and not self.should_stop and not self._reached(max_steps):
+                epoch, stopped_mid_epoch = self._train_epoch(loader, n_batches, epochs, max_steps, resume_state, bar)
+                resume_state = None
+                run.samples += epoch.samples
+                if stopped_mid_epoch:
+                    break  # no validation, the position stays mid-epoch
+                last = self._end_epoch(val_loader, epoch, bar)
+            self._read_losses()  # what a stop mid-epoch left unread
+        finally:
+            bar.close()
+        return self._end_run(run, last, bar)
+
+    def _reached(self, max_steps: int | None) -> bool:
+        return bool(max_steps) and self.global_step >= max_steps
+
+    def _start_run(self, train_loader: Iterable[Any], epochs: int, max_steps: int | None,
+                   resume: str | os.PathLike | None) -> tuple[Any, int | None, dict[str, Any] | None]:
+        """Before the first batch: a new run's checkpoint directories claimed (before any data is read),
+        the loader sharded, accelerate() run on one batch, the checkpoint `resume` names loaded.
+        Returns (the loader, its batches per epoch or None, the state to resume from or None)."""
         self.dist = distributed.env()
         if resume is None:  # a new run, or this Trainer's own run going on: the directory is checked now
             if self.run_id is None:
@@ -714,128 +771,131 @@ class Trainer:
             n_batches = len(loader)  # type: ignore[arg-type]
         except TypeError:
             n_batches = None
-        expected = max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None)
-        self._prepare(loader, expected)
+        self._prepare(loader, max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None))
         self._resume_state = None
         if resume is not None:
             self._resume(resume)
             if self.run_id is None:
                 self.run_id = ckpt.new_run_id()
             self._claim(resuming=self._resume_state is not None)
-        resume_state = self._resume_state
         self.should_stop = False
-        model, acc = self.model, self.acc
-        bar = _Progress(self.progress if self.is_main else False)
-        t_run = time.perf_counter()
-        run_samples = 0
-        last: dict[str, Any] = {}
         self._loader = loader
-        losses = self._losses = _LossMeter()
+        self._losses = _LossMeter()
+        return loader, n_batches, self._resume_state
+
+    def _train_epoch(self, loader: Any, n_batches: int | None, epochs: int, max_steps: int | None,
+                     resume_state: dict[str, Any] | None, bar: _Progress) -> tuple[_Span, bool]:
+        """One pass over the loader (a mid-epoch resume continues with the next unseen batch). Returns
+        the samples it trained on and whether it stopped mid-epoch at `max_steps`."""
+        self._epoch_finished = False
+        self._call("on_epoch_start")
+        self.model.train()
+        done_before = self.batches_done if resume_state else 0
+        it = self._epoch_iterator(loader, self.epoch, resume_state)
+        bar.epoch(f"epoch {self.epoch + 1}/{epochs}", n_batches, done_before)
+        self.batches_done = done_before
+        self._losses.start_epoch()
+        epoch, step = _Span(), _Span()
+        row = _Span(t0=step.t0)
+        micro, exhausted = 0, True
+        for batch in it:
+            micro += 1
+            loss, samples, sync = self._train_batch(batch, micro, n_batches)
+            step.samples += samples
+            epoch.samples += samples
+            if not sync:
+                continue
+            micro = 0
+            self._step(loss, step, row, bar)
+            if self.should_stop or self._reached(max_steps):
+                exhausted = False
+                break
+        if micro:  # a last, partial accumulation group (a loader without len)
+            self._optimizer_step()
+            self.global_step += 1
+        if self._reached(max_steps) and n_batches is not None and self.batches_done < n_batches:
+            return epoch, True
+        if not exhausted and n_batches is not None and self.batches_done >= n_batches:
+            next(it, None)  # end the pass as an uninterrupted run does (a sampler may draw RNG there)
+        return epoch, False
+
+    def _train_batch(self, batch: Any, micro: int, n_batches: int | None) -> tuple[torch.Tensor, int, bool]:
+        """Forward, loss and backward of micro-batch `micro` of an accumulation group, gradients synced
+        across ranks only on the group's last. Returns (its loss, its samples, whether it ends the group)."""
+        x, y = self._split(batch)
+        samples = self._count(y)
+        sync = micro == self.grad_accum_steps or (n_batches is not None and self.batches_done + 1 == n_batches)
+        with self._no_sync(sync):
+            with self.acc.autocast():
+                loss = self._loss(self._forward(self.model, x), y, x)
+            self.acc.backward(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss)
+        self.batches_done += 1
+        self._losses.add(loss, samples, (self.global_step + 1, self.epoch + 1, self.batches_done))
+        if len(self._losses.pending) >= _MAX_UNREAD:
+            self._read_losses()
+        return loss, samples, sync
+
+    def _step(self, loss: torch.Tensor, step: _Span, row: _Span, bar: _Progress) -> None:
+        """The optimizer step that ends an accumulation group, then a metrics row at a reading point,
+        the progress bar and the callbacks' on_step_end."""
+        if not self._optimizer_step():
+            self.skipped_steps += 1
+        self.global_step += 1
         world = self.dist.world_size
-        self._call("on_train_start")
-        try:
-            while self.epoch < epochs and not self.should_stop and not (max_steps and self.global_step >= max_steps):
-                self._epoch_finished = False
-                self._call("on_epoch_start")
-                model.train()
-                done_before = self.batches_done if resume_state else 0
-                it = self._epoch_iterator(loader, self.epoch, resume_state)
-                resume_state = None
-                bar.epoch(f"epoch {self.epoch + 1}/{epochs}", n_batches, done_before)
-                self.batches_done = done_before
-                losses.start_epoch()
-                ep_samples, t_ep = 0, time.perf_counter()
-                t_step, step_samples, micro = time.perf_counter(), 0, 0
-                t_row, row_samples = t_step, 0
-                while True:
-                    try:
-                        batch = next(it)
-                    except StopIteration:
-                        it = None
-                        break
-                    x, y = self._split(batch)
-                    k = self._count(y)
-                    micro += 1
-                    sync = micro == self.grad_accum_steps or (n_batches is not None and
-                                                              self.batches_done + 1 == n_batches)
-                    with self._no_sync(sync):
-                        with acc.autocast():
-                            out = self._forward(model, x)
-                            loss = self._loss(out, y, x)
-                        acc.backward(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss)
-                    self.batches_done += 1
-                    losses.add(loss, k, (self.global_step + 1, self.epoch + 1, self.batches_done))
-                    if len(losses.pending) >= _MAX_UNREAD:
-                        self._read_losses()
-                    step_samples += k
-                    ep_samples += k
-                    if not sync:
-                        continue
-                    micro = 0
-                    if not self._optimizer_step():
-                        self.skipped_steps += 1
-                    self.global_step += 1
-                    now = time.perf_counter()
-                    rate = step_samples * world / max(now - t_step, 1e-9)  # as the host saw it (no device wait)
-                    t_step, row_samples, step_samples = now, row_samples + step_samples, 0
-                    lr = float(self.optimizer.param_groups[0]["lr"])
-                    if self.global_step % self.log_every_n_steps == 0:  # a reading point
-                        self._read_losses()
-                        now = time.perf_counter()
-                        row = {"train_loss": losses.interval_mean(), "lr": lr,
-                               "samples_per_s": row_samples * world / max(now - t_row, 1e-9)}
-                        t_row, row_samples = now, 0
-                        self.log.add({"epoch": self.epoch + 1, "step": self.global_step, **row})
-                        bar.report(self.epoch + 1, self.global_step, row["train_loss"], row["samples_per_s"])
-                    bar.advance()
-                    # train_loss: this step's loss as a 0-d tensor on the device (float() it to read it)
-                    self._call("on_step_end", self.global_step,
-                               {"train_loss": loss.detach(), "lr": lr, "samples_per_s": rate})
-                    if self.should_stop or (max_steps and self.global_step >= max_steps):
-                        break
-                if micro:  # a last, partial accumulation group (a loader without len)
-                    self._optimizer_step()
-                    self.global_step += 1
-                run_samples += ep_samples
-                if max_steps and self.global_step >= max_steps and n_batches is not None \
-                        and self.batches_done < n_batches:
-                    break  # stopped mid-epoch: no validation, the position stays mid-epoch
-                if it is not None and n_batches is not None and self.batches_done >= n_batches:
-                    next(it, None)  # end the pass as an uninterrupted run does (a sampler may draw RNG there)
-                self._read_losses()
-                it = None
-                self._epoch_finished = True
-                ep_time = time.perf_counter() - t_ep
-                s, n = distributed.all_reduce_sums([losses.epoch_sum, float(losses.epoch_n)])
-                last = {"epoch": self.epoch + 1, "step": self.global_step,
-                        "train_loss": s / n if n else math.nan,
-                        "lr": float(self.optimizer.param_groups[0]["lr"]),
-                        "samples_per_s": ep_samples * world / max(ep_time, 1e-9)}
-                if val_loader is not None:
-                    val = self.evaluate(val_loader)
-                    last.update(val)
-                    self._call("on_validation_end", val)
-                self.log.add(dict(last))
-                self.history.append(dict(last))
-                bar.line(_epoch_line(last))
-                if self.scheduler is not None and self.scheduler_interval == "epoch":
-                    self.scheduler.step()
-                self.should_stop = distributed.any_rank(self.should_stop)
-                self._call("on_epoch_end")
-                self.log.flush() if self.is_main else None
-                self.epoch += 1
-                self.batches_done = 0
-                self._epoch_finished = False
-            self._read_losses()  # what a stop mid-epoch left unread
-        finally:
-            bar.close()
+        now = time.perf_counter()
+        rate = step.rate(world, now)  # as the host saw it (no device wait)
+        row.samples += step.samples
+        step.samples, step.t0 = 0, now
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.global_step % self.log_every_n_steps == 0:  # a reading point
+            self._read_losses()
+            now = time.perf_counter()
+            metrics = {"train_loss": self._losses.interval_mean(), "lr": lr, "samples_per_s": row.rate(world, now)}
+            row.samples, row.t0 = 0, now
+            self.log.add({"epoch": self.epoch + 1, "step": self.global_step, **metrics})
+            bar.report(self.epoch + 1, self.global_step, metrics["train_loss"], metrics["samples_per_s"])
+        bar.advance()
+        # train_loss: this step's loss as a 0-d tensor on the device (float() it to read it)
+        self._call("on_step_end", self.global_step, {"train_loss": loss.detach(), "lr": lr, "samples_per_s": rate})
+
+    def _end_epoch(self, val_loader: Iterable[Any] | None, epoch: _Span, bar: _Progress) -> dict[str, Any]:
+        """After a full pass: the epoch's row (mean training loss of the epoch over every rank, then
+        validation), the epoch-wise scheduler, one stop decision for all ranks, on_epoch_end; the
+        position moves to the next epoch. Returns the row."""
+        self._read_losses()
+        self._epoch_finished = True
+        rate = epoch.rate(self.dist.world_size, time.perf_counter())
+        s, n = distributed.all_reduce_sums([self._losses.epoch_sum, float(self._losses.epoch_n)])
+        row = {"epoch": self.epoch + 1, "step": self.global_step, "train_loss": s / n if n else math.nan,
+               "lr": float(self.optimizer.param_groups[0]["lr"]), "samples_per_s": rate}
+        if val_loader is not None:
+            val = self.evaluate(val_loader)
+            row.update(val)
+            self._call("on_validation_end", val)
+        self.log.add(dict(row))
+        self.history.append(dict(row))
+        bar.line(_epoch_line(row))
+        if self.scheduler is not None and self.scheduler_interval == "epoch":
+            self.scheduler.step()
+        self.should_stop = distributed.any_rank(self.should_stop)
+        self._call("on_epoch_end")
+        if self.is_main:
+            self.log.flush()
+        self.epoch += 1
+        self.batches_done = 0
+        self._epoch_finished = False
+        return row
+
+    def _end_run(self, run: _Span, last: dict[str, Any], bar: _Progress) -> dict[str, Any]:
+        """on_train_end, the metrics file, and the run's final metrics (also shown as a summary)."""
         self._call("on_train_end")
         if self.is_main:
             self.log.flush()
-        seconds = time.perf_counter() - t_run
+        now = time.perf_counter()
+        seconds = now - run.t0
         result = {**(self.history[-1] if self.history else last), "epochs": self.epoch, "step": self.global_step,
                   "stopped_early": bool(self.should_stop), "skipped_steps": self.skipped_steps,
-                  "seconds": seconds, "run_samples_per_s": run_samples * world / max(seconds, 1e-9)}
+                  "seconds": seconds, "run_samples_per_s": run.rate(self.dist.world_size, now)}
         if self.progress is True and self.is_main:
             self._summary(result)
         bar.line(f"done: {self.global_step} steps in {seconds:.1f} s, "

@@ -30,6 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchspeed.args import progress_fn
+from torchspeed.bench.rows import Row, to_json
+
 TITLE = "Compression: pruning + fine-tune, knowledge distillation (CPU, at the demo model's input size)"
 
 # (quick, full)
@@ -127,8 +130,9 @@ def _prune_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, 
     size = demo.input_size
     say(f"pruning {PRUNE_RATIO:.0%} of channels, timing both models")
     t0 = time.perf_counter()
-    small, report = prune(demo.model, torch.randn(1, 3, size, size), PRUNE_RATIO, importance="l1", round_to=8,
-                          repeats=10 if quick else 30)
+    pruned = prune(demo.model, torch.randn(1, 3, size, size), PRUNE_RATIO, importance="l1", round_to=8,
+                   repeats=10 if quick else 30)
+    small = pruned.model
     prune_s = time.perf_counter() - t0
     say(f"timing both models at batch {BATCH}")
     batched = _batched_speedup(demo.model, small, torch.randn(BATCH, 3, size, size), repeats=5 if quick else 15)
@@ -137,7 +141,7 @@ def _prune_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, 
     say(f"fine-tuning the pruned model ({steps} steps, distilled from the original)")
     ft = _train(small, demo, steps, lr=0.02, seed=0, teacher=demo.model, setup=None)
     return {
-        "report": report.to_dict(), "batched": batched, "acc_before": demo.accuracy, "acc_pruned_no_finetune": acc_pruned,
+        "report": pruned.to_dict(), "batched": batched, "acc_before": demo.accuracy, "acc_pruned_no_finetune": acc_pruned,
         "acc_after": ft["accuracy"], "finetune_steps": steps, "finetune": ft, "prune_seconds": prune_s,
     }
 
@@ -186,7 +190,6 @@ def students_learned(runs: list[dict[str, Any]], n_classes: int, margin: float =
 def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: float | None = None) -> dict[str, Any]:
     from torchspeed.bench.budget import Budget
     from torchspeed.bench.demo_model import load_demo_model
-    from torchspeed.args import progress_fn
 
     say = progress_fn(progress)
     budget = Budget.of("compress", quick, budget_s)
@@ -199,42 +202,52 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
     r = p["report"]
     speedup = r["latency_before_ms"] / r["latency_after_ms"]
     drop = p["acc_before"] - p["acc_after"]
+    return {
+        "prune_speedup": speedup, "prune_metric_drop": drop, "prune_speedup_batched": p["batched"]["speedup"],
+        "kd_gain": kd["kd_gain"] if kd["learned"] else None,
+        "kd_gain_std": kd["kd_gain_std"] if kd["learned"] else None,
+        "prune": p, "kd": kd, "rows": to_json(_rows(p, kd, speedup, drop)),
+        "notes": _notes(demo.input_size, p, kd, speedup, drop), "suite_seconds": time.perf_counter() - t0,
+    }
+
+
+def _rows(p: dict[str, Any], kd: dict[str, Any], speedup: float, drop: float) -> list[Row]:
+    """The teacher, the pruned model at batch 1 and at a whole batch, and the two students."""
+    r = p["report"]
     alone = [x["alone"] for x in kd["runs"]]
     dist = [x["distilled"] for x in kd["runs"]]
-    rows = [
-        {"technique": "ResNet-18 (demo model), fp32, batch 1", "median": r["latency_before_ms"], "min": None,
-         "max": None, "unit": "ms", "ratio": 1.0, "cumulative": 1.0, "metric_drop": 0.0,
-         "what": f"the unpruned teacher, {p['acc_before']:.3f} held-out top-1"},
-        {"technique": f"pruned {PRUNE_RATIO:.0%} channels + {p['finetune_steps']}-step fine-tune",
-         "median": r["latency_after_ms"], "min": None, "max": None, "unit": "ms", "ratio": speedup,
-         "cumulative": speedup, "metric_drop": drop, "headline": True,
-         "what": f"Torch-Pruning L1, round_to 8; params {r['params_before'] / 1e6:.1f}M -> {r['params_after'] / 1e6:.1f}M, "
-                 f"MACs {r['macs_before'] / 1e9:.2f}G -> {r['macs_after'] / 1e9:.2f}G; "
-                 f"{p['acc_pruned_no_finetune']:.3f} top-1 before fine-tuning"},
-        {"technique": f"  same, batch {p['batched']['batch']}", "median": p["batched"]["pruned_ms"], "min": None,
-         "max": None, "unit": "ms", "ratio": p["batched"]["speedup"], "cumulative": None, "metric_drop": drop,
-         "what": f"a whole batch, fp32: {p['batched']['original_ms']:.1f} ms unpruned"},
-        {"technique": "half-width student, labels only", "median": statistics.median(alone), "min": min(alone),
-         "max": max(alone), "unit": "top-1", "ratio": None, "cumulative": None,
-         "metric_drop": kd["teacher_acc"] - statistics.mean(alone),
-         "what": f"{kd['seeds']} seeds x {kd['steps']} steps of {BATCH} images, trained from scratch"},
-        {"technique": f"half-width student, distilled (T={TEMPERATURE:g}, alpha={ALPHA:g})",
-         "median": statistics.median(dist), "min": min(dist), "max": max(dist), "unit": "top-1", "ratio": None,
-         "cumulative": None, "metric_drop": kd["teacher_acc"] - statistics.mean(dist),
-         "what": f"same steps and batches, with the teacher; " + (f"gain {kd['kd_gain']:+.3f} +- {kd['kd_gain_std']:.3f}"
-                                                                  if kd["learned"] else "both students at chance level")},
+    gain = f"gain {kd['kd_gain']:+.3f} +- {kd['kd_gain_std']:.3f}" if kd["learned"] else "both students at chance level"
+    return [
+        Row(technique="ResNet-18 (demo model), fp32, batch 1", median=r["latency_before_ms"], unit="ms", ratio=1.0,
+            cumulative=1.0, metric_drop=0.0, what=f"the unpruned teacher, {p['acc_before']:.3f} held-out top-1"),
+        Row(technique=f"pruned {PRUNE_RATIO:.0%} channels + {p['finetune_steps']}-step fine-tune",
+            median=r["latency_after_ms"], unit="ms", ratio=speedup, cumulative=speedup, metric_drop=drop,
+            headline=True,
+            what=f"Torch-Pruning L1, round_to 8; params {r['params_before'] / 1e6:.1f}M -> "
+                 f"{r['params_after'] / 1e6:.1f}M, MACs {r['macs_before'] / 1e9:.2f}G -> {r['macs_after'] / 1e9:.2f}G; "
+                 f"{p['acc_pruned_no_finetune']:.3f} top-1 before fine-tuning"),
+        Row(technique=f"  same, batch {p['batched']['batch']}", median=p["batched"]["pruned_ms"], unit="ms",
+            ratio=p["batched"]["speedup"], metric_drop=drop,
+            what=f"a whole batch, fp32: {p['batched']['original_ms']:.1f} ms unpruned"),
+        Row(technique="half-width student, labels only", median=statistics.median(alone), min=min(alone),
+            max=max(alone), unit="top-1", metric_drop=kd["teacher_acc"] - statistics.mean(alone),
+            what=f"{kd['seeds']} seeds x {kd['steps']} steps of {BATCH} images, trained from scratch"),
+        Row(technique=f"half-width student, distilled (T={TEMPERATURE:g}, alpha={ALPHA:g})",
+            median=statistics.median(dist), min=min(dist), max=max(dist), unit="top-1",
+            metric_drop=kd["teacher_acc"] - statistics.mean(dist),
+            what=f"same steps and batches, with the teacher; {gain}"),
     ]
-    notes = [
-        f"pruning: latency at batch 1, {demo.input_size} px, fp32, median of interleaved repeats: x{speedup:.2f}; "
+
+
+def _notes(size: int, p: dict[str, Any], kd: dict[str, Any], speedup: float, drop: float) -> list[str]:
+    alone_and_dist = [x["alone"] for x in kd["runs"]] + [x["distilled"] for x in kd["runs"]]
+    return [
+        f"pruning: latency at batch 1, {size} px, fp32, median of interleaved repeats: x{speedup:.2f}; "
         f"held-out top-1 {p['acc_before']:.3f} -> {p['acc_after']:.3f} (drop {drop:+.3f}) after a "
         f"{p['finetune']['train_seconds']:.0f} s fine-tune",
         f"distillation: kd_gain {kd['kd_gain']:+.3f} +- {kd['kd_gain_std']:.3f} (std over {kd['seeds']} seeds); "
         f"metric drop column of the student rows = teacher top-1 minus student top-1" if kd["learned"] else
         f"distillation: no figure from this run: every student stayed at chance level after {kd['steps']} steps "
-        f"(top-1 <= {max(alone + dist):.3f}), so their difference is noise; `torchspeed bench compress` trains longer",
+        f"(top-1 <= {max(alone_and_dist):.3f}), so their difference is noise; `torchspeed bench compress` trains "
+        "longer",
     ]
-    return {
-        "prune_speedup": speedup, "prune_metric_drop": drop, "prune_speedup_batched": p["batched"]["speedup"], "kd_gain": kd["kd_gain"] if kd["learned"] else None,
-        "kd_gain_std": kd["kd_gain_std"] if kd["learned"] else None,
-        "prune": p, "kd": kd, "rows": rows, "notes": notes, "suite_seconds": time.perf_counter() - t0,
-    }

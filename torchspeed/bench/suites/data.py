@@ -19,6 +19,10 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from torchspeed.args import progress_fn
+from torchspeed.bench.budget import Budget
+from torchspeed.bench.rows import ContenderRow, Row, to_json
+
 TITLE = "Data loading: images/s into the model (64 x RandomResizedCrop 128 + flip, float32 NCHW normalised)"
 
 BATCH, CROP, SHORT_SIDE = 64, 128, 160
@@ -43,11 +47,11 @@ def _subset_folder(src: str, n: int) -> str:
 def _resize_files(job: tuple[list[tuple[str, str]], int]) -> None:
     from PIL import Image
 
-    from torchspeed.data.packer import _load_file
+    from torchspeed.data.packer import load_image_file
 
     pairs, short_side = job
     for src, dst in pairs:
-        Image.fromarray(_load_file(src, short_side)).save(dst, quality=90)
+        Image.fromarray(load_image_file(src, short_side)).save(dst, quality=90)
 
 
 def _resized_folder(src: str, short_side: int) -> str:
@@ -121,9 +125,9 @@ def _best(label: str, make: Callable[[int], Any], counts: list[int], seconds: fl
 
 
 def _close(loader: Any) -> None:
-    from torchspeed.data.tune import _shutdown
+    from torchspeed.data.tune import shutdown_workers
 
-    _shutdown(loader)
+    shutdown_workers(loader)
 
 
 def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], add: Callable[..., None],
@@ -221,161 +225,230 @@ def _scale(src: str, decoder: str, num_workers: int, threads: int, sizes: tuple[
 
 def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: float | None = None,
         scale_sizes: tuple[int, ...] = (4000, 50000)) -> dict[str, Any]:
-    import torch
-    from torch.utils.data import DataLoader
-
-    from torchspeed.args import progress_fn
-    from torchspeed.bench import ceilings as ceil
-    from torchspeed.bench.budget import Budget
-    from torchspeed.measure import process_tree_cpu_seconds, time_iterable, wait_until_quiet
-    from torchspeed.data import fast_loader, pack, tune_loader
-    from torchspeed.data.demo import demo_folder
-    from torchspeed.runtime import describe, usable_cores
-
-    say = progress_fn(progress)
-    budget = Budget.of("data", quick, budget_s)
-    cores = usable_cores()
-    tune_s = 0.3 if quick else 1.0
-    n_images = 1000 if quick else 4000
-    say("demo photos (generated once)")
-    src = demo_folder(4000)
-    if quick:
-        src = _subset_folder(src, n_images)
-    say("resized copy of the folder (short side 160, cached)")
-    resized = _resized_folder(src, SHORT_SIDE)
-    if not quick:
-        say("extra stores for the comparison rows (cached)")
-        raw_store = _cached_store(src, f"raw{SHORT_SIDE}", short_side=SHORT_SIDE, format="raw")
-        full_store = _cached_store(src, "jpeg-full", short_side=None, format="jpeg", quality=90)
-
-    rows: list[dict[str, Any]] = []
-    skipped_rows: list[dict[str, Any]] = []
-    results: dict[str, Any] = {"images": n_images, "batch_size": BATCH, "crop": CROP, "short_side": SHORT_SIDE,
-                               "budget_s": budget.seconds}
+    suite = _DataSuite(quick, progress, budget_s)
+    suite.prepare_photos()
     work = tempfile.mkdtemp(prefix="torchspeed-bench-data-")
     try:
-        say(f"packing {n_images} images (short side {SHORT_SIDE}, JPEG q90)")
-        report = pack(src, os.path.join(work, "store"), short_side=SHORT_SIDE, format="jpeg", quality=90, progress=False)
-        results["pack_s"] = round(report.seconds, 2)
-        store = report.dst
+        suite.pack_store(work)
+        suite.add_baselines()
+        suite.add_torchspeed()
+        _peers(suite.resized, suite.cores, suite.tune_s, suite.say, suite.add, suite.skipped_rows.append,
+               full=not quick)
+        suite.rows_of_rounds(suite.time_rounds())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    suite.figures()
+    if not quick and scale_sizes:
+        suite.scale_rows(scale_sizes)
+    return suite.finish()
 
-        contenders: dict[str, tuple[Any, str, dict[str, Any]]] = {}
 
-        def add(name: str, loader: Any, what: str, check: bool = True, **extra: Any) -> None:
-            first = next(iter(loader))
-            if check:
-                _check_output(name, first)
-            contenders[name] = (loader, what, extra)
+class _DataSuite:
+    """One run of the suite: its stages share the photos, the contenders, the rows and the JSON."""
 
-        def plain(folder: str, num_workers: int) -> Any:
-            return DataLoader(_torchvision(folder), BATCH, shuffle=True, drop_last=True, num_workers=num_workers,
-                              persistent_workers=num_workers > 0)
+    def __init__(self, quick: bool, progress: bool | Callable[[str], Any], budget_s: float | None):
+        from torchspeed.runtime import usable_cores
 
-        def tuned_workers(folder: str) -> int:
-            say(f"tuning torchvision num_workers on {os.path.basename(folder)}")
-            s = tune_loader(_torchvision(folder), BATCH, num_workers=list(range(cores + 1)), seconds=tune_s, device="cpu",
-                            prefetch_factors=(2,), persistent=(True,))
-            return s.num_workers
+        self.quick = quick
+        self.say = progress_fn(progress)
+        self.budget = Budget.of("data", quick, budget_s)
+        self.cores = usable_cores()
+        self.tune_s = 0.3 if quick else 1.0
+        self.n_images = 1000 if quick else 4000
+        self.rows: list[Row] = []
+        self.skipped_rows: list[Row] = []
+        self.contenders: dict[str, tuple[Any, str, dict[str, Any]]] = {}
+        self.cpu_us: list[float] = []  # torchspeed's CPU microseconds per image, per pass
+        self.settled = 0.0             # seconds waited for quiet before the timed passes
 
-        add("baseline", plain(src, 0),
-            "torchvision ImageFolder + PIL + RandomResizedCrop/flip/ToTensor/Normalize, num_workers=0")
-        w_tuned = tuned_workers(src)
-        add("baseline_tuned", plain(src, w_tuned), f"the same, num_workers={w_tuned} (best of 0..{cores}, measured)")
-        w_resized = None
+    def prepare_photos(self) -> None:
+        """The demo photos (the quick report's first 1000), a copy resized offline for the peers, and (full
+        report) the raw-pixel and full-size stores of the comparison rows."""
+        from torchspeed.data.demo import demo_folder
+
+        say, quick = self.say, self.quick
+        say("demo photos (generated once)")
+        self.src = demo_folder(4000)
+        if quick:
+            self.src = _subset_folder(self.src, self.n_images)
+        say("resized copy of the folder (short side 160, cached)")
+        self.resized = _resized_folder(self.src, SHORT_SIDE)
         if not quick:
-            w_resized = tuned_workers(resized)
-            add("baseline_resized", plain(resized, w_resized),
-                f"the same tuned loader (num_workers={w_resized}) on a folder resized offline to short side {SHORT_SIDE}")
-        say("torchspeed: choosing decoder and num_workers (measured)")
-        settled = wait_until_quiet()  # the tuned torchvision workers finish their prefetch before the tuning windows
-        ts_loader = fast_loader(store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
-                                tune_seconds=tune_s)
-        settings, decoder, decoder_table = ts_loader.settings, ts_loader.decoder, ts_loader.decoder_table
-        w, threads = settings.num_workers, settings.threads
+            say("extra stores for the comparison rows (cached)")
+            self.raw_store = _cached_store(self.src, f"raw{SHORT_SIDE}", short_side=SHORT_SIDE, format="raw")
+            self.full_store = _cached_store(self.src, "jpeg-full", short_side=None, format="jpeg", quality=90)
+        self.results: dict[str, Any] = {"images": self.n_images, "batch_size": BATCH, "crop": CROP,
+                                        "short_side": SHORT_SIDE, "budget_s": self.budget.seconds}
+
+    def pack_store(self, work: str) -> None:
+        from torchspeed.data import pack
+
+        self.say(f"packing {self.n_images} images (short side {SHORT_SIDE}, JPEG q90)")
+        packed = pack(self.src, os.path.join(work, "store"), short_side=SHORT_SIDE, format="jpeg", quality=90,
+                      progress=False)
+        self.results["pack_s"] = round(packed.seconds, 2)
+        self.store = packed.dst
+
+    def add(self, name: str, loader: Any, what: str, check: bool = True, **columns: Any) -> None:
+        """A contender of the timed rounds (its first batch checked against the baseline's format)."""
+        first = next(iter(loader))
+        if check:
+            _check_output(name, first)
+        self.contenders[name] = (loader, what, columns)
+
+    def plain(self, folder: str, num_workers: int) -> Any:
+        from torch.utils.data import DataLoader
+
+        return DataLoader(_torchvision(folder), BATCH, shuffle=True, drop_last=True, num_workers=num_workers,
+                          persistent_workers=num_workers > 0)
+
+    def tuned_workers(self, folder: str) -> int:
+        from torchspeed.data import tune_loader
+
+        self.say(f"tuning torchvision num_workers on {os.path.basename(folder)}")
+        s = tune_loader(_torchvision(folder), BATCH, num_workers=list(range(self.cores + 1)), seconds=self.tune_s,
+                        device="cpu", prefetch_factors=(2,), persistent=(True,))
+        return s.num_workers
+
+    def add_baselines(self) -> None:
+        """torchvision's loader with num_workers=0, tuned, and (full report) tuned on the resized photos."""
+        cores = self.cores
+        self.add("baseline", self.plain(self.src, 0),
+                 "torchvision ImageFolder + PIL + RandomResizedCrop/flip/ToTensor/Normalize, num_workers=0")
+        self.w_tuned = self.tuned_workers(self.src)
+        self.add("baseline_tuned", self.plain(self.src, self.w_tuned),
+                 f"the same, num_workers={self.w_tuned} (best of 0..{cores}, measured)")
+        self.w_resized = None
+        if not self.quick:
+            self.w_resized = self.tuned_workers(self.resized)
+            self.add("baseline_resized", self.plain(self.resized, self.w_resized),
+                     f"the same tuned loader (num_workers={self.w_resized}) on a folder resized offline to short side "
+                     f"{SHORT_SIDE}")
+
+    def add_torchspeed(self) -> None:
+        """fast_loader on the store with its measured settings and (full report) the same pipeline on a
+        raw-pixel store, on a store without offline resize and on the original files."""
+        from torchspeed.data import fast_loader
+        from torchspeed.measure import wait_until_quiet
+
+        self.say("torchspeed: choosing decoder and num_workers (measured)")
+        self.settled = wait_until_quiet()  # the tuned torchvision workers finish their prefetch before the tuning windows
+        ts_loader = fast_loader(self.store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
+                                tune_seconds=self.tune_s)
+        self.settings, self.decoder, self.decoder_table = ts_loader.settings, ts_loader.decoder, ts_loader.decoder_table
+        self.w, self.threads = self.settings.num_workers, self.settings.threads
+        w, threads = self.w, self.threads
         where = (f"{threads} threads of the main process, each normalising its own batch" if w == 0 else
                  f"{w} worker processes + normalisation in the prefetch thread")
-        add("torchspeed", ts_loader,
-            f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {decoder} + uint8 crop into the batch in {where} "
-            f"(settings measured)")
-        common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, threads=threads, decoder=decoder)
-        if not quick:
-            raw_mib = os.path.getsize(os.path.join(raw_store, "data.mdb")) / 2**20
-            add("torchspeed_raw", fast_loader(raw_store, BATCH, **common),
-                f"the same pipeline on a raw-pixel store (no decoding at all; {raw_mib:.0f} MiB)", ceiling=None)
-            add("torchspeed_no_offline_resize", fast_loader(full_store, BATCH, **common),
-                "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
-            add("torchspeed_on_folder", fast_loader(src, BATCH, **common),
-                "the same pipeline reading the original JPEG files (no pack at all)")
-        _peers(resized, cores, tune_s, say, add, skipped_rows.append, full=not quick)
+        self.add("torchspeed", ts_loader,
+                 f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {self.decoder} + uint8 crop into the batch in {where} "
+                 f"(settings measured)")
+        if self.quick:
+            return
+        common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, threads=threads, decoder=self.decoder)
+        raw_mib = os.path.getsize(os.path.join(self.raw_store, "data.mdb")) / 2**20
+        self.add("torchspeed_raw", fast_loader(self.raw_store, BATCH, **common),
+                 f"the same pipeline on a raw-pixel store (no decoding at all; {raw_mib:.0f} MiB)", ceiling=None)
+        self.add("torchspeed_no_offline_resize", fast_loader(self.full_store, BATCH, **common),
+                 "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
+        self.add("torchspeed_on_folder", fast_loader(self.src, BATCH, **common),
+                 "the same pipeline reading the original JPEG files (no pack at all)")
 
-        # Interleaved rounds (pass r of every contender, then pass r+1): a change in background load
-        # spreads over all contenders instead of favouring whichever ran at a quiet moment. The passes
-        # share what is left of the budget (the full report keeps some for the scale rows).
-        left = budget.left() * (1.0 if quick else 0.6)
-        pass_s = min(5.0, max(0.5, left / (3 * len(contenders) * 1.3)))
-        timings: dict[str, list[Any]] = {name: [] for name in contenders}
-        cpu_us: list[float] = []  # torchspeed's CPU microseconds per image, per pass
+    def time_rounds(self) -> dict[str, list[float]]:
+        """Each contender's img/s per pass, sorted: interleaved rounds (pass r of every contender, then pass
+        r+1), so a change in background load spreads over all contenders instead of favouring whichever ran
+        at a quiet moment. The passes share what is left of the budget (the full report keeps some for the
+        scale rows)."""
+        from torchspeed.measure import process_tree_cpu_seconds, time_iterable, wait_until_quiet
+
+        left = self.budget.left() * (1.0 if self.quick else 0.6)
+        self.pass_s = pass_s = min(5.0, max(0.5, left / (3 * len(self.contenders) * 1.3)))
+        timings: dict[str, list[Any]] = {name: [] for name in self.contenders}
         for r in range(3):
-            for name, (loader, _, _) in contenders.items():
-                say(f"round {r + 1}/3: {name} ({pass_s:.1f} s pass)")
-                settled += wait_until_quiet()  # the previous contender's background prefetch is not this one's time
+            for name, (loader, _, _) in self.contenders.items():
+                self.say(f"round {r + 1}/3: {name} ({pass_s:.1f} s pass)")
+                self.settled += wait_until_quiet()  # the previous contender's background prefetch is not this one's time
                 cpu0 = process_tree_cpu_seconds()
                 t = time_iterable(lambda: loader, name=name, warmup_items=1, passes=1, min_pass_s=pass_s, unit="img")
                 cpu1 = process_tree_cpu_seconds()
                 if name == "torchspeed" and cpu0 is not None and cpu1 is not None:
                     # CPU time the loader's threads/workers used, warm-up item included (a small overestimate)
-                    cpu_us.append(1e6 * (cpu1 - cpu0) / max(1.0, sum(t.items) + 1))
+                    self.cpu_us.append(1e6 * (cpu1 - cpu0) / max(1.0, sum(t.items) + 1))
                 timings[name].append(t)
-        rates = {name: sorted(t.rates[0] for t in ts) for name, ts in timings.items()}
-        for name, (loader, what, extra) in contenders.items():
-            _close(loader)
-            rows.append({"technique": name, "median": rates[name][1], "min": rates[name][0], "max": rates[name][-1],
-                         "unit": "img/s", "ratio": None, "cumulative": None, "metric_drop": None, "what": what,
-                         "headline": name == "torchspeed", "ceiling": "decode", **extra})
-        contenders.clear()
-        rows.extend(skipped_rows)
-        median = {r["technique"]: r["median"] for r in rows}
-        base, tuned, fast = (median[k] for k in ("baseline", "baseline_tuned", "torchspeed"))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        return {name: sorted(t.rates[0] for t in ts) for name, ts in timings.items()}
 
-    for r in rows:
-        if r["median"] is not None:
-            r["ratio"] = r["median"] / base
-    results.update(
-        baseline_img_s=base, baseline_tuned_img_s=tuned, torchspeed_img_s=fast,
-        ratio_vs_tuned=fast / tuned, ratio_vs_baseline=fast / base,
-        decoder=decoder, decoder_table=decoder_table, num_workers=w, threads=threads, baseline_tuned_workers=w_tuned,
-        torchspeed_tuning=[r.to_dict() for r in settings.table], rows=rows, pass_s=round(pass_s, 2),
-        notes=[f"pack of {n_images} images to the short-side-{SHORT_SIDE} JPEG store took {results['pack_s']:.1f} s (one-off)",
-               f"torch {torch.__version__}; passes of {pass_s:.1f} s (the suite's {budget.seconds:.0f} s budget shared), "
-               "median of 3 interleaved rounds", f"{settled:.1f} s waited in all for the process and its workers to "
-               "go quiet before each timed pass (the previous contender's prefetch finishing)"],
-    )
-    if not quick:
-        results.update(baseline_resized_img_s=median["baseline_resized"], ratio_vs_resized=fast / median["baseline_resized"],
-                       raw_img_s=median["torchspeed_raw"], no_offline_resize_img_s=median["torchspeed_no_offline_resize"],
-                       folder_img_s=median["torchspeed_on_folder"], baseline_resized_workers=w_resized)
-    for peer in ("dali_cpu", "dali_gpu", "litdata"):
-        if median.get(peer):
-            results[f"ratio_vs_{peer}"] = fast / median[peer]
-    if not quick and scale_sizes:
-        window = max(1.0, min(5.0, budget.left() / (12 * len(scale_sizes))))
-        results["scale"] = _scale(demo_folder(4000), decoder, w, threads, scale_sizes, window, say)
-        for sc in results["scale"]:
-            rows.append({"technique": f"scale: torchspeed on {sc['images']:,} photos", "median": sc["img_s"], "min": None,
-                         "max": None, "unit": "img/s", "ratio": sc["img_s"] / base, "cumulative": None,
-                         "metric_drop": None, "ceiling": "decode", "scale": True,
-                         "what": f"median of 3 passes of {window:.0f} s; pack {sc['pack_s_per_1k']:.2f} s per 1k images; peak RSS "
-                                 f"{sc['peak_rss_mib']:,.0f} MiB; store {sc['store_mib']:,.0f} MiB"})
-            results["notes"].append(f"scale, {sc['images']:,} photos (the demo photos cycled): pack "
-                                    f"{sc['pack_s_per_1k']:.2f} s per 1k images, store {sc['store_mib']:,.0f} MiB, "
-                                    f"loader {sc['img_s']:,.0f} img/s, peak RSS {sc['peak_rss_mib']:,.0f} MiB")
-    if cpu_us:
-        results["torchspeed_cpu_us_per_img"] = sorted(cpu_us)[len(cpu_us) // 2]
-    results["limits"] = _data_limits(fast, median, cores, ceil.load_cached(describe()), threads, w,
-                                     results.get("torchspeed_cpu_us_per_img"))
-    return results
+    def rows_of_rounds(self, rates: dict[str, list[float]]) -> None:
+        """One row per contender (median, min and max of its passes), its loader closed; then the peers
+        that did not run."""
+        for name, (loader, what, columns) in self.contenders.items():
+            _close(loader)
+            columns = {"headline": name == "torchspeed", "ceiling": "decode", **columns}
+            self.rows.append(ContenderRow(technique=name, median=rates[name][1], min=rates[name][0],
+                                          max=rates[name][-1], unit="img/s", what=what, **columns))
+        self.contenders.clear()
+        self.rows.extend(self.skipped_rows)
+        self.median = {r.technique: r.median for r in self.rows}
+        self.base, self.tuned, self.ts = (self.median[k] for k in ("baseline", "baseline_tuned", "torchspeed"))
+
+    def figures(self) -> None:
+        """Every row's ratio to the baseline and the suite's figures and notes."""
+        import torch
+
+        base, tuned, ts, median = self.base, self.tuned, self.ts, self.median
+        for r in self.rows:
+            if r.median is not None:
+                r.ratio = r.median / base
+        results = self.results
+        results.update(
+            baseline_img_s=base, baseline_tuned_img_s=tuned, torchspeed_img_s=ts,
+            ratio_vs_tuned=ts / tuned, ratio_vs_baseline=ts / base,
+            decoder=self.decoder, decoder_table=self.decoder_table, num_workers=self.w, threads=self.threads,
+            baseline_tuned_workers=self.w_tuned, torchspeed_tuning=[r.to_dict() for r in self.settings.table],
+            rows=[], pass_s=round(self.pass_s, 2),
+            notes=[f"pack of {self.n_images} images to the short-side-{SHORT_SIDE} JPEG store took "
+                   f"{results['pack_s']:.1f} s (one-off)",
+                   f"torch {torch.__version__}; passes of {self.pass_s:.1f} s (the suite's {self.budget.seconds:.0f} s "
+                   "budget shared), median of 3 interleaved rounds",
+                   f"{self.settled:.1f} s waited in all for the process and its workers to go quiet before each timed "
+                   "pass (the previous contender's prefetch finishing)"],
+        )
+        if not self.quick:
+            results.update(baseline_resized_img_s=median["baseline_resized"],
+                           ratio_vs_resized=ts / median["baseline_resized"], raw_img_s=median["torchspeed_raw"],
+                           no_offline_resize_img_s=median["torchspeed_no_offline_resize"],
+                           folder_img_s=median["torchspeed_on_folder"], baseline_resized_workers=self.w_resized)
+        for peer in ("dali_cpu", "dali_gpu", "litdata"):
+            if median.get(peer):
+                results[f"ratio_vs_{peer}"] = ts / median[peer]
+
+    def scale_rows(self, sizes: tuple[int, ...]) -> None:
+        """torchspeed's loader on larger copies of the photos: pack time, img/s, peak RSS, store size."""
+        from torchspeed.data.demo import demo_folder
+
+        window = max(1.0, min(5.0, self.budget.left() / (12 * len(sizes))))
+        self.results["scale"] = _scale(demo_folder(4000), self.decoder, self.w, self.threads, sizes, window, self.say)
+        for sc in self.results["scale"]:
+            self.rows.append(Row(technique=f"scale: torchspeed on {sc['images']:,} photos", median=sc["img_s"],
+                                 unit="img/s", ratio=sc["img_s"] / self.base, ceiling="decode", scale=True,
+                                 what=f"median of 3 passes of {window:.0f} s; pack {sc['pack_s_per_1k']:.2f} s per 1k "
+                                      f"images; peak RSS {sc['peak_rss_mib']:,.0f} MiB; store "
+                                      f"{sc['store_mib']:,.0f} MiB"))
+            self.results["notes"].append(f"scale, {sc['images']:,} photos (the demo photos cycled): pack "
+                                         f"{sc['pack_s_per_1k']:.2f} s per 1k images, store {sc['store_mib']:,.0f} MiB, "
+                                         f"loader {sc['img_s']:,.0f} img/s, peak RSS {sc['peak_rss_mib']:,.0f} MiB")
+
+    def finish(self) -> dict[str, Any]:
+        """The CPU time per image, the goals against the decode ceiling and DALI, and the rows as JSON."""
+        from torchspeed.bench import ceilings as ceil
+        from torchspeed.runtime import describe
+
+        results = self.results
+        if self.cpu_us:
+            results["torchspeed_cpu_us_per_img"] = sorted(self.cpu_us)[len(self.cpu_us) // 2]
+        results["limits"] = _data_limits(self.ts, self.median, self.cores, ceil.load_cached(describe()), self.threads,
+                                         self.w, results.get("torchspeed_cpu_us_per_img"))
+        results["rows"] = to_json(self.rows)
+        return results
 
 
 def _data_limits(fast: float, median: dict[str, Any], cores: int, ceilings: dict[str, Any] | None,

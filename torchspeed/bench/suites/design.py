@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torchspeed.bench.rows import Row, to_json
+
 TITLE = "Design rules (ShuffleNet V2 G1-G4): measured time at equal FLOPs"
 
 
@@ -111,49 +113,54 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
         torch.set_num_threads(threads)
 
 
-def _run(torch: Any, quick: bool, say: Callable[[str], Any], batch: int, hw: int, warm: int, reps: int,
-         min_t: float, cool: float) -> dict[str, Any]:
+def _experiment_rows(torch: Any, name: str, exp: dict[str, Any], batch: int, hw: int, warm: int, reps: int,
+                     min_t: float, cool: float) -> tuple[list[Row], bool]:
+    """One experiment's models timed interleaved at equal FLOPs, and whether this machine shows the paper's
+    direction (which the reference row, the first, also says)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     from torchspeed.measure import compare
 
-    rows: list[dict[str, Any]] = []
+    inputs = {k: torch.randn(batch, c, hw, hw) for k, c in zip(exp["models"], exp["input_channels"])}
+    flops = {}
+    for k, m in exp["models"].items():
+        with torch.inference_mode(), FlopCounterMode(display=False) as fc:
+            m(inputs[k])
+        flops[k] = fc.get_total_flops()
+
+    def runner(m: Any, x: Any) -> Callable[[], Any]:
+        def fn() -> Any:
+            with torch.inference_mode():
+                return m(x)
+        return fn
+
+    cmp = compare({k: runner(m, inputs[k]) for k, m in exp["models"].items()}, warmup=warm, repeats=reps,
+                  min_time_s=min_t, cooldown_s=cool)
+    reference = flops[list(exp["models"])[0]]
+    rows = [Row.in_ms(k, cmp[k], f"reference; paper: {exp['paper']}" if i == 0 else
+                      f"same FLOPs ({flops[k] / 1e9:.2f} G) as the reference ({reference / 1e9:.2f} G)",
+                      ratio=cmp.speedup(k), gflops=flops[k] / 1e9)
+            for i, k in enumerate(exp["models"])]
+    if name == "g4":  # the summary's row: what dropping element-wise ops buys here
+        rows[-1].headline = True
+    holds = _holds(name, [cmp[k].median_s for k in exp["models"]])
+    # the console table shows only rows: say the paper's direction and the verdict on the reference row
+    rows[0].technique += f" - paper: {exp['short']}; here: {'holds' if holds else 'does not hold'}"
+    return rows, holds
+
+
+def _run(torch: Any, quick: bool, say: Callable[[str], Any], batch: int, hw: int, warm: int, reps: int,
+         min_t: float, cool: float) -> dict[str, Any]:
+    rows: list[Row] = []
     experiments: dict[str, Any] = {}
     for name, exp in _models(torch).items():
         say(f"{name.upper()}: {exp['guideline']}")
-        inputs = {k: torch.randn(batch, c, hw, hw) for k, c in zip(exp["models"], exp["input_channels"])}
-        flops = {}
-        for k, m in exp["models"].items():
-            from torch.utils.flop_counter import FlopCounterMode
-
-            with torch.inference_mode(), FlopCounterMode(display=False) as fc:
-                m(inputs[k])
-            flops[k] = fc.get_total_flops()
-
-        def runner(m: Any, x: Any) -> Callable[[], Any]:
-            def fn() -> Any:
-                with torch.inference_mode():
-                    return m(x)
-            return fn
-
-        cmp = compare({k: runner(m, inputs[k]) for k, m in exp["models"].items()}, warmup=warm, repeats=reps,
-                      min_time_s=min_t, cooldown_s=cool)
-        meds = [cmp[k].median_s for k in exp["models"]]
-        exp_rows = []
-        for i, k in enumerate(exp["models"]):
-            t = cmp[k]
-            exp_rows.append({
-                "technique": k, "median": t.median_s * 1e3, "min": t.min_s * 1e3, "max": t.max_s * 1e3, "unit": "ms",
-                "ratio": cmp.speedup(k), "cumulative": None, "metric_drop": None, "gflops": flops[k] / 1e9,
-                "what": (f"reference; paper: {exp['paper']}" if i == 0 else f"same FLOPs ({flops[k] / 1e9:.2f} G) as the "
-                         f"reference ({flops[list(exp['models'])[0]] / 1e9:.2f} G)")})
-        if name == "g4":  # the summary's row: what dropping element-wise ops buys here
-            exp_rows[-1]["headline"] = True
-        holds = _holds(name, meds)
-        # the console table shows only rows: say the paper's direction and the verdict on the reference row
-        exp_rows[0]["technique"] += f" - paper: {exp['short']}; here: {'holds' if holds else 'does not hold'}"
-        experiments[name] = {"guideline": exp["guideline"], "paper": exp["paper"], "holds": holds, "rows": exp_rows}
+        exp_rows, holds = _experiment_rows(torch, name, exp, batch, hw, warm, reps, min_t, cool)
+        experiments[name] = {"guideline": exp["guideline"], "paper": exp["paper"], "holds": holds,
+                             "rows": to_json(exp_rows)}
         rows += exp_rows
     return {
-        "rows": rows, "experiments": experiments, "holds": {k: v["holds"] for k, v in experiments.items()},
+        "rows": to_json(rows), "experiments": experiments, "holds": {k: v["holds"] for k, v in experiments.items()},
         "settings": {"batch": batch, "spatial": hw, "blocks": 10, "dtype": "float32", "mode": "inference",
                      "threads": torch.get_num_threads(), "repeats": reps, "quick": quick},
         "notes": [f"{k.upper()} ({v['guideline']}): paper says {v['paper']}; "

@@ -14,13 +14,15 @@ agreement with fp32. INT8 calibration at 224 uses the demo images upsampled.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
+from torchspeed.args import progress_fn
+from torchspeed.bench.rows import LatencyRow, Row, to_json
 from torchspeed.models import ModelSpec
 
 TITLE = "Inference: latency per variant at 224x224 (ms, lower is better), ratio vs eager fp32"
+SIZE = 224  # where every variant is timed
 
 # bench row -> optimize variant name (the order of the table)
 ROWS = (
@@ -64,7 +66,7 @@ def _ceiling_of(precision: str) -> str:
 
 
 def _hand_set_peers(name: str, model: Any, res: Any, size: int, flops: float, repeats: int,
-                    say: Callable[[str], Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                    say: Callable[[str], Any]) -> tuple[list[Row], list[dict[str, Any]]]:
     """The runtimes a user would set up by hand on the same model (OpenVINO with its LATENCY hint and default
     precision, ONNX Runtime defaults), timed interleaved with torchspeed's chosen variant at each batch size.
     Returns (rows, per-batch comparisons)."""
@@ -78,7 +80,7 @@ def _hand_set_peers(name: str, model: Any, res: Any, size: int, flops: float, re
     from torchspeed.infer.export import export_onnx
     from torchspeed.measure import compare
 
-    rows: list[dict[str, Any]] = []
+    rows: list[Row] = []
     runners: dict[str, Any] = {}
     what = {"OpenVINO, LATENCY hint": "openvino.compile_model(ONNX, 'CPU', PERFORMANCE_HINT=LATENCY): its own "
                                       "threads and default precision (<precision>)",
@@ -113,12 +115,10 @@ def _hand_set_peers(name: str, model: Any, res: Any, size: int, flops: float, re
                                 "fastest_hand": fastest, "chosen_vs_fastest_hand": chosen_ms / hand[fastest]})
             for t in c.timings[1:]:
                 prec = getattr(runners[t.name], "precision", "fp32")
-                rows.append({"technique": f"{name} b{b}: peer {t.name}", "median": t.median_s * 1e3,
-                             "min": t.min_s * 1e3, "max": t.max_s * 1e3, "unit": "ms", "ratio": None,
-                             "cumulative": None, "metric_drop": None, "peer": True, "batch": b,
-                             "flops_per_item": flops, "ceiling": _ceiling_of(prec),
-                             "what": what[t.name].replace("<precision>", prec) + f"; {t.median_s * 1e3 / chosen_ms:.2f}x "
-                                     f"the chosen variant's time in the same interleaved run ({chosen_ms:.2f} ms)"})
+                rows.append(Row.in_ms(f"{name} b{b}: peer {t.name}", t,
+                                      what[t.name].replace("<precision>", prec) + f"; {t.median_s * 1e3 / chosen_ms:.2f}x "
+                                      f"the chosen variant's time in the same interleaved run ({chosen_ms:.2f} ms)",
+                                      peer=True, batch=b, flops_per_item=flops, ceiling=_ceiling_of(prec)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows, comparisons
@@ -128,20 +128,17 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     import torch
 
     from torchspeed.bench.demo_model import load_demo_model
-    from torchspeed.args import progress_fn
-    from torchspeed.infer.search import optimize
     from torchspeed.runtime import usable_cores
 
     say = progress_fn(progress)
     say("loading the demo model (built once, a few minutes, on first use)")
     demo = load_demo_model(progress=say)
-    size = 224
     calib_small = list(demo.batches("train", 32, limit=64 if quick else 256))
-    calib = [torch.nn.functional.interpolate(x, size=(224, 224), mode="bilinear", align_corners=False)
+    calib = [torch.nn.functional.interpolate(x, size=(SIZE, SIZE), mode="bilinear", align_corners=False)
              for x, _ in calib_small]
     n_eval = 500 if quick else 1000
-    backends = ["torch", "onnxruntime", "openvino", "tensorrt"] + ([] if quick else ["torch.compile"])
-    rows: list[dict[str, Any]] = []
+    runtimes = ["torch", "onnxruntime", "openvino", "tensorrt"] + ([] if quick else ["torch.compile"])
+    rows: list[Row] = []
     results: dict[str, Any] = {}
     notes = [f"{usable_cores()} threads for every runtime; p50 of "
              f"{3 if quick else 7} interleaved repeats",
@@ -152,64 +149,97 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     limits: list[dict[str, Any]] = []
     for name, make in _models(quick):
         say(f"{name}: building and verifying variants")
-        arch = ModelSpec("torchvision", "resnet18", {"num_classes": 10}) if make is None else None
         model = demo.model if make is None else make()
-        flops = flops_per_image(model, size)
-        example = torch.randn(1, 3, size, size)
-        res = optimize(model, example, calib_data=calib, max_metric_drop=0.01, backends=backends,
-                       batch_sizes=(1, 8), repeats=3 if quick else 7, arch=arch,
-                       progress=lambda s, n=name: say(f"{n} at 224: {s}"))
-        if make is None:  # the accuracy guard, at the size the demo model was trained at
-            s_ = demo.input_size
-            guard = optimize(model, torch.randn(1, 3, s_, s_), calib_data=calib_small,
-                             eval_fn=lambda run: demo.evaluate(run, "heldout", 100, limit=n_eval),
-                             max_metric_drop=0.01, backends=backends, batch_sizes=(8,), measure=False, arch=arch,
-                             progress=lambda s, n=name: say(f"{n} accuracy guard at {s_}px: {s}"))
-            _merge_guard(res, guard)  # res.best (a property) now counts the guard's verdicts
-            results[f"{name}_guard_{s_}px"] = guard.to_dict()
-        results[name] = res.to_dict()
+        flops = flops_per_image(model, SIZE)
+        res = _optimized(name, model, demo if make is None else None, calib, calib_small, n_eval, runtimes, quick,
+                         say, results)
         for b in (1, 8):
-            base = res["eager fp32"].p50_ms(b)
-            for label, variant, what in ROWS:
-                try:
-                    c = res[variant]
-                except KeyError:
-                    continue
-                if c.status == "skipped" and label not in ("torch.compile", "ONNX Runtime INT8 dynamic"):
-                    rows.append(_row(f"{name} b{b}: {label}", None, None, None, None, f"skipped: {c.reason}"))
-                if c.status == "skipped" or not c.latency_ms:
-                    if c.status == "failed":
-                        rows.append(_row(f"{name} b{b}: {label}", None, None, None, None, f"failed: {c.reason}"))
-                    continue
-                lat = c.latency_ms[b]
-                status = "" if c.passed else f" [{c.status}: {c.reason}]"
-                rows.append(_row(f"{name} b{b}: {label}", lat, base / lat["p50_ms"], c.metric_drop, c.rel_l2_error,
-                                 what + status, b, flops, _ceiling_of(c.precision)))
+            rows += _variant_rows(name, res, b, flops)
             best = res.fastest_at(b)
-            if best is not None:
-                rows.append(_row(f"{name} b{b}: torchspeed best", best.latency_ms[b], base / best.p50_ms(b),
-                                 best.metric_drop, best.rel_l2_error, f"= {best.name}", b, flops,
-                                 _ceiling_of(best.precision)))
-                rows[-1]["headline"] = (name, b) == ("resnet18", 8)  # the headline figure: ResNet-18 at batch 8
             if b == 1 and best is not None:
                 any_fast = res.fastest_at(1, passed_only=False)
                 notes.append(f"{name} batch 1: chosen {best.name} p50 {best.p50_ms(1):.2f} ms; fastest of all "
                              f"{any_fast.name} {any_fast.p50_ms(1):.2f} ms "
                              f"({(best.p50_ms(1) / any_fast.p50_ms(1) - 1) * 100:+.0f}%)")
-        peer_rows, comparisons = _hand_set_peers(name, model, res, size, flops, 3 if quick else 7, say)
+        peer_rows, comparisons = _hand_set_peers(name, model, res, SIZE, flops, 3 if quick else 7, say)
         rows += peer_rows
         results[f"{name}_hand_set"] = comparisons
         results[f"{name}_flops_per_image"] = flops
-        for cmp_ in comparisons:
-            ratio = cmp_["chosen_vs_fastest_hand"]
-            limits.append({"goal": f"{name} batch {cmp_['batch']}: the chosen variant within 5% of the fastest "
-                                   "hand-set runtime",
-                           "measured": f"{cmp_['chosen']} {cmp_['chosen_ms']:.2f} ms vs {cmp_['fastest_hand']} "
-                                       f"{cmp_['hand_ms'][cmp_['fastest_hand']]:.2f} ms ({ratio:.2f}x its time)",
-                           "met": ratio <= 1.05,
-                           "why": "" if ratio <= 1.05 else
-                           "the hand-set runtime was faster in this interleaved run; optimize() timed its variants "
-                           "in its own run, so a difference within their spreads is noise"})
+        limits += [_hand_set_limit(name, cmp_) for cmp_ in comparisons]
+    return _summary(results, demo.accuracy, rows, notes, limits)
+
+
+def _optimized(name: str, model: Any, demo: Any, calib: list[Any], calib_small: list[Any], n_eval: int,
+               runtimes: list[str], quick: bool, say: Callable[[str], Any], results: dict[str, Any]) -> Any:
+    """`optimize` at 224 (where the variants are timed) and, for the trained demo model (`demo` given),
+    again at the size it was trained at, where the accuracy guard judges them; both go into `results`."""
+    import torch
+
+    from torchspeed.infer.search import optimize
+
+    spec = ModelSpec("torchvision", "resnet18", {"num_classes": 10}) if demo is not None else None
+    example = torch.randn(1, 3, SIZE, SIZE)
+    res = optimize(model, example, calib_data=calib, max_metric_drop=0.01, runtimes=runtimes,
+                   batch_sizes=(1, 8), repeats=3 if quick else 7, spec=spec,
+                   progress=lambda s: say(f"{name} at 224: {s}"))
+    if demo is not None:
+        s_ = demo.input_size
+        guard = optimize(model, torch.randn(1, 3, s_, s_), calib_data=calib_small,
+                         eval_fn=lambda run: demo.evaluate(run, "heldout", 100, limit=n_eval),
+                         max_metric_drop=0.01, runtimes=runtimes, batch_sizes=(8,), measure=False, spec=spec,
+                         progress=lambda s: say(f"{name} accuracy guard at {s_}px: {s}"))
+        _merge_guard(res, guard)  # res.best (a property) now counts the guard's verdicts
+        results[f"{name}_guard_{s_}px"] = guard.to_dict()
+    results[name] = res.to_dict()
+    return res
+
+
+def _variant_rows(name: str, res: Any, b: int, flops: float) -> list[Row]:
+    """The table's variants at batch `b` in the order of ROWS (a skipped or failed one says why), then
+    the one torchspeed chooses; the headline is ResNet-18's at batch 8."""
+    rows: list[Row] = []
+    base = res["eager fp32"].p50_ms(b)
+    for label, variant, what in ROWS:
+        try:
+            c = res[variant]
+        except KeyError:
+            continue
+        technique = f"{name} b{b}: {label}"
+        if c.status == "skipped" and label not in ("torch.compile", "ONNX Runtime INT8 dynamic"):
+            rows.append(LatencyRow.of(technique, None, f"skipped: {c.reason}"))
+        if c.status == "skipped" or not c.latency_ms:
+            if c.status == "failed":
+                rows.append(LatencyRow.of(technique, None, f"failed: {c.reason}"))
+            continue
+        lat = c.latency_ms[b]
+        status = "" if c.passed else f" [{c.status}: {c.reason}]"
+        rows.append(LatencyRow.of(technique, lat, what + status, ratio=base / lat["p50_ms"], metric_drop=c.metric_drop,
+                                  output_error=c.rel_l2_error, batch=b, flops_per_item=flops,
+                                  ceiling=_ceiling_of(c.precision)))
+    best = res.fastest_at(b)
+    if best is not None:
+        rows.append(LatencyRow.of(f"{name} b{b}: torchspeed best", best.latency_ms[b], f"= {best.name}",
+                                  ratio=base / best.p50_ms(b), metric_drop=best.metric_drop,
+                                  output_error=best.rel_l2_error, batch=b, flops_per_item=flops,
+                                  ceiling=_ceiling_of(best.precision), headline=(name, b) == ("resnet18", 8)))
+    return rows
+
+
+def _hand_set_limit(name: str, cmp_: dict[str, Any]) -> dict[str, Any]:
+    """The goal: the chosen variant within 5% of the fastest hand-set runtime in the interleaved run."""
+    ratio = cmp_["chosen_vs_fastest_hand"]
+    return {"goal": f"{name} batch {cmp_['batch']}: the chosen variant within 5% of the fastest hand-set runtime",
+            "measured": f"{cmp_['chosen']} {cmp_['chosen_ms']:.2f} ms vs {cmp_['fastest_hand']} "
+                        f"{cmp_['hand_ms'][cmp_['fastest_hand']]:.2f} ms ({ratio:.2f}x its time)",
+            "met": ratio <= 1.05,
+            "why": "" if ratio <= 1.05 else
+            "the hand-set runtime was faster in this interleaved run; optimize() timed its variants "
+            "in its own run, so a difference within their spreads is noise"}
+
+
+def _summary(results: dict[str, Any], accuracy: float, rows: list[Row], notes: list[str],
+             limits: list[dict[str, Any]]) -> dict[str, Any]:
+    """The suite's JSON: ResNet-18's eager fp32 and best passed variant at batch 8 at the top level."""
     r18 = results["resnet18"]
     cands = {c["name"]: c for c in r18["candidates"]}
     eager8 = cands["eager fp32"]["latency_ms"]["8"]["p50_ms"]
@@ -221,9 +251,9 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
         "best_variant": best8["name"],
         "ratio": eager8 / best8["latency_ms"]["8"]["p50_ms"],
         "metric_drop": best8["metric_drop"],
-        "accuracy_fp32": demo.accuracy,
+        "accuracy_fp32": accuracy,
         "models": results,
-        "rows": rows,
+        "rows": to_json(rows),
         "notes": notes,
         "limits": limits,
     }
@@ -240,15 +270,3 @@ def _merge_guard(res: Any, guard: Any) -> None:
         if c.passed and g.status in ("rejected", "failed"):
             c.status, c.reason = g.status, f"at {g.input_shape[-1]}px: {g.reason}"
 
-
-def _row(technique: str, lat: dict[str, float] | None, ratio: float | None, drop: float | None,
-         err: float | None, what: str, batch: int | None = None, flops: float | None = None,
-         ceiling: str | None = None) -> dict[str, Any]:
-    nan = math.nan
-    return {
-        "technique": technique,
-        "median": lat["p50_ms"] if lat else nan, "min": lat["min_ms"] if lat else nan,
-        "max": lat["max_ms"] if lat else nan, "p90": lat["p90_ms"] if lat else nan, "unit": "ms",
-        "ratio": ratio, "cumulative": None, "metric_drop": drop, "output_error": err, "what": what,
-        "batch": batch, "flops_per_item": flops, "ceiling": ceiling if lat else None,
-    }

@@ -5,7 +5,7 @@ Rows are cumulative: each adds one technique to the row above, and the ratio is 
 Every figure is the median over calls of K training steps (the first call, which carries one-off
 costs, excluded), as many calls as fit the row's share of the suite's time budget (at least 2;
 `torchspeed.bench.budget`), timed by torchspeed.measure. Rows carry the FLOPs per sample (counted by
-torch.utils.flop_counter) so the runner can set them against the fp32 GEMM ceiling, and one step of the
+torch.utils.flop_counter) so the orchestrator can set them against the fp32 GEMM ceiling, and one step of the
 chosen layout is profiled per op to show where the time goes. A precision this CPU only emulates (its
 GEMM ceiling below fp32's) is not run. The full report also measures the tuned torchvision loader,
 channels_last and torch.compile rows, the Trainer's overhead against a hand-written loop with the same
@@ -21,6 +21,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from torchspeed.bench.budget import Budget
+from torchspeed.bench.rows import Row, to_json
+from torchspeed.bench.suite_kit import Phases, Windows
 
 TITLE = "Training: ResNet-18 samples/s (10 classes, 128x128, batch 64; rows cumulative)"
 
@@ -321,248 +325,335 @@ def conv_bound(model: Any, x: Any, ceiling_gflops: float | None, repeats: int = 
 
 
 def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: float | None = None) -> dict[str, Any]:
-    import torch
-    from torch.utils.data import DataLoader
-    from torchvision.models import resnet18
+    suite = _TrainSuite(quick, progress, budget_s)
+    suite.prepare()
+    suite.loader_rows()
+    suite.pipeline_rows()
+    suite.layout_rows()
+    suite.auto_row()
+    suite.profile_step()
+    suite.close_fast_stream()
+    if not quick:
+        suite.trainer_overhead()
+        suite.eval_rows()
+    suite.say("early stopping on a plateauing task")
+    suite.results["early_stopping"] = _early_stopping(quick)
+    return suite.finish()
 
-    from torchspeed.args import progress_fn
-    from torchspeed.bench import ceilings as ceil
-    from torchspeed.bench.budget import Budget, time_in_window
-    from torchspeed.measure import compare
-    from torchspeed.data import fast_loader, tune_loader
-    from torchspeed.data.demo import demo_folder
-    from torchspeed.runtime import default_precision, describe, usable_cores
-    from torchspeed.train import Trainer
 
-    import time
+def _mixed_precision(device: Any, items: dict[str, Any], fp32_ceiling: float | None) -> tuple[str, bool, str]:
+    """(the mixed precision to try, whether this machine only emulates it, why it is not run if so)."""
+    from torchspeed.bench.ceilings import PRECISION_CEILING
+    from torchspeed.runtime import default_precision
 
-    budget = Budget.of("train", quick, budget_s)
-    k = 1 if quick else 2  # steps per timed call; how many calls fit is measured (time_in_window)
-    repeats = 5  # for the interleaved comparisons of the full report
-    phases: dict[str, float] = {}
-    clock = {"name": "start", "t": time.perf_counter()}
-    report_progress = progress_fn(progress)
-
-    def step(text: str) -> None:  # also records how long each phase took (results["phase_s"])
-        now = time.perf_counter()
-        phases[clock["name"]] = round(phases.get(clock["name"], 0.0) + now - clock["t"], 1)
-        clock.update(name=text, t=now)
-        report_progress(text)
-
-    device = torch.device("cpu")  # the suite measures the CPU path here; CUDA runs use the same code
-    if torch.cuda.is_available():
-        device = torch.device("cuda")
     machine_prec = default_precision(device)
     mixed = machine_prec.name
     if mixed == "fp32":
         mixed = "bf16" if device.type == "cpu" else "fp16"
-    ceilings = ceil.load_cached(describe())
-    items = (ceilings or {}).get("items", {})
-    fp32_ceiling = (items.get("fp32") or {}).get("value")
+    mixed_ceiling = (items.get(PRECISION_CEILING.get(mixed, mixed)) or {}).get("value")
     # An emulated precision (its GEMM slower than fp32's here) is not run: its step would be many times slower.
-    mixed_ceiling = (items.get(ceil.PRECISION_CEILING.get(mixed, mixed)) or {}).get("value")
     emulated = device.type == "cpu" and machine_prec.name == "fp32"
-    if emulated:
-        emulated_why = machine_prec.reason
-        if mixed_ceiling and fp32_ceiling:
-            emulated_why = (f"{mixed} GEMM measures {mixed_ceiling:.2g} GFLOP/s here vs {fp32_ceiling:.0f} for fp32 "
-                            f"({mixed_ceiling / fp32_ceiling:.2g}x: emulated), so a {mixed} step would take about "
-                            f"{fp32_ceiling / mixed_ceiling:.0f}x longer")
-    step("demo photos (generated once)")
-    folder = demo_folder(4000)
-    indices = _subset(4000, quick)
-    step(f"packing {len(indices)} photos for the fast pipeline (cached)")
-    store = _cached_store(folder, indices)
-    torch.manual_seed(0)
-    base_model = resnet18(num_classes=CLASSES)
-    step("counting FLOPs per sample (torch.utils.flop_counter)")
-    flops, per_op = flops_per_sample(base_model, CROP, device)
-    rows: list[dict[str, Any]] = []
-    results: dict[str, Any] = {"images": len(indices), "batch_size": BATCH, "crop": CROP, "steps_per_call": k,
-                               "device": str(device), "flops_per_sample": flops, "budget_s": budget.seconds}
-    # the measurements still to come, for sharing the budget (each about one window)
-    todo = {"rows": 3 + (0 if quick else 3) + (0 if emulated else 1), "setup": 2.0, "profile": 1.0}
+    why = machine_prec.reason
+    if emulated and mixed_ceiling and fp32_ceiling:
+        why = (f"{mixed} GEMM measures {mixed_ceiling:.2g} GFLOP/s here vs {fp32_ceiling:.0f} for fp32 "
+               f"({mixed_ceiling / fp32_ceiling:.2g}x: emulated), so a {mixed} step would take about "
+               f"{fp32_ceiling / mixed_ceiling:.0f}x longer")
+    return mixed, emulated, why
 
-    def windows_left() -> float:
-        return sum(todo.values())
 
-    def fresh(channels_last: bool = False) -> tuple[Any, Any]:
-        m = copy.deepcopy(base_model).to(device)
+def _cycling(items: list[Any]) -> Callable[[], Any]:
+    """A source handing out `items` in turn, starting over at the end."""
+    it: Any = iter(())
+
+    def next_item() -> Any:
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = iter(items)
+            return next(it)
+    return next_item
+
+
+class _TrainSuite:
+    """One run of the suite: its stages share the model, the data, the budget, the rows and the JSON.
+
+    Rows 1-6 are hand-written loops, each adding one technique; row 7 is the Trainer on "auto". The
+    loaders of the fast pipeline stay open from the row that starts them to the stage that closes them.
+    """
+
+    def __init__(self, quick: bool, progress: bool | Callable[[str], Any], budget_s: float | None):
+        import torch
+
+        from torchspeed.bench import ceilings as ceil
+        from torchspeed.runtime import describe
+
+        self.quick = quick
+        self.budget = Budget.of("train", quick, budget_s)
+        self.k = 1 if quick else 2  # steps per timed call; how many calls fit is measured (time_in_window)
+        self.repeats = 5  # for the interleaved comparisons of the full report
+        self.say = Phases(progress)
+        # the suite measures the CPU path here; CUDA runs use the same code
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        items = (ceil.load_cached(describe()) or {}).get("items", {})
+        self.fp32_ceiling = (items.get("fp32") or {}).get("value")
+        self.mixed, self.emulated, self.emulated_why = _mixed_precision(self.device, items, self.fp32_ceiling)
+        self.rows: list[Row] = []
+        self.notes: list[str] = []
+        self.results: dict[str, Any] = {}
+        self.overhead: float | None = None
+        self.fast: Any = None
+        self.chunks: Any = None
+
+    # ---------------------------------------------------------------- shared pieces
+
+    def fresh(self, channels_last: bool = False) -> tuple[Any, Any]:
+        """A copy of the untrained model on the device, with its SGD optimizer."""
+        import torch
+
+        m = copy.deepcopy(self.base_model).to(self.device)
         if channels_last:
             m = m.to(memory_format=torch.channels_last)
         return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
-    def to_dev(stream: _Stream) -> Callable[[], Any]:
+    def to_device(self, stream: _Stream) -> Callable[[], Any]:
         def get() -> Any:
             x, y = stream.next()
-            return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return get
 
-    def row(name: str, median: float | None, what: str, precision: str = "fp32", **kw: Any) -> dict[str, Any]:
-        r = {"technique": name, "median": median, "min": None, "max": None, "unit": "samples/s", "ratio": None,
-             "cumulative": None, "metric_drop": None, "what": what, "headline": name == "torchspeed auto",
-             "ceiling": ceil.PRECISION_CEILING.get(precision, "fp32"), "flops_per_item": flops, **kw}
-        rows.append(r)
-        return r
+    def plain_loader(self, num_workers: int, **kw: Any) -> Any:
+        from torch.utils.data import DataLoader
 
-    def measure(name: str, chunk: Callable[[], None], what: str, precision: str = "fp32") -> float:
-        window = budget.share(windows_left())
-        step(f"timing {name} ({window:.0f} s window)")
-        t = time_in_window(chunk, window, name=name, items=k * BATCH, unit="samples", device=device)
-        todo["rows"] -= 1
-        rates = t.rates
-        row(name, t.throughput, what, precision, min=min(rates), max=max(rates), calls=len(rates),
-            first_call_s=round(t.extra["first_s"], 2))
-        return float(t.throughput)
-
-    def not_run(name: str, why: str, precision: str = "fp32") -> None:
-        row(name, None, f"not run: {why}", precision)
-
-    def plain_loader(num_workers: int, **kw: Any) -> Any:
-        return DataLoader(_torchvision_dataset(folder, indices), BATCH, shuffle=True, drop_last=True,
+        return DataLoader(_torchvision_dataset(self.folder, self.indices), BATCH, shuffle=True, drop_last=True,
                           num_workers=num_workers, persistent_workers=num_workers > 0, **kw)
 
-    # 1. plain PyTorch
-    m, o = fresh()
-    plain = measure("plain PyTorch", _hand_loop(m, o, to_dev(_Stream(plain_loader(0))), k, "fp32", False),
-                    "fp32, NCHW, torchvision ImageFolder + PIL transforms, num_workers=0, hand-written loop")
-    # 2. + tuned loader (num_workers etc. measured by tune_loader); the quick report leaves it out
-    if quick:
-        not_run("+ tuned loader", "--quick (the full report measures it)")
-    else:
-        step("tuning the torchvision DataLoader (num_workers, prefetch; measured)")
-        s = tune_loader(_torchvision_dataset(folder, indices), BATCH, num_workers=list(range(usable_cores() + 1)),
-                        seconds=1.0, device=device, prefetch_factors=(2,), persistent=(True,))
-        m, o = fresh()
-        measure("+ tuned loader", _hand_loop(m, o, to_dev(_Stream(plain_loader(s.num_workers, pin_memory=s.pin_memory))),
-                                             k, "fp32", False),
-                f"the same with num_workers={s.num_workers} (measured best), persistent workers")
-    # 3. + fast data pipeline
-    step("fast_loader: choosing decoder and num_workers (measured)")
-    fast_nchw = fast_loader(store, BATCH, crop=CROP, device=device, channels_last=False, num_workers="auto",
-                            tune_seconds=0.3 if quick else 0.8)
-    workers = fast_nchw.settings.num_workers if fast_nchw.settings else 0
-    m, o = fresh()
-    fast_stream = _Stream(fast_nchw)
-    measure("+ fast data pipeline", _hand_loop(m, o, fast_stream.next, k, "fp32", False),
-            f"fast_loader on a store packed at short side {SHORT_SIDE} ({fast_nchw.decoder}, {workers} workers, "
-            "normalised batches on the device)")
-    # 4. + mixed precision, unless this machine only emulates it
-    hand_prec = "fp32"
-    if emulated:
-        not_run(f"+ {mixed} autocast", emulated_why, mixed)
-        results["mixed_precision"] = {"tried": False, "reason": emulated_why}
-    else:
-        m, o = fresh()
-        measure(f"+ {mixed} autocast", _hand_loop(m, o, fast_stream.next, k, mixed, False),
-                f"torch.autocast({mixed}), fp32 weights", mixed)
-        hand_prec = mixed
-    fast = fast_loader(store, BATCH, crop=CROP, device=device, channels_last=True, num_workers=workers)
-    # 6. + channels_last (the full report; accelerate() measures it for the auto row in both)
-    cl = best = plain
-    best_compile = False
-    if quick:
-        not_run("+ channels_last", "--quick (torchspeed auto below measures NCHW against NHWC)", hand_prec)
-        not_run("+ torch.compile", "--quick (compiling ResNet-18 training takes about a minute on 2 cores)", hand_prec)
-        results["compile"] = {"tried": False, "reason": "not tried: quick mode budget"}
-    else:
-        m, o = fresh(channels_last=True)
-        cl = best = measure("+ channels_last", _hand_loop(m, o, _Stream(fast).next, k, hand_prec, True),
-                            "model and batches in channels_last (NHWC) memory format", hand_prec)
-        # 7. + compile, kept only if it wins (its compile time is reported as the one-off cost)
-        m, o = fresh(channels_last=True)
-        cm = torch.compile(m)
-        chunk = _hand_loop(cm, o, _Stream(fast).next, k, hand_prec, True)
-        step("compiling ResNet-18 (torch.compile; measured)")
+    def _columns(self, name: str, precision: str) -> dict[str, Any]:
+        from torchspeed.bench.ceilings import PRECISION_CEILING
+
+        return {"headline": name == "torchspeed auto", "ceiling": PRECISION_CEILING.get(precision, "fp32"),
+                "flops_per_item": self.flops}
+
+    def measure(self, name: str, chunk: Callable[[], None], what: str, precision: str = "fp32") -> float:
+        """`chunk` (k steps) timed in its window of the budget, as a samples/s row; returns samples/s."""
+        row = self.windows.rate_row(name, chunk, what, items=self.k * BATCH, unit="samples", device=self.device,
+                                    **self._columns(name, precision))
+        self.rows.append(row)
+        return float(row.median)
+
+    def not_run(self, name: str, why: str, precision: str = "fp32") -> None:
+        self.rows.append(Row.not_run(name, why, "samples/s", **self._columns(name, precision)))
+
+    # ---------------------------------------------------------------- stages
+
+    def prepare(self) -> None:
+        """The demo photos, their store for the fast pipeline, the model and its FLOPs per sample."""
+        import torch
+        from torchvision.models import resnet18
+
+        from torchspeed.data.demo import demo_folder
+
+        self.say("demo photos (generated once)")
+        self.folder = demo_folder(4000)
+        self.indices = _subset(4000, self.quick)
+        self.say(f"packing {len(self.indices)} photos for the fast pipeline (cached)")
+        self.store = _cached_store(self.folder, self.indices)
+        torch.manual_seed(0)
+        self.base_model = resnet18(num_classes=CLASSES)
+        self.say("counting FLOPs per sample (torch.utils.flop_counter)")
+        self.flops, self.per_op = flops_per_sample(self.base_model, CROP, self.device)
+        self.results.update(images=len(self.indices), batch_size=BATCH, crop=CROP, steps_per_call=self.k,
+                            device=str(self.device), flops_per_sample=self.flops, budget_s=self.budget.seconds)
+        # the measurements still to come, for sharing the budget (each about one window)
+        self.windows = Windows(self.budget, self.say, rows=3 + (0 if self.quick else 3) + (0 if self.emulated else 1),
+                               setup=2.0, profile=1.0)
+
+    def loader_rows(self) -> None:
+        """1. plain PyTorch; 2. + the torchvision loader tuned by tune_loader (the full report only)."""
+        from torchspeed.data import tune_loader
+        from torchspeed.runtime import usable_cores
+
+        m, o = self.fresh()
+        self.plain = self.measure("plain PyTorch", _hand_loop(m, o, self.to_device(_Stream(self.plain_loader(0))),
+                                                              self.k, "fp32", False),
+                                  "fp32, NCHW, torchvision ImageFolder + PIL transforms, num_workers=0, hand-written loop")
+        if self.quick:
+            self.not_run("+ tuned loader", "--quick (the full report measures it)")
+            return
+        self.say("tuning the torchvision DataLoader (num_workers, prefetch; measured)")
+        s = tune_loader(_torchvision_dataset(self.folder, self.indices), BATCH,
+                        num_workers=list(range(usable_cores() + 1)), seconds=1.0, device=self.device,
+                        prefetch_factors=(2,), persistent=(True,))
+        m, o = self.fresh()
+        tuned = self.to_device(_Stream(self.plain_loader(s.num_workers, pin_memory=s.pin_memory)))
+        self.measure("+ tuned loader", _hand_loop(m, o, tuned, self.k, "fp32", False),
+                     f"the same with num_workers={s.num_workers} (measured best), persistent workers")
+
+    def pipeline_rows(self) -> None:
+        """3. + the fast data pipeline; 4. + mixed precision, unless this machine only emulates it."""
+        from torchspeed.data import fast_loader
+
+        self.say("fast_loader: choosing decoder and num_workers (measured)")
+        self.fast_nchw = fast_loader(self.store, BATCH, crop=CROP, device=self.device, channels_last=False,
+                                     num_workers="auto", tune_seconds=0.3 if self.quick else 0.8)
+        self.workers = self.fast_nchw.settings.num_workers if self.fast_nchw.settings else 0
+        m, o = self.fresh()
+        self.fast_stream = _Stream(self.fast_nchw)
+        self.measure("+ fast data pipeline", _hand_loop(m, o, self.fast_stream.next, self.k, "fp32", False),
+                     f"fast_loader on a store packed at short side {SHORT_SIDE} ({self.fast_nchw.decoder}, "
+                     f"{self.workers} workers, normalised batches on the device)")
+        self.hand_prec = "fp32"
+        mixed = self.mixed
+        if self.emulated:
+            self.not_run(f"+ {mixed} autocast", self.emulated_why, mixed)
+            self.results["mixed_precision"] = {"tried": False, "reason": self.emulated_why}
+            return
+        m, o = self.fresh()
+        self.measure(f"+ {mixed} autocast", _hand_loop(m, o, self.fast_stream.next, self.k, mixed, False),
+                     f"torch.autocast({mixed}), fp32 weights", mixed)
+        self.hand_prec = mixed
+
+    def layout_rows(self) -> None:
+        """5. + channels_last and 6. + torch.compile, kept only if it wins (the full report; accelerate()
+        measures channels_last for the auto row in both)."""
+        from torchspeed.data import fast_loader
+
+        self.fast = fast_loader(self.store, BATCH, crop=CROP, device=self.device, channels_last=True,
+                                num_workers=self.workers)
+        self.cl = self.best = self.plain
+        self.best_compile = False
+        if self.quick:
+            self.not_run("+ channels_last", "--quick (torchspeed auto below measures NCHW against NHWC)", self.hand_prec)
+            self.not_run("+ torch.compile", "--quick (compiling ResNet-18 training takes about a minute on 2 cores)",
+                         self.hand_prec)
+            self.results["compile"] = {"tried": False, "reason": "not tried: quick mode budget"}
+            return
+        m, o = self.fresh(channels_last=True)
+        self.cl = self.best = self.measure("+ channels_last", _hand_loop(m, o, _Stream(self.fast).next, self.k,
+                                                                         self.hand_prec, True),
+                                           "model and batches in channels_last (NHWC) memory format", self.hand_prec)
+        self.compile_row()
+
+    def compile_row(self) -> None:
+        """6. + torch.compile; its compile time is reported as the one-off cost."""
+        import time
+
+        import torch
+
+        m, o = self.fresh(channels_last=True)
+        chunk = _hand_loop(torch.compile(m), o, _Stream(self.fast).next, self.k, self.hand_prec, True)
+        self.say("compiling ResNet-18 (torch.compile; measured)")
         t0 = time.perf_counter()
         chunk()
         compile_s = time.perf_counter() - t0
-        c = measure("+ torch.compile", chunk, "torch.compile(model) (default mode)", hand_prec)
-        compile_s = max(0.0, compile_s - k * BATCH / c)
-        kept = c > cl * 1.05 and (1 / cl - 1 / c) * BATCH * EXPECTED_STEPS > compile_s
-        rows[-1]["what"] += f"; compile {compile_s:.0f} s; {'kept' if kept else 'not kept'} for the rows below"
-        results["compile"] = {"tried": True, "compile_s": compile_s, "samples_s": c, "kept": kept}
+        c = self.measure("+ torch.compile", chunk, "torch.compile(model) (default mode)", self.hand_prec)
+        compile_s = max(0.0, compile_s - self.k * BATCH / c)
+        kept = c > self.cl * 1.05 and (1 / self.cl - 1 / c) * BATCH * EXPECTED_STEPS > compile_s
+        self.rows[-1].what += f"; compile {compile_s:.0f} s; {'kept' if kept else 'not kept'} for the rows below"
+        self.results["compile"] = {"tried": True, "compile_s": compile_s, "samples_s": c, "kept": kept}
         if kept:
-            best, best_compile = c, True
+            self.best, self.best_compile = c, True
         torch._dynamo.reset()
-    # 8. torchspeed auto: the Trainer with every setting on "auto" (measured on this model and data)
-    m, o = fresh()
-    akw: dict[str, Any] = {"expected_steps": EXPECTED_STEPS}
-    if quick:
-        akw["untried"] = {"compile": "quick mode budget"}
-        # two timed steps per option, interleaved (one alone let a 4% noise decide NCHW over NHWC under load,
-        # where 4 interleaved pairs all had NHWC faster)
-        akw["trial_steps"] = 2
-    trainer = Trainer(m, o, torch.nn.functional.cross_entropy, progress=False, accelerate_kwargs=akw)
 
-    chunks = _Chunk(_Stream(fast), k)
+    def auto_row(self) -> None:
+        """7. torchspeed auto: the Trainer with every setting on "auto" (measured on this model and data)."""
+        import time
 
-    def trainer_chunk() -> None:
-        trainer.fit(chunks, epochs=10**9, max_steps=trainer.global_step + k)
+        import torch
 
-    step("torchspeed auto: accelerate() measuring candidates")
-    t0 = time.perf_counter()
-    trainer.prepare(fast, EXPECTED_STEPS)
-    results["accelerate_setup_s"] = time.perf_counter() - t0
-    todo["setup"] = 0
-    rep = trainer.report
-    auto_prec = rep.precision
-    auto = measure("torchspeed auto", trainer_chunk,
-                   f"Trainer, everything on auto: chose {rep.precision}, channels_last={rep.channels_last}, "
-                   f"compile={rep.compile}, {rep.optimizer} optimizer (setup {results['accelerate_setup_s']:.0f} s)",
-                   auto_prec)
-    results["accelerate"] = rep.to_dict()
-    batches = [chunks.stream.next() for _ in range(2 if quick else 8)]
-    # where the chosen setting's step time goes (per-op profile of one fp32 step), if the budget allows
-    step_s = max(r.get("first_call_s") or 0.0 for r in rows) / k  # about one step (the slowest first call)
-    if not quick or budget.allows(2 * step_s):
-        layout = "NHWC" if rep.channels_last else "NCHW"
-        step(f"profiling one training step (per-op self time, fp32 {layout})")
-        m, o = fresh(channels_last=rep.channels_last)
-        x0 = batches[0][0].contiguous(memory_format=torch.channels_last if rep.channels_last else torch.contiguous_format)
-        results["step_profile"] = dict(step_profile(m, o, x0, batches[0][1], per_op, fp32_ceiling), layout=layout)
-        if not quick or budget.allows(6 * step_s):
-            step("timing each convolution of the step alone (the bound oneDNN sets at these shapes)")
-            results["step_profile"]["conv_bound"] = conv_bound(m, x0, fp32_ceiling, repeats=1 if quick else 3)
-    todo["profile"] = 0
-    del fast, trainer_chunk
-    chunks = None  # the stream over the fast loader goes with it (its threads and buffers)
-    overhead = None
-    notes: list[str] = []
-    if not quick:
-        # Trainer overhead: same settings, same in-memory batches, interleaved with a hand-written loop
-        step("Trainer overhead vs a hand-written loop (interleaved)")
-        mh, _ = fresh(channels_last=True)
+        from torchspeed.train import Trainer
+
+        m, o = self.fresh()
+        akw: dict[str, Any] = {"expected_steps": EXPECTED_STEPS}
+        if self.quick:
+            akw["untried"] = {"compile": "quick mode budget"}
+            # two timed steps per option, interleaved (one alone let a 4% noise decide NCHW over NHWC under load,
+            # where 4 interleaved pairs all had NHWC faster)
+            akw["trial_steps"] = 2
+        self.trainer = trainer = Trainer(m, o, torch.nn.functional.cross_entropy, progress=False,
+                                         accelerate_kwargs=akw)
+        self.chunks = chunks = _Chunk(_Stream(self.fast), self.k)
+
+        def trainer_chunk() -> None:
+            trainer.fit(chunks, epochs=10**9, max_steps=trainer.global_step + self.k)
+
+        self.say("torchspeed auto: accelerate() measuring candidates")
+        t0 = time.perf_counter()
+        trainer.prepare(self.fast, EXPECTED_STEPS)
+        self.results["accelerate_setup_s"] = time.perf_counter() - t0
+        self.windows.finish("setup")
+        rep = self.rep = trainer.report
+        self.auto_prec = rep.precision
+        self.auto = self.measure("torchspeed auto", trainer_chunk,
+                                 f"Trainer, everything on auto: chose {rep.precision}, channels_last={rep.channels_last}, "
+                                 f"compile={rep.compile}, {rep.optimizer} optimizer (setup "
+                                 f"{self.results['accelerate_setup_s']:.0f} s)", self.auto_prec)
+        self.results["accelerate"] = rep.to_dict()
+        self.batches = [chunks.stream.next() for _ in range(2 if self.quick else 8)]
+
+    def profile_step(self) -> None:
+        """Where the chosen setting's step time goes (per-op profile of one fp32 step), if the budget allows."""
+        import torch
+
+        rep = self.rep
+        step_s = max(r.first_call_s or 0.0 for r in self.rows) / self.k  # about one step (the slowest first call)
+        if not self.quick or self.budget.allows(2 * step_s):
+            layout = "NHWC" if rep.channels_last else "NCHW"
+            self.say(f"profiling one training step (per-op self time, fp32 {layout})")
+            m, o = self.fresh(channels_last=rep.channels_last)
+            x0 = self.batches[0][0].contiguous(memory_format=torch.channels_last if rep.channels_last
+                                               else torch.contiguous_format)
+            self.results["step_profile"] = dict(step_profile(m, o, x0, self.batches[0][1], self.per_op,
+                                                             self.fp32_ceiling), layout=layout)
+            if not self.quick or self.budget.allows(6 * step_s):
+                self.say("timing each convolution of the step alone (the bound oneDNN sets at these shapes)")
+                self.results["step_profile"]["conv_bound"] = conv_bound(m, x0, self.fp32_ceiling,
+                                                                        repeats=1 if self.quick else 3)
+        self.windows.finish("profile")
+
+    def close_fast_stream(self) -> None:
+        """The channels_last loader and the stream over it go (their threads and buffers)."""
+        self.fast = self.chunks = None
+
+    def trainer_overhead(self) -> None:
+        """The Trainer against a hand-written loop: same settings, same in-memory batches, interleaved."""
+        import torch
+
+        from torchspeed.measure import compare
+        from torchspeed.train import Trainer
+
+        self.say("Trainer overhead vs a hand-written loop (interleaved)")
+        batches, prec = self.batches, self.auto_prec
+        mh, _ = self.fresh(channels_last=True)
         oh = torch.optim.SGD(mh.parameters(), lr=0.05, momentum=0.9, fused=True)
-        it_h = iter(())
-
-        def from_list() -> Any:
-            nonlocal it_h
-            try:
-                return next(it_h)
-            except StopIteration:
-                it_h = iter(batches)
-                return next(it_h)
-
-        hand = _hand_loop(mh, oh, from_list, len(batches), auto_prec, True)
-        mt, ot = fresh(channels_last=True)
-        tr2 = Trainer(mt, ot, torch.nn.functional.cross_entropy, precision=auto_prec, channels_last=True,
+        hand = _hand_loop(mh, oh, _cycling(batches), len(batches), prec, True)
+        mt, ot = self.fresh(channels_last=True)
+        tr2 = Trainer(mt, ot, torch.nn.functional.cross_entropy, precision=prec, channels_last=True,
                       compile=False, strategy=None, progress=False)
 
         def trainer_list() -> None:
             tr2.fit(batches, epochs=10**9, max_steps=tr2.global_step + len(batches))
 
-        cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=repeats, cooldown_s=0.1,
-                      device=device, items=len(batches) * BATCH)
-        overhead = 100 * (cmp["Trainer"].median_s / cmp["hand-written loop"].median_s - 1)
-        results["trainer_overhead"] = {"hand_s": cmp["hand-written loop"].median_s, "trainer_s": cmp["Trainer"].median_s,
-                                       "steps": len(batches), "precision": auto_prec}
-        notes.append(f"Trainer overhead {overhead:+.1f}% vs a hand-written loop (same settings and batches, interleaved)")
-        # Evaluation: inference_mode vs autograd left on (article 001's torch.no_grad claim)
-        step("evaluation: inference_mode vs autograd on (time, peak memory)")
-        me, _ = fresh()
+        cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=self.repeats,
+                      cooldown_s=0.1, device=self.device, items=len(batches) * BATCH)
+        self.overhead = 100 * (cmp["Trainer"].median_s / cmp["hand-written loop"].median_s - 1)
+        self.results["trainer_overhead"] = {"hand_s": cmp["hand-written loop"].median_s,
+                                            "trainer_s": cmp["Trainer"].median_s, "steps": len(batches),
+                                            "precision": prec}
+        self.notes.append(f"Trainer overhead {self.overhead:+.1f}% vs a hand-written loop (same settings and batches, "
+                          "interleaved)")
+
+    def eval_rows(self) -> None:
+        """Evaluation under inference_mode against autograd left on (article 001's torch.no_grad claim):
+        time, peak memory and the activations autograd holds."""
+        import torch
+
+        from torchspeed.measure import compare
+
+        self.say("evaluation: inference_mode vs autograd on (time, peak memory)")
+        me, _ = self.fresh()
         me.eval()
-        xs = [b[0].contiguous() for b in batches[:2]]
+        xs = [b[0].contiguous() for b in self.batches[:2]]
 
         def ev(ctx: Callable[[], Any]) -> Callable[[], None]:
             def f() -> None:
@@ -571,44 +662,46 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
                         me(x).sum().item()
             return f
 
-        ec = compare({"autograd on": ev(torch.enable_grad), "no_grad": ev(torch.no_grad),
-                      "inference_mode": ev(torch.inference_mode)}, warmup=1, repeats=repeats, cooldown_s=0.1,
-                     device=device, items=len(xs) * BATCH, measure_memory=True)
-        held = {n: _autograd_held_bytes(me, xs[0], ctx) for n, ctx in
-                (("autograd on", torch.enable_grad), ("no_grad", torch.no_grad),
-                 ("inference_mode", torch.inference_mode))}
-        results["eval"] = {n: {"median_s": ec[n].median_s, "peak_rss_bytes": ec[n].peak_mem_bytes,
-                               "autograd_held_bytes": held[n], "speedup": ec.speedup(n)}
-                           for n in ("autograd on", "no_grad", "inference_mode")}
+        contexts = {"autograd on": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+        ec = compare({n: ev(ctx) for n, ctx in contexts.items()}, warmup=1, repeats=self.repeats, cooldown_s=0.1,
+                     device=self.device, items=len(xs) * BATCH, measure_memory=True)
+        held = {n: _autograd_held_bytes(me, xs[0], ctx) for n, ctx in contexts.items()}
+        self.results["eval"] = {n: {"median_s": ec[n].median_s, "peak_rss_bytes": ec[n].peak_mem_bytes,
+                                    "autograd_held_bytes": held[n], "speedup": ec.speedup(n)} for n in contexts}
         for n in ("autograd on", "inference_mode"):
-            t = ec[n]
-            rows.append({"technique": f"eval: {n}", "median": t.median_s * 1e3, "min": t.min_s * 1e3,
-                         "max": t.max_s * 1e3, "unit": "ms", "ratio": ec.speedup(n), "cumulative": None,
-                         "metric_drop": None, "what": f"fp32 forward of {len(xs)} x {BATCH} images; activations held "
-                                                      f"for backward: {held[n] / 2**20:.0f} MiB per batch"})
-        notes.append(f"eval: inference_mode {ec.speedup('inference_mode'):.2f}x the speed of autograd-on; activations "
-                     f"held for backward {held['inference_mode'] / 2**20:.0f} vs {held['autograd on'] / 2**20:.0f} "
-                     "MiB per batch")
-    step("early stopping on a plateauing task")
-    results["early_stopping"] = _early_stopping(quick)
-    for r in rows:
-        if r["unit"] == "samples/s" and r["median"] is not None:
-            r["ratio"] = r["cumulative"] = r["median"] / plain
-    results.update(rows=rows, plain_samples_s=plain, torchspeed_samples_s=auto, ratio=auto / plain,
-                   best_hand_samples_s=best, best_hand_uses_compile=best_compile, trainer_overhead_pct=overhead)
-    step("done")
-    results["phase_s"] = phases
-    results["seconds_used"] = round(budget.elapsed(), 1)
-    es = results["early_stopping"]
-    notes.insert(0, f"ratio {auto / plain:.2f}x (torchspeed auto vs plain); each row timed in a window of the suite's "
-                    f"{budget.seconds:.0f} s budget (calls of {k} step(s) of {BATCH}, as many as fit, at least 2)")
-    notes.append(f"early stopping: stopped at epoch {es['stopped_at_epoch']} of {es['budget_epochs']} "
-                 f"({es['epochs_saved']} epochs, {es['time_saved_pct']:.0f}% of the time saved); best val_loss "
-                 f"{es['best_val_loss_early_stopped']:.4f} vs {es['best_val_loss_full_run']:.4f} with the full budget")
-    notes.append(f"FLOPs per training sample (forward + backward, torch.utils.flop_counter): {flops / 1e9:.2f} G")
-    results["limits"] = [_train_limit(auto, flops, fp32_ceiling, results.get("step_profile"), rep, auto_prec)]
-    results["notes"] = notes
-    return results
+            self.rows.append(Row.in_ms(f"eval: {n}", ec[n], f"fp32 forward of {len(xs)} x {BATCH} images; activations "
+                                                            f"held for backward: {held[n] / 2**20:.0f} MiB per batch",
+                                       ratio=ec.speedup(n)))
+        self.notes.append(f"eval: inference_mode {ec.speedup('inference_mode'):.2f}x the speed of autograd-on; "
+                          f"activations held for backward {held['inference_mode'] / 2**20:.0f} vs "
+                          f"{held['autograd on'] / 2**20:.0f} MiB per batch")
+
+    def finish(self) -> dict[str, Any]:
+        """Ratios to the plain row, the headline figures, the notes and the goal against the ceiling."""
+        plain, auto, results = self.plain, self.auto, self.results
+        for r in self.rows:
+            if r.unit == "samples/s" and r.median is not None:
+                r.ratio = r.cumulative = r.median / plain
+        results.update(rows=to_json(self.rows), plain_samples_s=plain, torchspeed_samples_s=auto, ratio=auto / plain,
+                       best_hand_samples_s=self.best, best_hand_uses_compile=self.best_compile,
+                       trainer_overhead_pct=self.overhead)
+        self.say("done")
+        results["phase_s"] = self.say.seconds
+        results["seconds_used"] = round(self.budget.elapsed(), 1)
+        es = results["early_stopping"]
+        notes = self.notes
+        notes.insert(0, f"ratio {auto / plain:.2f}x (torchspeed auto vs plain); each row timed in a window of the "
+                        f"suite's {self.budget.seconds:.0f} s budget (calls of {self.k} step(s) of {BATCH}, as many as "
+                        "fit, at least 2)")
+        notes.append(f"early stopping: stopped at epoch {es['stopped_at_epoch']} of {es['budget_epochs']} "
+                     f"({es['epochs_saved']} epochs, {es['time_saved_pct']:.0f}% of the time saved); best val_loss "
+                     f"{es['best_val_loss_early_stopped']:.4f} vs {es['best_val_loss_full_run']:.4f} with the full "
+                     "budget")
+        notes.append(f"FLOPs per training sample (forward + backward, torch.utils.flop_counter): {self.flops / 1e9:.2f} G")
+        results["limits"] = [_train_limit(auto, self.flops, self.fp32_ceiling, results.get("step_profile"), self.rep,
+                                          self.auto_prec)]
+        results["notes"] = notes
+        return results
 
 
 def _train_limit(auto: float, flops: float, fp32_ceiling: float | None, profile: dict[str, Any] | None,

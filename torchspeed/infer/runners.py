@@ -1,9 +1,10 @@
-"""Inference runtimes behind one small interface: build or load, run, save.
+"""Runners: a model ready to run on one inference runtime, behind one small interface (build or
+load, run, save).
 
 Every runner is a callable `runner(batch) -> torch.Tensor` (float32 in, outputs as tensors) with a
-`backend`, an explicit `precision` label and `save(directory)`, which writes the model file plus a
+`runtime`, an explicit `precision` label and `save(directory)`, which writes the model file plus a
 JSON manifest that `torchspeed.infer.load` reads back. Runtimes are imported lazily; a missing one
-is reported by `available_backends()`, never fatal.
+is reported by `available_runtimes()`, never fatal.
 
 Thread settings are explicit for every runtime (the same core count for all, so they compare fairly),
 and ONNX Runtime's intra-op threads spin between ops as by its default (measured faster for small
@@ -14,6 +15,7 @@ otherwise silently run an "fp32" model in bf16.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -30,11 +32,14 @@ from torchspeed.infer.precision import as_fp32
 from torchspeed.models import ModelSpec, spec_of
 from torchspeed.runtime import usable_cores
 
-__all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "available_backends", "build_torch_module",
-           "module_device", "ort_providers", "provider_label", "ort_cuda_problem", "check_ort_cuda", "MANIFEST", "FORMAT"]
+__all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "RUNTIMES", "available_runtimes",
+           "build_torch_module", "module_device", "ort_providers", "provider_label", "ort_cuda_problem",
+           "check_ort_cuda", "feed_names", "read_manifest", "MANIFEST", "FORMAT", "RUNTIME_KEY"]
 
+RUNTIMES = ("torch", "torch.compile", "onnxruntime", "onnxruntime-cuda", "openvino", "tensorrt")
 MANIFEST = "manifest.json"
 FORMAT = "torchspeed-inference-artifact"
+RUNTIME_KEY = "backend"  # the manifest key naming the runtime: part of the saved artifact format
 
 
 def _as_numpy(x: Any, dtype: Any = np.float32) -> np.ndarray:
@@ -55,8 +60,8 @@ def module_device(model: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def available_backends() -> dict[str, str | None]:
-    """backend -> None when usable here, else why not (with the install hint)."""
+def available_runtimes() -> dict[str, str | None]:
+    """Each of `RUNTIMES` -> None when usable here, else why not (with the install hint)."""
     out: dict[str, str | None] = {"torch": None, "torch.compile": None}
     try:
         import onnx  # noqa: F401
@@ -88,9 +93,9 @@ def available_backends() -> dict[str, str | None]:
 
 
 class Runner:
-    """A model ready to run: `runner(x) -> outputs`, with backend, precision label and `save(dir)`."""
+    """A model ready to run: `runner(x) -> outputs`, with runtime, precision label and `save(dir)`."""
 
-    backend: str = ""
+    runtime: str = ""
     precision: str = ""
     files: tuple[str, ...] = ()
 
@@ -98,7 +103,7 @@ class Runner:
         raise NotImplementedError
 
     def manifest(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": 1, "backend": self.backend, "precision": self.precision}
+        return {"format": FORMAT, "version": 1, RUNTIME_KEY: self.runtime, "precision": self.precision}
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write the model file(s) and `manifest.json` into `directory`; returns the directory."""
@@ -116,7 +121,7 @@ class Runner:
         return publish_files(directory, write, last=MANIFEST)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.backend} {self.precision}>"
+        return f"<{type(self).__name__} {self.runtime} {self.precision}>"
 
 
 # ----------------------------------------------------------------------------------------- torch
@@ -125,7 +130,7 @@ def build_torch_module(model: nn.Module, recipe: dict[str, Any]) -> nn.Module | 
     from torchspeed.infer.fuse import fuse_conv_bn
     from torchspeed.infer.precision import to_precision
 
-    m = fuse_conv_bn(model) if recipe.get("fuse") else __import__("copy").deepcopy(model).eval()
+    m = fuse_conv_bn(model) if recipe.get("fuse") else copy.deepcopy(model).eval()
     m = to_precision(m, recipe.get("precision", "fp32"), recipe.get("mode", "autocast"),
                      bool(recipe.get("channels_last")), copy_model=False)
     if recipe.get("compile"):
@@ -139,11 +144,11 @@ class TorchRunner(Runner):
     so it needs a model built by `torchspeed.models.create` (or the CLI)."""
 
     def __init__(self, model: nn.Module, recipe: dict[str, Any], threads: int | None = None,
-                 arch: ModelSpec | None = None, batch_format: BatchFormat | dict | None = None):
+                 spec: ModelSpec | None = None, batch_format: BatchFormat | dict | None = None):
         self.source = model
         self.recipe = dict(recipe)
-        self.arch = arch if arch is not None else spec_of(model)
-        self.backend = "torch.compile" if recipe.get("compile") else "torch"
+        self.spec = spec if spec is not None else spec_of(model)
+        self.runtime = "torch.compile" if recipe.get("compile") else "torch"
         self.precision = recipe.get("precision", "fp32")
         self.threads = threads or usable_cores()
         self.format = BatchFormat.of(batch_format)
@@ -174,16 +179,16 @@ class TorchRunner(Runner):
 
     def save(self, directory: str | os.PathLike) -> str:
         directory = os.fspath(directory)
-        if self.arch is None:
+        if self.spec is None:
             raise ValueError(
                 "this torch variant cannot be saved without pickle: its architecture has no name. Create the model "
-                "with torchspeed.models.create('resnet18', ...) (or pass arch= to optimize), or save an "
+                "with torchspeed.models.create('resnet18', ...) (or pass spec= to optimize), or save an "
                 "ONNX Runtime / OpenVINO variant instead")
         state = {k: v.detach().contiguous() for k, v in self.source.state_dict().items()}
 
         def write(tmp: str) -> None:
             torch.save(state, os.path.join(tmp, "weights.pt"))
-            self._write_manifest(tmp, {"file": "weights.pt", "arch": self.arch.to_dict(), "recipe": self.recipe,
+            self._write_manifest(tmp, {"file": "weights.pt", "arch": self.spec.to_dict(), "recipe": self.recipe,
                                        "threads": self.threads, "device": str(self.device)})
 
         return self._publish(directory, write)
@@ -201,18 +206,18 @@ class TorchRunner(Runner):
         """
         from torchspeed.models import create
 
-        arch = ModelSpec.from_dict(manifest.get("arch"), where=f"the torch artifact in {directory!r}")
+        spec = ModelSpec.from_dict(manifest.get("arch"), where=f"the torch artifact in {directory!r}")
         if not isinstance(manifest.get("recipe"), dict):
             raise ValueError(f"the torch artifact in {directory!r} is damaged: its manifest has no recipe")
         if model is None:
-            if arch.runs_user_code and not trust_code:
+            if spec.runs_user_code and not trust_code:
                 raise ValueError(
-                    f"the torch artifact in {directory!r} was built from your own code ({arch.source} "
-                    f"{arch.name!r}); loading it would import that code, so it is not done on the manifest's "
+                    f"the torch artifact in {directory!r} was built from your own code ({spec.source} "
+                    f"{spec.name!r}); loading it would import that code, so it is not done on the manifest's "
                     "word. Build the model yourself and pass it: ts.infer.load(dir, model=my_model) (on the "
                     "command line: give the spec and --weights DIR/weights.pt), or pass trust_code=True if "
                     "you trust this directory")
-            model = create(arch)
+            model = create(spec)
         from torchspeed.safeload import load_torch_file
 
         state = load_torch_file(os.path.join(directory, manifest["file"]), what="the artifact's weights")
@@ -227,12 +232,12 @@ class TorchRunner(Runner):
         device = str(manifest.get("device") or "cpu")
         if device.startswith("cuda") and torch.cuda.is_available():  # measured on a GPU: run there when there is one
             model = model.to(device)
-        return cls(model.eval(), manifest["recipe"], manifest.get("threads"), arch)
+        return cls(model.eval(), manifest["recipe"], manifest.get("threads"), spec)
 
 
 # ----------------------------------------------------------------------------------------- ONNX Runtime
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
-_BACKEND_OF = {"TensorrtExecutionProvider": "onnxruntime-tensorrt", "CUDAExecutionProvider": "onnxruntime-cuda",
+_RUNTIME_OF = {"TensorrtExecutionProvider": "onnxruntime-tensorrt", "CUDAExecutionProvider": "onnxruntime-cuda",
                "CPUExecutionProvider": "onnxruntime"}
 _KIND_OF = {"TensorrtExecutionProvider": "tensorrt", "CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
 GPU_INSTALL = "pip uninstall -y onnxruntime && pip install 'torchspeed[infer-gpu]'"
@@ -309,21 +314,22 @@ def ort_providers(kind: str = "cpu", precision: str = "fp32", device_id: int = 0
 
 
 def provider_label(requested: list[str], active: list[str]) -> tuple[str, str | None]:
-    """(backend label of the provider really running, None or why it is not the one asked for).
+    """(runtime label of the provider really running, None or why it is not the one asked for).
 
     ONNX Runtime falls back silently when a provider fails to load (TensorRT libraries missing, a
     CUDA mismatch): the session's `get_providers()` is the truth, not the request."""
     wanted = requested[0] if requested else "CPUExecutionProvider"
     got = active[0] if active else "no provider"
-    backend = _BACKEND_OF.get(got, f"onnxruntime ({got})")
+    runtime = _RUNTIME_OF.get(got, f"onnxruntime ({got})")
     if got == wanted:
-        return backend, None
-    return backend, (f"asked for {wanted} but ONNX Runtime runs {got} (the {wanted} did not load: check its "
+        return runtime, None
+    return runtime, (f"asked for {wanted} but ONNX Runtime runs {got} (the {wanted} did not load: check its "
                      f"libraries, e.g. TensorRT for the TensorRT provider, and the CUDA versions)")
 
 
-def _feed_names(x: Any, names: list[str]) -> dict[str, Any]:
-    """Model inputs (a tensor/array, a dict by name, or a tuple by position) as {input name: value}."""
+def feed_names(x: Any, names: list[str]) -> dict[str, Any]:
+    """Model inputs (a tensor/array, a dict by name, or a tuple by position) as {input name: value}:
+    how every runtime fed by input name (ONNX Runtime, OpenVINO, the INT8 calibration reader) reads a batch."""
     if isinstance(x, dict):
         missing = [n for n in names if n not in x]
         if missing:
@@ -346,13 +352,13 @@ class OrtRunner(Runner):
     """ONNX Runtime on the CPU, or on a GPU through its CUDA / TensorRT execution providers.
 
     `providers`: 'cpu', 'cuda' or 'tensorrt' (with the options of `ort_providers`), or ONNX Runtime's
-    own list of provider names / (name, options) pairs. The row's `backend` names the provider that
+    own list of provider names / (name, options) pairs. The row's `runtime` names the provider that
     really runs (`session.get_providers()`), and `fallback` says so when it is not the one asked for.
     On a GPU, inputs and outputs stay on the device (IO binding: torch tensors handed to ONNX Runtime
     by pointer, outputs returned through DLPack), not copied through host numpy.
     """
 
-    backend = "onnxruntime"
+    runtime = "onnxruntime"
 
     def __init__(self, path: str, precision: str = "fp32", threads: int | None = None,
                  providers: str | list[Any] | None = None, *, device: str | torch.device | None = None,
@@ -386,7 +392,7 @@ class OrtRunner(Runner):
         opts.log_severity_level = 3
         self.session = ort.InferenceSession(path, opts, providers=requested)
         self.active = list(self.session.get_providers())
-        self.backend, self.fallback = provider_label(names, self.active)
+        self.runtime, self.fallback = provider_label(names, self.active)
         self.device = torch.device("cuda", device_id) if self.active and self.active[0] in _GPU_PROVIDERS \
             else torch.device("cpu")
         self.inputs = [(i.name, _ORT_NUMPY.get(i.type, np.float32)) for i in self.session.get_inputs()]
@@ -396,7 +402,7 @@ class OrtRunner(Runner):
         self.files = (path,)
 
     def __call__(self, x: Any) -> torch.Tensor:
-        feed = _feed_names(x, self.input_names)
+        feed = feed_names(x, self.input_names)
         if self.device.type == "cuda":
             return self.run_bound(feed)
         types = dict(self.inputs)
@@ -463,7 +469,7 @@ _OV_HINT = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32", "int8+b
 class OpenVINORunner(Runner):
     """OpenVINO on CPU with an explicit inference precision hint ('f32' for the fp32 and int8 rows)."""
 
-    backend = "openvino"
+    runtime = "openvino"
 
     def __init__(self, model: Any, precision: str = "fp32", threads: int | None = None):
         try:
@@ -489,7 +495,7 @@ class OpenVINORunner(Runner):
 
     def __call__(self, x: Any) -> torch.Tensor:
         feed = {n: _as_numpy(v, np.float32 if _is_float(v) else np.int64)
-                for n, v in _feed_names(x, self.input_names).items()}
+                for n, v in feed_names(x, self.input_names).items()}
         self.request.infer(feed)
         return torch.from_numpy(np.array(self.request.get_output_tensor(0).data, copy=True))
 
@@ -538,6 +544,7 @@ def _first_line(e: BaseException) -> str:
     return (lines[0] if lines else type(e).__name__)[:200]
 
 
+# the runtime a manifest names -> the runner that loads it
 RUNNERS: dict[str, type[Runner]] = {
     "torch": TorchRunner, "torch.compile": TorchRunner, "onnxruntime": OrtRunner,
     "onnxruntime-cuda": OrtRunner, "onnxruntime-tensorrt": OrtRunner, "openvino": OpenVINORunner,
@@ -545,6 +552,8 @@ RUNNERS: dict[str, type[Runner]] = {
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """The checked manifest of the artifact in `directory`; FileNotFoundError or ValueError naming what is
+    missing or damaged."""
     directory = os.fspath(directory)
     path = os.path.join(directory, MANIFEST)
     if not os.path.isdir(directory):
@@ -560,10 +569,10 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"the artifact manifest {path!r} is damaged (not valid JSON: {_first_line(e)}); "
                          "re-save the artifact") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("backend") not in RUNNERS:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get(RUNTIME_KEY) not in RUNNERS:
         fmt = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        backend = manifest.get("backend") if isinstance(manifest, dict) else None
-        raise ValueError(f"{path!r} is not a torchspeed inference manifest (format {fmt!r}, backend {backend!r})")
+        runtime = manifest.get(RUNTIME_KEY) if isinstance(manifest, dict) else None
+        raise ValueError(f"{path!r} is not a torchspeed inference manifest (format {fmt!r}, runtime {runtime!r})")
     bad = [k for k in ("file", "precision") if not isinstance(manifest.get(k), str) or not manifest.get(k)]
     if bad or os.path.basename(manifest["file"]) != manifest["file"]:
         raise ValueError(f"the artifact manifest {path!r} is damaged: "

@@ -1,5 +1,5 @@
-"""Run benchmark suites, keep going when one fails, collect their JSON under the suite names, and
-write the report.
+"""The orchestration of `torchspeed bench`: run the suites, keep going when one fails, collect their
+JSON under the suite names, and write the report.
 
 Each suite runs in its own Python process, so a native crash in one suite (a segfault in a runtime)
 is reported as that suite's failure while the others still run and the report is still written, and
@@ -29,6 +29,7 @@ from torchspeed.atomic import write_json
 from torchspeed.bench import suites
 from torchspeed.bench.ceilings import annotate
 from torchspeed.bench.budget import seconds_for
+from torchspeed.bench.rows import rows_of
 from torchspeed.tables import print_table
 
 RESULTS = "results.json"
@@ -56,39 +57,18 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
     machine = describe()
     console.print(f"[bold]Machine:[/] {describe_line(machine)}")
     results: dict[str, Any] = {"machine": machine, "quick": quick, "command": command}
-    modules = {n: suites.load(n) for n in names}
-    todo = [n for n in names if modules[n] is not None]
-    missing = [n for n in names if n not in todo]
-    if missing:
-        console.print(f"not built into this version yet: {', '.join(missing)}")
+    todo = list(names)
     if any(n in suites.UNDER_CEILINGS for n in todo):  # measured (or read from the cache) before the suites
-        modules["ceilings"] = suites.load("ceilings")
-        if modules["ceilings"] is not None:
-            todo.insert(0, "ceilings")
+        todo.insert(0, "ceilings")
+    modules = {n: suites.load(n) for n in todo}
     expected = {n: seconds_for(n, quick) for n in todo}
     start = time.perf_counter()
     results_path = os.path.join(out, RESULTS)
     try:
         for i, name in enumerate(todo, 1):
-            module = modules[name]
-            title = getattr(module, "TITLE", name)
-            t0 = time.perf_counter()
-            with console.status(f"[{i}/{len(todo)}] {name}: starting") as status:
-                def progress(text: str, _name: str = name, _i: int = i) -> None:
-                    elapsed = time.perf_counter() - t0
-                    left = max(expected[_name] - elapsed, 0) + sum(expected[n] for n in todo[_i:])
-                    status.update(f"[{_i}/{len(todo)}] {_name}: {text}  ({elapsed:.0f} s in suite, "
-                                  f"~{left / 60:.1f} min left)")
-                mode = quick and not (name == "ceilings" and refresh_ceilings)  # the ceilings measure in full mode
-                if isinstance(module, ModuleType):
-                    results[name], title = run_in_child(name, module.__name__, mode, progress, console, title,
-                                                        timeout_s=hang_timeout(expected[name]))
-                else:
-                    results[name] = _run_here(module, mode, progress)
-            if "error" in results[name]:
-                console.print(f"[red]suite {name} failed:[/] {results[name]['error']}", highlight=False)
-            results[name]["seconds"] = round(time.perf_counter() - t0, 1)
-            results[name]["budget_s"] = expected[name]
+            mode = quick and not (name == "ceilings" and refresh_ceilings)  # the ceilings measure in full mode
+            results[name], title = _run_suite(name, modules[name], mode, console, f"[{i}/{len(todo)}]",
+                                              expected[name], sum(expected[n] for n in todo[i:]))
             if name == "ceilings":
                 print_ceilings(results[name], console)
                 continue
@@ -107,6 +87,30 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
         write_json(json_path, results)
     render_report(out, console, command=command)  # from the file, as --report-only does
     return results
+
+
+def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str, budget_s: float,
+               left_after: float) -> tuple[dict[str, Any], str]:
+    """One suite (or the ceilings) under a live status line: (its JSON, with its seconds and budget, and its
+    title). `step` is "[i/n]"; `left_after` the budget of the suites still to come, for the time-left estimate."""
+    title = getattr(module, "TITLE", name)
+    t0 = time.perf_counter()
+    with console.status(f"{step} {name}: starting") as status:
+        def progress(text: str) -> None:
+            elapsed = time.perf_counter() - t0
+            left = max(budget_s - elapsed, 0) + left_after
+            status.update(f"{step} {name}: {text}  ({elapsed:.0f} s in suite, ~{left / 60:.1f} min left)")
+
+        if isinstance(module, ModuleType):
+            result, title = run_in_child(name, module.__name__, quick, progress, console, title,
+                                         timeout_s=hang_timeout(budget_s))
+        else:
+            result = _run_here(module, quick, progress)
+    if "error" in result:
+        console.print(f"[red]suite {name} failed:[/] {result['error']}", highlight=False)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["budget_s"] = budget_s
+    return result, title
 
 
 def _run_here(module: Any, quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -154,11 +158,12 @@ def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[s
     and reported as such.
     """
     import threading
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tmp = tempfile.mkdtemp(prefix=f"torchspeed-bench-{name}-")
     result_path = os.path.join(tmp, "suite.json")
     code = (f"import sys; sys.path.append({root!r}); "
-            "from torchspeed.bench.runner import child_main; child_main()")
+            "from torchspeed.bench.orchestration import child_main; child_main()")
     argv = [sys.executable, "-c", code, module_name, name, result_path, "quick" if quick else "full"]
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=_child_env(),
@@ -177,52 +182,67 @@ def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[s
             watchdog.daemon = True
             watchdog.start()
         try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                line = line.rstrip("\n")
-                if line.startswith(_MARK):
-                    progress(line[len(_MARK):])
-                else:
-                    console.print(line, markup=False, highlight=False)
-            status = proc.wait()
-            if watchdog:
-                watchdog.cancel()
+            status = _follow(proc, progress, console)
         except BaseException:  # Ctrl-C: pass it on to the child (its own session), give it a moment, then end it
             if watchdog:
                 watchdog.cancel()
-            try:
-                os.killpg(proc.pid, signal.SIGINT)
-            except OSError:
-                pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except OSError:
-                    proc.kill()
-                proc.wait()
+            _interrupt(proc)
             raise
-        payload = None
-        if os.path.exists(result_path):
-            try:
-                with open(result_path, encoding="utf-8") as f:
-                    payload = json.load(f)
-            except ValueError:
-                payload = None
+        if watchdog:
+            watchdog.cancel()
         if timed_out.is_set():
             return {"error": f"the suite's process was still running after {timeout_s:.0f} s (far beyond its "
                              "budget) and was ended as hung: a deadlocked worker process or runtime; its last "
                              "progress line above says where"}, title
-        if not isinstance(payload, dict) or not isinstance(payload.get("result"), dict):
-            return {"error": _death(status)}, title
-        result = payload["result"]
-        if status != 0 and "error" not in result:
-            note = f"the suite reported its results, then its process ended badly: {_death(status)}"
-            result["notes"] = [*result.get("notes", []), note]
-        return result, payload.get("title") or title
+        return _child_result(result_path, status, title)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _follow(proc: subprocess.Popen, progress: Callable[[str], None], console: Console) -> int:
+    """The child's output until it exits (progress lines to `progress`, the rest printed); its exit status."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        if line.startswith(_MARK):
+            progress(line[len(_MARK):])
+        else:
+            console.print(line, markup=False, highlight=False)
+    return proc.wait()
+
+
+def _interrupt(proc: subprocess.Popen) -> None:
+    """SIGINT to the child's process group, up to 10 s to finish, then SIGKILL."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.wait()
+
+
+def _child_result(result_path: str, status: int, title: str) -> tuple[dict[str, Any], str]:
+    """What the child wrote (its JSON and title), or an error saying how it died without writing it."""
+    payload = None
+    if os.path.exists(result_path):
+        try:
+            with open(result_path, encoding="utf-8") as f:
+                payload = json.load(f)
+        except ValueError:
+            payload = None
+    if not isinstance(payload, dict) or not isinstance(payload.get("result"), dict):
+        return {"error": _death(status)}, title
+    result = payload["result"]
+    if status != 0 and "error" not in result:
+        note = f"the suite reported its results, then its process ended badly: {_death(status)}"
+        result["notes"] = [*result.get("notes", []), note]
+    return result, payload.get("title") or title
 
 
 def child_main(argv: Sequence[str] | None = None) -> None:
@@ -276,20 +296,19 @@ def render_report(out: str, console: Console | None = None, command: str | None 
     results = read_results(out)
     report = write_report(results, out, command=command or results.get("command") or "torchspeed bench")
     print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
-                ["suite", "technique", "measured", "speed-up", "accuracy drop", "% of ceiling"], summary_rows(results), console)
+                ["suite", "technique", "measured", "speed-up", "accuracy drop", "% of ceiling"], summary_rows(results),
+                console)
     took = f" ({results['seconds'] / 60:.1f} min)" if results.get("seconds") is not None else ""
     console.print(f"report: {report}{took}")
     return results
 
 
 def print_suite(name: str, result: dict[str, Any], console: Console, title: str | None = None) -> None:
+    """A suite's table on the console, as it finishes."""
     if "error" in result:
         return
-    rows = [
-        (r["technique"], r.get("median"), r.get("unit", ""), r.get("ratio"), r.get("cumulative"), r.get("metric_drop"),
-         r.get("pct_of_ceiling"))
-        for r in result.get("rows", [])
-    ]
+    rows = [(r.technique, r.median, r.unit, r.ratio, r.cumulative, r.metric_drop, r.pct_of_ceiling)
+            for r in rows_of(result)]
     if title is None:
         title = getattr(suites.load(name), "TITLE", name)
     print_table(title, ["technique", "median", "unit", "ratio", "cumulative", "metric drop", "% of ceiling"], rows,
@@ -297,6 +316,7 @@ def print_suite(name: str, result: dict[str, Any], console: Console, title: str 
 
 
 def print_ceilings(result: dict[str, Any], console: Console) -> None:
+    """The machine's ceilings on the console, before the suites judged against them."""
     if "error" in result:
         return
     from torchspeed.bench.ceilings import ceiling_rows

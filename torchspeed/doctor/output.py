@@ -82,10 +82,12 @@ def print_profile(d: dict[str, Any], console: Any = None) -> None:
 
 
 def format_profile(d: dict[str, Any]) -> str:
+    """`print_profile` as text (what `str(ProfileResult)` shows)."""
     return _capture(print_profile, d)
 
 
 def print_lint(rep: Any, console: Any = None, top: int = 12) -> None:
+    """The model's totals, its `top` layers by measured time, the time per op kind and the ranked findings."""
     con = _console(console)
     d = rep.to_dict() if hasattr(rep, "to_dict") else rep
     t = d["totals"]
@@ -104,6 +106,7 @@ def print_lint(rep: Any, console: Any = None, top: int = 12) -> None:
 
 
 def format_lint(rep: Any) -> str:
+    """`print_lint` as text (what `str(LintResult)` shows)."""
     return _capture(print_lint, rep)
 
 

@@ -16,11 +16,12 @@ import sys
 import tempfile
 from typing import Any
 
+from torchspeed.args import progress_fn
 from torchspeed.doctor import instrument
 from torchspeed.doctor.fixes import check_names, plan
 from torchspeed.doctor.phases import PHASES, verdict
 
-__all__ = ["child_command", "run_doctor", "build_payload"]
+__all__ = ["TRY_STEPS", "build_payload", "check_interpreter", "child_command", "run_doctor"]
 
 TRY_STEPS = 8  # steps per run under --try when --steps is not given
 
@@ -69,6 +70,19 @@ def child_command(command: list[str]) -> list[str]:
     elif not (_PY.match(os.path.basename(exe)) or os.path.realpath(exe) == os.path.realpath(sys.executable)):
         raise ValueError(f"doctor runs Python scripts: the command must start with a Python interpreter, got {exe!r} "
                          "(use: torchspeed doctor -- python your_train.py ARGS)")
+    opts, mode, target, args = _python_arguments(rest)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(instrument.__file__))))
+    # Ctrl-C or doctor's --timeout (SIGINT) ends the child with status 130 and no traceback of doctor's
+    # frames; the report of what ran is written before (instrument.main) when the script had started.
+    boot = (f"import sys\ntry:\n    sys.path.insert(0, {root!r}); from torchspeed.doctor.instrument import main; "
+            f"sys.path.remove({root!r}); sys.path.append({root!r}); main()\n"
+            "except KeyboardInterrupt:\n    sys.exit(130)")
+    return [exe, *opts, "-c", boot, mode, target, *args]
+
+
+def _python_arguments(rest: list[str]) -> tuple[list[str], str, str, list[str]]:
+    """(interpreter options, mode, target, script arguments) of a Python command line after the
+    interpreter; mode is script, module or code."""
     opts: list[str] = []
     i = 0
     while i < len(rest):
@@ -76,11 +90,9 @@ def child_command(command: list[str]) -> list[str]:
         if a in ("-m", "-c"):
             if i + 1 >= len(rest):
                 raise ValueError(f"`{a}` needs an argument")
-            mode, target, args = ("module" if a == "-m" else "code"), rest[i + 1], rest[i + 2:]
-            break
+            return opts, ("module" if a == "-m" else "code"), rest[i + 1], rest[i + 2:]
         if a.startswith("-m") and len(a) > 2:
-            mode, target, args = "module", a[2:], rest[i + 1:]
-            break
+            return opts, "module", a[2:], rest[i + 1:]
         if a == "-" or a == "-i" or a.startswith("-i"):
             raise ValueError(f"doctor cannot run Python with {a!r} (interactive / stdin); give a script file")
         if a.startswith("-"):
@@ -92,17 +104,8 @@ def child_command(command: list[str]) -> list[str]:
             continue
         if not os.path.exists(a):
             raise FileNotFoundError(f"script {a!r} does not exist")
-        mode, target, args = "script", a, rest[i + 1:]
-        break
-    else:
-        raise ValueError("no script given: torchspeed doctor -- python your_train.py ARGS")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(instrument.__file__))))
-    # Ctrl-C or doctor's --timeout (SIGINT) ends the child with status 130 and no traceback of doctor's
-    # frames; the report of what ran is written before (instrument.main) when the script had started.
-    boot = (f"import sys\ntry:\n    sys.path.insert(0, {root!r}); from torchspeed.doctor.instrument import main; "
-            f"sys.path.remove({root!r}); sys.path.append({root!r}); main()\n"
-            "except KeyboardInterrupt:\n    sys.exit(130)")
-    return [exe, *opts, "-c", boot, mode, target, *args]
+        return opts, "script", a, rest[i + 1:]
+    raise ValueError("no script given: torchspeed doctor -- python your_train.py ARGS")
 
 
 def _sum(windows: list[dict[str, Any]]) -> tuple[float, dict[str, float], int]:
@@ -243,47 +246,18 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
 
     `try_fixes` (True: every fix the findings call for; a list: those fixes) then measures each fix on
     the unchanged script (`trying.try_fixes`), `steps` steps per run (default TRY_STEPS)."""
-    from torchspeed.atomic import atomic_write, write_json
-    from torchspeed.doctor.report import markdown, print_profile
-
-    if steps is not None and steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
-    measure_fixes = try_fixes is not None and try_fixes is not False
-    # None (also for True or an empty list): the fixes the findings call for
-    requested = (list(try_fixes) or None) if measure_fixes and try_fixes is not True else None
-    if measure_fixes:
-        if steps is not None and steps < 3:
-            raise ValueError(f"--try needs --steps >= 3 (one warm-up step and at least two measured), got {steps}")
-        steps = steps or TRY_STEPS
-        check_names(requested)
+    measure_fixes, requested, steps = _fixes_requested(try_fixes, steps)
     argv = child_command(command)
     if out:
         try:
             os.makedirs(out, exist_ok=True)
         except OSError as e:
             raise OSError(f"cannot create the report directory {out!r}: {e.strerror}") from None
-    env = dict(os.environ)
-    env[instrument.ENV_STEPS] = str(steps or "")
-    env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
-    trace_path = os.path.abspath(os.path.join(out or ".", "doctor-trace.json")) if trace else ""
-    env[instrument.ENV_TRACE] = trace_path
-    if measure_fixes:
-        env[instrument.ENV_SEED] = "0"  # the baseline run is seeded like the runs it is compared with
+    env = _child_env(steps, cprofile, trace, out, seeded=measure_fixes)
     check_interpreter(argv, env)
     status, raw, ranks, timed_out, interrupted = _run_child(argv, env, timeout)
     payload = build_payload(raw, command, status)
-    if ranks:
-        payload["ranks"] = ranks
-    if timed_out:
-        payload["status"], payload["timed_out_s"] = "timeout", timeout
-        if str(payload.get("error") or "").startswith("KeyboardInterrupt"):
-            payload["error"] = None  # doctor's own interruption, not the script's error
-    elif interrupted:
-        payload["status"] = "interrupted"
-        if str(payload.get("error") or "").startswith("KeyboardInterrupt"):
-            payload["error"] = None
-    if not raw and not payload.get("error") and not (timed_out or interrupted):
-        payload["error"] = _no_report(status)
+    _note_how_it_ended(payload, raw, status, ranks, timeout if timed_out else None, interrupted)
     con = None
     if console is not False:
         from rich.console import Console
@@ -295,27 +269,84 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     shown = {**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
              "phases": payload["steady"]["phases"]}
     if con is not None:
-        con.print(f"[bold]torchspeed doctor[/]: {' '.join(command)} -> exit status {status}, "
-                  f"{payload['steps']} training steps seen ({payload['status']})", highlight=False)
-        if payload.get("error"):
-            con.print(f"the script raised: {payload['error']}", highlight=False, markup=False)
-        print_profile(shown, con)
-        if payload.get("trace"):
-            con.print(f"torch.profiler trace (open in https://ui.perfetto.dev or chrome://tracing): {payload['trace']}")
-        if payload.get("try"):
-            from torchspeed.doctor.trying import print_tried
+        _print_report(con, command, status, payload, shown, timeout if timed_out else None)
+    _write_report(payload, shown, json_path, out)
+    return status, payload
 
-            print_tried(payload["try"], con)
-        if timed_out:
-            con.print(f"torchspeed doctor: the script ran past --timeout {timeout:g} s and was stopped; the report "
-                      "covers the steps it ran (exit status 124, as timeout(1))", highlight=False, markup=False)
+
+def _fixes_requested(try_fixes: list[str] | None | bool, steps: int | None) -> tuple[bool, list[str] | None, int | None]:
+    """(measure fixes, the fixes named or None for those the findings call for, steps per run), checked
+    before anything runs."""
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    measure_fixes = try_fixes is not None and try_fixes is not False
+    # None (also for True or an empty list): the fixes the findings call for
+    requested = (list(try_fixes) or None) if measure_fixes and try_fixes is not True else None
+    if measure_fixes:
+        if steps is not None and steps < 3:
+            raise ValueError(f"--try needs --steps >= 3 (one warm-up step and at least two measured), got {steps}")
+        steps = steps or TRY_STEPS
+        check_names(requested)
+    return measure_fixes, requested, steps
+
+
+def _child_env(steps: int | None, cprofile: bool, trace: bool, out: str | None, seeded: bool) -> dict[str, str]:
+    """This process's environment plus what the bootstrap reads: step limit, cProfile, trace path, seed."""
+    env = dict(os.environ)
+    env[instrument.ENV_STEPS] = str(steps or "")
+    env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
+    env[instrument.ENV_TRACE] = os.path.abspath(os.path.join(out or ".", "doctor-trace.json")) if trace else ""
+    if seeded:
+        env[instrument.ENV_SEED] = "0"  # the baseline run is seeded like the runs it is compared with
+    return env
+
+
+def _note_how_it_ended(payload: dict[str, Any], raw: dict[str, Any], status: int, ranks: int,
+                       timed_out_after: float | None, interrupted: bool) -> None:
+    """Ranks, a timeout or an interruption (doctor's own, not the script's error), or why no record came."""
+    if ranks:
+        payload["ranks"] = ranks
+    if timed_out_after is not None:
+        payload["status"], payload["timed_out_s"] = "timeout", timed_out_after
+    elif interrupted:
+        payload["status"] = "interrupted"
+    stopped = timed_out_after is not None or interrupted
+    if stopped and str(payload.get("error") or "").startswith("KeyboardInterrupt"):
+        payload["error"] = None
+    if not raw and not payload.get("error") and not stopped:
+        payload["error"] = _no_report(status)
+
+
+def _print_report(con: Any, command: list[str], status: int, payload: dict[str, Any], shown: dict[str, Any],
+                  timed_out_after: float | None) -> None:
+    from torchspeed.doctor.output import print_profile
+
+    con.print(f"[bold]torchspeed doctor[/]: {' '.join(command)} -> exit status {status}, "
+              f"{payload['steps']} training steps seen ({payload['status']})", highlight=False)
+    if payload.get("error"):
+        con.print(f"the script raised: {payload['error']}", highlight=False, markup=False)
+    print_profile(shown, con)
+    if payload.get("trace"):
+        con.print(f"torch.profiler trace (open in https://ui.perfetto.dev or chrome://tracing): {payload['trace']}")
+    if payload.get("try"):
+        from torchspeed.doctor.trying import print_tried
+
+        print_tried(payload["try"], con)
+    if timed_out_after is not None:
+        con.print(f"torchspeed doctor: the script ran past --timeout {timed_out_after:g} s and was stopped; the report "
+                  "covers the steps it ran (exit status 124, as timeout(1))", highlight=False, markup=False)
+
+
+def _write_report(payload: dict[str, Any], shown: dict[str, Any], json_path: str | None, out: str | None) -> None:
+    from torchspeed.atomic import atomic_write, write_json
+    from torchspeed.doctor.output import markdown
+
     if json_path:
         write_json(json_path, payload)
     if out:
         write_json(os.path.join(out, "doctor.json"), payload)
         with atomic_write(os.path.join(out, "doctor.md"), "w") as f:
             f.write(markdown(shown, "torchspeed doctor report"))
-    return status, payload
 
 
 def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv: list[str], env: dict[str, str],
@@ -336,10 +367,9 @@ def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv:
         return status, r
 
     planned = plan(payload, requested)
-    say = (lambda m: con.print(m, highlight=False, markup=False)) if con is not None else None
-    if say:
-        say(f"torchspeed doctor --try: {len(planned.run)} fix run(s), each followed by a baseline run, "
-            f"{steps} steps each (the script's output is hidden)")
+    say = progress_fn((lambda m: con.print(m, highlight=False, markup=False)) if con is not None else False)
+    say(f"torchspeed doctor --try: {len(planned.run)} fix run(s), each followed by a baseline run, "
+        f"{steps} steps each (the script's output is hidden)")
     launch = trying.launcher(argv, env, steps, timeout, run_child)
     result = trying.try_fixes(raw, payload, launch, planned, progress=say)
     payload["try"] = result

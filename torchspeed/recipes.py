@@ -1,0 +1,314 @@
+"""train_classifier(): an image classifier trained end to end, the recipe `torchspeed train` runs.
+
+The data is an ImageFolder (class subfolders, or train/ and val/ splits; else a seeded share is held
+out), a store from `torchspeed pack`, or a Dataset factory spec; the model a spec for
+`torchspeed.models.create` (built with one output per class) or an nn.Module. The recipe: FastLoaders
+sharded per rank, SGD with Nesterov momentum at a learning rate scaled to the global batch
+(0.1 x batch x processes / 256 unless given), a cosine schedule over the run, label-smoothed
+cross-entropy, EarlyStopping on val_loss, checkpoints in OUT/checkpoints (two kept) and metrics in
+OUT/metrics.csv; then OUT/model.pt (the whole weights, gathered from every rank under FSDP) and
+OUT/summary.json. It runs unchanged under torchrun.
+
+`prepare_classifier` does everything before the first step (a bad input fails before any data is
+read where it can) and returns a `ClassifierRun`, whose `fit()` trains; `train_classifier` is the two
+in one call. A recipe stands on data and train together, so it sits a layer above both.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchspeed.args import progress_fn
+from torchspeed.atomic import atomic_write, write_json
+from torchspeed.data import fast_loader, train_val_split
+from torchspeed.models import build, is_factory_spec, load_weights
+from torchspeed.runtime import resolve_device, seed_everything
+from torchspeed.train import distributed
+from torchspeed.train.acceleration import AccelerateOptions, AccelerateResult
+from torchspeed.train.callbacks import Checkpoint, EarlyStopping
+from torchspeed.train.checkpoint import holds_run, read_run
+from torchspeed.train.trainer import Trainer
+
+__all__ = ["ClassifierOptions", "ClassifierResult", "ClassifierRun", "prepare_classifier", "train_classifier"]
+
+Counts = int | str | list[int]  # "auto", a number, or counts to measure (fast_loader's num_workers / threads)
+
+
+@dataclass(frozen=True)
+class ClassifierOptions:
+    """The recipe's settings, named as `torchspeed train`'s flags; checked when made.
+
+    `batch_size` is per process; `lr` the peak learning rate (None: 0.1 x batch x processes / 256);
+    `patience` counts validations; `num_workers`/`threads` as fast_loader takes them (validation uses
+    the number given, else the main process); `model_kwargs`/`weights` apply to a model given by spec;
+    `resume` continues the run in `out`, `overwrite` starts a new one there (deleting its checkpoints)."""
+
+    epochs: int
+    batch_size: int = 64
+    lr: float | None = None
+    crop: int = 224
+    val_fraction: float = 0.1
+    patience: int = 10
+    precision: str = "auto"
+    channels_last: bool | str = "auto"
+    compile: bool | str = "auto"  # noqa: A003 (the public name of the setting)
+    strategy: str | None = "auto"
+    num_workers: Counts = "auto"
+    threads: Counts = "auto"
+    max_steps: int | None = None
+    seed: int = 0
+    out: str | os.PathLike = "torchspeed-train"
+    resume: bool = False
+    overwrite: bool = False
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    weights: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs must be a positive integer, got {self.epochs!r}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out and --overwrite deletes it: give one of them")
+        self.accelerate_options()  # precision, channels_last, compile and strategy are checked there
+
+    def accelerate_options(self) -> AccelerateOptions:
+        """The Trainer's accelerate() settings these options ask for."""
+        return AccelerateOptions(precision=self.precision, channels_last=self.channels_last, compile=self.compile,
+                                 strategy=self.strategy)
+
+
+@dataclass
+class ClassifierResult:
+    """What a run gives: the fields of OUT/summary.json (`to_dict()` is that file's contents)."""
+
+    model: str                      # the spec given (or the model's class name)
+    data: str                       # the data given (a path made absolute)
+    classes: list[str]
+    world_size: int                 # processes that trained
+    lr: float                       # the peak learning rate
+    batch_size: int                 # per process
+    metrics: dict[str, Any]         # Trainer.fit's final metrics: epochs, step, val_loss, val_acc, seconds, ...
+    early_stopping: dict[str, Any]  # stopped, best_val_loss, reason
+    report: AccelerateResult | None  # what accelerate() chose and measured
+    checkpoint: str | None          # the run's newest checkpoint
+    run_id: str | None
+    weights: str | None = None      # OUT/model.pt, written by rank 0 (None on the other ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """summary.json: the metrics at the top level (their final "lr" over the peak one)."""
+        d = {"model": self.model, "data": self.data, "classes": self.classes, "world_size": self.world_size,
+             "lr": self.lr, "batch_size": self.batch_size, **self.metrics, "early_stopping": self.early_stopping,
+             "accelerate": self.report.to_dict() if self.report is not None else None,
+             "checkpoint": self.checkpoint, "run_id": self.run_id}
+        if self.weights is not None:
+            d["weights"] = self.weights
+        return d
+
+
+@dataclass
+class ClassifierRun:
+    """A prepared run: the process group up, the data split, the model, loaders and Trainer built."""
+
+    options: ClassifierOptions
+    data: str
+    model_name: str
+    classes: list[str]
+    train_samples: int
+    val_samples: int
+    train_loader: Any
+    val_loader: Any
+    trainer: Trainer
+    early_stopping: EarlyStopping
+    checkpoints: Checkpoint
+    lr: float
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 (the process that writes and prints)."""
+        return self.trainer.is_main
+
+    @property
+    def description(self) -> str:
+        """One line: what is trained on what, where (`torchspeed train` prints it before training)."""
+        return (f"training {self.model_name} on {self.train_samples} images ({len(self.classes)} classes), "
+                f"validating on {self.val_samples}; {self.world_size} process(es), device {self.device}")
+
+    def fit(self) -> ClassifierResult:
+        """Train; then rank 0 writes OUT/model.pt and OUT/summary.json (every rank takes part in
+        gathering the weights under FSDP). A NaN/inf loss raises FloatingPointError."""
+        o = self.options
+        metrics = self.trainer.fit(self.train_loader, self.val_loader, epochs=o.epochs, max_steps=o.max_steps,
+                                   resume="last" if o.resume else None)
+        stopper = self.early_stopping
+        result = ClassifierResult(
+            model=self.model_name, data=self.data, classes=self.classes, world_size=self.world_size, lr=self.lr,
+            batch_size=o.batch_size, metrics=metrics,
+            early_stopping={"stopped": metrics["stopped_early"], "best_val_loss": stopper.best,
+                            "reason": stopper.reason},
+            report=self.trainer.report, checkpoint=self.checkpoints.last(), run_id=self.trainer.run_id)
+        weights = _full_state_dict(self.trainer.module)  # collective under FSDP: every rank takes part
+        if self.is_main:
+            result.weights = os.path.join(os.fspath(o.out), "model.pt")
+            with atomic_write(result.weights, "wb") as f:
+                torch.save(weights, f)
+            write_json(os.path.join(os.fspath(o.out), "summary.json"), result.to_dict())
+        return result
+
+
+def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options: ClassifierOptions, *,
+                       progress: bool | Callable[[str], Any] = True) -> ClassifierRun:
+    """Everything before the first training step, in an order that keeps a mistake cheap: the data is
+    named, `options.out` checked before the process group and any data, then the split, the classes,
+    the model (a bad name fails before the loaders are made), the loaders and the Trainer.
+    `progress` is the Trainer's (True: a progress bar and a summary table)."""
+    data = os.fspath(data)
+    if not os.path.exists(data) and not is_factory_spec(data.strip()):
+        raise FileNotFoundError(f"--data {data!r} does not exist: give an ImageFolder directory, a packed store "
+                                "or a Dataset factory (package.module:factory or path/file.py:factory)")
+    ckdir = _check_out(os.fspath(options.out), options.resume, options.overwrite)
+    seed_everything(options.seed)
+    # The process group first, so the loaders shard themselves per rank.
+    denv, device = (distributed.setup(resolve_device("auto")) if options.strategy not in (None, "none")
+                    else (distributed.env(), resolve_device("auto")))
+    train_src, val_src = train_val_split(data, options.val_fraction, options.seed)
+    classes = _class_names(data, train_src)
+    if len(classes) < 2:
+        raise ValueError(f"{data!r} has {len(classes)} class(es); classification needs at least 2")
+    net = _build_model(model, len(classes), options)
+    train, val = _loaders(train_src, val_src, device, options)
+    lr = options.lr or 0.1 * options.batch_size * denv.world_size / 256
+    stopper = EarlyStopping("val_loss", patience=options.patience)
+    checkpoints = Checkpoint(ckdir, keep_last=2, overwrite=options.overwrite)
+    trainer = _trainer(net, lr, len(train), options, [stopper, checkpoints], progress)
+    return ClassifierRun(
+        options=options, data=os.path.abspath(data) if os.path.exists(data) else data,
+        model_name=model if isinstance(model, str) else type(model).__name__, classes=classes,
+        train_samples=len(train_src), val_samples=len(val_src), train_loader=train, val_loader=val, trainer=trainer,
+        early_stopping=stopper, checkpoints=checkpoints, lr=lr, world_size=denv.world_size, device=device)
+
+
+def train_classifier(
+    data: str | os.PathLike,
+    model: str | nn.Module,
+    *,
+    epochs: int,
+    batch_size: int = 64,
+    lr: float | None = None,
+    crop: int = 224,
+    val_fraction: float = 0.1,
+    patience: int = 10,
+    precision: str = "auto",
+    channels_last: bool | str = "auto",
+    compile: bool | str = "auto",  # noqa: A002 (the public name of the setting)
+    strategy: str | None = "auto",
+    num_workers: Counts = "auto",
+    threads: Counts = "auto",
+    max_steps: int | None = None,
+    seed: int = 0,
+    out: str | os.PathLike = "torchspeed-train",
+    resume: bool = False,
+    overwrite: bool = False,
+    model_kwargs: Mapping[str, Any] | None = None,
+    weights: str | None = None,
+    progress: bool | Callable[[str], Any] = True,
+) -> ClassifierResult:
+    """Train an image classifier on `data` end to end and write OUT/model.pt and OUT/summary.json.
+
+    The arguments are `ClassifierOptions`' (the flags of `torchspeed train`); `progress` says where
+    the run is (True: a line on stderr, a progress bar and a summary table; a callable gets text lines;
+    False: nothing). Bad input is a ValueError or FileNotFoundError naming it; a NaN/inf loss a
+    FloatingPointError.
+    """
+    options = ClassifierOptions(
+        epochs=epochs, batch_size=batch_size, lr=lr, crop=crop, val_fraction=val_fraction, patience=patience,
+        precision=precision, channels_last=channels_last, compile=compile, strategy=strategy, num_workers=num_workers,
+        threads=threads, max_steps=max_steps, seed=seed, out=out, resume=resume, overwrite=overwrite,
+        model_kwargs=dict(model_kwargs or {}), weights=weights)
+    say = progress_fn(progress)
+    run = prepare_classifier(data, model, options, progress=progress)
+    if run.is_main:
+        say(run.description)
+    return run.fit()
+
+
+def _check_out(out: str, resume: bool, overwrite: bool) -> str:
+    """Before any data is read: `out` can be written, and a new run does not land on an earlier one.
+    Returns the checkpoint directory."""
+    import tempfile
+
+    ckdir = os.path.join(out, "checkpoints")
+    try:
+        os.makedirs(ckdir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=ckdir):  # can files be created there? (nothing is left behind)
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out!r} cannot be written: {e.strerror or e}") from None
+    if not resume and not overwrite and holds_run(ckdir):
+        run = read_run(ckdir)
+        raise ValueError(f"--out {out!r} already holds checkpoints of an earlier run{f' (run {run})' if run else ''} "
+                         f"in {ckdir!r}: continue it with --resume, or start a new run there with --overwrite "
+                         "(deletes those checkpoints), or give another --out")
+    return ckdir
+
+
+def _class_names(data: str, source: object) -> list[str]:
+    """The classes of the training data: a folder's or store's; a Dataset's `classes` (torchvision's
+    convention), else the distinct values of its `targets`."""
+    classes = list(getattr(source, "classes", []) or [])
+    if classes:
+        return [str(c) for c in classes]
+    dataset = getattr(getattr(source, "source", source), "dataset", None)
+    targets = getattr(dataset, "targets", None)
+    if targets is not None:
+        return [str(c) for c in sorted({int(t) for t in targets})]
+    raise ValueError(f"--data {data!r}: the Dataset has no `classes` list (nor `targets`) to count the classes by; "
+                     "give it a `classes` attribute with the class names, as torchvision's ImageFolder has")
+
+
+def _build_model(model: str | nn.Module, num_classes: int, options: ClassifierOptions) -> nn.Module:
+    """The model: a spec through the one factory (a torchvision/timm model gets `num_classes`, which
+    `model_kwargs` may override; the user's own factory gets `model_kwargs` only), or the module given."""
+    if isinstance(model, nn.Module):
+        return load_weights(model, options.weights) if options.weights is not None else model
+    return build(model, weights=options.weights, model_kwargs=options.model_kwargs, num_classes=num_classes)
+
+
+def _loaders(train_src: Any, val_src: Any, device: torch.device, options: ClassifierOptions) -> tuple[Any, Any]:
+    """The training and validation FastLoaders; validation uses the counts given, else the main process
+    (its batches are few)."""
+    o = options
+    train = fast_loader(train_src, o.batch_size, train=True, crop=o.crop, device=device, num_workers=o.num_workers,
+                        threads=o.threads, seed=o.seed)
+    val = fast_loader(val_src, o.batch_size, train=False, crop=o.crop, device=device,
+                      num_workers=o.num_workers if isinstance(o.num_workers, int) else 0,
+                      threads=o.threads if isinstance(o.threads, int) else 1, seed=o.seed)
+    return train, val
+
+
+def _trainer(model: nn.Module, lr: float, batches_per_epoch: int, options: ClassifierOptions, callbacks: list[Any],
+             progress: bool | Callable[[str], Any]) -> Trainer:
+    """SGD with Nesterov momentum at `lr`, cosine-annealed to 0 over the run, label-smoothed cross-entropy."""
+    o = options
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5, nesterov=True)
+    total = o.max_steps or max(1, batches_per_epoch * o.epochs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    return Trainer(model, opt, torch.nn.CrossEntropyLoss(label_smoothing=0.1), precision=o.precision,
+                   channels_last=o.channels_last, compile=o.compile,
+                   strategy=None if o.strategy == "none" else o.strategy, scheduler=sched, callbacks=callbacks,
+                   log_path=os.path.join(os.fspath(o.out), "metrics.csv"), progress=progress)
+
+
+def _full_state_dict(module: nn.Module) -> dict[str, Any]:
+    """The model's whole state dict on the CPU (gathered from every rank under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
