@@ -3,7 +3,7 @@ import pytest
 
 
 @pytest.mark.slow
-def test_data_suite_quick_reports_the_issue_keys():
+def test_data_suite_quick_reports_its_figures_rows_and_goals():
     from torchspeed.bench.suites import data
 
     result = data.run(quick=True, progress=lambda text: None)
@@ -54,7 +54,7 @@ def test_data_goal_splits_an_image_into_decode_other_cpu_and_idle_core_time():
     assert lim["met"] is False and "25% of 16,000" in lim["measured"]
     assert "500 core-us" in lim["why"] and "125 us (25%)" in lim["why"]
     assert "175 us went to reading" in lim["why"] and "200 us of core time per image no loader thread used" in lim["why"]
-    assert "other processes" in _data_limits(4000.0, {}, 2, ceilings, 2, 0)[0]["why"]  # no CPU figure: the old split
+    assert "other processes" in _data_limits(4000.0, {}, 2, ceilings, 2, 0)[0]["why"]  # no CPU figure: decode and the rest
 
 
 def test_time_breakdown_example_runs_on_a_small_store(tmp_path):

@@ -40,7 +40,7 @@ def test_pack_command_errors_are_one_line(tmp_path, capsys):
 
 def test_tune_loader_command(photo_folder, tmp_path, capsys):
     code = main(["tune-loader", photo_folder, "--batch-size", "4", "--crop", "32", "--num-workers", "0,1",
-                 "--threads", "1", "--seconds", "0.1", "--json", str(tmp_path / "t.json")])
+                 "--threads", "1", "--tune-seconds", "0.1", "--json", str(tmp_path / "t.json")])
     assert code == 0
     assert "best: fast_loader(..., num_workers=" in capsys.readouterr().out
     settings = json.loads((tmp_path / "t.json").read_text())

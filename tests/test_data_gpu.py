@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torchspeed.data import DevicePrefetcher, fast_loader, normalize_batch
-from torchspeed.data.decode import _psnr, decode_jpeg_batch_cuda, get_decoder, measure_backends
+from torchspeed.data.decode import decode_jpeg_batch_cuda, get_decoder, measure_decoders, psnr
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -119,11 +119,11 @@ def test_nvjpeg_matches_simplejpeg_and_survives_a_bad_image():
         if b is bad:
             continue
         assert img.is_cuda and img.dtype == torch.uint8
-        assert _psnr(img.permute(1, 2, 0).cpu().numpy(), ref.decode(b)) > 30
+        assert psnr(img.permute(1, 2, 0).cpu().numpy(), ref.decode(b)) > 30
 
 
 def test_nvjpeg_competes_on_cuda_and_the_loader_makes_batches_with_it(photo_store):
-    rows = measure_backends(_photo_jpegs(4), repeats=2, device="cuda")
+    rows = measure_decoders(_photo_jpegs(4), repeats=2, device="cuda")
     nv = [r for r in rows if r["decoder"] == "nvjpeg"]
     assert nv and nv[0]["us_per_image"] is not None and nv[0]["psnr_db"] > 30
     gpu = fast_loader(photo_store, 8, crop=32, device="cuda", num_workers=0, threads=2, decoder="nvjpeg")

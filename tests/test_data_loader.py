@@ -8,7 +8,7 @@ import torch
 
 from torchspeed.data import (IMAGENET_MEAN, IMAGENET_STD, DevicePrefetcher, fast_loader, pack, tune_loader)
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, sample_rng
-from torchspeed.data.decode import available_backends, get_decoder, jpeg_size
+from torchspeed.data.decode import available_decoders, get_decoder, jpeg_size
 
 
 class IndexDataset:
@@ -216,7 +216,7 @@ def test_decoders_agree_and_dct_scaling_shrinks(photo_folder):
     data = open(path, "rb").read()
     assert jpeg_size(data) == (72, 96)
     ref = get_decoder("pil").decode(data)
-    names = [name for name, why_not in available_backends().items() if why_not is None]
+    names = [name for name, why_not in available_decoders().items() if why_not is None]
     assert {"simplejpeg", "opencv", "pil", "torchvision"} <= set(names)
     for name in names:
         img = get_decoder(name).decode(data)
@@ -245,7 +245,7 @@ def test_folder_source_reads_jpegs_and_names_a_bad_file(photo_folder, tmp_path):
 
 def test_auto_decoder_is_measured_once_and_reported(photo_store, photo_folder):
     loader = fast_loader(photo_store, 4, crop=24, device="cpu", num_workers=0)
-    assert loader.decoder in available_backends()
+    assert loader.decoder in available_decoders()
     timed = [r for r in loader.decoder_table if r["us_per_image"] is not None]
     assert timed and loader.decoder == min(timed, key=lambda r: r["us_per_image"])["decoder"]
     assert fast_loader(photo_store, 4, crop=24, device="cpu", num_workers=0).decoder == loader.decoder  # remembered
@@ -290,8 +290,8 @@ class Paced:
 
 def test_tune_loader_picks_the_fastest_and_stops_when_throughput_falls():
     build = Paced()
-    s = tune_loader(build, 4, num_workers=range(6), seconds=0.1, device="cpu", prefetch_factors=(2,),
-                    persistent=(True,))
+    s = tune_loader(build, 4, num_workers=range(6), tune_seconds=0.1, device="cpu", prefetch_factor=(2,),
+                    persistent_workers=(True,))
     assert s.num_workers == 1
     assert 4 not in build.calls  # 4 would be fastest of all, but the search stopped when 2 and 3 were slower
     assert [r.num_workers for r in s.table] == [0, 1, 2, 3]
@@ -302,8 +302,8 @@ def test_tune_loader_picks_the_fastest_and_stops_when_throughput_falls():
 
 
 def test_tune_loader_on_a_plain_dataset():
-    s = tune_loader(IndexDataset(32), 8, num_workers="0,1", seconds=0.05, device="cpu", prefetch_factors=(2,),
-                    persistent=(True,))
+    s = tune_loader(IndexDataset(32), 8, num_workers="0,1", tune_seconds=0.05, device="cpu", prefetch_factor=(2,),
+                    persistent_workers=(True,))
     assert s.num_workers in (0, 1) and len(s.table) >= 1 and s.throughput > 0
     with pytest.raises(ValueError, match="batch_size"):
         tune_loader(IndexDataset(4), 0)
@@ -323,19 +323,44 @@ def test_fast_loader_bad_arguments(photo_store, tmp_path):
             fast_loader(photo_store, 4, device="cuda", num_workers=0, decoder="pil")
 
 
-def test_available_backends_says_why_a_decoder_is_missing(monkeypatch):
-    from torchspeed.data import available_backends as public
+def test_loader_options_are_fast_loaders_keywords_with_the_same_defaults():
+    import dataclasses
+    import inspect
+
+    from torchspeed.data import LoaderOptions
+
+    keywords = {name: p.default for name, p in inspect.signature(fast_loader).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords == {f.name: f.default for f in dataclasses.fields(LoaderOptions)}
+    options = LoaderOptions(train=False, crop=24, device="cpu", num_workers=0, threads=2, decoder="simplejpeg")
+    assert options.keywords() == {**keywords, "train": False, "crop": 24, "device": "cpu", "num_workers": 0,
+                                  "threads": 2, "decoder": "simplejpeg"}
+
+
+def test_a_loader_built_from_options_is_the_loader_built_from_keywords(photo_store):
+    from torchspeed.data import LoaderOptions
+
+    options = LoaderOptions(train=False, crop=24, device="cpu", num_workers=0, threads=1, decoder="simplejpeg")
+    from_options = _epoch(fast_loader(photo_store, 6, **options.keywords()))
+    from_keywords = _epoch(fast_loader(photo_store, 6, train=False, crop=24, device="cpu", num_workers=0, threads=1,
+                                       decoder="simplejpeg"))
+    assert len(from_options) == len(from_keywords)
+    assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(from_options, from_keywords))
+
+
+def test_available_decoders_says_why_a_decoder_is_missing(monkeypatch):
+    from torchspeed.data import available_decoders as public
     from torchspeed.data import decode
 
     found = public()
-    assert isinstance(found, dict) and list(found) == list(decode.BACKENDS)
+    assert isinstance(found, dict) and list(found) == list(decode.DECODERS)
     assert all(why is None or isinstance(why, str) for why in found.values())
     assert found["simplejpeg"] is None and found["pil"] is None  # installed with torchspeed[data]
 
     def missing():
         raise ImportError("No module named 'nothing'")
 
-    monkeypatch.setitem(decode.BACKENDS, "absent", missing)
+    monkeypatch.setitem(decode.DECODERS, "absent", missing)
     why = public()["absent"]
     assert "not available" in why and "pip install" in why
 
@@ -356,17 +381,17 @@ def test_measured_choices_are_logged_at_info(photo_store, caplog):
     assert tuned.startswith("fast_loader: num_workers=0, threads=") and "img/s" in tuned
     assert "tuned in" in tuned and "on 24 images" in tuned
     caplog.clear()
-    tune_loader(IndexDataset(16), 8, num_workers=[0], seconds=0.02, device="cpu", prefetch_factors=(2,))
+    tune_loader(IndexDataset(16), 8, num_workers=[0], tune_seconds=0.02, device="cpu", prefetch_factor=(2,))
     lines = [r.getMessage() for r in caplog.records if r.name == "torchspeed.data.loader"]
     assert len(lines) == 1 and lines[0].startswith("tune_loader: num_workers=0") and "items/s" in lines[0]
 
 
 def test_progress_is_a_bool_or_a_callable(tmp_path, capsys):
     said = []
-    tune_loader(IndexDataset(16), 8, num_workers=[0], seconds=0.02, device="cpu", prefetch_factors=(2,),
+    tune_loader(IndexDataset(16), 8, num_workers=[0], tune_seconds=0.02, device="cpu", prefetch_factor=(2,),
                 progress=said.append)
     assert said and said[0].startswith("timing num_workers=0")
-    tune_loader(IndexDataset(16), 8, num_workers=[0], seconds=0.02, device="cpu", prefetch_factors=(2,), progress=True)
+    tune_loader(IndexDataset(16), 8, num_workers=[0], tune_seconds=0.02, device="cpu", prefetch_factor=(2,), progress=True)
     assert "timing num_workers=0" in capsys.readouterr().err
     packed = []
     pack(IndexDataset(40), tmp_path / "s", format="raw", num_workers=1, progress=packed.append)

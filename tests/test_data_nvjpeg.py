@@ -61,7 +61,7 @@ def test_one_bad_image_falls_back_on_the_cpu_named_in_a_warning(fake_nvjpeg):
     reference = [torch.from_numpy(decode.get_decoder("simplejpeg").decode(b)).permute(2, 0, 1) for b in buffers]
     assert torch.equal(out[1], reference[1])  # the fallback is the CPU decode itself
     for a, b in zip(out, reference):
-        assert decode._psnr(a.numpy(), b.numpy()) > 30
+        assert decode.psnr(a.numpy(), b.numpy()) > 30
 
 
 def test_a_batch_nvjpeg_reads_whole_is_decoded_in_one_call(fake_nvjpeg):
@@ -86,8 +86,8 @@ def test_nvjpeg_needs_cuda_and_says_so():
         pytest.skip("CUDA is here")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         decode.decode_jpeg_batch_cuda([_jpeg(0)])
-    assert "CUDA" in decode.available_backends()["nvjpeg"]
-    rows = decode.measure_backends([_jpeg(0)], repeats=1)  # no CUDA device asked: nvjpeg does not compete
+    assert "CUDA" in decode.available_decoders()["nvjpeg"]
+    rows = decode.measure_decoders([_jpeg(0)], repeats=1)  # no CUDA device asked: nvjpeg does not compete
     assert "nvjpeg" not in [r["decoder"] for r in rows]
 
 
@@ -108,7 +108,7 @@ def test_gpu_batch_path_matches_the_cpu_pipeline(photo_store, fake_nvjpeg, layou
     (xg, yg), (xc, yc) = gpu.__getitems__(keys), cpu.__getitems__(keys)
     assert xg.shape == xc.shape and xg.dtype == torch.uint8 and torch.equal(yg, yc)
     # the same crops and flips; the pixels differ by the resampling (DCT scaling and cv2 vs torch bilinear)
-    assert decode._psnr(xg.numpy(), xc.numpy()) > 30
+    assert decode.psnr(xg.numpy(), xc.numpy()) > 30
 
 
 def test_gpu_batch_path_reads_raw_records(small_photo_folder, tmp_path, fake_nvjpeg):
@@ -120,7 +120,7 @@ def test_gpu_batch_path_reads_raw_records(small_photo_folder, tmp_path, fake_nvj
     xg, yg = AugmentedDataset(source, ResizeCenterCrop(16), "nvjpeg", 0, device="cpu").__getitems__(keys)
     xc, yc = AugmentedDataset(source, ResizeCenterCrop(16), "simplejpeg", 0).__getitems__(keys)
     assert fake_nvjpeg[0] == [] and torch.equal(yg, yc)  # nothing to decode
-    assert decode._psnr(xg.numpy(), xc.numpy()) > 30
+    assert decode.psnr(xg.numpy(), xc.numpy()) > 30
 
 
 def test_only_host_tensors_are_pinned(monkeypatch):

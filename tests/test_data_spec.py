@@ -112,15 +112,15 @@ def test_a_bad_spec_is_one_error_naming_it(user_module, spec, error, match):
 
 
 def test_tune_loader_times_the_pipeline_or_the_datasets_own_transforms(user_module):
-    piped = tune_loader("tsdata_user:pairs", 4, num_workers=[0], threads=1, seconds=0.05, crop=8, device="cpu")
+    piped = tune_loader("tsdata_user:pairs", 4, num_workers=[0], threads=1, tune_seconds=0.05, crop=8, device="cpu")
     assert piped.num_workers == 0 and piped.throughput > 0
-    plain = tune_loader("tsdata_user:Transformed", 4, num_workers=[0], seconds=0.05, device="cpu")
+    plain = tune_loader("tsdata_user:Transformed", 4, num_workers=[0], tune_seconds=0.05, device="cpu")
     assert plain.num_workers == 0 and plain.throughput > 0
 
 
 def test_tune_loader_command_takes_a_spec(user_module, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
-    args = ["--batch-size", "4", "--crop", "8", "--num-workers", "0", "--threads", "1", "--seconds", "0.05"]
+    args = ["--batch-size", "4", "--crop", "8", "--num-workers", "0", "--threads", "1", "--tune-seconds", "0.05"]
     assert main(["tune-loader", "tsdata_user:pairs", *args]) == 0
     assert "best: fast_loader(..., num_workers=0" in capsys.readouterr().out
     assert main(["tune-loader", "tsdata_user:Transformed", *args]) == 0

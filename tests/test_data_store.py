@@ -206,6 +206,24 @@ def test_len_and_classes_do_not_open_lmdb_and_pickling_drops_the_handle(tmp_path
     np.testing.assert_array_equal(clone[2][0], first)
 
 
+def test_a_store_released_while_another_opens_in_the_same_thread_does_not_deadlock(photo_store):
+    """Garbage collection can run a PackedDataset's __del__ (which releases its handle) inside another
+    dataset's open, in the same thread, while the open holds the lock over the handles."""
+    import threading
+
+    collected = PackedDataset(photo_store)
+    collected.record(0)  # holds a handle
+    done = threading.Event()
+
+    def release_inside_an_open():
+        with store_mod._ENVS_LOCK:  # what an open in progress holds
+            collected.close()
+        done.set()
+
+    threading.Thread(target=release_inside_an_open, daemon=True).start()
+    assert done.wait(30)
+
+
 def test_in_memory_reads_the_same_and_is_one_buffer(photo_store):
     disk = PackedDataset(photo_store)
     ram = PackedDataset(photo_store, in_memory=True)

@@ -118,8 +118,8 @@ class PacedThreads:
 
 def test_tune_loader_tries_threads_in_process_then_workers_and_keeps_the_fastest():
     build = PacedThreads()
-    s = tune_loader(build, 4, num_workers=[0, 1, 2], threads=[1, 2], seconds=0.05, device="cpu", prefetch_factors=(2,),
-                    persistent=(True,))
+    s = tune_loader(build, 4, num_workers=[0, 1, 2], threads=[1, 2], tune_seconds=0.05, device="cpu", prefetch_factor=(2,),
+                    persistent_workers=(True,))
     assert (s.num_workers, s.threads) == (0, 2)
     walked = [(r.num_workers, r.threads) for r in s.table if not r.final]
     assert walked == [(0, 1), (0, 2), (1, 1), (2, 1)]

@@ -1,3 +1,4 @@
+"""The demo photos: deterministic whatever the process count, photo-like JPEGs, an ImageFolder torchvision reads."""
 import hashlib
 import os
 
@@ -51,6 +52,6 @@ def test_torchvision_reads_it_as_imagefolder(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [({"n_images": 0}, "n_images"), ({"n_images": 5, "n_classes": 9}, "n_classes"),
                                            ({"n_images": 20, "seed": -1}, "seed")])
-def test_bad_arguments(tmp_path, kwargs, match):
+def test_bad_arguments_are_refused_naming_the_argument(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_photo_folder(tmp_path, **kwargs)

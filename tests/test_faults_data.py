@@ -2,7 +2,7 @@
 
 Each test asserts the exception (or exit status), that the message names the file or store, and that
 nothing was lost (source files intact, the previous store still loadable). Two tests run a subprocess:
-the truncated store (a regression would kill pytest with SIGBUS) and SIGKILL during pack.
+the truncated store (read unchecked, it would kill pytest with SIGBUS) and SIGKILL during pack.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from torchspeed.images import MAX_IMAGE_PIXELS, scan_folder
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# ---------------------------------------------------------------- helpers
+# ---------------- helpers
 
 
 def _digest(root) -> dict[str, str]:
@@ -98,6 +98,8 @@ GOOD = {  # name -> bytes that pack and folder reading must read correctly (RGB 
     "palette.png": lambda: _png("P"),
     "progressive.jpg": lambda: _jpeg("RGB", progressive=True),
 }
+
+
 BAD = {  # name -> bytes that must be refused with the file named
     "zero_byte.jpg": lambda: b"",
     "not_an_image.jpg": lambda: b"just some text, not an image\n" * 10,
@@ -122,7 +124,19 @@ def _folder(tmp_path, files: dict[str, bytes], name="src"):
     return root
 
 
-# ---------------------------------------------------------------- item 3: pack --overwrite loses nothing
+def _copy_store(photo_store, tmp_path) -> str:
+    dst = str(tmp_path / "copy.store")
+    shutil.copytree(photo_store, dst)
+    return dst
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+# ---------------- pack never writes into its source, and replaces nothing but a store
 
 
 def test_pack_refuses_dst_equal_to_src_and_deletes_nothing(small_photo_folder, tmp_path, capsys, monkeypatch):
@@ -180,13 +194,7 @@ def test_pack_overwrite_replaces_only_a_store(small_photo_folder, tmp_path):
     assert report.written == 8 and PackedDataset(store).manifest["short_side"] == 20
 
 
-# ---------------------------------------------------------------- item 5: damaged stores
-
-
-def _copy_store(photo_store, tmp_path) -> str:
-    dst = str(tmp_path / "copy.store")
-    shutil.copytree(photo_store, dst)
-    return dst
+# ---------------- damaged stores are refused at open, named
 
 
 def test_truncated_store_is_refused_at_open_not_sigbus(photo_store, tmp_path):
@@ -196,7 +204,7 @@ def test_truncated_store_is_refused_at_open_not_sigbus(photo_store, tmp_path):
         f.truncate(os.path.getsize(data) // 2)
     # in a subprocess: without the check the reader dies of SIGBUS, which would take pytest with it
     proc = subprocess.run([sys.executable, "-m", "torchspeed", "tune-loader", store, "--batch-size", "2", "--crop",
-                           "16", "--num-workers", "0", "--threads", "1", "--seconds", "0.05"],
+                           "16", "--num-workers", "0", "--threads", "1", "--tune-seconds", "0.05"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert store in proc.stderr and "truncated" in proc.stderr and "re-pack" in proc.stderr
@@ -231,7 +239,7 @@ def test_store_without_manifest_says_damaged(photo_store, tmp_path):
         assert "damaged" in str(e.value) and store in str(e.value) and "class sub-directories" not in str(e.value)
 
 
-# ---------------------------------------------------------------- item 7: folder reading: one size guard, files named
+# ---------------- bad images are named wherever they are read: pack, folder reading, the loader
 
 
 def test_header_bomb_jpeg_is_refused_before_decoding(tmp_path):
@@ -293,7 +301,27 @@ def test_truncated_jpeg_is_named_on_every_decode_path(tmp_path):
     assert bad in str(e.value)
 
 
-# ---------------------------------------------------------------- odd files in pack and folder reading
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_files_are_named_in_pack_and_skipped_on_request(tmp_path, name):
+    root = _folder(tmp_path, {name: BAD[name]()})
+    bad = str(root / "a" / name)
+    before = _digest(root)
+    with pytest.raises(ValueError) as e:
+        pack(root, tmp_path / "s", progress=False, num_workers=1)
+    assert bad in str(e.value) and "Traceback" not in str(e.value)
+    assert not os.path.exists(tmp_path / "s") and os.listdir(tmp_path) == ["src"]  # no half store, no partial
+    report = pack(root, tmp_path / "s", on_error="skip", progress=False, num_workers=1)
+    assert report.written == 1 and [s["path"] for s in report.skipped] == [bad]
+    assert len(PackedDataset(tmp_path / "s")) == 1
+    source = FolderSource(str(root))  # folder reading: the same file named
+    i = [p for p, _ in source.samples].index(bad)
+    with pytest.raises(ValueError) as e:
+        source[i]
+    assert bad in str(e.value)
+    assert _digest(root) == before
+
+
+# ---------------- odd but valid images and file names are read
 
 
 @pytest.mark.parametrize("name", sorted(GOOD))
@@ -313,26 +341,6 @@ def test_odd_but_valid_images_pack_and_read_as_rgb(tmp_path, name):
     batches = list(fast_loader(str(root), 2, crop=16, device="cpu", num_workers=0, threads=1, train=False,
                                decoder="simplejpeg"))
     assert batches[0][0].shape == (2, 3, 16, 16)
-    assert _digest(root) == before
-
-
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_files_are_named_in_pack_and_skipped_on_request(tmp_path, name):
-    root = _folder(tmp_path, {name: BAD[name]()})
-    bad = str(root / "a" / name)
-    before = _digest(root)
-    with pytest.raises(ValueError) as e:
-        pack(root, tmp_path / "s", progress=False, num_workers=1)
-    assert bad in str(e.value) and "Traceback" not in str(e.value)
-    assert not os.path.exists(tmp_path / "s") and os.listdir(tmp_path) == ["src"]  # no half store, no partial
-    report = pack(root, tmp_path / "s", on_error="skip", progress=False, num_workers=1)
-    assert report.written == 1 and [s["path"] for s in report.skipped] == [bad]
-    assert len(PackedDataset(tmp_path / "s")) == 1
-    source = FolderSource(str(root))  # folder reading: the same file named
-    i = [p for p, _ in source.samples].index(bad)
-    with pytest.raises(ValueError) as e:
-        source[i]
-    assert bad in str(e.value)
     assert _digest(root) == before
 
 
@@ -358,9 +366,6 @@ def test_non_utf8_file_names_pack_and_read(tmp_path, capsys, monkeypatch):
     assert source[i][0].shape == (30, 40, 3)
 
 
-# ---------------------------------------------------------------- item 8: symlink loops
-
-
 def test_directory_symlink_loop_is_followed_once(tmp_path):
     root = _folder(tmp_path, {"x.jpg": _jpeg(), "y.jpg": _jpeg()})
     os.symlink(".", root / "a" / "loop")                # a/loop -> a
@@ -378,13 +383,7 @@ def test_directory_symlink_loop_is_followed_once(tmp_path):
     assert len(FolderSource(str(root))) == 4
 
 
-# ---------------------------------------------------------------- item 9: leftovers and permissions
-
-
-def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
+# ---------------- an interrupted pack leaves the previous store, and the next pack cleans up
 
 
 def test_next_pack_cleans_stale_partials_and_only_those(small_photo_folder, tmp_path):
@@ -421,6 +420,43 @@ def test_interrupted_overwrite_puts_the_previous_store_back(small_photo_folder, 
     pack(small_photo_folder, tmp_path / "other", progress=False, num_workers=1)
     assert sorted(os.listdir(tmp_path)) == ["other", "s"]
     assert len(PackedDataset(tmp_path / "s")) == 8
+
+
+_KILLABLE_PACK = """
+import sys, time
+from torchspeed.data import pack
+def progress(msg):
+    print(msg, flush=True)
+    time.sleep(60)  # killed here, with a chunk written and the store not finished
+pack(sys.argv[1], sys.argv[2], overwrite=True, num_workers=1, progress=progress)
+"""
+
+
+def test_sigkill_during_pack_leaves_the_previous_store(photo_folder, small_photo_folder, tmp_path):
+    dst = tmp_path / "s"
+    pack(small_photo_folder, dst, progress=False, num_workers=1)
+    before = _digest(dst)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLABLE_PACK, str(photo_folder), str(dst)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # the first chunk is in the partial store
+        assert "packed" in line, proc.stderr.read()
+        partials = [n for n in os.listdir(tmp_path) if ".partial-" in n]
+        assert partials and partials[0].startswith(f".s.partial-{proc.pid}-")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    # no half store at DST: the previous one, whole and loadable
+    assert _digest(dst) == before and len(PackedDataset(dst)) == 8 and PackedDataset(dst)[7][0].ndim == 3
+    assert os.path.isdir(tmp_path / partials[0])
+    report = pack(photo_folder, dst, overwrite=True, progress=False, num_workers=1)  # the next pack cleans up
+    assert report.written == 24
+    assert sorted(os.listdir(tmp_path)) == ["s"]
+
+
+# ---------------- what is written gets the usual permissions and appears whole
 
 
 def test_stores_and_demo_folders_get_the_usual_permissions(small_photo_folder, tmp_path, monkeypatch):
@@ -473,40 +509,3 @@ def test_demo_photos_are_written_atomically(tmp_path, monkeypatch):
     a = make_photo_folder(tmp_path / "a", 4, n_classes=2, size=(16, 12), num_workers=1)
     b = make_photo_folder(tmp_path / "existing", 4, n_classes=2, size=(16, 12), num_workers=1)
     assert _digest(a) == _digest(b)  # the same bytes either way
-
-
-# ---------------------------------------------------------------- SIGKILL during pack
-
-
-_KILLABLE_PACK = """
-import sys, time
-from torchspeed.data import pack
-def progress(msg):
-    print(msg, flush=True)
-    time.sleep(60)  # killed here, with a chunk written and the store not finished
-pack(sys.argv[1], sys.argv[2], overwrite=True, num_workers=1, progress=progress)
-"""
-
-
-def test_sigkill_during_pack_leaves_the_previous_store(photo_folder, small_photo_folder, tmp_path):
-    dst = tmp_path / "s"
-    pack(small_photo_folder, dst, progress=False, num_workers=1)
-    before = _digest(dst)
-    proc = subprocess.Popen([sys.executable, "-c", _KILLABLE_PACK, str(photo_folder), str(dst)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()  # the first chunk is in the partial store
-        assert "packed" in line, proc.stderr.read()
-        partials = [n for n in os.listdir(tmp_path) if ".partial-" in n]
-        assert partials and partials[0].startswith(f".s.partial-{proc.pid}-")
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    # no half store at DST: the previous one, whole and loadable
-    assert _digest(dst) == before and len(PackedDataset(dst)) == 8 and PackedDataset(dst)[7][0].ndim == 3
-    assert os.path.isdir(tmp_path / partials[0])
-    report = pack(photo_folder, dst, overwrite=True, progress=False, num_workers=1)  # the next pack cleans up
-    assert report.written == 24
-    assert sorted(os.listdir(tmp_path)) == ["s"]

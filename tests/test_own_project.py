@@ -64,7 +64,7 @@ def test_tune_train_lint_optimize_and_prune_run_on_a_projects_own_factories(proj
     data, net = "my_project/data.py:build_dataset", "my_project/nets.py:make_net"
 
     assert main(["tune-loader", data, "--batch-size", "8", "--crop", "32", "--num-workers", "0",
-                 "--threads", "1", "--seconds", "0.3", "--json", "tune.json"]) == 0
+                 "--threads", "1", "--tune-seconds", "0.3", "--json", "tune.json"]) == 0
     assert json.loads((project / "tune.json").read_text())
 
     assert main(["train", "--data", data, "--model", net, "--model-kwargs", '{"num_classes": 2}',

@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=counts(1), default="auto", metavar="auto|N,M,...",
                    help="batch-making threads tried at num_workers=0: auto (1..cores+1, default), a number (fixed) "
                         "or a comma list such as 1,2")
-    p.add_argument("--seconds", type=float, default=1.0, metavar="S", help="length of each timed pass in seconds (default 1.0)")
+    p.add_argument("--tune-seconds", type=float, default=1.0, metavar="S", help="length of each timed pass in seconds (default 1.0)")
     add_json_option(p)
     p.set_defaults(func=run_tune_loader)
 
@@ -96,14 +96,14 @@ def run_pack(args: argparse.Namespace) -> int:
 
     if not 1 <= args.quality <= 100:
         raise ValueError(f"--quality must be in 1..100, got {args.quality}")
-    report = pack(args.src, args.dst, short_side=args.short_side, format=args.format, quality=args.quality,
+    result = pack(args.src, args.dst, short_side=args.short_side, format=args.format, quality=args.quality,
                   on_error=args.on_error, num_workers=args.num_workers, overwrite=args.overwrite)
     console = Console()
-    console.print(str(report), highlight=False)
-    for s in report.skipped:
+    console.print(str(result), highlight=False)
+    for s in result.skipped:
         console.print(f"  skipped {s['path']}: {s['reason']}", highlight=False, markup=False)
     if args.json:
-        write_json(args.json, report.to_dict())
+        write_json(args.json, result.to_dict())
     return 0
 
 
@@ -115,21 +115,21 @@ def run_tune_loader(args: argparse.Namespace) -> int:
     from torchspeed.data.sources import DatasetSource, is_dataset_spec, spec_for_tuning
     from torchspeed.tables import print_table
 
-    if args.seconds <= 0:
-        raise ValueError(f"--seconds must be positive, got {args.seconds}")
+    if args.tune_seconds <= 0:
+        raise ValueError(f"--tune-seconds must be positive, got {args.tune_seconds}")
     console = Console()
     data = spec_for_tuning(args.data) if is_dataset_spec(args.data) else args.data
     pipeline = isinstance(data, (str, DatasetSource))  # else the Dataset's own samples, in a plain DataLoader
-    settings = tune_loader(data, args.batch_size, crop=args.crop, num_workers=args.num_workers,
-                           threads=args.threads if pipeline else None,
-                           seconds=args.seconds, progress=lambda text: console.print(text, style="dim"))
+    tuned = tune_loader(data, args.batch_size, crop=args.crop, num_workers=args.num_workers,
+                        threads=args.threads if pipeline else None,
+                        tune_seconds=args.tune_seconds, progress=lambda text: console.print(text, style="dim"))
     rows = [(r.num_workers, r.threads, r.prefetch_factor, r.persistent_workers, r.pin_memory,
-             "final (interleaved)" if r.final else "", r.items_per_s) for r in settings.table]
+             "final (interleaved)" if r.final else "", r.items_per_s) for r in tuned.table]
     print_table(f"tune-loader {args.data} (batch {args.batch_size}, crop {args.crop}): images/s",
                 ["num_workers", "threads", "prefetch_factor", "persistent", "pin_memory", "round", "img/s"], rows,
                 console)
-    console.print(f"best: {'fast_loader' if pipeline else 'DataLoader'}(..., {settings.describe()}) at "
-                  f"{settings.throughput:,.0f} img/s", highlight=False)
+    console.print(f"best: {'fast_loader' if pipeline else 'DataLoader'}(..., {tuned.describe()}) at "
+                  f"{tuned.throughput:,.0f} img/s", highlight=False)
     if args.json:
-        write_json(args.json, settings.to_dict())
+        write_json(args.json, tuned.to_dict())
     return 0

@@ -1,12 +1,12 @@
-"""JPEG decoding backends, and a one-off measurement that picks the fastest on this machine.
+"""JPEG decoders, and a one-off measurement that picks the fastest on this machine.
 
-Every backend decodes to an RGB HWC uint8 array and can use DCT-domain downscaling: asked for an
+Every decoder decodes to an RGB HWC uint8 array and can use DCT-domain downscaling: asked for an
 image of at least (min_h, min_w), libjpeg skips the high-frequency coefficients and decodes at 1/2,
 1/4 or 1/8 size, which costs a fraction of a full decode followed by a resize. The choice is made
 once, in the parent process, and passed to the workers by name, so every worker decodes to the
-same pixels (backends differ in IDCT and chroma upsampling, hence in the last bit).
+same pixels (decoders differ in IDCT and chroma upsampling, hence in the last bit).
 
-Backends: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), OpenCV, PIL,
+Decoders: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), OpenCV, PIL,
 torchvision.io on the CPU, PyTurboJPEG where its system library loads, and nvjpeg
 (`decode_jpeg(device="cuda")`, batched) where CUDA exists: a candidate only for a loader on a CUDA
 device, timed decoding a whole batch there; one image it cannot read is decoded on the CPU instead
@@ -40,8 +40,9 @@ class Record(NamedTuple):
     label: int
 
 
-__all__ = ["Record", "Decoder", "BACKENDS", "dct_factor", "available_backends", "get_decoder", "measure_backends", "choose_backend",
-           "decode_record", "jpeg_size", "jpeg_info", "decode_jpeg_batch_cuda", "GPU_BACKENDS"]
+__all__ = ["Record", "Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder",
+           "measure_decoders", "choose_decoder", "decode_record", "to_hwc_uint8", "jpeg_size", "jpeg_info",
+           "decode_jpeg_batch_cuda", "psnr"]
 
 
 def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
@@ -178,7 +179,7 @@ class NvjpegDecoder(Decoder):
 
 
 # name -> factory; a factory raising ImportError/OSError means "not available here"
-BACKENDS: dict[str, Callable[[], Decoder]] = {
+DECODERS: dict[str, Callable[[], Decoder]] = {
     "simplejpeg": SimpleJpegDecoder,
     "simplejpeg-fast": lambda: SimpleJpegDecoder(fast=True),
     "opencv": OpenCVDecoder,
@@ -187,18 +188,18 @@ BACKENDS: dict[str, Callable[[], Decoder]] = {
     "turbojpeg": TurboJpegDecoder,
     "nvjpeg": NvjpegDecoder,
 }
-GPU_BACKENDS = ("nvjpeg",)  # decode on the device: candidates only for a loader whose device is CUDA
+GPU_DECODERS = ("nvjpeg",)  # decode on the device: candidates only for a loader whose device is CUDA
 _INSTANCES: dict[str, Decoder] = {}
 _CHOICES: dict[Any, tuple[str, list[dict[str, Any]]]] = {}
 
 
 def get_decoder(name: str) -> Decoder:
     """The decoder called `name` (one instance per process)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown decoder {name!r}; choose from {', '.join(BACKENDS)} or 'auto'")
+    if name not in DECODERS:
+        raise ValueError(f"unknown decoder {name!r}; choose from {', '.join(DECODERS)} or 'auto'")
     if name not in _INSTANCES:
         try:
-            _INSTANCES[name] = BACKENDS[name]()
+            _INSTANCES[name] = DECODERS[name]()
         except (ImportError, OSError, RuntimeError) as e:
             hint = {"turbojpeg": "pip install PyTurboJPEG and the libturbojpeg system library",
                     "nvjpeg": "use a CPU decoder, or a machine with CUDA and torch/torchvision built for it"}.get(
@@ -207,10 +208,10 @@ def get_decoder(name: str) -> Decoder:
     return _INSTANCES[name]
 
 
-def available_backends() -> dict[str, str | None]:
+def available_decoders() -> dict[str, str | None]:
     """Decoder -> None when it loads on this machine, else why not (with the install hint)."""
     out: dict[str, str | None] = {}
-    for name in BACKENDS:
+    for name in DECODERS:
         try:
             get_decoder(name)
             out[name] = None
@@ -219,25 +220,25 @@ def available_backends() -> dict[str, str | None]:
     return out
 
 
-def measure_backends(samples: Sequence[Any], backends: Sequence[str] | str | None = None, min_size: int = 0,
+def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | None = None, min_size: int = 0,
                      repeats: int = 7, progress: bool | Callable[[str], None] = False,
                      device: Any = None) -> list[dict[str, Any]]:
-    """Time each backend decoding `samples` (JPEG bytes): median of `repeats`, per image.
+    """Time each decoder decoding `samples` (JPEG bytes): median of `repeats`, per image.
 
-    `backends`: a list or a comma string (default: every available one; the GPU decoder nvjpeg only
+    `decoders`: a list or a comma string (default: every available one; the GPU decoder nvjpeg only
     when `device` is a CUDA device, timed decoding the samples as one batch on it, the way
-    `fast_loader` uses it). The backends run interleaved (measure.compare), so background load hits
+    `fast_loader` uses it). The decoders run interleaved (measure.compare), so background load hits
     them alike. Each row also gives the PSNR against the accurate simplejpeg (or PIL) decode, so a
     faster but less exact decoder is visible as such (100 dB: identical pixels). `progress`: True
     (stderr) or a callable taking a message.
     """
     if not samples:
-        raise ValueError("measure_backends needs at least one JPEG sample")
-    say_ = progress_fn(progress)
+        raise ValueError("measure_decoders needs at least one JPEG sample")
+    say = progress_fn(progress)
     on_gpu = device is not None and str(device).startswith("cuda")
-    names = as_list(backends, name="backends") if backends is not None else \
-        [n for n, why in available_backends().items() if why is None and (on_gpu or n not in GPU_BACKENDS)]
-    if any(n in GPU_BACKENDS for n in names) and not on_gpu:  # asked for by name: time it on the GPU
+    names = as_list(decoders, name="decoders") if decoders is not None else \
+        [n for n, why in available_decoders().items() if why is None and (on_gpu or n not in GPU_DECODERS)]
+    if any(n in GPU_DECODERS for n in names) and not on_gpu:  # asked for by name: time it on the GPU
         device, on_gpu = "cuda", True
     reference_name = "simplejpeg" if "simplejpeg" in names else "pil"
     reference = [get_decoder(reference_name).decode(b, min_size, min_size) for b in samples]
@@ -259,29 +260,29 @@ def measure_backends(samples: Sequence[Any], backends: Sequence[str] | str | Non
                 return images
         try:
             out = to_host(run())  # also a check that it reads them
-        except Exception as e:  # a backend that cannot read these files is simply not a candidate
+        except Exception as e:  # a decoder that cannot read these files is simply not a candidate
             rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
             continue
-        psnr = [_psnr(a, r) for a, r in zip(out, reference) if a.shape == r.shape]
+        psnrs = [psnr(a, r) for a, r in zip(out, reference) if a.shape == r.shape]
         rows[name] = {"decoder": name, "us_per_image": None,
-                      "psnr_db": float(np.mean(psnr)) if len(psnr) == len(out) else None}
+                      "psnr_db": float(np.mean(psnrs)) if len(psnrs) == len(out) else None}
         contenders[name] = run
     if contenders:
-        say_(f"timing JPEG decoders {', '.join(contenders)} on {len(samples)} images, interleaved")
+        say(f"timing JPEG decoders {', '.join(contenders)} on {len(samples)} images, interleaved")
         timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0, device=device if on_gpu else None)
         for t in timed.timings:
             rows[t.name]["us_per_image"] = t.median_s / len(samples) * 1e6
     return [rows[n] for n in names]
 
 
-def choose_backend(samples: Sequence[Any], key: Any = None, min_size: int = 0,
+def choose_decoder(samples: Sequence[Any], key: Any = None, min_size: int = 0,
                    progress: bool | Callable[[str], None] = False, device: Any = None) -> tuple[str, list[dict[str, Any]]]:
     """The fastest available decoder on `samples`, measured once per `key` in this process (logged at INFO).
 
-    With a CUDA `device`, nvjpeg competes too (see `measure_backends`)."""
+    With a CUDA `device`, nvjpeg competes too (see `measure_decoders`)."""
     if key is not None and key in _CHOICES:
         return _CHOICES[key]
-    table = measure_backends(samples, min_size=min_size, progress=progress, device=device)
+    table = measure_decoders(samples, min_size=min_size, progress=progress, device=device)
     timed = [r for r in table if r["us_per_image"] is not None]
     if not timed:
         raise ValueError("no JPEG decoder could read the sample images: " + "; ".join(r.get("error", "") for r in table))
@@ -295,7 +296,8 @@ def choose_backend(samples: Sequence[Any], key: Any = None, min_size: int = 0,
     return best, table
 
 
-def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio of two uint8 images in dB (100: identical): how exact a decoder is."""
     mse = float(np.mean((a.astype(np.float32) - b.astype(np.float32)) ** 2))
     return 100.0 if mse == 0 else min(100.0, 10 * np.log10(255.0**2 / mse))  # 100 dB: identical
 
@@ -332,6 +334,32 @@ def decode_record(rec: Record, decoder: str | Decoder = "simplejpeg", min_h: int
         dec = get_decoder(decoder) if isinstance(decoder, str) else decoder
         return dec.decode(rec.payload, min_h, min_w)
     return rec.payload
+
+
+def to_hwc_uint8(x: Any) -> np.ndarray:
+    """A PIL image, HWC uint8 array or CHW uint8 tensor -> RGB HWC uint8 array: the decoders' output
+    format, for images that arrive already decoded (a Dataset's samples, a file PIL reads)."""
+    from PIL import Image
+
+    if isinstance(x, Image.Image):
+        return np.asarray(x.convert("RGB"))
+    if hasattr(x, "detach") and hasattr(x, "numpy"):  # a torch tensor: CHW (or HW)
+        t = x.detach().cpu()
+        if t.dtype.is_floating_point:
+            raise ValueError("a float tensor image is ambiguous (0..1 or 0..255?); give uint8 CHW tensors or PIL images")
+        a = t.numpy()
+        a = a if a.ndim == 2 else np.moveaxis(a, 0, -1)
+    else:
+        a = np.asarray(x)
+    if a.dtype != np.uint8:
+        raise ValueError(f"expected uint8 pixels, got {a.dtype}")
+    if a.ndim == 2:
+        a = a[..., None]
+    if a.ndim != 3 or a.shape[2] not in (1, 3, 4):
+        raise ValueError(f"expected an HWC image with 1, 3 or 4 channels, got shape {a.shape}")
+    if a.shape[2] == 1:
+        a = np.repeat(a, 3, axis=2)
+    return np.ascontiguousarray(a[..., :3])
 
 
 def _nvjpeg(data: list[Any], device: Any) -> list[Any]:

@@ -21,6 +21,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -28,15 +29,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
-from torchspeed.data.decode import GPU_BACKENDS, choose_backend, dct_factor, decode_jpeg_batch_cuda, get_decoder
+from torchspeed.data.decode import GPU_DECODERS, choose_decoder, dct_factor, decode_jpeg_batch_cuda, get_decoder
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.sources import DatasetSource, as_source, is_dataset_spec, sample_name, spec_for_tuning
 from torchspeed.data.threads import ThreadedBatches
-from torchspeed.data.tune import LoaderSettings, as_counts, dataloader_factory, measure_settings
+from torchspeed.data.tune import TuneResult, as_counts, dataloader_factory, measure_settings
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.runtime import resolve_device
 
-__all__ = ["fast_loader", "tune_loader", "FastLoader", "AugmentedDataset", "EpochBatchSampler", "world"]
+__all__ = ["fast_loader", "tune_loader", "LoaderOptions", "FastLoader", "AugmentedDataset", "EpochBatchSampler",
+           "world"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ class AugmentedDataset(Dataset):
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The collated batch: uint8 NCHW (or NHWC) images filled in place sample by sample, int64 labels."""
-        if self.decoder in GPU_BACKENDS:
+        if self.decoder in GPU_DECODERS:
             return self.device_batch(keys)
         shape = self.batch_shape(len(keys))
         if get_worker_info() is not None:  # straight into shared memory: no copy when sent to the main process
@@ -196,12 +198,12 @@ class FastLoader:
     yields_device_batches = True  # the Trainer duck-types on this: batches need no .to(device)
 
     def __init__(self, dataset: AugmentedDataset, sampler: EpochBatchSampler, dataloader: DataLoader,
-                 prefetcher: DevicePrefetcher, settings: Any = None, decoder_table: list | None = None,
+                 prefetcher: DevicePrefetcher, settings: TuneResult | None = None, decoder_table: list | None = None,
                  threads: int = 1):
         self._augmented, self.batch_sampler, self.dataloader, self.prefetcher = dataset, sampler, dataloader, prefetcher
         self.threads = threads if dataloader.num_workers == 0 else 1
         self._batches = prefetcher if dataloader.num_workers else self._threaded(threads)
-        self.settings = settings  # LoaderSettings when num_workers was tuned
+        self.settings = settings  # the measurement, when num_workers or threads were tuned
         self.decoder_table = decoder_table or []  # the decoder measurement, when one was made
         self.epoch = 0
         self.batches_done = 0  # batches of this epoch yielded so far (what state_dict reports)
@@ -296,7 +298,7 @@ class FastLoader:
                 f"device={self.device})")
 
 
-_TUNED: dict[Any, Any] = {}
+_TUNED: dict[Any, TuneResult] = {}
 
 
 def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, bytes]]:
@@ -313,14 +315,14 @@ def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, bytes]]:
     return out
 
 
-def _choose_decoder(source: Any, samples: list[tuple[int, bytes]], progress: Any,
-                    device: torch.device | None = None) -> tuple[str, list]:
-    """choose_backend on the samples (nvjpeg competing for a CUDA `device`); when they cannot be
+def _measured_decoder(source: Any, samples: list[tuple[int, bytes]], progress: Any,
+                      device: torch.device | None = None) -> tuple[str, list]:
+    """choose_decoder on the samples (nvjpeg competing for a CUDA `device`); when they cannot be
     decoded, the error names the sample that fails."""
     key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))),
            str(device) if device is not None and device.type == "cuda" else "cpu")
     try:
-        return choose_backend([b for _, b in samples], key=key, progress=progress, device=device)
+        return choose_decoder([b for _, b in samples], key=key, progress=progress, device=device)
     except Exception as e:
         for index, data in samples:
             try:
@@ -353,9 +355,48 @@ def world(num_replicas: int | None = None, rank: int | None = None) -> tuple[int
     return num_replicas, rank
 
 
+@dataclass(frozen=True)
+class LoaderOptions:
+    """fast_loader's keywords as one value, each field named as its keyword (see `fast_loader`).
+
+    The stages that build a loader, and its tuning, are handed this one value; a stage that settles
+    an "auto" (the device, the decoder, pin_memory) hands on a copy with the choice in the same
+    field. `fast_loader(data, batch_size, **options.keywords())` builds a loader from one, and
+    `dataclasses.replace(options, train=False)` derives the evaluation loader's.
+    """
+
+    train: bool = True
+    crop: int = 224
+    device: str | torch.device = "auto"
+    mean: Sequence[float] | None = IMAGENET_MEAN
+    std: Sequence[float] | None = IMAGENET_STD
+    channels_last: bool = True
+    dtype: torch.dtype | None = None
+    num_workers: int | str | Sequence[int] = "auto"
+    seed: int = 0
+    drop_last: bool | None = None
+    decoder: str = "auto"
+    in_memory: bool = False
+    prefetch_factor: int | None = None
+    persistent_workers: bool | None = None
+    pin_memory: bool | str = "auto"
+    scale: tuple[float, float] = (0.08, 1.0)
+    num_replicas: int | None = None
+    rank: int | None = None
+    tune_seconds: float = 0.4
+    multiprocessing_context: Any = None
+    threads: int | str | Sequence[int] = "auto"
+    progress: bool | Callable[[str], None] = False
+
+    def keywords(self) -> dict[str, Any]:
+        """The fields as fast_loader's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 def fast_loader(
     data: Any,
     batch_size: int,
+    *,
     train: bool = True,
     crop: int = 224,
     device: str | torch.device = "auto",
@@ -400,84 +441,150 @@ def fast_loader(
     epoch's shuffle, sharded by `num_replicas`/`rank` when given, else by the initialised process group,
     else by the WORLD_SIZE/RANK environment variables (torchrun's, so a loader built before
     `init_process_group` shards too). As DistributedSampler does, an uneven split is padded by
-    wrapping around to the first samples, so every rank runs the same number of steps.
+    wrapping around to the first samples, so every rank runs the same number of steps. Inside, the
+    keywords travel as one `LoaderOptions`.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if not isinstance(crop, int) or crop < 1:
-        raise ValueError(f"crop must be a positive integer, got {crop!r}")
-    num_workers = as_counts(num_workers, "num_workers", 0)
-    threads = as_counts(threads, "threads", 1)
-    tuned = num_workers == "auto" or isinstance(num_workers, list) or (num_workers == 0 and isinstance(threads, list))
-    source = as_source(data, in_memory=in_memory)
+    options = LoaderOptions(
+        train=train, crop=crop, device=device, mean=mean, std=std, channels_last=channels_last, dtype=dtype,
+        num_workers=num_workers, seed=seed, drop_last=drop_last, decoder=decoder, in_memory=in_memory,
+        prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory, scale=scale,
+        num_replicas=num_replicas, rank=rank, tune_seconds=tune_seconds,
+        multiprocessing_context=multiprocessing_context, threads=threads, progress=progress)
+    return _build_loader(data, batch_size, options)
+
+
+def _build_loader(data: Any, batch_size: int, options: LoaderOptions) -> FastLoader:
+    """fast_loader's stages: check the arguments, open the source, settle the device and the decoder,
+    plan the batches, then build the loader with the counts given or measured."""
+    options = _with_counts(batch_size, options)
+    source = as_source(data, in_memory=options.in_memory)
     if len(source) == 0:
         raise ValueError("the dataset is empty")
-    dev = resolve_device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} asked for CUDA, which is not available here; use device='cpu' or 'auto'")
-    decoder_table: list = []
+    options = _with_device(options)
+    options, decoder_table = _with_decoder(source, options)
+    augmented, sampler = _dataset_and_sampler(source, batch_size, options)
+    build = _loader_factory(augmented, sampler, options, decoder_table)
+    if not _measures_counts(options):
+        return build(options.num_workers, options.prefetch_factor or 2,
+                     True if options.persistent_workers is None else options.persistent_workers, options.pin_memory,
+                     options.threads if isinstance(options.threads, int) else 1)
+    settings = _tuned(source, batch_size, options, build)
+    loader = build(settings.num_workers, settings.prefetch_factor, settings.persistent_workers, options.pin_memory,
+                   settings.threads)
+    loader.settings = settings
+    return loader
+
+
+def _with_counts(batch_size: int, options: LoaderOptions) -> LoaderOptions:
+    """The sizes checked; num_workers and threads as "auto", a count or a sorted list of candidates."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if not isinstance(options.crop, int) or options.crop < 1:
+        raise ValueError(f"crop must be a positive integer, got {options.crop!r}")
+    return replace(options, num_workers=as_counts(options.num_workers, "num_workers", 0),
+                   threads=as_counts(options.threads, "threads", 1))
+
+
+def _measures_counts(options: LoaderOptions) -> bool:
+    """Whether num_workers (or, at num_workers=0, threads) is measured rather than used as given (`_with_counts`
+    has made each "auto", a count or a list)."""
+    return (options.num_workers == "auto" or isinstance(options.num_workers, list)
+            or (options.num_workers == 0 and isinstance(options.threads, list)))
+
+
+def _with_device(options: LoaderOptions) -> LoaderOptions:
+    """The device resolved (CUDA only where it exists) and pin_memory decided by it when "auto"."""
+    device = resolve_device(options.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(options.device)!r} asked for CUDA, which is not available here; "
+                         "use device='cpu' or 'auto'")
+    pin_memory = device.type == "cuda" if options.pin_memory == "auto" else bool(options.pin_memory)
+    return replace(options, device=device, pin_memory=pin_memory)
+
+
+def _with_decoder(source: Any, options: LoaderOptions) -> tuple[LoaderOptions, list]:
+    """The decoder named, or measured on samples of the source ("auto"); with the measurement's table.
+
+    A GPU decoder makes batches in this process: worker processes are refused, and measured counts
+    become the threads at num_workers=0."""
+    decoder, decoder_table, num_workers = options.decoder, [], options.num_workers
     if decoder == "auto":
         samples = _jpeg_samples(source)
         if samples:
             gpu_allowed = not (isinstance(num_workers, int) and num_workers > 0)  # worker processes decode on the CPU
-            decoder, decoder_table = _choose_decoder(source, samples, progress, dev if gpu_allowed else None)
+            decoder, decoder_table = _measured_decoder(source, samples, options.progress,
+                                                       options.device if gpu_allowed else None)
         else:
             decoder = "simplejpeg"  # nothing to decode (raw pixels or decoded arrays): any name will do
         if hasattr(source, "close"):
             source.close()  # no LMDB handle left open in the parent when the workers fork
     else:
-        if decoder in GPU_BACKENDS and dev.type != "cuda":
-            raise ValueError(f"decoder={decoder!r} decodes on a CUDA device, but this loader's device is {dev}; "
-                             "use a CPU decoder (or decoder='auto')")
+        if decoder in GPU_DECODERS and options.device.type != "cuda":
+            raise ValueError(f"decoder={decoder!r} decodes on a CUDA device, but this loader's device is "
+                             f"{options.device}; use a CPU decoder (or decoder='auto')")
         get_decoder(decoder)  # a clear error now rather than in a worker
-    if decoder in GPU_BACKENDS:  # the batch is made on the GPU by threads of this process, never in workers
+    if decoder in GPU_DECODERS:  # the batch is made on the GPU by threads of this process, never in workers
         if isinstance(num_workers, int) and num_workers > 0:
             raise ValueError(f"decoder={decoder!r} makes batches on the GPU in this process: use num_workers=0 "
                              f"(with threads=N) or num_workers='auto', not {num_workers}")
         if num_workers == "auto" or isinstance(num_workers, list):
             num_workers = [0]  # only the threads are measured
-            tuned = True
-    transform = RandomResizedCropFlip(crop, scale=scale) if train else ResizeCenterCrop(crop)
+    return replace(options, decoder=decoder, num_workers=num_workers), decoder_table
+
+
+def _dataset_and_sampler(source: Any, batch_size: int,
+                         options: LoaderOptions) -> tuple[AugmentedDataset, EpochBatchSampler]:
+    """What makes each sample (the augmentation, the decoder, the uint8 layout) and the batches of indices."""
+    transform = RandomResizedCropFlip(options.crop, scale=options.scale) if options.train else ResizeCenterCrop(options.crop)
     # channels_last output: NHWC uint8 is already its memory order; else NCHW (see normalize_batch)
-    augmented = AugmentedDataset(source, transform, decoder, seed, layout="NHWC" if channels_last else "NCHW",
-                                 device=dev)
-    drop_last = train if drop_last is None else drop_last
-    sampler = EpochBatchSampler(len(source), batch_size, shuffle=train, drop_last=drop_last, seed=seed,
-                                num_replicas=num_replicas, rank=rank)
+    augmented = AugmentedDataset(source, transform, options.decoder, options.seed,
+                                 layout="NHWC" if options.channels_last else "NCHW", device=options.device)
+    drop_last = options.train if options.drop_last is None else options.drop_last
+    sampler = EpochBatchSampler(len(source), batch_size, shuffle=options.train, drop_last=drop_last, seed=options.seed,
+                                num_replicas=options.num_replicas, rank=options.rank)
     if len(sampler) == 0:
         raise ValueError(f"batch_size {batch_size} is larger than this rank's {sampler.per_replica()} samples "
                          f"with drop_last=True; use a smaller batch or drop_last=False")
-    pin = dev.type == "cuda" if pin_memory == "auto" else bool(pin_memory)
+    return augmented, sampler
 
-    def build(workers: int, prefetch: int | None, persistent: bool, pin_: bool, threads: int = 1) -> FastLoader:
-        dl = DataLoader(augmented, batch_sampler=sampler, num_workers=workers, collate_fn=_batch_identity,
-                        pin_memory=pin_, worker_init_fn=_worker_init if workers else None,
-                        prefetch_factor=prefetch if workers else None, persistent_workers=persistent and workers > 0,
-                        multiprocessing_context=multiprocessing_context if workers else None)
-        pf = DevicePrefetcher(dl, dev, mean, std, channels_last=channels_last, dtype=dtype, layout=augmented.layout)
-        return FastLoader(augmented, sampler, dl, pf, decoder_table=decoder_table, threads=threads)
 
-    settings = None
-    if tuned:
-        key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))), len(source),
-               batch_size, crop, train, str(dev), channels_last, decoder, prefetch_factor, persistent_workers, pin,
-               str(threads), str(num_workers))
-        if key not in _TUNED:  # measured once per process for the same data and settings
-            settings = measure_settings(build, num_workers=num_workers, seconds=tune_seconds, device=dev,
-                                        prefetch_factors=(prefetch_factor,) if prefetch_factor else (2, 4),
-                                        persistent=(persistent_workers,) if persistent_workers is not None else (True,),
-                                        pin_memory=(pin,), threads=threads, progress=progress)
-            log.info("fast_loader: %s (%.0f img/s), tuned in %.1f s on %d images (%d settings timed)",
-                     settings.describe(), settings.throughput, settings.tuning_s, len(source), len(settings.table))
-            _TUNED[key] = settings
-        settings = _TUNED[key]
-        loader = build(settings.num_workers, settings.prefetch_factor, settings.persistent_workers, pin,
-                       settings.threads)
-    else:
-        loader = build(num_workers, prefetch_factor or 2, True if persistent_workers is None else persistent_workers, pin,
-                       threads if isinstance(threads, int) else 1)
-    loader.settings = settings
-    return loader
+def _loader_factory(augmented: AugmentedDataset, sampler: EpochBatchSampler, options: LoaderOptions,
+                    decoder_table: list) -> Callable[..., FastLoader]:
+    """`build(num_workers, prefetch_factor, persistent_workers, pin_memory, threads)` -> FastLoader: the
+    factory that the tuning times and that builds the loader returned."""
+
+    def build(num_workers: int, prefetch_factor: int | None, persistent_workers: bool, pin_memory: bool,
+              threads: int = 1) -> FastLoader:
+        dl = DataLoader(augmented, batch_sampler=sampler, num_workers=num_workers, collate_fn=_batch_identity,
+                        pin_memory=pin_memory, worker_init_fn=_worker_init if num_workers else None,
+                        prefetch_factor=prefetch_factor if num_workers else None,
+                        persistent_workers=persistent_workers and num_workers > 0,
+                        multiprocessing_context=options.multiprocessing_context if num_workers else None)
+        prefetcher = DevicePrefetcher(dl, options.device, options.mean, options.std, channels_last=options.channels_last,
+                                      dtype=options.dtype, layout=augmented.layout)
+        return FastLoader(augmented, sampler, dl, prefetcher, decoder_table=decoder_table, threads=threads)
+
+    return build
+
+
+def _tuned(source: Any, batch_size: int, options: LoaderOptions, build: Callable[..., FastLoader]) -> TuneResult:
+    """The counts (and prefetch_factor, persistent_workers when not given) measured, once per process
+    for the same data and options."""
+    key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))), len(source),
+           batch_size, options.crop, options.train, str(options.device), options.channels_last, options.decoder,
+           options.prefetch_factor, options.persistent_workers, options.pin_memory, str(options.threads),
+           str(options.num_workers))
+    if key not in _TUNED:
+        settings = measure_settings(
+            build, num_workers=options.num_workers, threads=options.threads,
+            prefetch_factor=[options.prefetch_factor] if options.prefetch_factor else [2, 4],
+            persistent_workers=[options.persistent_workers] if options.persistent_workers is not None else [True],
+            pin_memory=[bool(options.pin_memory)], tune_seconds=options.tune_seconds, device=options.device,
+            progress=options.progress)
+        log.info("fast_loader: %s (%.0f img/s), tuned in %.1f s on %d images (%d settings timed)",
+                 settings.describe(), settings.throughput, settings.tuning_s, len(source), len(settings.table))
+        _TUNED[key] = settings
+    return _TUNED[key]
 
 
 def tune_loader(
@@ -486,18 +593,18 @@ def tune_loader(
     *,
     num_workers: str | int | Sequence[int] = "auto",
     threads: str | int | Sequence[int] | None = None,
-    seconds: float = 1.0,
+    tune_seconds: float = 1.0,
     device: str | torch.device = "auto",
-    prefetch_factors: Sequence[int] = (2, 4),
-    persistent: Sequence[bool] = (True, False),
+    prefetch_factor: Sequence[int] = (2, 4),
+    persistent_workers: Sequence[bool] = (True, False),
     pin_memory: str | bool = "auto",
     collate_fn: Callable | None = None,
     crop: int = 224,
     train: bool = True,
     progress: bool | Callable[[str], None] = False,
     patience: int = 2,
-) -> LoaderSettings:
-    """Measure loader throughput over settings; return the fastest with the whole table (`LoaderSettings`).
+) -> TuneResult:
+    """Measure loader throughput over settings; return the fastest with the whole table (`TuneResult`).
 
     `dataset`: a map-style Dataset (timed as a plain shuffled DataLoader), an ImageFolder or store
     path (timed as the torchspeed pipeline, `fast_loader` with `crop` and `train`), a Dataset factory
@@ -507,39 +614,50 @@ def tune_loader(
     `build(num_workers, prefetch_factor, persistent_workers, pin_memory[, threads]) -> iterable of batches`.
     `num_workers`: the counts tried, "auto" (0..cores+1) or a list of candidates (or a comma string
     "0,1,2"), walked upward until throughput falls (`patience` successive counts slower than the best
-    so far: one noisy measurement does not end the search); prefetch_factor and persistent_workers
-    are then tried at the best worker count, and pin_memory only with CUDA. Each configuration runs
-    two passes of `seconds` after a warm-up. `threads` (torchspeed pipelines, whose factory takes
-    `threads=`; "auto" for a path): with "auto" (1..cores+1) or a list, num_workers=0 is tried with
-    those threads making batches in this process before the worker processes, and the best of each
-    then run again, interleaved, three passes each (rows marked `final`); an integer fixes the
-    threads used at num_workers=0. The result is logged at INFO on "torchspeed.data.loader";
-    `progress` (True: stderr, or a callable taking a message) reports each configuration timed.
+    so far: one noisy measurement does not end the search); the `prefetch_factor` and
+    `persistent_workers` candidates are then tried at the best worker count, and pin_memory only with
+    CUDA. Each configuration runs two passes of `tune_seconds` after a warm-up. `threads` (torchspeed
+    pipelines, whose factory takes `threads=`; "auto" for a path): with "auto" (1..cores+1) or a list,
+    num_workers=0 is tried with those threads making batches in this process before the worker
+    processes, and the best of each then run again, interleaved, three passes each (rows marked
+    `final`); an integer fixes the threads used at num_workers=0. The result is logged at INFO on
+    "torchspeed.data.loader"; `progress` (True: stderr, or a callable taking a message) reports each
+    configuration timed.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if seconds <= 0:
-        raise ValueError(f"seconds must be positive, got {seconds!r}")
+    if tune_seconds <= 0:
+        raise ValueError(f"tune_seconds must be positive, got {tune_seconds!r}")
     dev = resolve_device(device)
     num_workers = as_counts(num_workers, "num_workers", 0)
+    build, threads = _timed_factory(dataset, batch_size, threads, collate_fn, crop, train, dev)
+    pins = [False, True] if (pin_memory == "auto" and dev.type == "cuda") else [bool(pin_memory) and pin_memory != "auto"]
+    settings = measure_settings(build, num_workers=num_workers, threads=threads, prefetch_factor=prefetch_factor,
+                                persistent_workers=persistent_workers, pin_memory=pins, tune_seconds=tune_seconds, device=dev,
+                                progress=progress, patience=patience)
+    log.info("tune_loader: %s (%.0f items/s), %d settings timed in %.1f s", settings.describe(), settings.throughput,
+             len(settings.table), settings.tuning_s)
+    return settings
+
+
+def _timed_factory(dataset: Any, batch_size: int, threads: str | int | Sequence[int] | None,
+                   collate_fn: Callable | None, crop: int, train: bool,
+                   device: torch.device) -> tuple[Callable[..., Any], str | int | Sequence[int] | None]:
+    """What tune_loader times, and the threads it searches: the torchspeed pipeline for a path or a
+    Dataset of images (threads "auto" unless given), the factory given, or a plain DataLoader (no threads)."""
     if is_dataset_spec(dataset):  # built once, not once per setting timed
         dataset = spec_for_tuning(dataset)
         if not isinstance(dataset, DatasetSource):
             threads = None  # a plain DataLoader has worker processes only
     if isinstance(dataset, (str, os.PathLike, DatasetSource)):
-        threads = "auto" if threads is None else threads  # the torchspeed pipeline: its threads are searched too
 
-        def build(w: int, pf: int | None, persist: bool, pin: bool, threads: int = 1) -> Any:
-            return fast_loader(dataset, batch_size, train=train, crop=crop, device=dev, num_workers=w,
-                               prefetch_factor=pf, persistent_workers=persist, pin_memory=pin, threads=threads)
-    elif callable(dataset) and not hasattr(dataset, "__getitem__"):
-        build = dataset
-    else:
-        build = dataloader_factory(dataset, batch_size, collate_fn)
-    pins = [False, True] if (pin_memory == "auto" and dev.type == "cuda") else [bool(pin_memory) and pin_memory != "auto"]
-    settings = measure_settings(build, num_workers=num_workers, threads=threads, seconds=seconds, device=dev,
-                                prefetch_factors=prefetch_factors, persistent=persistent, pin_memory=pins,
-                                progress=progress, patience=patience)
-    log.info("tune_loader: %s (%.0f items/s), %d settings timed in %.1f s", settings.describe(), settings.throughput,
-             len(settings.table), settings.tuning_s)
-    return settings
+        def build(num_workers: int, prefetch_factor: int | None, persistent_workers: bool, pin_memory: bool,
+                  threads: int = 1) -> FastLoader:
+            return fast_loader(dataset, batch_size, train=train, crop=crop, device=device, num_workers=num_workers,
+                               prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                               pin_memory=pin_memory, threads=threads)
+
+        return build, "auto" if threads is None else threads  # the torchspeed pipeline: its threads are searched too
+    if callable(dataset) and not hasattr(dataset, "__getitem__"):
+        return dataset, threads
+    return dataloader_factory(dataset, batch_size, collate_fn), threads

@@ -24,25 +24,27 @@ import socket
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from torchspeed.atomic import atomic_write, fsync_dir
+from torchspeed.data.decode import to_hwc_uint8
 from torchspeed.images import open_image, quoted, scan_folder, shown
 from torchspeed.data.store import (ENCODING_CODES, FORMAT_VERSION, HEADER, MAGIC, MANIFEST, STORE_KIND, key_of,
                                    lmdb_module)
 
-__all__ = ["pack", "PackReport"]
+__all__ = ["pack", "PackResult", "load_image_file", "clean_stale_partials"]
 
 CHUNK = 32  # samples per task: big enough to amortise inter-process overhead, small for a smooth progress bar
 
 
 @dataclass
-class PackReport:
+class PackResult:
     """What pack() did: samples written, samples skipped (path or index, and why), bytes, seconds."""
 
     dst: str
@@ -62,32 +64,9 @@ class PackReport:
                 + (f"; skipped {len(self.skipped)}" if self.skipped else ""))
 
 
-def _to_hwc_uint8(x: Any) -> np.ndarray:
-    """PIL image, HWC uint8 array, or CHW tensor -> RGB HWC uint8 array."""
-    from PIL import Image
-
-    if isinstance(x, Image.Image):
-        return np.asarray(x.convert("RGB"))
-    if hasattr(x, "detach") and hasattr(x, "numpy"):  # a torch tensor: CHW (or HW)
-        t = x.detach().cpu()
-        if t.dtype.is_floating_point:
-            raise ValueError("a float tensor image is ambiguous (0..1 or 0..255?); give uint8 CHW tensors or PIL images")
-        a = t.numpy()
-        a = a if a.ndim == 2 else np.moveaxis(a, 0, -1)
-    else:
-        a = np.asarray(x)
-    if a.dtype != np.uint8:
-        raise ValueError(f"expected uint8 pixels, got {a.dtype}")
-    if a.ndim == 2:
-        a = a[..., None]
-    if a.ndim != 3 or a.shape[2] not in (1, 3, 4):
-        raise ValueError(f"expected an HWC image with 1, 3 or 4 channels, got shape {a.shape}")
-    if a.shape[2] == 1:
-        a = np.repeat(a, 3, axis=2)
-    return np.ascontiguousarray(a[..., :3])
-
-
-def _load_file(path: str, short_side: int | None) -> np.ndarray:
+def load_image_file(path: str, short_side: int | None) -> np.ndarray:
+    """An image file as RGB HWC uint8, its shorter side shrunk to `short_side` (JPEGs DCT-scaled while
+    decoding): what pack stores, and how the benchmarks resize their copies of the demo photos alike."""
     with open_image(path) as im:  # the pixel limit is checked from the header, before decoding
         if short_side and im.format == "JPEG":
             w, h = im.size
@@ -143,10 +122,10 @@ def _work(task: tuple[list[tuple[int, Any, int]], str, int | None, int]) -> list
     for i, path, label in items:
         try:
             if path is not None:
-                img = _load_file(path, short_side)
+                img = load_image_file(path, short_side)
             else:
                 x, label = _DATASET[i]
-                img = _resize_short(_to_hwc_uint8(x), short_side)
+                img = _resize_short(to_hwc_uint8(x), short_side)
             out.append((i, _encode(img, int(label), encoding, quality), ""))
         except Exception as e:  # reported per sample; on_error decides whether it is fatal
             text = str(e)  # the image-size guard's errors already name the file
@@ -165,14 +144,14 @@ def pack(
     overwrite: bool = False,
     progress: bool | Callable[[str], None] = True,
     classes: list[str] | None = None,
-) -> PackReport:
+) -> PackResult:
     """Pack an ImageFolder directory or a map-style Dataset into the store at `dst`.
 
     `src` samples may be PIL images, HWC uint8 arrays or CHW uint8 tensors with an int label.
     `short_side` resizes (down only) so the shorter side is that many pixels; `format="raw"` stores
     decoded pixels (no decoding at train time, about 10x the bytes); `format="jpeg"` re-encodes at
     `quality` (4:2:0). `on_error="skip"` leaves out samples that fail to load and lists them in the
-    report; `"fail"` stops at the first, naming it. `classes` names the labels of a Dataset source
+    result; `"fail"` stops at the first, naming it. `classes` names the labels of a Dataset source
     (default: its `.classes`, else "0", "1", ...). `num_workers` encoding processes (default: cores, at
     most 8). `progress`: True shows a progress bar, a callable is given a message after each chunk.
     `overwrite=True` replaces `dst` only when it is a torchspeed store holding nothing else; a `dst`
@@ -180,6 +159,41 @@ def pack(
     `torchspeed.images.MAX_IMAGE_PIXELS` are refused from their header, before decoding.
     """
     t0 = time.perf_counter()
+    _check_pack_arguments(format, on_error, quality, short_side)
+    dst = os.path.abspath(os.fspath(dst))
+    src_path = os.path.abspath(os.fspath(src)) if isinstance(src, (str, os.PathLike)) else None
+    _check_destination(src_path, dst, overwrite)  # before anything is written or deleted
+    lmdb = lmdb_module()
+    global _DATASET
+    try:
+        folder_classes, items, names = _samples(src, src_path)
+        _DATASET = None if src_path is not None else src  # the workers read it by fork
+        workers = _encoding_processes(num_workers, src_path)
+        tasks = [(items[s:s + CHUNK], format, short_side, quality) for s in range(0, len(items), CHUNK)]
+        result = PackResult(dst=dst, written=0, encoding=format, short_side=short_side)
+        tmp = _partial_directory(dst)
+        try:
+            with closing(_run(tasks, workers, progress, len(items))) as chunks:  # the pool and the bar end here
+                labels, crcs = _write_records(tmp, lmdb, chunks, names, on_error, result,
+                                              what=src_path or "the Dataset")
+            if folder_classes is not None:
+                classes = folder_classes
+            elif classes is None:
+                classes = list(getattr(src, "classes", None) or [str(c) for c in range(max(labels, default=-1) + 1)])
+            result.seconds = time.perf_counter() - t0
+            _write_manifest(tmp, result, list(classes), quality, src_path, labels, crcs)
+            _check_destination(None, dst, overwrite)  # again: `dst` may have changed while packing
+            _move_into_place(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        _DATASET = None
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _check_pack_arguments(format: str, on_error: str, quality: Any, short_side: Any) -> None:
     if format not in ENCODING_CODES:
         raise ValueError(f"format must be 'jpeg' or 'raw', got {format!r}")
     if on_error not in ("fail", "skip"):
@@ -188,57 +202,61 @@ def pack(
         raise ValueError(f"quality must be an integer in 1..100, got {quality!r}")
     if short_side is not None and (not isinstance(short_side, int) or short_side < 1):
         raise ValueError(f"short_side must be a positive integer or None, got {short_side!r}")
-    dst = os.path.abspath(os.fspath(dst))
-    src_path = os.path.abspath(os.fspath(src)) if isinstance(src, (str, os.PathLike)) else None
-    _check_destination(src_path, dst, overwrite)  # before anything is written or deleted
-    lmdb = lmdb_module()
 
-    global _DATASET
+
+def _samples(src: Any, src_path: str | None) -> tuple[list[str] | None, list[tuple[int, str | None, int]], list[str]]:
+    """(the folder's classes or None for a Dataset, the work items (index, file or None, label), how
+    errors name each sample)."""
     if src_path is not None:
         classes, samples = scan_folder(src_path)
-        tasks_items = [(i, p, y) for i, (p, y) in enumerate(samples)]
-        names = [shown(p) for p, _ in samples]
-    else:
-        if not hasattr(src, "__getitem__") or not hasattr(src, "__len__"):
-            raise ValueError(f"src must be an ImageFolder path or a map-style Dataset, got {type(src).__name__}")
-        n = len(src)
-        if n == 0:
-            raise ValueError("the source Dataset is empty")
-        tasks_items = [(i, None, -1) for i in range(n)]
-        names = [f"sample {i}" for i in range(n)]
-        _DATASET = src
+        return classes, [(i, p, y) for i, (p, y) in enumerate(samples)], [shown(p) for p, _ in samples]
+    if not hasattr(src, "__getitem__") or not hasattr(src, "__len__"):
+        raise ValueError(f"src must be an ImageFolder path or a map-style Dataset, got {type(src).__name__}")
+    n = len(src)
+    if n == 0:
+        raise ValueError("the source Dataset is empty")
+    return None, [(i, None, -1) for i in range(n)], [f"sample {i}" for i in range(n)]
+
+
+def _encoding_processes(num_workers: Any, src_path: str | None) -> int:
     if num_workers is not None and not (isinstance(num_workers, int) and num_workers >= 0):
         raise ValueError(f"num_workers must be None or a non-negative integer, got {num_workers!r}")
-    num_workers = max(1, num_workers if num_workers is not None else min(os.cpu_count() or 1, 8))
     if src_path is None and "fork" not in mp.get_all_start_methods():
-        num_workers = 1  # without fork a Dataset would have to be pickled to the workers
-    chunks = [tasks_items[s:s + CHUNK] for s in range(0, len(tasks_items), CHUNK)]
-    tasks = [(c, format, short_side, quality) for c in chunks]
+        return 1  # without fork a Dataset would have to be pickled to the workers
+    return max(1, num_workers if num_workers is not None else min(os.cpu_count() or 1, 8))
 
+
+def _partial_directory(dst: str) -> str:
+    """A new directory beside `dst` that the store is built in, named for this process; the leftovers
+    of packs whose process is gone are removed first."""
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     clean_stale_partials(parent)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.partial-{_owner()}-")
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the store gets the usual permissions
-    env = None
-    report = PackReport(dst=dst, written=0, encoding=format, short_side=short_side)
+    return tmp
+
+
+def _write_records(path: str, lmdb: Any, chunks: Iterable[list[Any]], names: list[str], on_error: str,
+                   result: PackResult, what: str) -> tuple[list[int], list[int]]:
+    """Write each chunk's records into a new LMDB environment at `path`, one transaction per chunk;
+    a sample that failed is skipped (listed in `result`) or stops the pack, naming it. -> (labels, CRC32s)"""
+    map_size = 1 << 30
+    env = lmdb.open(path, map_size=map_size, subdir=True, readahead=False, meminit=False, sync=False,
+                    metasync=False)  # one fsync at the end (env.sync) instead of one per commit
+    labels: list[int] = []
+    crcs: list[int] = []
     try:
-        map_size = 1 << 30
-        env = lmdb.open(tmp, map_size=map_size, subdir=True, readahead=False, meminit=False, sync=False,
-                        metasync=False)  # one fsync at the end (env.sync) instead of one per commit
-        labels: list[int] = []
-        crcs: list[int] = []
-        label_max = -1
-        for results in _run(tasks, num_workers, progress, len(tasks_items)):
+        for chunk in chunks:
             batch = []
-            for i, record, error in results:
+            for i, record, error in chunk:
                 if record is None:
                     if on_error == "fail":
-                        what = error if quoted(names[i]) in error else f"cannot read {quoted(names[i])}: {error}"
-                        raise ValueError(f"{what}; fix or remove it, or pack with on_error='skip' (--on-error skip)")
-                    report.skipped.append({"path": names[i], "reason": error})
+                        said = error if quoted(names[i]) in error else f"cannot read {quoted(names[i])}: {error}"
+                        raise ValueError(f"{said}; fix or remove it, or pack with on_error='skip' (--on-error skip)")
+                    result.skipped.append({"path": names[i], "reason": error})
                     continue
-                batch.append((key_of(report.written + len(batch)), record))
+                batch.append((key_of(result.written + len(batch)), record))
             while batch:  # one transaction per chunk; grow the map when full (one writer: resizing is safe)
                 try:
                     with env.begin(write=True) as txn:
@@ -249,52 +267,50 @@ def pack(
                     map_size *= 2
                     env.set_mapsize(map_size)
             for _, record in batch:
-                label = HEADER.unpack_from(record)[5]
-                label_max = max(label_max, label)
-                labels.append(label)
+                labels.append(HEADER.unpack_from(record)[5])
                 crcs.append(zlib.crc32(record))
-                report.bytes += len(record)
-            report.written += len(batch)
-        if report.written == 0:
-            raise ValueError(f"nothing was packed: every sample of {src_path or 'the Dataset'} failed to load "
-                             f"(first: {report.skipped[0]['reason'] if report.skipped else 'none'})")
+                result.bytes += len(record)
+            result.written += len(batch)
+        if result.written == 0:
+            raise ValueError(f"nothing was packed: every sample of {what} failed to load "
+                             f"(first: {result.skipped[0]['reason'] if result.skipped else 'none'})")
         env.sync(True)
-        env.close()
-        env = None
-        if classes is None:
-            classes = list(getattr(src, "classes", None) or [str(c) for c in range(label_max + 1)])
-        report.seconds = time.perf_counter() - t0
-        manifest = {
-            "kind": STORE_KIND, "format_version": FORMAT_VERSION, "count": report.written, "classes": list(classes),
-            "encoding": format, "quality": quality if format == "jpeg" else None, "short_side": short_side,
-            "resolution": f"shorter side resized to {short_side} (never upscaled)" if short_side else "as stored in the source",
-            "source": src_path, "bytes": report.bytes, "pack_seconds": round(report.seconds, 3),
-            "skipped": len(report.skipped), "labels": labels, "crc32": crcs,
-        }
-        with atomic_write(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f)  # ASCII (non-UTF-8 names escaped), so the locale's encoding cannot matter
-        lock = os.path.join(tmp, "lock.mdb")
-        if os.path.exists(lock):
-            os.unlink(lock)  # readers open without locking
-        fsync_dir(tmp)
-        _check_destination(None, dst, overwrite)  # again: `dst` may have changed while packing
-        if os.path.lexists(dst):  # overwrite: move the old one aside only now that the new one is whole
-            old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.old-{_owner()}-")
-            os.rename(dst, os.path.join(old, "store"))
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-        fsync_dir(parent)
-    except BaseException:
-        if env is not None:
-            env.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
-        _DATASET = None
-    report.seconds = time.perf_counter() - t0
-    return report
+        env.close()
+    return labels, crcs
+
+
+def _write_manifest(path: str, result: PackResult, classes: list[str], quality: int, src_path: str | None,
+                    labels: list[int], crcs: list[int]) -> None:
+    """manifest.json beside the data (what readers check the store by), then the directory made durable."""
+    short_side = result.short_side
+    manifest = {
+        "kind": STORE_KIND, "format_version": FORMAT_VERSION, "count": result.written, "classes": classes,
+        "encoding": result.encoding, "quality": quality if result.encoding == "jpeg" else None,
+        "short_side": short_side,
+        "resolution": f"shorter side resized to {short_side} (never upscaled)" if short_side else "as stored in the source",
+        "source": src_path, "bytes": result.bytes, "pack_seconds": round(result.seconds, 3),
+        "skipped": len(result.skipped), "labels": labels, "crc32": crcs,
+    }
+    with atomic_write(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f)  # ASCII (non-UTF-8 names escaped), so the locale's encoding cannot matter
+    lock = os.path.join(path, "lock.mdb")
+    if os.path.exists(lock):
+        os.unlink(lock)  # readers open without locking
+    fsync_dir(path)
+
+
+def _move_into_place(tmp: str, dst: str) -> None:
+    """The whole new store renamed to `dst`; a previous store is moved aside only now, and removed after."""
+    parent = os.path.dirname(dst)
+    if os.path.lexists(dst):
+        old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.old-{_owner()}-")
+        os.rename(dst, os.path.join(old, "store"))
+        os.rename(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, dst)
+    fsync_dir(parent)
 
 
 STORE_FILES = frozenset({MANIFEST, "data.mdb", "lock.mdb"})

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from torchspeed.data.decode import decode_record, jpeg_info
+from torchspeed.data.decode import decode_record, jpeg_info, to_hwc_uint8
 from torchspeed.data.store import PackedDataset, Record, is_store, looks_damaged
 from torchspeed.images import IMAGE_EXTENSIONS, check_image_size, open_image, quoted, scan_folder
 
@@ -43,10 +43,8 @@ class FolderSource:
                 check_image_size(w, h, path)
                 if components in (1, 3):  # grey or YCbCr: libjpeg decodes it to RGB (CMYK goes through PIL)
                     return Record("jpeg", data, h, w, label)
-            from torchspeed.data.packer import _to_hwc_uint8
-
             with open_image(data, path) as im:
-                img = _to_hwc_uint8(im)
+                img = to_hwc_uint8(im)
             return Record("array", img, img.shape[0], img.shape[1], label)
         except Exception as e:  # corrupt, truncated, not an image, a bomb: one error naming the file
             raise ValueError(self._error(index, e)) from None
@@ -88,7 +86,6 @@ class DatasetSource:
 
     def record(self, index: int) -> Record:
         from torchspeed.batches import BatchFormat
-        from torchspeed.data.packer import _to_hwc_uint8
 
         sample = self.dataset[index]
         try:
@@ -102,7 +99,7 @@ class DatasetSource:
             raise ValueError(f"{self.name(index)} is {what}: fast_loader takes (image, label) samples or dicts of "
                              "one image and a label (image/label, pixel_values/labels, ...)")
         try:
-            img = _to_hwc_uint8(x)
+            img = to_hwc_uint8(x)
             return Record("array", img, img.shape[0], img.shape[1], int(y))
         except Exception as e:
             raise ValueError(f"{self.name(index)}: {e}") from None

@@ -151,7 +151,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 # One LMDB environment per (path, process): py-lmdb refuses to open a path twice in a process, and a
 # handle inherited through fork must never be used by the child (hence the pid in the key).
 _ENVS: dict[tuple[str, int], list[Any]] = {}
-_ENVS_LOCK = threading.Lock()  # two threads' first reads must not both open the environment
+# Two threads' first reads must not both open the environment. Re-entrant: a dataset collected while
+# this thread opens another (its __del__ runs inside the open) releases its handle under the same lock.
+_ENVS_LOCK = threading.RLock()
 
 
 def _acquire_env(path: str) -> Any:
@@ -161,16 +163,17 @@ def _acquire_env(path: str) -> Any:
 
 def _acquire_env_locked(path: str) -> Any:
     key = (path, os.getpid())
-    if key not in _ENVS:
+    entry = _ENVS.get(key)
+    if entry is None:
         lmdb = lmdb_module()
         check_data_file(path)  # also in workers that never ran __init__ (spawn): no SIGBUS on a truncated file
         try:
             env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
         except lmdb.Error as e:
             raise ValueError(f"cannot open the LMDB data of store {path!r}: {e}") from None
-        _ENVS[key] = [env, 0]
-    _ENVS[key][1] += 1
-    return _ENVS[key][0]
+        entry = _ENVS[key] = [env, 0]
+    entry[1] += 1
+    return entry[0]
 
 
 def _close_inherited_envs() -> None:

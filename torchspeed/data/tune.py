@@ -16,17 +16,16 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
 
-from torchspeed.args import as_list
-from torchspeed.args import progress_fn
+from torchspeed.args import as_list, progress_fn
 from torchspeed.measure import time_iterable
 from torchspeed.runtime import usable_cores
 
-__all__ = ["LoaderSettings", "LoaderTrial", "measure_settings", "dataloader_factory", "as_counts"]
+__all__ = ["TuneResult", "LoaderRow", "measure_settings", "dataloader_factory", "as_counts", "shutdown_workers"]
 
 
 def as_counts(value: Any, name: str, minimum: int) -> str | int | list[int]:
@@ -58,8 +57,8 @@ def _candidates(value: str | int | list[int], auto: Iterable[int]) -> list[int]:
 
 
 @dataclass
-class LoaderTrial:
-    """One loader configuration timed (a row of `LoaderSettings.table`)."""
+class LoaderRow:
+    """One loader configuration timed (a row of `TuneResult.table`)."""
 
     num_workers: int
     threads: int  # batch-making threads of the main process (1 unless num_workers is 0)
@@ -74,7 +73,7 @@ class LoaderTrial:
 
 
 @dataclass
-class LoaderSettings:
+class TuneResult:
     """The fastest loader settings measured, with every configuration tried (`table`)."""
 
     num_workers: int
@@ -82,12 +81,12 @@ class LoaderSettings:
     persistent_workers: bool
     pin_memory: bool
     throughput: float  # items/s of the chosen settings
-    table: list[LoaderTrial] = field(default_factory=list)
+    table: list[LoaderRow] = field(default_factory=list)
     threads: int = 1  # fast_loader's batch-making threads when num_workers is 0
     tuning_s: float = 0.0  # how long the measurement took
 
     @property
-    def best(self) -> LoaderTrial | None:
+    def best(self) -> LoaderRow | None:
         """The row that measured the chosen settings."""
         rows = [r for r in self.table if (r.num_workers, r.threads, r.prefetch_factor, r.persistent_workers,
                                           r.pin_memory) == (self.num_workers, self.threads, self.prefetch_factor,
@@ -121,8 +120,9 @@ def _more_workers_than_cores_on_purpose() -> Iterator[None]:
         yield
 
 
-def _shutdown(loader: Any) -> None:
-    """Stop a measured loader's worker processes now instead of whenever it is collected."""
+def shutdown_workers(loader: Any) -> None:
+    """Stop a measured loader's worker processes now instead of whenever it is collected (so the next
+    configuration, or the next benchmark row, is timed on quiet cores)."""
     dl = getattr(loader, "dataloader", loader)
     it = getattr(dl, "_iterator", None)
     if it is not None and hasattr(it, "_shutdown_workers"):
@@ -135,11 +135,108 @@ def dataloader_factory(dataset: Any, batch_size: int, collate_fn: Callable | Non
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ValueError(f"dataset must be a map-style Dataset, a data path or a loader factory, got {type(dataset).__name__}")
 
-    def build_plain(w: int, pf: int | None, persist: bool, pin: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=w,
-                          collate_fn=collate_fn, pin_memory=pin, prefetch_factor=pf, persistent_workers=persist)
+    def build_plain(num_workers: int, prefetch_factor: int | None, persistent_workers: bool,
+                    pin_memory: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=num_workers,
+                          collate_fn=collate_fn, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+                          persistent_workers=persistent_workers)
 
     return build_plain
+
+
+class _Setting(NamedTuple):
+    """One configuration handed to the factory, as the factory (and a LoaderRow) spells it."""
+
+    num_workers: int
+    threads: int
+    prefetch_factor: int | None
+    persistent_workers: bool
+    pin_memory: bool
+
+    @classmethod
+    def of(cls, num_workers: int, threads: int, prefetch_factor: int | None, persistent_workers: bool,
+           pin_memory: bool) -> _Setting:
+        """Options that only worker processes have are None/False without them; threads are 1 with them."""
+        return cls(num_workers, threads if num_workers == 0 else 1, prefetch_factor if num_workers else None,
+                   persistent_workers and num_workers > 0, pin_memory)
+
+
+class _Search:
+    """What one measurement shares: the factory, how a configuration is timed, and the rows so far."""
+
+    def __init__(self, build: Callable[..., Any], takes_threads: bool, first: tuple[int, bool, bool],
+                 tune_seconds: float, device: torch.device, progress: bool | Callable[[str], None], patience: int):
+        self.build, self.takes_threads, self.tune_seconds, self.device = build, takes_threads, tune_seconds, device
+        self.first = first  # (prefetch_factor, persistent_workers, pin_memory) while the counts are walked
+        self.say, self.patience = progress_fn(progress), patience
+        self.table: list[LoaderRow] = []
+
+    def setting(self, num_workers: int, threads: int) -> _Setting:
+        return _Setting.of(num_workers, threads, *self.first)
+
+    def make(self, s: _Setting) -> Any:
+        with _more_workers_than_cores_on_purpose():  # DataLoader warns when it is built and when iterated
+            return self.build(s.num_workers, s.prefetch_factor, s.persistent_workers, s.pin_memory,
+                              *((s.threads,) if self.takes_threads else ()))
+
+    def time_passes(self, loader: Any, s: _Setting, passes: int) -> Any:
+        with _more_workers_than_cores_on_purpose():
+            return time_iterable(lambda: loader, name=f"workers={s.num_workers}", warmup_items=max(1, s.num_workers),
+                                 passes=passes, min_pass_s=self.tune_seconds, device=self.device)
+
+    def record(self, s: _Setting, items_per_s: float, final: bool = False) -> None:
+        self.table.append(LoaderRow(**s._asdict(), items_per_s=items_per_s, final=final))
+
+    def measure(self, s: _Setting) -> float:
+        """Items/s of one configuration: two passes after a warm-up, its workers stopped afterwards."""
+        self.say(f"timing num_workers={s.num_workers}, threads={s.threads}, prefetch_factor={s.prefetch_factor}, "
+                 f"persistent_workers={s.persistent_workers}, pin_memory={s.pin_memory}")
+        loader = self.make(s)
+        try:
+            timing = self.time_passes(loader, s, passes=2)
+        finally:
+            shutdown_workers(loader)
+        rate = float(timing.throughput or 0.0)
+        self.record(s, rate)
+        return rate
+
+    def walk(self, settings: Sequence[_Setting]) -> tuple[float, _Setting]:
+        """Measure `settings` in order until `patience` in a row are slower than the best; the best."""
+        best, slower = (-1.0, self.setting(0, 1)), 0
+        for s in settings:
+            rate = self.measure(s)
+            if rate > best[0]:
+                best, slower = (rate, s), 0
+            else:
+                slower += 1
+                if slower >= self.patience:
+                    break  # throughput fell: more workers only compete for the cores
+        return best
+
+    def final(self, candidates: list[_Setting], rounds: int = 3) -> tuple[float, _Setting]:
+        """The walks' winners again, passes interleaved: one noisy pass must not decide a close call.
+
+        Scored by items over seconds of all their passes (what an epoch gets), so a setting that is
+        fast in most passes but stalls in some loses against a steady one."""
+        self.say(f"final: {', '.join(f'num_workers={s.num_workers}, threads={s.threads}' for s in candidates)}, "
+                 "interleaved")
+        loaders = {s: self.make(s) for s in candidates}
+        items = dict.fromkeys(candidates, 0.0)
+        spent = dict.fromkeys(candidates, 0.0)
+        try:
+            for _ in range(rounds):
+                for s, loader in loaders.items():
+                    timing = self.time_passes(loader, s, passes=1)
+                    items[s] += sum(timing.items)
+                    spent[s] += sum(timing.times_s)
+        finally:
+            for loader in loaders.values():
+                shutdown_workers(loader)
+        rates = {s: items[s] / spent[s] if spent[s] > 0 else 0.0 for s in candidates}
+        for s, rate in rates.items():
+            self.record(s, rate, final=True)
+        best = max(rates, key=rates.__getitem__)
+        return rates[best], best
 
 
 def measure_settings(
@@ -147,14 +244,14 @@ def measure_settings(
     *,
     num_workers: str | int | Sequence[int] = "auto",
     threads: str | int | Sequence[int] | None = None,
-    seconds: float = 1.0,
-    device: torch.device,
-    prefetch_factors: Sequence[int] = (2, 4),
-    persistent: Sequence[bool] = (True, False),
+    prefetch_factor: Sequence[int] = (2, 4),
+    persistent_workers: Sequence[bool] = (True, False),
     pin_memory: Sequence[bool] = (False,),
+    tune_seconds: float = 1.0,
+    device: torch.device,
     progress: bool | Callable[[str], None] = False,
     patience: int = 2,
-) -> LoaderSettings:
+) -> TuneResult:
     """Time the loaders `build` makes over settings; return the fastest with the whole table.
 
     `num_workers`: the counts tried ("auto": 0..cores+1, or a list of candidates), walked upward until
@@ -162,110 +259,54 @@ def measure_settings(
     `threads=`): with "auto" (1..cores+1) or a list, num_workers=0 is walked over those threads counts
     and the worker processes over the positive num_workers candidates, then the two winners run
     again, interleaved, three passes each (rows marked `final`); an integer fixes the threads used
-    at num_workers=0; None: the factory takes no threads. prefetch_factor and persistent_workers are
-    then tried at the best worker count, and the `pin_memory` options last. Each configuration runs
-    two passes of `seconds` after a warm-up.
+    at num_workers=0; None: the factory takes no threads. `prefetch_factor`, `persistent_workers` and
+    `pin_memory` are the candidate values of each (the first is used while the counts are walked);
+    the others of the first two are then tried at the best worker count, and pin_memory's last. Each
+    configuration runs two passes of `tune_seconds` after a warm-up.
     """
     t_start = time.perf_counter()
-    say_ = progress_fn(progress)
+    worker_counts = as_counts(num_workers, "num_workers", 0)
+    thread_counts = None if threads is None else as_counts(threads, "threads", 1)
+    first = (prefetch_factor[0] if prefetch_factor else 2, persistent_workers[0] if persistent_workers else True,
+             (list(pin_memory) or [False])[0])
+    search = _Search(build, thread_counts is not None, first, tune_seconds, device, progress, patience)
+    rate, best = _best_counts(search, worker_counts, thread_counts)
+    rate, best = _best_options(search, rate, best, prefetch_factor[1:], persistent_workers[1:], list(pin_memory)[1:])
+    return TuneResult(num_workers=best.num_workers, prefetch_factor=best.prefetch_factor,
+                      persistent_workers=best.persistent_workers, pin_memory=best.pin_memory, throughput=rate,
+                      table=search.table, threads=best.threads, tuning_s=time.perf_counter() - t_start)
+
+
+def _best_counts(search: _Search, num_workers: str | int | list[int],
+                 threads: str | int | list[int] | None) -> tuple[float, _Setting]:
+    """The walk over worker counts, or (threads given as candidates) threads in this process first, then
+    worker processes, and the faster of the two winners in an interleaved final round."""
     cores = usable_cores()
-    worker_counts = _candidates(as_counts(num_workers, "num_workers", 0), range(0, cores + 2))
-    thread_spec = None if threads is None else as_counts(threads, "threads", 1)
-    pins = list(pin_memory) or [False]
-    table: list[LoaderTrial] = []
+    worker_counts = _candidates(num_workers, range(0, cores + 2))
+    if threads is None or isinstance(threads, int):
+        return search.walk([search.setting(w, threads or 1) for w in worker_counts])
+    thread_counts = _candidates(threads, range(1, cores + 2))
+    processes = [w for w in worker_counts if w > 0]
+    in_process = search.walk([search.setting(0, t) for t in thread_counts]) if 0 in worker_counts else None
+    in_workers = search.walk([search.setting(w, 1) for w in processes]) if processes else None
+    if in_process is None or in_workers is None:
+        return in_process or in_workers  # type: ignore[return-value]
+    if in_workers[0] > 0:
+        return search.final([in_process[1], in_workers[1]])
+    return in_process
 
-    def make(w: int, pf: int | None, persist: bool, pin: bool, t: int) -> Any:
-        with _more_workers_than_cores_on_purpose():  # DataLoader warns when it is built and when iterated
-            return build(w, pf if w else None, persist and w > 0, pin, *(() if thread_spec is None else (t if w == 0 else 1,)))
 
-    def run(loader: Any, w: int, passes: int) -> Any:
-        with _more_workers_than_cores_on_purpose():
-            return time_iterable(lambda: loader, name=f"workers={w}", warmup_items=max(1, w), passes=passes,
-                                 min_pass_s=seconds, device=device)
-
-    def record(w: int, pf: int | None, persist: bool, pin: bool, t: int, rate: float, final: bool = False) -> None:
-        table.append(LoaderTrial(num_workers=w, threads=t if w == 0 else 1, prefetch_factor=pf if w else None,
-                                 persistent_workers=persist and w > 0, pin_memory=pin, items_per_s=rate, final=final))
-
-    def measure(w: int, pf: int | None, persist: bool, pin: bool, t: int = 1) -> float:
-        say_(f"timing num_workers={w}, threads={t if w == 0 else 1}, prefetch_factor={pf}, "
-             f"persistent={persist}, pin={pin}")
-        loader = make(w, pf, persist, pin, t)
-        try:
-            timing = run(loader, w, passes=2)
-        finally:
-            _shutdown(loader)
-        rate = float(timing.throughput or 0.0)
-        record(w, pf, persist, pin, t, rate)
-        return rate
-
-    def final(candidates: list[tuple[int, int]], rounds: int = 3) -> tuple[float, int, int]:
-        """The walks' winners again, passes interleaved: one noisy pass must not decide a close call.
-
-        Scored by items over seconds of all their passes (what an epoch gets), so a setting that is
-        fast in most passes but stalls in some loses against a steady one."""
-        say_(f"final: {', '.join(f'num_workers={w}, threads={t}' for w, t in candidates)}, interleaved")
-        loaders = {c: make(c[0], pf0, persist0, pin0, c[1]) for c in candidates}
-        items = {c: 0.0 for c in candidates}
-        spent = {c: 0.0 for c in candidates}
-        try:
-            for _ in range(rounds):
-                for (w, t), loader in loaders.items():
-                    timing = run(loader, w, passes=1)
-                    items[(w, t)] += sum(timing.items)
-                    spent[(w, t)] += sum(timing.times_s)
-        finally:
-            for loader in loaders.values():
-                _shutdown(loader)
-        rates = {c: items[c] / spent[c] if spent[c] > 0 else 0.0 for c in candidates}
-        for (w, t), r in rates.items():
-            record(w, pf0, persist0, pin0, t, r, final=True)
-        (w, t) = max(rates, key=rates.__getitem__)
-        return rates[(w, t)], w, t
-
-    def walk(counts: Sequence[int], config: Callable[[int], tuple[int, int]]) -> tuple[float, int, int]:
-        """Measure counts in order until `patience` in a row are slower than the best; the best (rate, w, t)."""
-        best, slower = (-1.0, 0, 1), 0
-        for c in counts:
-            w, t = config(c)
-            rate = measure(w, pf0, persist0, pin0, t)
-            if rate > best[0]:
-                best, slower = (rate, w, t), 0
-            else:
-                slower += 1
-                if slower >= patience:
-                    break  # throughput fell: more workers only compete for the cores
-        return best
-
-    pf0, persist0, pin0 = prefetch_factors[0] if prefetch_factors else 2, persistent[0] if persistent else True, pins[0]
-    if thread_spec is None or isinstance(thread_spec, int):
-        rate, w, t = walk(worker_counts, lambda c: (c, thread_spec or 1))
-    else:  # threads in this process first, then worker processes; keep the faster
-        thread_counts = _candidates(thread_spec, range(1, cores + 2))
-        processes = [c for c in worker_counts if c > 0]
-        in_process = walk(thread_counts, lambda c: (0, c)) if 0 in worker_counts else None
-        in_workers = walk(processes, lambda c: (c, 1)) if processes else None
-        if in_process is None or in_workers is None:
-            rate, w, t = in_process or in_workers  # type: ignore[misc]
-        elif in_workers[0] > 0:
-            rate, w, t = final([(0, in_process[2]), (in_workers[1], 1)])
-        else:
-            rate, w, t = in_process
-    best = (rate, w, pf0, persist0, pin0)
-    if w > 0:
-        for option in prefetch_factors[1:]:
-            r = measure(w, option, persist0, pin0)
-            if r > best[0]:
-                best = (r, w, option, persist0, pin0)
-        for option in persistent[1:]:
-            r = measure(w, best[2], option, pin0)
-            if r > best[0]:
-                best = (r, w, best[2], option, pin0)
-    for option in pins[1:]:
-        r = measure(best[1], best[2], best[3], option, t)
-        if r > best[0]:
-            best = (r, best[1], best[2], best[3], option)
-    rate, w, pf, persist, pin = best
-    return LoaderSettings(num_workers=w, prefetch_factor=pf if w else None, persistent_workers=persist and w > 0,
-                          pin_memory=pin, throughput=rate, table=table, threads=t if w == 0 else 1,
-                          tuning_s=time.perf_counter() - t_start)
+def _best_options(search: _Search, rate: float, best: _Setting, prefetch_factor: Sequence[int],
+                  persistent_workers: Sequence[bool], pin_memory: Sequence[bool]) -> tuple[float, _Setting]:
+    """At the chosen counts: the other prefetch_factor and persistent_workers values (worker processes
+    only), then the other pin_memory values; each kept when it measures faster."""
+    others = [("pin_memory", v) for v in pin_memory]
+    if best.num_workers > 0:
+        others = [("prefetch_factor", v) for v in prefetch_factor] + \
+                 [("persistent_workers", v) for v in persistent_workers] + others
+    for name, value in others:
+        candidate = best._replace(**{name: value})
+        r = search.measure(candidate)
+        if r > rate:
+            rate, best = r, candidate
+    return rate, best

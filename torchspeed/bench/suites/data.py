@@ -306,8 +306,8 @@ class _DataSuite:
         from torchspeed.data import tune_loader
 
         self.say(f"tuning torchvision num_workers on {os.path.basename(folder)}")
-        s = tune_loader(_torchvision(folder), BATCH, num_workers=list(range(self.cores + 1)), seconds=self.tune_s,
-                        device="cpu", prefetch_factors=(2,), persistent=(True,))
+        s = tune_loader(_torchvision(folder), BATCH, num_workers=list(range(self.cores + 1)), tune_seconds=self.tune_s,
+                        device="cpu", prefetch_factor=(2,), persistent_workers=(True,))
         return s.num_workers
 
     def add_baselines(self) -> None:

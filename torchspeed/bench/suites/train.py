@@ -482,8 +482,8 @@ class _TrainSuite:
             return
         self.say("tuning the torchvision DataLoader (num_workers, prefetch; measured)")
         s = tune_loader(_torchvision_dataset(self.folder, self.indices), BATCH,
-                        num_workers=list(range(usable_cores() + 1)), seconds=1.0, device=self.device,
-                        prefetch_factors=(2,), persistent=(True,))
+                        num_workers=list(range(usable_cores() + 1)), tune_seconds=1.0, device=self.device,
+                        prefetch_factor=(2,), persistent_workers=(True,))
         m, o = self.fresh()
         tuned = self.to_device(_Stream(self.plain_loader(s.num_workers, pin_memory=s.pin_memory)))
         self.measure("+ tuned loader", _hand_loop(m, o, tuned, self.k, "fp32", False),
