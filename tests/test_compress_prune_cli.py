@@ -32,10 +32,12 @@ def test_pruned_model_round_trips_through_save_and_load(tmp_path):
     pruned = result.model
     assert result.params_after < result.params_before
     save_pruned(pruned, str(tmp_path / "out"), ts.models.spec_of(original), result)
-    rebuilt = load_pruned(str(tmp_path / "out"))
-    assert rebuilt[0].out_channels == pruned[0].out_channels < 16
-    with torch.no_grad():
-        torch.testing.assert_close(rebuilt(example), pruned.eval()(example))
+    from_spec = load_pruned(str(tmp_path / "out"), spec=f"{path}:make")
+    from_model = load_pruned(str(tmp_path / "out"), model=ts.models.create(f"{path}:make", width=16))
+    for rebuilt in (from_spec, from_model):
+        assert rebuilt[0].out_channels == pruned[0].out_channels < 16
+        with torch.no_grad():
+            torch.testing.assert_close(rebuilt(example), pruned.eval()(example))
     saved = json.loads((tmp_path / "out" / "pruned.json").read_text())
     assert saved["report"] == json.loads(json.dumps(result.to_dict()))
 
@@ -48,7 +50,7 @@ def test_prune_command_on_a_file_factory_writes_a_loadable_model(tmp_path, capsy
                  "--input-shape", "1,3,16,16", "--out", str(out), "--json", str(js)])
     assert code == 0
     report = json.loads(js.read_text())
-    model = load_pruned(str(out))
+    model = load_pruned(str(out), spec=f"{path}:make")  # the folder's {"width": 16} applies to the same spec
     assert sum(p.numel() for p in model.parameters()) == report["params_after"] < report["params_before"]
     assert model(torch.randn(1, 3, 16, 16)).shape == (1, 5)
 

@@ -154,3 +154,67 @@ def test_doctor_names_an_interpreter_without_torch(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "cannot import torch" in err and str(fake) in err
     assert "killed?" not in err and "ModuleNotFoundError" not in err and len(err.strip().splitlines()) == 1
+
+
+# --json: checked before the command runs
+
+
+def _placeholder(action):
+    """A value the argument accepts: its first choice, else the first of a few that its type parses."""
+    if action.choices:
+        return str(list(action.choices)[0])
+    for text in ("1", "0.5", "1,1"):
+        try:
+            (action.type or str)(text)
+            return text
+        except Exception:  # noqa: BLE001 - argparse types raise their own errors
+            continue
+    raise AssertionError(f"no placeholder for {action.dest}")
+
+
+def _commands_with_json():
+    """(command, argv with a placeholder for each required argument) of every subcommand that takes --json."""
+    import argparse
+
+    from torchspeed.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    found = []
+    for name, p in sub.choices.items():
+        if not any(a.dest == "json" for a in p._actions):
+            continue
+        argv = [name]
+        for a in p._actions:
+            if a.required and a.option_strings:
+                argv += [a.option_strings[0], _placeholder(a)]
+        argv += [_placeholder(a) for a in p._actions if not a.option_strings and a.nargs != argparse.REMAINDER]
+        found.append((name, argv))
+    return found
+
+
+def test_an_unwritable_json_path_fails_before_any_command_runs(tmp_path, monkeypatch, capsys):
+    import torchspeed.cli as cli
+
+    real_build = cli.build_parser
+
+    def parser_whose_commands_never_run():
+        import argparse
+
+        parser = real_build()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        for p in sub.choices.values():
+            p.set_defaults(func=lambda args: pytest.fail(f"{args.command} ran before --json was checked"))
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", parser_whose_commands_never_run)
+    blocked = tmp_path / "file.txt"
+    blocked.write_text("not a folder")
+    commands = _commands_with_json()
+    assert {"optimize", "train", "pack", "doctor", "lint", "bench", "info"} <= {name for name, _ in commands}
+    for name, argv in commands:
+        assert main([*argv, "--json", str(blocked / "result.json")]) == 2, name
+        err = capsys.readouterr().err
+        assert "--json" in err and "cannot be written" in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert main([*argv, "--json", str(tmp_path)]) == 2, name
+        assert "is a folder" in capsys.readouterr().err, name
+    assert blocked.read_text() == "not a folder" and sorted(os.listdir(tmp_path)) == ["file.txt"]

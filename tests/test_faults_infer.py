@@ -220,3 +220,247 @@ def test_report_png_written_atomically(tmp_path, monkeypatch):
         report.plot_suite("design", result, str(tmp_path))
     assert (tmp_path / "design_latency.png").read_bytes() == old
     assert os.listdir(tmp_path) == ["design_latency.png"]
+
+
+# ----------------------------------------------------------------------------------------- ONNX models and --out
+def _matmul_onnx(path, seed=0, external_data=None):
+    """A one-MatMul ONNX model `y = x @ w` (x: batch x 4); its weights in the file `external_data` beside it
+    when given. Returns w."""
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).standard_normal((4, 3)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "mm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    if external_data:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=external_data, size_threshold=0)
+    else:
+        onnx.save_model(model, str(path))
+    import torch
+
+    return torch.from_numpy(w)
+
+
+def _optimize_args(src):
+    return ["optimize", str(src), "--runtimes", "onnxruntime", "--precisions", "fp32", "--batch-sizes", "1"]
+
+
+def _temporaries(d):
+    return [n for n in os.listdir(d) if n.startswith(".torchspeed-save.")]
+
+
+@pytest.mark.parametrize("limit", [None, 16], ids=["inline", "over-the-protobuf-limit"])
+def test_onnx_with_external_data_optimized_with_out_gives_an_artifact_that_runs(tmp_path, monkeypatch, capsys, limit):
+    import shutil
+
+    import torch
+
+    from torchspeed.infer import export, load
+
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    w = _matmul_onnx(src_dir / "net.onnx", external_data="data.bin")
+    if limit is not None:  # a model too big for one protobuf keeps its weights in a file beside model.onnx
+        monkeypatch.setattr(export, "_PROTOBUF_LIMIT", limit)
+    out = tmp_path / "best"
+    assert main([*_optimize_args(src_dir / "net.onnx"), "--out", str(out)]) == 0
+    shutil.rmtree(src_dir)  # the artifact needs nothing from where the model came from
+    x = torch.randn(5, 4)
+    assert torch.allclose(load(out)(x), x @ w, atol=1e-5)
+    files = sorted(n for n in os.listdir(out) if not n.startswith(".torchspeed-output"))
+    assert files == (["manifest.json", "model.onnx"] if limit is None else ["manifest.json", "model.onnx", "model.onnx.data"])
+    assert json.loads((out / "manifest.json").read_text())["files"] == [f for f in files if f != "manifest.json"]
+
+
+def test_optimize_out_is_checked_before_measuring_and_never_replaces_a_users_file(tmp_path, monkeypatch, capsys):
+    import torch
+
+    import torchspeed.infer.search as search
+    from torchspeed.infer import load
+
+    w = _matmul_onnx(tmp_path / "net.onnx")
+    args = _optimize_args(tmp_path / "net.onnx")
+    real_optimize = search.optimize
+    monkeypatch.setattr(search, "optimize", lambda *a, **k: pytest.fail("measured before --out/--json were checked"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.onnx").write_bytes(b"the user's own model")
+    for extra in ([], ["--overwrite"]):
+        assert main([*args, "--out", str(mine), *extra]) == 2
+        _one_line_error(capsys, "model.onnx", "never replaced")
+    assert os.listdir(mine) == ["model.onnx"] and (mine / "model.onnx").read_bytes() == b"the user's own model"
+    blocked = tmp_path / "file.txt"
+    blocked.write_text("not a folder")
+    assert main([*args, "--out", str(blocked / "out")]) == 2
+    _one_line_error(capsys, "--out", "cannot be written")
+    assert main([*args, "--json", str(blocked / "result.json")]) == 2
+    _one_line_error(capsys, "--json", "cannot be written")
+
+    monkeypatch.setattr(search, "optimize", real_optimize)
+    out = tmp_path / "best"
+    assert main([*args, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main([*args, "--out", str(out)]) == 2  # an earlier artifact is replaced only on request
+    _one_line_error(capsys, "--overwrite")
+    assert main([*args, "--out", str(out), "--overwrite"]) == 0
+    x = torch.randn(2, 4)
+    assert torch.allclose(load(out)(x), x @ w, atol=1e-5)
+
+
+def test_disk_full_while_saving_optimize_out_is_one_line_and_the_old_artifact_stays(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import torch
+
+    from torchspeed.infer import load
+
+    w_old = _matmul_onnx(tmp_path / "old.onnx", seed=0)
+    _matmul_onnx(tmp_path / "new.onnx", seed=1)
+    out = tmp_path / "best"
+    assert main([*_optimize_args(tmp_path / "old.onnx"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+
+    def disk_full(src, dst, **kw):
+        with open(dst, "wb") as f:
+            f.write(b"half a model")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", disk_full)
+    assert main(["-q", *_optimize_args(tmp_path / "new.onnx"), "--out", str(out), "--overwrite"]) == 2
+    _one_line_error(capsys, "No space left on device", str(out))
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before  # nothing left over, nothing lost
+    x = torch.randn(2, 4)
+    assert torch.allclose(load(out)(x), x @ w_old, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- kwargs name no files
+@pytest.mark.parametrize("arch, named", [
+    ({"source": "timm", "name": "resnet18", "kwargs": {"checkpoint_path": "OUTSIDE"}}, "checkpoint_path"),
+    ({"source": "timm", "name": "resnet18", "kwargs": {"pretrained_cfg_overlay": {"file": "../outside.pt"}}},
+     "pretrained_cfg_overlay.file"),
+    ({"source": "torchvision", "name": "resnet18", "kwargs": {"norm_layer": "outside.pt"}}, "norm_layer"),
+    ({"source": "timm", "name": "hf-hub:someone/net", "kwargs": {}}, "hf-hub:someone/net"),
+], ids=["absolute-checkpoint", "nested-relative", "existing-file", "hub-name"])
+def test_artifact_kwargs_naming_a_file_outside_it_are_refused(tmp_path, monkeypatch, capsys, arch, named):
+    import torchspeed.models
+    from torchspeed.infer import load
+
+    d = _torch_artifact(tmp_path)
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(b"a file the artifact must not make anyone read")
+    monkeypatch.chdir(tmp_path)  # so 'outside.pt' names that file
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["arch"] = json.loads(json.dumps(arch).replace("OUTSIDE", str(outside)))
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(torchspeed.models, "create", lambda *a, **k: pytest.fail("the model was built"))
+    for trust_code in (False, True):
+        with pytest.raises(ValueError, match=named.replace(".", r"\.")) as e:
+            load(d, trust_code=trust_code)
+        assert "model=" in str(e.value) and repr(str(d)) in str(e.value)
+    assert main(["optimize", str(d)]) == 2
+    _one_line_error(capsys, named, "art")
+
+
+# ----------------------------------------------------------------------------------------- interrupted saves
+class _Killed(BaseException):
+    """Stands for SIGKILL: once raised, no later file operation runs (not even clean-up code)."""
+
+
+def _kill_at(monkeypatch, step):
+    """From the `step`-th file operation (rename, link, unlink, rmdir) on, every one raises _Killed."""
+    state = {"calls": 0, "dead": False}
+    for name in ("replace", "rename", "link", "unlink", "rmdir"):
+        real = getattr(os, name)
+
+        def op(*a, _real=real, **k):
+            state["calls"] += 1
+            if state["dead"] or state["calls"] == step:
+                state["dead"] = True
+                raise _Killed
+            return _real(*a, **k)
+
+        monkeypatch.setattr(os, name, op)
+    return state
+
+
+def _as_if_from_a_dead_process(d):
+    """Rename this process's save temporaries in `d` as a dead process's, as a real kill leaves them."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    for name in _temporaries(d):
+        os.rename(d / name, d / name.replace(f"-{os.getpid()}-", f"-{proc.pid}-", 1))
+
+
+@pytest.mark.parametrize("old_kind", ["onnxruntime", "openvino"])
+def test_a_save_killed_at_any_step_leaves_an_artifact_that_loads(tmp_path, monkeypatch, old_kind):
+    import torch
+
+    from torchspeed.infer import load
+    from torchspeed.infer.runners import OpenVINORunner, OrtRunner, recover_artifact
+
+    if old_kind == "openvino":
+        pytest.importorskip("openvino")
+    w_old = _matmul_onnx(tmp_path / "old.onnx", seed=0)
+    w_new = _matmul_onnx(tmp_path / "new.onnx", seed=1)
+    old = (OrtRunner if old_kind == "onnxruntime" else OpenVINORunner)(str(tmp_path / "old.onnx"), "fp32", 1)
+    new = OrtRunner(str(tmp_path / "new.onnx"), "fp32", 1)
+    x = torch.randn(2, 4)
+
+    def which(d):
+        y = load(d)(x)
+        return "old" if torch.allclose(y, x @ w_old, atol=1e-4) else "new" if torch.allclose(y, x @ w_new, atol=1e-4) else "?"
+
+    seen = []
+    for step in range(1, 100):
+        d = tmp_path / f"art{step}"
+        old.save(d)
+        with monkeypatch.context() as m:
+            state = _kill_at(m, step)
+            try:
+                new.save(d)
+            except _Killed:
+                pass
+        seen.append(which(d))  # right after the kill: the old artifact or the new one, whole
+        _as_if_from_a_dead_process(d)
+        recover_artifact(d)  # the next run tidies up
+        assert _temporaries(d) == [] and which(d) == seen[-1], (step, os.listdir(d))
+        if not state["dead"]:
+            break
+    assert seen[0] == "old" and seen[-1] == "new" and "?" not in seen, seen
+    assert seen == sorted(seen, key=["old", "new"].index), seen  # once the new one loads, it stays
+    assert sorted(os.listdir(d)) == ["manifest.json", "model.onnx"]  # the previous artifact's other files are gone
+
+
+def test_a_killed_optimize_leaves_its_temporaries_where_the_next_run_removes_them(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    import torchspeed as ts
+
+    _matmul_onnx(tmp_path / "net.onnx")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHSPEED_CACHE", str(cache))
+    script = (f"import os, signal, torchspeed as ts\n"
+              f"ts.infer.optimize({str(tmp_path / 'net.onnx')!r}, runtimes='onnxruntime', precisions='fp32', "
+              "measure=False, extra_candidates={'dies': lambda path: os.kill(os.getpid(), signal.SIGKILL)})\n")
+    killed = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TORCHSPEED_CACHE": str(cache)})
+    assert killed.wait(timeout=120) == -9
+    assert [n.split("-")[:2] for n in os.listdir(cache / "tmp")] == [["optimize", str(killed.pid)]]
+    result = ts.infer.optimize(str(tmp_path / "net.onnx"), runtimes="onnxruntime", precisions="fp32", measure=False)
+    assert [n.split("-")[:2] for n in os.listdir(cache / "tmp")] == [["optimize", str(os.getpid())]]
+    del result
+    import gc
+
+    gc.collect()
+    assert os.listdir(cache / "tmp") == []

@@ -1,15 +1,20 @@
 """Faults in training and checkpoints, grouped by what is promised: one run per checkpoint directory
-(another run's checkpoints are never deleted or resumed; a used or unwritable --out fails before any
-data is read), every checkpoint verified (bit flips and torn files named), nothing in a checkpoint
-runs, temp files of interrupted writes cleaned, and a SIGKILL during a checkpoint write loses nothing.
+(another run's checkpoints are never deleted, resumed or overwritten; a used or unwritable --out fails
+before any data is read), `train --out` never replaces a user's file, a resume with nothing of its run
+to continue is refused, a run stopped by max_steps can be continued, every checkpoint verified (bit
+flips and torn files named), nothing in a checkpoint runs, temp files of interrupted writes cleaned,
+a SIGKILL during a checkpoint write loses nothing, metrics.csv keeps its integers, and a model with
+the wrong number of class outputs is named before training.
 
 The resume task, its straight run and the comparison come from test_train_resume (SIGKILL mid-epoch
 then a bit-identical resume is tested there).
 """
+import csv
 import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +23,7 @@ import time
 import pytest
 import test_train_resume as resume_tests
 import torch
+from helpers import separable_loader, tiny_convnet
 from torch import nn
 
 from torchspeed.cli import main
@@ -28,6 +34,10 @@ from torchspeed.train import checkpoint as ckpt
 
 N, _assert_same = resume_tests.N, resume_tests._assert_same
 task, straight = resume_tests.task, resume_tests.straight  # its fixtures: the resume task and its straight run
+
+FAST = ["--crop", "32", "--batch-size", "8", "--num-workers", "0", "--threads", "1", "--precision", "fp32",
+        "--channels-last", "off", "--compile", "off", "--no-progress"]
+TINY = ["--model", os.path.join(os.path.dirname(__file__), "helpers.py") + ":tiny_convnet", "--model-kwargs"]
 
 
 class NeverRead:
@@ -46,6 +56,30 @@ def _steps(d, run_id=None):
 
 def _files(d):
     return {n: (d / n).read_bytes() for n in sorted(os.listdir(d)) if n.startswith("step-")}
+
+
+def _one_line(capsys):
+    return " ".join(capsys.readouterr().err.split())
+
+
+@pytest.fixture
+def no_data_read(monkeypatch):
+    """Fail the test if the recipe splits (reads) its data; yields a function that lets it read again."""
+    import torchspeed.recipes
+
+    real = torchspeed.recipes.train_val_split
+
+    def never(*a, **k):
+        raise AssertionError("data was read")
+
+    monkeypatch.setattr(torchspeed.recipes, "train_val_split", never)
+    yield lambda: monkeypatch.setattr(torchspeed.recipes, "train_val_split", real)
+
+
+def _copy_checkpoint(src_dir, step, dst_dir):
+    for n in (f"step-{step:08d}.pt", f"step-{step:08d}.pt.json"):
+        shutil.copyfile(src_dir / n, dst_dir / n)
+    return dst_dir / f"step-{step:08d}.pt"
 
 
 # ------------------------------------------------------------------ one run per checkpoint directory
@@ -88,21 +122,13 @@ def test_resume_and_pruning_see_only_their_own_run(task, tmp_path):
     assert _steps(a) == [4, 5] and (a / "step-00000009.pt").is_file()  # pruning left the other run alone
 
 
-def test_cli_train_into_used_out(task, tmp_path, photo_folder, monkeypatch, capsys):
-    import torchspeed.data
-
+def test_cli_train_into_used_out(task, tmp_path, photo_folder, no_data_read, capsys):
     out = tmp_path / "run"
     old, train, val = task.build(out / "checkpoints", every=1)
     old.fit(train, val, epochs=3, max_steps=12)  # an earlier run with higher step numbers
     before = _files(out / "checkpoints")
     fast = ["--model", "mobilenet_v3_small", "--crop", "32", "--batch-size", "8", "--num-workers", "0",
             "--threads", "1", "--precision", "fp32", "--channels-last", "off", "--compile", "off", "--no-progress"]
-    real_split = torchspeed.data.train_val_split
-
-    def never(*a, **k):
-        raise AssertionError("data was read")
-
-    monkeypatch.setattr(torchspeed.data, "train_val_split", never)
     assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(out), *fast]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert repr(str(out)) in err and "--resume" in err and "--overwrite" in err and "Traceback" not in err
@@ -119,11 +145,104 @@ def test_cli_train_into_used_out(task, tmp_path, photo_folder, monkeypatch, caps
     assert repr(str(blocked / "run")) in err and "cannot be written" in err and "Traceback" not in err
     assert blocked.read_text() == "not a directory"
 
-    monkeypatch.setattr(torchspeed.data, "train_val_split", real_split)
+    no_data_read()  # lets the data be read again
     assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(out), "--overwrite", *fast]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["step"] == 22 // 8 and s["checkpoint"].endswith(f"step-{s['step']:08d}.pt")  # the new run's own
     assert os.path.isfile(s["checkpoint"]) and s["run_id"] == ckpt.read_run(out / "checkpoints") != old.run_id
+
+
+# ------------------------------------------------------------------ train --out never replaces a user's file
+def test_train_out_holding_a_users_file_is_refused_and_the_file_kept(tmp_path, photo_folder, no_data_read, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"my own weights")
+    for flags in ([], ["--overwrite"]):
+        assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(out), *TINY, '{"classes": 3}',
+                     *flags, *FAST]) == 2
+        err = _one_line(capsys)
+        assert "'model.pt'" in err and "never replaced" in err and "Traceback" not in err
+    assert os.listdir(out) == ["model.pt"] and (out / "model.pt").read_bytes() == b"my own weights"
+
+
+def test_train_out_records_what_it_wrote_and_adopts_an_unmarked_earlier_run(tmp_path, photo_folder, capsys):
+    from torchspeed.outputs import MARKER
+
+    out = tmp_path / "run"
+    args = ["train", "--data", str(photo_folder), "--epochs", "2", "--out", str(out), *TINY, '{"classes": 3}', *FAST]
+    assert main([*args, "--max-steps", "1"]) == 0
+    written = ["checkpoints", "metrics.csv", "model.pt", "summary.json"]
+    assert json.loads((out / MARKER).read_text())["written"] == written
+    (out / MARKER).unlink()  # as a folder written before the marker existed
+    assert main([*args, "--max-steps", "2", "--resume"]) == 0  # adopted: it is torchspeed's, and continued
+    assert json.loads((out / MARKER).read_text())["written"] == written
+    assert json.loads((out / "summary.json").read_text())["step"] == 2
+
+
+# ------------------------------------------------------------------ resume says what it does
+def test_resume_with_nothing_to_continue_is_refused_before_any_data_is_read(task, tmp_path, photo_folder,
+                                                                         no_data_read, capsys):
+    typo, empty = tmp_path / "typo", tmp_path / "empty"
+    empty.mkdir()
+    for out, says in ((typo, "does not exist"), (empty, "does not exist")):
+        assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(out), "--resume",
+                     *TINY, '{"classes": 3}', *FAST]) == 2
+        err = _one_line(capsys)
+        assert repr(str(out)) in err and says in err and "drop --resume" in err and "Traceback" not in err
+    assert not typo.exists() and os.listdir(empty) == []
+
+    tr, _, val = task.build(tmp_path / "ck")
+    with pytest.raises(FileNotFoundError, match="does not exist, so there is no checkpoint to continue"):
+        tr.fit(NeverRead(), val, epochs=1, resume="last")  # the API refuses too, before any data is read
+    assert not (tmp_path / "ck").exists()
+
+
+def test_another_runs_checkpoint_is_named_never_resumed_never_overwritten(task, tmp_path, photo_folder, no_data_read,
+                                                                          capsys):
+    a, b = tmp_path / "run" / "checkpoints", tmp_path / "b"
+    mine, train, val = task.build(a, every=1)
+    mine.fit(train, val, epochs=3, max_steps=2)
+    other, train, val = task.build(b, every=1)
+    other.fit(train, val, epochs=3, max_steps=5)
+    copied = _copy_checkpoint(b, 5, a)
+    before = copied.read_bytes()
+
+    # the resumed run would save step 5 itself: refused before training, naming the copy
+    tr, train, val = task.build(a, every=1)
+    with pytest.raises(ValueError, match="step-00000005.pt.*never overwritten"):
+        tr.fit(train, val, epochs=3, max_steps=6, resume="last")
+    assert _steps(a, mine.run_id) == [1, 2] and copied.read_bytes() == before
+    with pytest.raises(ckpt.CheckpointError, match="never overwritten"):  # a save never replaces it either
+        ckpt.save_file(copied, {"format": ckpt.FORMAT, "run_id": mine.run_id, "global_step": 5})
+    assert copied.read_bytes() == before
+
+    # none of the directory's own run left: --resume names the copy and refuses, never starting at step 0
+    for step in (1, 2):
+        os.unlink(a / f"step-{step:08d}.pt")
+        os.unlink(a / f"step-{step:08d}.pt.json")
+    assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(a.parent), "--resume",
+                 *TINY, '{"classes": 3}', *FAST]) == 2
+    err = _one_line(capsys)
+    assert f"step-00000005.pt (run {other.run_id})" in err and "never resumed or overwritten" in err
+    assert "Traceback" not in err and copied.read_bytes() == before
+    tr, _, val = task.build(a, every=1)
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint of its run {mine.run_id}"):
+        tr.fit(NeverRead(), val, epochs=3, max_steps=6, resume="last")
+    assert copied.read_bytes() == before and ckpt.read_run(a) == mine.run_id
+
+
+def test_a_run_stopped_by_max_steps_checkpoints_where_it_stopped(task, straight, tmp_path):
+    deterministic(True)
+    try:
+        tr, train, val = task.build(tmp_path, every=None)  # checkpoints at epoch ends only: 8 batches an epoch
+        tr.fit(train, val, epochs=3, max_steps=3)
+        assert _steps(tmp_path) == [3]
+        seed_everything(7)
+        tr, train, val = task.build(tmp_path, every=None)
+        assert tr.fit(train, val, epochs=3, max_steps=N, resume="last")["step"] == N
+        _assert_same(tr.module.state_dict(), straight[0])  # continued from step 3, as if never stopped
+    finally:
+        deterministic(False)
 
 
 # ------------------------------------------------------------------ every checkpoint verified
@@ -316,3 +435,54 @@ def test_sigkill_during_a_checkpoint_write_loses_nothing(task, straight, tmp_pat
     finally:
         deterministic(False)
     assert not [n for n in os.listdir(d) if n.endswith(".tmp")]  # the dead process's temp file is gone
+
+
+# ------------------------------------------------------------------ metrics and class outputs
+def test_metrics_csv_keeps_integers_after_resume(tmp_path):
+    log = tmp_path / "metrics.csv"
+
+    def trainer():
+        model = tiny_convnet(classes=2)
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                       callbacks=[Checkpoint(tmp_path / "ck", every_n_steps=1)], log_path=log, log_every_n_steps=2,
+                       **FIXED)
+
+    trainer().fit(separable_loader(64, 16), separable_loader(32, 16), epochs=2, max_steps=3)
+    first = log.read_text().splitlines()[1]
+    trainer().fit(separable_loader(64, 16), separable_loader(32, 16), epochs=2, resume="last")
+    lines = log.read_text().splitlines()
+    rows = list(csv.DictReader(lines))
+    assert lines[1] == first and [r["step"] for r in rows] == ["2", "4", "4", "6", "8", "8"]
+    assert all(r["epoch"].isdigit() and r["step"].isdigit() for r in rows)
+
+
+FIXED = dict(precision="fp32", channels_last=False, compile=False, progress=False)
+
+
+class Named(torch.utils.data.TensorDataset):
+    classes = ["cat", "dog", "fox"]
+
+
+def test_a_model_with_too_few_class_outputs_is_named_before_training(tmp_path, photo_folder, capsys):
+    x = torch.randn(24, 3, 8, 8)
+    three = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.arange(24) % 3), batch_size=12)
+    for settings in (FIXED, dict(FIXED, channels_last="auto")):  # given settings, and measured ones (trials)
+        model = tiny_convnet(classes=2)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), **settings)
+        with pytest.raises(ValueError, match=r"gives 2 output\(s\) per sample .* a label is 2.* 3 outputs"):
+            tr.fit(three, epochs=1)
+        _assert_same(model.state_dict(), before)
+    named = torch.utils.data.DataLoader(Named(x[:12], torch.arange(12) % 2), batch_size=12)  # labels 0 and 1 only
+    model = tiny_convnet(classes=2)
+    with pytest.raises(ValueError, match="gives 2 output.* the data has 3 classes"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, **FIXED).fit(named)
+    model = tiny_convnet(classes=2)  # a loss that does not index by label (embeddings, regression) is left alone
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out, y: out.pow(2).mean(), **FIXED).fit(three)
+
+    for width in (2, 4):  # torchspeed train: too few outputs, or more than the data's classes
+        assert main(["train", "--data", str(photo_folder), "--epochs", "1", "--out", str(tmp_path / f"w{width}"),
+                     *TINY, json.dumps({"classes": width}), *FAST]) == 2
+        err = _one_line(capsys)
+        assert f"gives {width} output(s) per sample" in err and "the data has 3 classes" in err
+        assert "Traceback" not in err and not (tmp_path / f"w{width}" / "model.pt").exists()

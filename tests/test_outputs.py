@@ -41,3 +41,13 @@ def test_a_file_path_and_an_unwritable_folder_fail_before_any_work(tmp_path):
         claim_output_dir(tmp_path / "f", "optimize")
     with pytest.raises(OSError, match="cannot be written"):
         claim_output_dir(tmp_path / "f" / "sub", "optimize")  # a folder inside a file cannot be made
+
+
+def test_a_temporary_left_by_an_interrupted_save_does_not_refuse_the_folder(tmp_path):
+    claim_output_dir(tmp_path, "optimize")
+    (tmp_path / ".model.onnx.abc123.tmp").write_bytes(b"half")
+    (tmp_path / ".torchspeed-save.partial-999999-x").mkdir()
+    claim_output_dir(tmp_path, "optimize")
+    (tmp_path / ".hidden-user-file").write_text("mine")
+    with pytest.raises(ValueError, match="hidden-user-file"):
+        claim_output_dir(tmp_path, "optimize")

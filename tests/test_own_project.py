@@ -87,4 +87,4 @@ def test_tune_train_lint_optimize_and_prune_run_on_a_projects_own_factories(proj
                  "--out", "pruned"]) == 0
     from torchspeed.compress.pruning import load_pruned
 
-    assert load_pruned("pruned")(torch.randn(1, 3, 32, 32)).shape == (1, 2)
+    assert load_pruned("pruned", spec=net)(torch.randn(1, 3, 32, 32)).shape == (1, 2)  # your own code: named by you

@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -127,6 +128,50 @@ class ModelSpec:
     def with_kwargs(self, **kwargs: Any) -> ModelSpec:
         """The same architecture with `kwargs` added (they win over the spec's own)."""
         return ModelSpec(self.source, self.name, {**self.kwargs, **kwargs})
+
+    def check_saved(self, where: str, remedy: str) -> None:
+        """Refuse, before anything is built, what a spec read from a saved folder may not do: name a library
+        model by anything but its plain name (timm's 'hf-hub:' / 'local-dir:' prefixes fetch or read
+        elsewhere), or pass a keyword argument naming a file, folder or URL (timm's checkpoint_path loads
+        it): a saved folder is data and names no file outside itself. ValueError naming `where`, the
+        kwarg and `remedy`. (Whether the folder may name the user's own code is the loader's rule.)"""
+        if self.from_library and not _PLAIN_NAME.fullmatch(self.name):
+            raise ValueError(f"{where} names the architecture {self.source}:{self.name!r}, not a plain model name (it "
+                             f"would be fetched or read from elsewhere), so nothing was built. {remedy}")
+        for key, value in (kv for k, v in self.kwargs.items() for kv in _strings(v, str(k))):
+            if _names_a_file(key, value):
+                raise ValueError(f"{where} passes {key}={value!r} to the model, naming a file: a saved folder may "
+                                 f"name no file outside itself, so nothing was built. {remedy}")
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+_FILE_KEY = re.compile(r"(^|_)(path|file|filename|dir|directory|url|uri|hub_id|checkpoint)$", re.IGNORECASE)
+
+
+def _strings(value: Any, key: str) -> list[tuple[str, str]]:
+    """(dotted key, string) for every string inside `value` (nested dicts and lists)."""
+    if isinstance(value, str):
+        return [(key, value)]
+    if isinstance(value, dict):
+        return [kv for k, v in value.items() for kv in _strings(v, f"{key}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [kv for i, v in enumerate(value) for kv in _strings(v, f"{key}[{i}]")]
+    return []
+
+
+def _names_a_file(key: str, value: str) -> bool:
+    """A keyword argument's string that a constructor would take as a file, folder or URL: given under a
+    key that says so (checkpoint_path, pretrained_file, cache_dir, url...), absolute, with a separator,
+    '~' or a scheme, or the name of an existing file (identifier-like words such as 'avg' are not)."""
+    if not value:
+        return False
+    if _FILE_KEY.search(key.rsplit(".", 1)[-1].split("[", 1)[0]):
+        return True
+    if os.path.isabs(value) or value.startswith("~") or value in (".", "..") or "://" in value:
+        return True
+    if "/" in value or os.sep in value or (os.altsep and os.altsep in value):
+        return True
+    return not value.isidentifier() and os.path.lexists(value)
 
 
 def load_callable(spec: str, what: str = "model") -> Any:

@@ -54,6 +54,12 @@ def _read_marker(path: str) -> list[str] | None:
     return written
 
 
+def _is_temporary(name: str) -> bool:
+    """torchspeed's own temporaries (an atomic write's `.NAME.XXXX.tmp`, a save's partial folder): an
+    interrupted save may leave one, and the writers clean those of dead processes themselves."""
+    return name.startswith(".torchspeed-") or (name.startswith(".") and name.endswith(".tmp"))
+
+
 def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = False, flag: str = "--out",
                      replaces: tuple[str, ...] = ()) -> OutputDir:
     """Check and create the output folder `path` for a `kind` of output (e.g. "optimize"), before any work.
@@ -71,7 +77,7 @@ def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = Fa
             pass
     except OSError as e:
         raise OSError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
-    present = sorted(n for n in os.listdir(path) if n != MARKER)
+    present = sorted(n for n in os.listdir(path) if n != MARKER and not _is_temporary(n))
     ours = _read_marker(path) or []
     foreign = [n for n in present if n not in ours]
     if foreign:

@@ -9,6 +9,9 @@ cross-entropy, EarlyStopping on val_loss, checkpoints in OUT/checkpoints (two ke
 OUT/metrics.csv; then OUT/model.pt (the whole weights, gathered from every rank under FSDP) and
 OUT/summary.json. It runs unchanged under torchrun.
 
+OUT is claimed through `torchspeed.outputs` before any data is read: it is new or torchspeed's own,
+so a file of the user's there is never replaced; `resume` continues only a run OUT holds a checkpoint of.
+
 `prepare_classifier` does everything before the first step (a bad input fails before any data is
 read where it can) and returns a `ClassifierRun`, whose `fit()` trains; `train_classifier` is the two
 in one call. A recipe stands on data and train together, so it sits a layer above both.
@@ -28,16 +31,20 @@ from torchspeed.args import progress_fn
 from torchspeed.atomic import atomic_write, write_json
 from torchspeed.data import fast_loader, train_val_split
 from torchspeed.models import build, is_factory_spec, load_weights
+from torchspeed.outputs import MARKER, OutputDir, claim_output_dir
 from torchspeed.runtime import resolve_device, seed_everything
 from torchspeed.train import distributed
 from torchspeed.train.acceleration import AccelerateOptions, AccelerateResult
 from torchspeed.train.callbacks import Checkpoint, EarlyStopping
-from torchspeed.train.checkpoint import holds_run, read_run
+from torchspeed.train.checkpoint import RUN_FILE, holds_run, read_run, resumable
 from torchspeed.train.trainer import Trainer
 
 __all__ = ["ClassifierOptions", "ClassifierResult", "ClassifierRun", "prepare_classifier", "train_classifier"]
 
 Counts = int | str | list[int]  # "auto", a number, or counts to measure (fast_loader's num_workers / threads)
+
+CHECKPOINTS = "checkpoints"
+WRITES = ("model.pt", "summary.json", "metrics.csv")  # OUT's files besides its checkpoints/
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,8 @@ class ClassifierOptions:
     `batch_size` is per process; `lr` the peak learning rate (None: 0.1 x batch x processes / 256);
     `patience` counts validations; `num_workers`/`threads` as fast_loader takes them (validation uses
     the number given, else the main process); `model_kwargs`/`weights` apply to a model given by spec;
-    `resume` continues the run in `out`, `overwrite` starts a new one there (deleting its checkpoints)."""
+    `resume` continues the run in `out`, `overwrite` starts a new one there (replacing what an earlier run
+    wrote: its checkpoints, weights, summary and metrics; never a file torchspeed did not write)."""
 
     epochs: int
     batch_size: int = 64
@@ -130,6 +138,7 @@ class ClassifierRun:
     lr: float
     world_size: int
     device: torch.device
+    output: OutputDir | None = None  # OUT, claimed by rank 0 (None on the other ranks)
 
     @property
     def is_main(self) -> bool:
@@ -146,8 +155,11 @@ class ClassifierRun:
         """Train; then rank 0 writes OUT/model.pt and OUT/summary.json (every rank takes part in
         gathering the weights under FSDP). A NaN/inf loss raises FloatingPointError."""
         o = self.options
-        metrics = self.trainer.fit(self.train_loader, self.val_loader, epochs=o.epochs, max_steps=o.max_steps,
-                                   resume="last" if o.resume else None)
+        try:
+            metrics = self.trainer.fit(self.train_loader, self.val_loader, epochs=o.epochs, max_steps=o.max_steps,
+                                       resume="last" if o.resume else None)
+        finally:  # however the run ends, OUT's marker lists what it wrote there
+            self._record(CHECKPOINTS, "metrics.csv")
         stopper = self.early_stopping
         result = ClassifierResult(
             model=self.model_name, data=self.data, classes=self.classes, world_size=self.world_size, lr=self.lr,
@@ -160,8 +172,15 @@ class ClassifierRun:
             result.weights = os.path.join(os.fspath(o.out), "model.pt")
             with atomic_write(result.weights, "wb") as f:
                 torch.save(weights, f)
+            self._record("model.pt")
             write_json(os.path.join(os.fspath(o.out), "summary.json"), result.to_dict())
+            self._record("summary.json")
         return result
+
+    def _record(self, *names: str) -> None:
+        """Mark what this run wrote in OUT as torchspeed's (rank 0)."""
+        if self.output is not None:
+            self.output.record(*(n for n in names if self.output.holds(n)))
 
 
 def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options: ClassifierOptions, *,
@@ -174,7 +193,7 @@ def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options:
     if not os.path.exists(data) and not is_factory_spec(data.strip()):
         raise FileNotFoundError(f"--data {data!r} does not exist: give an ImageFolder directory, a packed store "
                                 "or a Dataset factory (package.module:factory or path/file.py:factory)")
-    ckdir = _check_out(os.fspath(options.out), options.resume, options.overwrite)
+    output, ckdir = _claim_out(os.fspath(options.out), options.resume, options.overwrite)
     seed_everything(options.seed)
     # The process group first, so the loaders shard themselves per rank.
     denv, device = (distributed.setup(resolve_device("auto")) if options.strategy not in (None, "none")
@@ -188,12 +207,13 @@ def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options:
     lr = options.lr or 0.1 * options.batch_size * denv.world_size / 256
     stopper = EarlyStopping("val_loss", patience=options.patience)
     checkpoints = Checkpoint(ckdir, keep_last=2, overwrite=options.overwrite)
-    trainer = _trainer(net, lr, len(train), options, [stopper, checkpoints], progress)
+    trainer = _trainer(net, lr, len(train), len(classes), options, [stopper, checkpoints], progress)
     return ClassifierRun(
         options=options, data=os.path.abspath(data) if os.path.exists(data) else data,
         model_name=model if isinstance(model, str) else type(model).__name__, classes=classes,
         train_samples=len(train_src), val_samples=len(val_src), train_loader=train, val_loader=val, trainer=trainer,
-        early_stopping=stopper, checkpoints=checkpoints, lr=lr, world_size=denv.world_size, device=device)
+        early_stopping=stopper, checkpoints=checkpoints, lr=lr, world_size=denv.world_size, device=device,
+        output=output)
 
 
 def train_classifier(
@@ -240,24 +260,50 @@ def train_classifier(
     return run.fit()
 
 
-def _check_out(out: str, resume: bool, overwrite: bool) -> str:
-    """Before any data is read: `out` can be written, and a new run does not land on an earlier one.
-    Returns the checkpoint directory."""
-    import tempfile
-
-    ckdir = os.path.join(out, "checkpoints")
-    try:
-        os.makedirs(ckdir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=ckdir):  # can files be created there? (nothing is left behind)
-            pass
-    except OSError as e:
-        raise ValueError(f"--out {out!r} cannot be written: {e.strerror or e}") from None
-    if not resume and not overwrite and holds_run(ckdir):
+def _claim_out(out: str, resume: bool, overwrite: bool) -> tuple[OutputDir | None, str]:
+    """Before any data is read: `out` is new or torchspeed's (a user's file there is never replaced) and
+    writable; a new run does not land on an earlier one; a resume has a checkpoint of its run to go on
+    from. Rank 0 claims `out`, the other ranks only check. Returns (`out` claimed, its checkpoint directory)."""
+    ckdir = os.path.join(out, CHECKPOINTS)
+    main = distributed.env().is_main
+    if main:
+        _adopt(out, ckdir)
+    if resume:
+        if not os.path.isdir(out):
+            raise FileNotFoundError(f"--resume: --out {out!r} does not exist, so there is no run to continue (a "
+                                    "mistyped path?): check it, or drop --resume to start a new run there")
+        resumable(ckdir, f"--resume (--out {out!r})", "drop --resume to start a new run (with --overwrite, which "
+                  "deletes the checkpoints there, if it holds any)")
+    elif not overwrite and holds_run(ckdir):
         run = read_run(ckdir)
         raise ValueError(f"--out {out!r} already holds checkpoints of an earlier run{f' (run {run})' if run else ''} "
                          f"in {ckdir!r}: continue it with --resume, or start a new run there with --overwrite "
                          "(deletes those checkpoints), or give another --out")
-    return ckdir
+    if not main:
+        return None, ckdir
+    output = claim_output_dir(out, "train", overwrite=resume or overwrite, replaces=WRITES)
+    try:
+        os.makedirs(ckdir, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--out {out!r}: its checkpoint folder {ckdir!r} cannot be made: {e.strerror or e}") from None
+    output.record(CHECKPOINTS)
+    return output, ckdir
+
+
+def _adopt(out: str, ckdir: str) -> None:
+    """A folder `torchspeed train` wrote without recording it (before output folders were marked, or
+    killed between a write and its record) is torchspeed's: its checkpoints/ holds a torchspeed run (its
+    checkpoints or its run file) and nothing else is there but the train command's files, which are
+    then recorded as torchspeed's."""
+    try:
+        names = {n for n in os.listdir(out) if n != MARKER and not n.startswith(".")}  # hidden: temporaries
+    except OSError:
+        return
+    folder = OutputDir(out, "train")
+    unrecorded = names - set(folder.written())
+    ran = holds_run(ckdir) or os.path.isfile(os.path.join(ckdir, RUN_FILE))
+    if unrecorded and unrecorded <= {CHECKPOINTS, *WRITES} and ran:
+        folder.record(*sorted(unrecorded))
 
 
 def _class_names(data: str, source: object) -> list[str]:
@@ -294,14 +340,31 @@ def _loaders(train_src: Any, val_src: Any, device: torch.device, options: Classi
     return train, val
 
 
-def _trainer(model: nn.Module, lr: float, batches_per_epoch: int, options: ClassifierOptions, callbacks: list[Any],
-             progress: bool | Callable[[str], Any]) -> Trainer:
+class _ClassLoss(nn.CrossEntropyLoss):
+    """The recipe's label-smoothed cross-entropy, which first checks that the model gives one output
+    per class: with more, training would go on against classes that do not exist; with fewer, it
+    would fail inside the loss. Checked on the first batch of the trials and of training."""
+
+    def __init__(self, classes: int, label_smoothing: float = 0.1):
+        super().__init__(label_smoothing=label_smoothing)
+        self.classes = classes
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 2 and logits.shape[1] != self.classes:
+            raise ValueError(f"the model gives {logits.shape[1]} output(s) per sample (its logits' width) but the "
+                             f"data has {self.classes} classes: give it one output per class (a factory of your "
+                             f"own: e.g. --model-kwargs '{{\"num_classes\": {self.classes}}}')")
+        return super().forward(logits, target)
+
+
+def _trainer(model: nn.Module, lr: float, batches_per_epoch: int, classes: int, options: ClassifierOptions,
+             callbacks: list[Any], progress: bool | Callable[[str], Any]) -> Trainer:
     """SGD with Nesterov momentum at `lr`, cosine-annealed to 0 over the run, label-smoothed cross-entropy."""
     o = options
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5, nesterov=True)
     total = o.max_steps or max(1, batches_per_epoch * o.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    return Trainer(model, opt, torch.nn.CrossEntropyLoss(label_smoothing=0.1), precision=o.precision,
+    return Trainer(model, opt, _ClassLoss(classes), precision=o.precision,
                    channels_last=o.channels_last, compile=o.compile,
                    strategy=None if o.strategy == "none" else o.strategy, scheduler=sched, callbacks=callbacks,
                    log_path=os.path.join(os.fspath(o.out), "metrics.csv"), progress=progress)

@@ -59,7 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--round-to", type=positive_int, default=8, metavar="N",
                    help="keep channel counts multiples of N (default 8: vector kernels run blocks of channels)")
     q.add_argument("--out", metavar="DIR",
-                   help="write the pruned model to DIR (model.pt + pruned.json; Python: ts.compress.load_pruned(DIR))")
+                   help="write the pruned model to DIR (model.pt + pruned.json; Python: ts.compress.load_pruned(DIR)); "
+                        "DIR must be new or an earlier torchspeed output")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace a pruned model torchspeed wrote in --out before (never any other file)")
     add_json_option(q)
     q.set_defaults(func=run_prune)
 
@@ -68,11 +71,15 @@ def run_prune(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from torchspeed.compress.pruning import IMPORTANCES, prune, save_pruned
+    from torchspeed.compress.pruning import IMPORTANCES, PRUNED_FILES, prune, save_pruned
     from torchspeed.models import default_input_shape, spec_of
 
     if args.importance not in IMPORTANCES:
         raise ValueError(f"--importance {args.importance!r}: choose one of {', '.join(IMPORTANCES)}")
+    if args.out:  # a bad --out costs nothing: checked before the model is built or anything measured
+        from torchspeed.outputs import claim_output_dir
+
+        claim_output_dir(args.out, "prune", overwrite=args.overwrite, replaces=PRUNED_FILES)
     model = build_model(args.model, args)
     example = torch.randn(*(args.input_shape or default_input_shape(model) or (1, 3, 224, 224)))
     console = Console()
@@ -81,8 +88,11 @@ def run_prune(args: argparse.Namespace) -> int:
                        round_to=args.round_to, progress=status.update)
     console.print(str(result))
     if args.out:
-        save_pruned(result.model, args.out, spec_of(model), result)
-        console.print(f"pruned model written to {args.out} (ts.compress.load_pruned({args.out!r}))")
+        spec = spec_of(model)
+        save_pruned(result.model, args.out, spec, result, overwrite=args.overwrite)
+        how = f", spec={args.model!r}" if spec is not None and spec.runs_user_code else ""
+        console.print(f"pruned model written to {args.out} (ts.compress.load_pruned({args.out!r}{how}))",
+                      highlight=False, markup=False)
     if args.json:
         from torchspeed.atomic import write_json
 

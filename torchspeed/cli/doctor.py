@@ -72,7 +72,7 @@ def run_lint(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from torchspeed.doctor.linting import lint
+    from torchspeed.doctor.linting import lint, random_input
     from torchspeed.doctor.output import print_lint
     from torchspeed.models import default_input_shape
 
@@ -82,12 +82,13 @@ def run_lint(args: argparse.Namespace) -> int:
     shape = args.input_shape or default_input_shape(model) or (1, 3, 224, 224)
     device = torch.device(args.device)
     model = model.to(device)
-    x = torch.randn(*shape, device=device)
+    x = random_input(tuple(shape), device, name="--input-shape")
     loss = {"ce": nn.CrossEntropyLoss(), "nll": nn.NLLLoss(), "none": None}[args.loss]
     try:
         result = lint(model, x, loss_fn=loss)
-    except RuntimeError as e:
-        raise ValueError(f"{args.model} does not run on input shape {shape}: {str(e).splitlines()[0]} "
+    except (RuntimeError, MemoryError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{args.model} does not run on input shape {shape}: {first} "
                          "(set --input-shape)") from None
     print_lint(result, top=args.top)
     if args.json:

@@ -46,7 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", metavar="DEVICE",
                    help="where the candidates run: cpu (default), cuda[:N] (GPU precisions and ONNX Runtime's CUDA / "
                         "TensorRT providers, timed on the GPU), or auto (a GPU when there is one)")
-    p.add_argument("--out", metavar="DIR", help="save the best variant here (model file + manifest.json)")
+    p.add_argument("--out", metavar="DIR",
+                   help="save the best variant here (model file + manifest.json); a new folder, or one optimize wrote")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the artifact an earlier optimize saved in --out (never other files there)")
     add_json_option(p)
     p.set_defaults(func=run)
 
@@ -110,6 +113,18 @@ def _judging_data(args: argparse.Namespace, shape: tuple[int, ...], demo: Any) -
     return calib, eval_fn
 
 
+def _claim_out(args: argparse.Namespace) -> Any:
+    """The --out folder checked before any work (new, or an earlier optimize's with --overwrite; never a
+    user's file; writable), with what a killed save left there put right first; None without --out."""
+    if not args.out:
+        return None
+    from torchspeed.infer.runners import ARTIFACT_FILES, recover_artifact
+    from torchspeed.outputs import claim_output_dir
+
+    recover_artifact(args.out)
+    return claim_output_dir(args.out, "optimize", overwrite=args.overwrite, replaces=ARTIFACT_FILES)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -119,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from torchspeed.runtime import resolve_device
 
     console = Console()
+    out = _claim_out(args)
     resolved, demo = _resolve(args)
     shape = resolved.input_shape
     calib, eval_fn = _judging_data(args, shape, demo)
@@ -139,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     b = result.batch_sizes[0]
     base = result.table[0].p50_ms(b)
     console.print(f"best: {best.name} ({best.p50_ms(b):.2f} ms at batch {b}, {base / best.p50_ms(b):.1f}x {result.table[0].name})")
-    if args.out:
+    if out is not None:
+        out.record(*best.runner.saves)  # before saving: files of a save cut short are still known as optimize's
         best.save(args.out)
         console.print(f"saved to {args.out} (run it with torchspeed.infer.load({args.out!r}))")
     if args.json:

@@ -44,15 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=counts(1), default="auto", metavar="auto|N",
                    help="batch-making threads when num_workers is 0: auto (measured along with --num-workers auto, "
                         "else 1; default), a number, or a comma list of counts to measure")
-    p.add_argument("--max-steps", type=positive_int, default=None, metavar="N", help="stop after this many optimizer steps")
+    p.add_argument("--max-steps", type=positive_int, default=None, metavar="N", help="stop after this many optimizer steps (a checkpoint is written where it stops)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
     p.add_argument("--out", default="torchspeed-train", metavar="DIR",
-                   help="output directory: model.pt (the trained weights, for --weights), checkpoints/, metrics.csv, "
-                        "summary.json (default ./torchspeed-train)")
+                   help="output directory, new or one torchspeed wrote (a folder holding other files is refused): "
+                        "model.pt (the trained weights, for --weights), checkpoints/, metrics.csv, summary.json "
+                        "(default ./torchspeed-train)")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest checkpoint that passes its check")
+                   help="continue the run in --out from its newest checkpoint that passes its check (refused when "
+                        "--out holds no checkpoint of its run)")
     p.add_argument("--overwrite", action="store_true",
-                   help="start a new run in --out even if it holds an earlier run's checkpoints (they are deleted)")
+                   help="start a new run in --out even if an earlier run wrote there (its checkpoints are deleted, "
+                        "its files replaced; never a file torchspeed did not write)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json_option(p)
     p.set_defaults(func=run)

@@ -24,7 +24,7 @@ from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import compare
 from torchspeed.models import ModelSpec
 
-__all__ = ["PruneResult", "prune", "output_layers", "IMPORTANCES", "save_pruned", "load_pruned"]
+__all__ = ["PruneResult", "prune", "output_layers", "IMPORTANCES", "PRUNED_FILES", "save_pruned", "load_pruned"]
 
 log = logging.getLogger(__name__)
 
@@ -281,50 +281,73 @@ _SIZE_ATTRS: dict[type, tuple[str, ...]] = {
 }
 
 
-def save_pruned(model: nn.Module, directory: str, spec: ModelSpec, report: PruneResult | None = None) -> None:
+PRUNED_FILES = ("model.pt", "pruned.json")  # what save_pruned writes into its folder
+
+
+def save_pruned(model: nn.Module, directory: str, spec: ModelSpec | str, report: PruneResult | None = None, *,
+                overwrite: bool = False) -> None:
     """Write a pruned model as `model.pt` (its state dict: tensors only) and `pruned.json` (the
     architecture spec and every resized layer's size), so `load_pruned` rebuilds it without pickle.
-    `spec` is `torchspeed.models.spec_of(original)` or `ModelSpec.parse(...)` of the unpruned model;
-    `report`, the `prune` result, is kept beside them as its figures."""
+
+    `spec` names the unpruned architecture: `torchspeed.models.spec_of(original)` or a spec string;
+    `report`, the `prune` result, is kept beside them as its figures. `directory` must be new or one
+    torchspeed wrote (`torchspeed.outputs`): a folder holding anything else is refused, and an earlier
+    pruned model there is replaced only with `overwrite=True`. The two files are published as a set
+    (`pruned.json` last), so an interrupted save never leaves a mix that loads.
+    """
     import os
 
-    from torchspeed.atomic import atomic_write, write_json
+    from torchspeed.atomic import publish_files, recover_published, write_json
+    from torchspeed.outputs import claim_output_dir
 
+    if isinstance(spec, str):
+        spec = ModelSpec.parse(spec)
+    if not isinstance(spec, ModelSpec):
+        raise ValueError("save_pruned needs the unpruned model's spec: torchspeed.models.spec_of(original) (for a "
+                         "model made by torchspeed.models.create) or a spec string such as 'nets.py:make_net'")
+    recover_published(directory, "pruned.json")  # a killed earlier save: its previous set put back first
+    out = claim_output_dir(directory, "prune", overwrite=overwrite, flag="directory", replaces=PRUNED_FILES)
     sizes = {name: {a: (list(v) if isinstance(v := getattr(m, a), tuple) else v) for a in attrs}
              for name, m in model.named_modules() for cls, attrs in _SIZE_ATTRS.items() if type(m) is cls}
-    os.makedirs(directory, exist_ok=True)
-    with atomic_write(os.path.join(directory, "model.pt"), "wb") as f:
-        torch.save(model.state_dict(), f)
-    write_json(os.path.join(directory, "pruned.json"),
-               {"spec": spec.to_dict(), "sizes": sizes, "report": report.to_dict() if report is not None else None})
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    meta = {"spec": spec.to_dict(), "sizes": sizes, "report": report.to_dict() if report is not None else None}
+
+    def write(tmp: str) -> None:
+        torch.save(state, os.path.join(tmp, "model.pt"))
+        write_json(os.path.join(tmp, "pruned.json"), meta)
+
+    publish_files(directory, write, last="pruned.json", replaces=PRUNED_FILES)
+    out.record(*PRUNED_FILES)
 
 
-def load_pruned(directory: str) -> nn.Module:
-    """The pruned model `save_pruned` wrote: the architecture rebuilt from its spec (your own factory
-    is imported, as `torchspeed.models.create` does), each layer resized, the weights loaded."""
-    import json
+def load_pruned(directory: str, *, model: nn.Module | None = None, spec: ModelSpec | str | None = None,
+                trust_code: bool = False) -> nn.Module:
+    """The pruned model `save_pruned` wrote: the architecture built, each layer resized, the weights
+    loaded (`weights_only=True`), in eval mode.
+
+    The folder is data, never code. The architecture it names is built on its word only when it is a
+    torchvision or timm model. Your own architecture is built only when you name it: pass `model=` (a
+    freshly built unpruned instance; it is resized in place), `spec=` (the spec you pruned, e.g.
+    'nets.py:make_net'; the folder's keyword arguments apply when it names the same one), or
+    `trust_code=True` for a folder you trust. Keyword arguments read from the folder may not name a
+    file outside it.
+    """
     import os
 
-    from torchspeed.models import create
+    from torchspeed.atomic import published_set
     from torchspeed.safeload import load_torch_file
 
+    directory = published_set(os.fspath(directory), "pruned.json")  # during a save: the previous whole set
     meta_path = os.path.join(directory, "pruned.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        spec, sizes = ModelSpec.from_dict(meta["spec"], where=meta_path), meta["sizes"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{meta_path}: not a pruned model written by torchspeed ({e}); run `torchspeed prune` "
-                         "again") from None
-    model = create(spec)
-    state = load_torch_file(os.path.join(directory, "model.pt"))
+    saved, sizes = _read_pruned_meta(meta_path)
+    model = _pruned_architecture(directory, saved, model, spec, trust_code)
+    weights = os.path.join(directory, "model.pt")
+    state = load_torch_file(weights, what="the pruned model's weights")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ValueError(f"{weights!r} is not a state dict of tensors: run `torchspeed prune` again")
     modules = dict(model.named_modules())
-    for name, attrs in sizes.items():
-        if name not in modules:
-            raise ValueError(f"{meta_path}: layer {name!r} is not in {spec.name}; the architecture "
-                             "changed since pruning")
-        for attr, value in attrs.items():
-            setattr(modules[name], attr, tuple(value) if isinstance(value, list) else value)
+    _resize_layers(modules, sizes, meta_path)
     for key, tensor in state.items():  # give every parameter and buffer its pruned shape
         owner, _, leaf = key.rpartition(".")
         module = modules.get(owner)
@@ -333,5 +356,103 @@ def load_pruned(directory: str) -> nn.Module:
             setattr(module, leaf, nn.Parameter(torch.empty_like(tensor), requires_grad=current.requires_grad))
         elif isinstance(current, torch.Tensor):
             module.register_buffer(leaf, torch.empty_like(tensor))
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"the weights in {directory!r} do not fit {type(model).__name__}: "
+                         f"{str(e).strip().splitlines()[0]}") from None
     return model.eval()
+
+
+def _read_pruned_meta(meta_path: str) -> tuple[ModelSpec, dict[str, dict[str, Any]]]:
+    """The architecture spec and the layer sizes `pruned.json` names; ValueError naming it otherwise."""
+    import json
+
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        spec, sizes = ModelSpec.from_dict(meta["spec"], where=meta_path), meta["sizes"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: not a pruned model written by torchspeed ({e}); run `torchspeed prune` "
+                         "again") from None
+    sizes_ok = isinstance(sizes, dict) and all(
+        isinstance(attrs, dict) and all(_is_size(v) for v in attrs.values()) for attrs in sizes.values())
+    if not sizes_ok:
+        raise ValueError(f"{meta_path}: its 'sizes' are not layer sizes (integers) written by torchspeed; run "
+                         "`torchspeed prune` again")
+    return spec, sizes
+
+
+def _is_size(value: Any) -> bool:
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    return whole(value) or (isinstance(value, list) and all(whole(v) for v in value))
+
+
+def _pruned_architecture(directory: str, saved: ModelSpec, model: nn.Module | None, spec: ModelSpec | str | None,
+                         trust_code: bool) -> nn.Module:
+    """The unpruned model to resize: the caller's `model`, the caller's `spec` built, or the folder's
+    spec built when it names a library model (or the caller trusts the folder's code)."""
+    import os
+
+    where = os.path.join(directory, "pruned.json")
+    if model is not None and spec is not None:
+        raise ValueError("load_pruned takes model= or spec=, not both")
+    if model is not None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model= must be the unpruned nn.Module, got {type(model).__name__}")
+        return model
+    if spec is not None:
+        chosen = ModelSpec.parse(spec) if isinstance(spec, str) else spec
+        if not isinstance(chosen, ModelSpec):
+            raise ValueError(f"spec= must be a model spec string or a ModelSpec, got {type(spec).__name__}")
+        if (chosen.source, chosen.name) == (saved.source, saved.name):  # the folder's arguments, yours winning
+            saved.check_saved(where, "Pass the arguments yourself: ts.compress.load_pruned(dir, spec=..., model=...)")
+            chosen = ModelSpec(chosen.source, chosen.name, {**saved.kwargs, **chosen.kwargs})
+    elif saved.runs_user_code and not trust_code:
+        raise ValueError(
+            f"{where} names your own code ({saved.source} {saved.name!r}) as the architecture; building it would "
+            "run that code, so it is not done on the folder's word. Pass the unpruned architecture yourself: "
+            f"ts.compress.load_pruned({directory!r}, spec='nets.py:make_net') or model=make_net(), or pass "
+            "trust_code=True if you trust this folder")
+    else:
+        saved.check_saved(where, "Pass the arguments yourself: ts.compress.load_pruned(dir, spec=..., model=...)")
+        chosen = _library_spec(saved, where) if saved.from_library else saved
+    return _build_unpruned(chosen, where)
+
+
+def _library_spec(saved: ModelSpec, where: str) -> ModelSpec:
+    """A library spec read from a folder, accepted only when its name is a model the library lists (no
+    hub or local-directory names that would fetch or read anything)."""
+    try:
+        parsed = ModelSpec.parse(f"{saved.source}:{saved.name}")
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    if parsed.source != saved.source:
+        raise ValueError(f"{where} names {saved.source} model {saved.name!r}, which {saved.source} does not list")
+    return ModelSpec(parsed.source, parsed.name, saved.kwargs)
+
+
+def _build_unpruned(spec: ModelSpec, where: str) -> nn.Module:
+    from torchspeed.models import create
+
+    try:
+        return create(spec)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{where}: cannot build {spec.name!r} with {dict(spec.kwargs)}: "
+                         f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+
+
+def _resize_layers(modules: dict[str, nn.Module], sizes: dict[str, dict[str, Any]], meta_path: str) -> None:
+    """Set each layer's size attributes as `pruned.json` records them; only the size attributes of the
+    layer's own type (`_SIZE_ATTRS`) may be set."""
+    for name, attrs in sizes.items():
+        if name not in modules:
+            raise ValueError(f"{meta_path}: layer {name!r} is not in the architecture; it changed since pruning")
+        allowed = _SIZE_ATTRS.get(type(modules[name]), ())
+        for attr, value in attrs.items():
+            if attr not in allowed:
+                raise ValueError(f"{meta_path}: {attr!r} of layer {name!r} is not a size of a "
+                                 f"{type(modules[name]).__name__}; run `torchspeed prune` again")
+            setattr(modules[name], attr, tuple(value) if isinstance(value, list) else value)

@@ -744,6 +744,7 @@ def main() -> None:
     """Bootstrap entry: sys.argv is ['-c', MODE, TARGET, *args]."""
     from torchspeed.atomic import write_json
 
+    _die_with_the_launcher()
     out = os.environ.pop(ENV_OUT, None)
     if out and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun worker: one record per rank
         out = f"{out}.rank{os.environ.get('RANK', '0')}"
@@ -778,6 +779,20 @@ def main() -> None:
     if pending is not None:
         raise pending
     sys.exit(0)
+
+
+def _die_with_the_launcher() -> None:
+    """Under torchrun, die when torchrun dies: its workers run in sessions of their own, so a killed
+    doctor (which takes torchrun with it) would leave them running. Linux only (PR_SET_PDEATHSIG)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _recorder_from_env() -> tuple[Recorder, Any]:

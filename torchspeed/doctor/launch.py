@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -21,7 +22,7 @@ from torchspeed.doctor import instrument
 from torchspeed.doctor.fixes import check_names, plan
 from torchspeed.doctor.phases import PHASES, verdict
 
-__all__ = ["TRY_STEPS", "build_payload", "check_interpreter", "child_command", "run_doctor"]
+__all__ = ["REPORT_FILES", "TRY_STEPS", "build_payload", "check_interpreter", "child_command", "run_doctor"]
 
 TRY_STEPS = 8  # steps per run under --try when --steps is not given
 
@@ -140,8 +141,8 @@ def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> 
     facts = {"device": settings.get("device", "cpu"), "steps": len(steady), "wall_s": s_wall, "phases": s_phases,
              "settings": settings, "verdict": v}
     findings = loop_findings(facts) if windows else []
-    cmd = " ".join(command)
-    py_script = " ".join(command[1:]) if len(command) > 1 and _PY.match(os.path.basename(command[0])) else cmd
+    cmd = shlex.join(command)  # the suggested commands are pasted into a shell as they are printed
+    py_script = shlex.join(command[1:]) if len(command) > 1 and _PY.match(os.path.basename(command[0])) else cmd
     for f in findings:  # the measuring command runs on this very script
         f.command = f.command.replace("torchrun --nproc-per-node N your_train.py",
                                       f"torchrun --nproc-per-node N {py_script}").replace("python your_train.py", cmd)
@@ -206,15 +207,71 @@ def check_interpreter(argv: list[str], env: dict[str, str] | None = None) -> Non
                          f"{sys.executable} your_train.py")
 
 
+_TMP_PREFIX = "torchspeed-doctor-"
+
+
+def _script_stdout() -> int | None:
+    """Where the script's output goes: where this process's `sys.stdout` writes now. Under `--json -`
+    the command line points it at stderr, so the script's prints never mix with the JSON on stdout."""
+    try:
+        sys.stdout.flush()
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return None if fd == 1 else fd
+
+
+def _die_with_parent() -> Any:
+    """A `preexec_fn` that makes the child die when doctor dies (SIGKILL included), so a killed doctor
+    never leaves the script running (Linux: PR_SET_PDEATHSIG); None where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # doctor died before the signal was armed
+            os._exit(137)
+    return preexec
+
+
+def _clean_stale_tmpdirs() -> None:
+    """Remove record folders of doctor runs whose process no longer exists (a killed doctor's)."""
+    base = tempfile.gettempdir()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_TMP_PREFIX):].split("-", 1)[0]
+        if name.startswith(_TMP_PREFIX) and pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            except OSError:
+                pass
+
+
 def _run_child(argv: list[str], env: dict[str, str], timeout: float | None,
                log: Any = None) -> tuple[int, dict[str, Any], int, bool, bool]:
     """Run one instrumented child: (exit status, its raw record, ranks, timed out, interrupted). `log`
-    (a file) takes the script's output instead of the terminal."""
-    tmpdir = tempfile.mkdtemp(prefix="torchspeed-doctor-")
+    (a file) takes the script's output instead of the terminal. The child dies with doctor."""
+    _clean_stale_tmpdirs()
+    tmpdir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
     raw_path = os.path.join(tmpdir, "raw.json")
     env = {**env, instrument.ENV_OUT: raw_path}
     try:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT if log is not None else None)
+        proc = subprocess.Popen(argv, env=env, stdout=log if log is not None else _script_stdout(),
+                                stderr=subprocess.STDOUT if log is not None else None,
+                                preexec_fn=_die_with_parent())
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise
@@ -248,11 +305,7 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     the unchanged script (`trying.try_fixes`), `steps` steps per run (default TRY_STEPS)."""
     measure_fixes, requested, steps = _fixes_requested(try_fixes, steps)
     argv = child_command(command)
-    if out:
-        try:
-            os.makedirs(out, exist_ok=True)
-        except OSError as e:
-            raise OSError(f"cannot create the report directory {out!r}: {e.strerror}") from None
+    report_dir = _claim_outputs(out, json_path)
     env = _child_env(steps, cprofile, trace, out, seeded=measure_fixes)
     check_interpreter(argv, env)
     status, raw, ranks, timed_out, interrupted = _run_child(argv, env, timeout)
@@ -271,7 +324,32 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     if con is not None:
         _print_report(con, command, status, payload, shown, timeout if timed_out else None)
     _write_report(payload, shown, json_path, out)
+    if report_dir is not None:
+        report_dir.record(*(n for n in REPORT_FILES if report_dir.holds(n)))
     return status, payload
+
+
+REPORT_FILES = ("doctor.json", "doctor.md", "doctor-trace.json")  # what doctor writes into --out
+
+
+def _claim_outputs(out: str | None, json_path: str | None) -> Any:
+    """Check `--out` and `--json` before the script runs, so a bad one costs no run. `--out` is new or a
+    folder torchspeed wrote (never one holding a user's file); an earlier doctor report there is
+    replaced. Returns the claimed folder (`torchspeed.outputs.OutputDir`) or None."""
+    if json_path:
+        parent = os.path.dirname(os.path.abspath(json_path))
+        if os.path.isdir(json_path):
+            raise ValueError(f"--json {json_path!r} is a folder: give a file path")
+        try:
+            with tempfile.TemporaryFile(dir=parent):
+                pass
+        except OSError as e:
+            raise OSError(f"--json {json_path!r} cannot be written: {e.strerror or e}") from None
+    if not out:
+        return None
+    from torchspeed.outputs import claim_output_dir
+
+    return claim_output_dir(out, "doctor", overwrite=True, replaces=REPORT_FILES)
 
 
 def _fixes_requested(try_fixes: list[str] | None | bool, steps: int | None) -> tuple[bool, list[str] | None, int | None]:
@@ -319,9 +397,11 @@ def _note_how_it_ended(payload: dict[str, Any], raw: dict[str, Any], status: int
 
 def _print_report(con: Any, command: list[str], status: int, payload: dict[str, Any], shown: dict[str, Any],
                   timed_out_after: float | None) -> None:
+    from rich.markup import escape
+
     from torchspeed.doctor.output import print_profile
 
-    con.print(f"[bold]torchspeed doctor[/]: {' '.join(command)} -> exit status {status}, "
+    con.print(f"[bold]torchspeed doctor[/]: {escape(shlex.join(command))} -> exit status {status}, "
               f"{payload['steps']} training steps seen ({payload['status']})", highlight=False)
     if payload.get("error"):
         con.print(f"the script raised: {payload['error']}", highlight=False, markup=False)

@@ -5,6 +5,7 @@ Works on plain dicts (the JSON payloads), so a profile, a doctor run and a lint 
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Any
 
 from torchspeed.tables import print_table
@@ -114,7 +115,7 @@ def markdown(d: dict[str, Any], title: str) -> str:
     """A short markdown report (written by `doctor --out DIR`)."""
     lines = [f"# {title}", ""]
     if "command" in d:
-        lines += [f"Command: `{' '.join(d['command'])}`  ", f"Exit status: {d.get('exit_status')}", ""]
+        lines += [f"Command: `{shlex.join(d['command'])}`  ", f"Exit status: {d.get('exit_status')}", ""]
     if "phases" in d:
         wall, steps = d.get("wall_s") or 0.0, max(d.get("steps") or 0, 1)
         lines += [f"Steps measured: {d.get('steps')}, verdict: **{d.get('verdict')}**", "",

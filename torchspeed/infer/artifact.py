@@ -5,7 +5,7 @@ import os
 
 from torch import nn
 
-from torchspeed.infer.runners import RUNNERS, RUNTIME_KEY, Runner, TorchRunner, read_manifest
+from torchspeed.infer.runners import RUNNERS, RUNTIME_KEY, Runner, TorchRunner, artifact_dir, read_manifest
 
 __all__ = ["load"]
 
@@ -17,9 +17,10 @@ def load(directory: str | os.PathLike, *, model: nn.Module | None = None, trust_
     (torch weights load with `weights_only=True`). A torch artifact rebuilds its architecture with
     `torchspeed.models.create`; one built from your own code (`package.module:factory` or
     `file.py:factory`) is loaded only into `model=` (your freshly built instance) or with
-    `trust_code=True`, since rebuilding it would import the code its manifest names.
+    `trust_code=True`, since rebuilding it would import the code its manifest names. While a save
+    into `directory` is under way (or after one was killed), the previous artifact is what loads.
     """
-    directory = os.fspath(directory)
+    directory = artifact_dir(directory)
     manifest = read_manifest(directory)
     cls = RUNNERS[manifest[RUNTIME_KEY]]
     if issubclass(cls, TorchRunner):

@@ -12,7 +12,9 @@ import copy
 import math
 import os
 import re
+import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,7 +26,7 @@ from torchspeed.batches import BatchFormat
 from torchspeed.infer.precision import as_fp32, output_error
 
 __all__ = ["export_onnx", "ExportResult", "flatten_inputs", "grow_batch", "convert_onnx_fp16", "fp16_converter",
-           "onnx_inputs", "onnx_example", "read_onnx", "OnnxGraph"]
+           "onnx_inputs", "onnx_example", "read_onnx", "OnnxGraph", "save_onnx_copy", "onnx_data_files"]
 
 
 @dataclass
@@ -217,6 +219,71 @@ def convert_onnx_fp16(src: str | os.PathLike, dst: str | os.PathLike) -> str:
     with atomic_write(dst, "wb") as f:
         f.write(model.SerializeToString())
     return dst
+
+
+def _tensors(graph: Any) -> Iterator[Any]:
+    """Every tensor a graph holds: initializers (sparse ones too) and node attributes, subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _tensors(sub)
+
+
+def _external(tensor: Any) -> str | None:
+    """The file an external tensor's data is in (as the model names it), or None for an inline tensor."""
+    if tensor.data_location != 1:  # TensorProto.EXTERNAL
+        return None
+    return next((e.value for e in tensor.external_data if e.key == "location"), None)
+
+
+def onnx_data_files(path: str | os.PathLike) -> list[str]:
+    """The external data files an ONNX model names (paths beside it); [] when its weights are inline
+    or it cannot be parsed."""
+    onnx = _need("onnx")
+    path = os.fspath(path)
+    try:
+        graph = onnx.load(path, load_external_data=False).graph
+    except Exception:  # noqa: BLE001 - a size estimate only; loading reports a damaged file
+        return []
+    names = dict.fromkeys(loc for t in _tensors(graph) if (loc := _external(t)))
+    return [os.path.join(os.path.dirname(os.path.abspath(path)), n) for n in names]
+
+
+_PROTOBUF_LIMIT = 2**31 - 2**20  # an ONNX file holds at most 2 GB; a little kept for the graph itself
+
+
+def save_onnx_copy(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the ONNX model `src` to `dst` with its weights, returning the files written.
+
+    A model whose weights are inline is copied as it is. One with external data (files beside it
+    named by its tensors) is read whole and written with the weights inline when they fit protobuf's
+    2 GB, else into one `<dst name>.data` file beside `dst`: a copy of the graph alone would not load.
+    ValueError naming `src` when its external data cannot be read."""
+    onnx = _need("onnx")
+    src, dst = os.fspath(src), os.fspath(dst)
+    model = onnx.load(src, load_external_data=False)
+    if not any(_external(t) for t in _tensors(model.graph)):
+        shutil.copyfile(src, dst)
+        return [dst]
+    from onnx.external_data_helper import load_external_data_for_model
+
+    try:
+        load_external_data_for_model(model, os.path.dirname(os.path.abspath(src)))
+    except Exception as e:  # noqa: BLE001 - a missing, short or escaping data file: one line naming the model
+        raise ValueError(f"cannot read the external data of the ONNX model {src!r}: {_first_line(e)}") from None
+    inline = sum(len(t.raw_data) for t in _tensors(model.graph)) + os.path.getsize(src) < _PROTOBUF_LIMIT
+    data = f"{os.path.basename(dst)}.data"
+    onnx.save_model(model, dst, save_as_external_data=not inline, all_tensors_to_one_file=True, location=data,
+                    size_threshold=0)
+    return [dst] if inline else [dst, os.path.join(os.path.dirname(dst), data)]
 
 
 _ONNX_DTYPES = {1: torch.float32, 10: torch.float16, 11: torch.float64, 6: torch.int32, 7: torch.int64, 9: torch.bool}

@@ -115,6 +115,24 @@ def quiet_quantizer_logs() -> Iterator[None]:
         root.removeFilter(drop)
 
 
+@contextlib.contextmanager
+def _temporaries_in(directory: str | None) -> Iterator[None]:
+    """Python's temporary files go into `directory` while inside (None: left as they are).
+
+    ONNX Runtime's quantizer makes temporary copies of the model in the system's temp dir, where a run
+    killed meanwhile leaves them for ever; `optimize` points them into its own scratch dir, which the
+    next run removes once this process is gone."""
+    if directory is None:
+        yield
+        return
+    previous = tempfile.tempdir
+    tempfile.tempdir = directory
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+
+
 def _ort_quant() -> Any:
     try:
         import onnxruntime.quantization as q
@@ -125,11 +143,12 @@ def _ort_quant() -> Any:
 
 def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any] | None, method: str = "minmax",
                          per_channel: bool = True, max_samples: int | None = 256, batch_format: Any = None,
-                         input_names: list[str] | None = None) -> str:
+                         input_names: list[str] | None = None, temp_dir: str | None = None) -> str:
     """Static INT8 (QDQ) quantization of an ONNX model with ONNX Runtime; returns `out_path`.
     `batch_format` says which part of a calibration batch is the input (see `calibration_arrays`).
     `input_names`: the model's input names when the caller has read them already (else an ONNX
-    Runtime session on the model reads them)."""
+    Runtime session on the model reads them). `temp_dir`: where its and ONNX Runtime's temporary files
+    go (default: the system's)."""
     q = _ort_quant()
     methods = {"minmax": q.CalibrationMethod.MinMax, "entropy": q.CalibrationMethod.Entropy,
                "percentile": q.CalibrationMethod.Percentile}
@@ -154,7 +173,7 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
         def rewind(self) -> None:
             self.it = iter(arrays)
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with _temporaries_in(temp_dir), tempfile.TemporaryDirectory() as tmp:
         pre = os.path.join(tmp, "pre.onnx")
         from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -169,10 +188,11 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
     return out_path
 
 
-def quantize_onnx_dynamic(onnx_path: str, out_path: str, per_channel: bool = True) -> str:
-    """Dynamic INT8 quantization (weights int8, activations on the fly) of MatMul/Gemm/LSTM/Attention."""
+def quantize_onnx_dynamic(onnx_path: str, out_path: str, per_channel: bool = True, temp_dir: str | None = None) -> str:
+    """Dynamic INT8 quantization (weights int8, activations on the fly) of MatMul/Gemm/LSTM/Attention.
+    `temp_dir`: where its and ONNX Runtime's temporary files go (default: the system's)."""
     q = _ort_quant()
-    with tempfile.TemporaryDirectory() as tmp:
+    with _temporaries_in(temp_dir), tempfile.TemporaryDirectory() as tmp:
         pre = os.path.join(tmp, "pre.onnx")
         from onnxruntime.quantization.shape_inference import quant_pre_process
 

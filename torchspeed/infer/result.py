@@ -2,7 +2,6 @@
 with what it measured) and the `OptimizeResult` table that picks `.best` by the objective."""
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -10,8 +9,7 @@ from typing import Any
 
 import torch
 
-from torchspeed.atomic import write_json
-from torchspeed.infer.runners import MANIFEST, RUNTIME_KEY, Runner
+from torchspeed.infer.runners import RUNTIME_KEY, Runner
 
 __all__ = ["VariantRow", "OptimizeResult"]
 
@@ -54,19 +52,14 @@ class VariantRow:
         """Write a self-describing artifact (model file + manifest.json) that `ts.infer.load` runs."""
         if self.runner is None:
             raise ValueError(f"variant {self.name!r} cannot be saved: {self.status}: {self.reason}")
-        directory = os.fspath(directory)
-        self.runner.save(directory)
-        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
         if isinstance(self.input_shape, dict):
             shape: Any = {k: [None, *v[1:]] for k, v in self.input_shape.items()}
         else:
             shape = [None, *self.input_shape[1:]]
         measured = self.to_dict()
         measured[RUNTIME_KEY] = measured.pop("runtime")  # a manifest names the runtime by the artifact format's key
-        manifest.update(name=self.name, input_shape=shape, measured=measured)
-        write_json(os.path.join(directory, MANIFEST), manifest)
-        return directory
+        return self.runner.save(directory, manifest_extra={"name": self.name, "input_shape": shape,
+                                                           "measured": measured})
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -18,7 +18,6 @@ import contextlib
 import copy
 import json
 import os
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from torchspeed.atomic import publish_files, write_json
+from torchspeed.atomic import publish_files, published_set, recover_published, write_json
 from torchspeed.batches import BatchFormat, map_tensors, to_device
 from torchspeed.infer.precision import as_fp32
 from torchspeed.models import ModelSpec, spec_of
@@ -34,12 +33,14 @@ from torchspeed.runtime import usable_cores
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "RUNTIMES", "available_runtimes",
            "build_torch_module", "module_device", "ort_providers", "provider_label", "ort_cuda_problem",
-           "check_ort_cuda", "feed_names", "read_manifest", "MANIFEST", "FORMAT", "RUNTIME_KEY"]
+           "check_ort_cuda", "feed_names", "read_manifest", "artifact_dir", "recover_artifact", 
+           "MANIFEST", "FORMAT", "RUNTIME_KEY", "ARTIFACT_FILES"]
 
 RUNTIMES = ("torch", "torch.compile", "onnxruntime", "onnxruntime-cuda", "openvino", "tensorrt")
 MANIFEST = "manifest.json"
 FORMAT = "torchspeed-inference-artifact"
 RUNTIME_KEY = "backend"  # the manifest key naming the runtime: part of the saved artifact format
+ARTIFACT_FILES = (MANIFEST, "weights.pt", "model.onnx", "model.onnx.data", "model.xml", "model.bin")  # any runner's
 
 
 def _as_numpy(x: Any, dtype: Any = np.float32) -> np.ndarray:
@@ -98,6 +99,7 @@ class Runner:
     runtime: str = ""
     precision: str = ""
     files: tuple[str, ...] = ()
+    saves: tuple[str, ...] = ()  # the names `save` may write into an artifact folder (one of ARTIFACT_FILES each)
 
     def __call__(self, x: Any) -> torch.Tensor:
         raise NotImplementedError
@@ -105,20 +107,32 @@ class Runner:
     def manifest(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": 1, RUNTIME_KEY: self.runtime, "precision": self.precision}
 
-    def save(self, directory: str | os.PathLike) -> str:
-        """Write the model file(s) and `manifest.json` into `directory`; returns the directory."""
+    def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
+        """Write the model file(s) and `manifest.json` (with `manifest_extra` added) into `directory`;
+        returns the directory."""
         raise NotImplementedError
 
     def size_bytes(self) -> int:
         return sum(os.path.getsize(f) for f in self.files if os.path.exists(f))
 
-    def _write_manifest(self, directory: str, extra: dict[str, Any]) -> None:
-        write_json(os.path.join(directory, MANIFEST), {**self.manifest(), **extra})
+    def _publish(self, directory: str | os.PathLike, write: Callable[[str], dict[str, Any]],
+                 manifest_extra: dict[str, Any] | None) -> str:
+        """`write(tmp)` writes the model file(s) and returns the manifest's fields. Files and manifest
+        replace the artifact in `directory` as one set (manifest last, the previous set kept whole until
+        then), so an interrupted save never leaves a mix; files of the previous artifact that the new
+        one lacks are removed. A failed write (a full disk) is one OSError naming the folder."""
+        directory = os.fspath(directory)
 
-    def _publish(self, directory: str | os.PathLike, write: Callable[[str], None]) -> str:
-        """`write(tmp)` writes the model file(s) and the manifest; they replace the artifact in
-        `directory` all at once (manifest last), so an interrupted save never leaves a mix."""
-        return publish_files(directory, write, last=MANIFEST)
+        def build(tmp: str) -> None:
+            fields = write(tmp)
+            write_json(os.path.join(tmp, MANIFEST), {**self.manifest(), **fields, "files": sorted(os.listdir(tmp)),
+                                                     **(manifest_extra or {})})
+
+        try:
+            return publish_files(directory, build, last=MANIFEST, replaces=_artifact_files(directory))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot save the artifact in {directory!r}: {e.strerror or e} (an artifact "
+                                   "saved there before is left as it was)") from None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.runtime} {self.precision}>"
@@ -142,6 +156,8 @@ class TorchRunner(Runner):
     """PyTorch eager or torch.compile. Saved as the original weights (torch.save, loaded weights_only)
     plus the architecture name and the recipe; loading rebuilds and re-applies the recipe. No pickle,
     so it needs a model built by `torchspeed.models.create` (or the CLI)."""
+
+    saves = ("weights.pt", MANIFEST)
 
     def __init__(self, model: nn.Module, recipe: dict[str, Any], threads: int | None = None,
                  spec: ModelSpec | None = None, batch_format: BatchFormat | dict | None = None):
@@ -177,8 +193,7 @@ class TorchRunner(Runner):
     def size_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.module.state_dict().values() if isinstance(t, torch.Tensor))
 
-    def save(self, directory: str | os.PathLike) -> str:
-        directory = os.fspath(directory)
+    def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
         if self.spec is None:
             raise ValueError(
                 "this torch variant cannot be saved without pickle: its architecture has no name. Create the model "
@@ -186,12 +201,13 @@ class TorchRunner(Runner):
                 "ONNX Runtime / OpenVINO variant instead")
         state = {k: v.detach().contiguous() for k, v in self.source.state_dict().items()}
 
-        def write(tmp: str) -> None:
-            torch.save(state, os.path.join(tmp, "weights.pt"))
-            self._write_manifest(tmp, {"file": "weights.pt", "arch": self.spec.to_dict(), "recipe": self.recipe,
-                                       "threads": self.threads, "device": str(self.device)})
+        def write(tmp: str) -> dict[str, Any]:
+            with open(os.path.join(tmp, "weights.pt"), "wb") as f:  # a file object: a full disk is an OSError
+                torch.save(state, f)
+            return {"file": "weights.pt", "arch": self.spec.to_dict(), "recipe": self.recipe, "threads": self.threads,
+                    "device": str(self.device)}
 
-        return self._publish(directory, write)
+        return self._publish(directory, write, manifest_extra)
 
     @classmethod
     def load(cls, directory: str, manifest: dict[str, Any], model: nn.Module | None = None,
@@ -202,21 +218,25 @@ class TorchRunner(Runner):
         A torchvision or timm architecture is rebuilt by name. The user's own architecture (a spec
         whose source is 'module' or 'file') would import the Python code the manifest names, so it is
         refused unless the caller passes `model=` (their own freshly built instance, which receives
-        the weights) or `trust_code=True`.
+        the weights) or `trust_code=True`. Keyword arguments that name a file are refused either way
+        (`ModelSpec.check_saved`): a folder names no file outside itself.
         """
         from torchspeed.models import create
 
-        spec = ModelSpec.from_dict(manifest.get("arch"), where=f"the torch artifact in {directory!r}")
+        where = f"the torch artifact in {directory!r}"
+        spec = ModelSpec.from_dict(manifest.get("arch"), where=where)
         if not isinstance(manifest.get("recipe"), dict):
-            raise ValueError(f"the torch artifact in {directory!r} is damaged: its manifest has no recipe")
+            raise ValueError(f"{where} is damaged: its manifest has no recipe")
         if model is None:
+            weights = f"DIR/{manifest['file']}"
             if spec.runs_user_code and not trust_code:
                 raise ValueError(
-                    f"the torch artifact in {directory!r} was built from your own code ({spec.source} "
-                    f"{spec.name!r}); loading it would import that code, so it is not done on the manifest's "
-                    "word. Build the model yourself and pass it: ts.infer.load(dir, model=my_model) (on the "
-                    "command line: give the spec and --weights DIR/weights.pt), or pass trust_code=True if "
-                    "you trust this directory")
+                    f"{where} was built from your own code ({spec.source} {spec.name!r}); loading it would "
+                    "import that code, so it is not done on the manifest's word. Build the model yourself and "
+                    f"pass it: ts.infer.load(dir, model=my_model) (on the command line: give the spec and --weights "
+                    f"{weights}), or pass trust_code=True if you trust this directory")
+            spec.check_saved(where, remedy=f"Build the model and pass it: ts.infer.load(dir, model=m) (command "
+                                                 f"line: the spec and --weights {weights})")
             model = create(spec)
         from torchspeed.safeload import load_torch_file
 
@@ -359,6 +379,7 @@ class OrtRunner(Runner):
     """
 
     runtime = "onnxruntime"
+    saves = ("model.onnx", "model.onnx.data", MANIFEST)
 
     def __init__(self, path: str, precision: str = "fp32", threads: int | None = None,
                  providers: str | list[Any] | None = None, *, device: str | torch.device | None = None,
@@ -428,15 +449,23 @@ class OrtRunner(Runner):
             return torch.from_dlpack(out)
         return torch.from_numpy(out.numpy()).to(self.device)  # an older onnxruntime without DLPack: one copy
 
-    def save(self, directory: str | os.PathLike) -> str:
-        def write(tmp: str) -> None:
-            shutil.copyfile(self.path, os.path.join(tmp, "model.onnx"))  # fsynced by publish_files
-            self._write_manifest(tmp, {"file": "model.onnx", "threads": self.threads, "providers": self.providers,
-                                       "provider_kind": self.kind, "input_names": self.input_names,
-                                       "input_shape": [d if isinstance(d, int) else None
-                                                       for d in self.session.get_inputs()[0].shape]})
+    def size_bytes(self) -> int:
+        from torchspeed.infer.export import onnx_data_files
 
-        return self._publish(directory, write)
+        return sum(os.path.getsize(f) for f in (self.path, *onnx_data_files(self.path)) if os.path.exists(f))
+
+    def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
+        """The ONNX file, with any external data it has (inline when under protobuf's 2 GB, else in
+        `model.onnx.data` beside it), and the manifest."""
+        from torchspeed.infer.export import save_onnx_copy
+
+        def write(tmp: str) -> dict[str, Any]:
+            save_onnx_copy(self.path, os.path.join(tmp, "model.onnx"))  # fsynced by publish_files
+            return {"file": "model.onnx", "threads": self.threads, "providers": self.providers,
+                    "provider_kind": self.kind, "input_names": self.input_names,
+                    "input_shape": [d if isinstance(d, int) else None for d in self.session.get_inputs()[0].shape]}
+
+        return self._publish(directory, write, manifest_extra)
 
     @classmethod
     def load(cls, directory: str, manifest: dict[str, Any]) -> OrtRunner:
@@ -470,6 +499,7 @@ class OpenVINORunner(Runner):
     """OpenVINO on CPU with an explicit inference precision hint ('f32' for the fp32 and int8 rows)."""
 
     runtime = "openvino"
+    saves = ("model.xml", "model.bin", MANIFEST)
 
     def __init__(self, model: Any, precision: str = "fp32", threads: int | None = None):
         try:
@@ -499,16 +529,16 @@ class OpenVINORunner(Runner):
         self.request.infer(feed)
         return torch.from_numpy(np.array(self.request.get_output_tensor(0).data, copy=True))
 
-    def save(self, directory: str | os.PathLike) -> str:
+    def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
         import openvino as ov
 
         directory = os.fspath(directory)
 
-        def write(tmp: str) -> None:
+        def write(tmp: str) -> dict[str, Any]:
             ov.save_model(self.model, os.path.join(tmp, "model.xml"), compress_to_fp16=False)
-            self._write_manifest(tmp, {"file": "model.xml", "threads": self.threads, "config": self.config})
+            return {"file": "model.xml", "threads": self.threads, "config": self.config}
 
-        self._publish(directory, write)
+        self._publish(directory, write, manifest_extra)
         self.files = (os.path.join(directory, "model.xml"), os.path.join(directory, "model.bin"))
         return directory
 
@@ -551,10 +581,35 @@ RUNNERS: dict[str, type[Runner]] = {
 }
 
 
+def artifact_dir(directory: str | os.PathLike) -> str:
+    """The folder holding the artifact saved into `directory`: `directory` itself, or, while a save is
+    under way there or after one was killed, the previous artifact's backup inside it (which loads)."""
+    return published_set(directory, MANIFEST)
+
+
+def recover_artifact(directory: str | os.PathLike) -> None:
+    """Tidy what a killed save left in `directory`: the previous artifact is put back when the new one
+    never got its manifest, and the save temporaries of processes that died are removed."""
+    recover_published(directory, MANIFEST)
+
+
+def _artifact_files(directory: str) -> list[str]:
+    """The files of the artifact now in `directory` (from its manifest; none when there is no readable one)."""
+    try:
+        manifest = read_manifest(directory)
+    except (OSError, ValueError):
+        return []
+    listed = manifest.get("files")
+    if isinstance(listed, list) and all(isinstance(n, str) and n == os.path.basename(n) and n for n in listed):
+        return list(listed)
+    stem, ext = os.path.splitext(manifest["file"])
+    return [manifest["file"], f"{stem}.bin"] if ext == ".xml" else [manifest["file"]]
+
+
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
-    """The checked manifest of the artifact in `directory`; FileNotFoundError or ValueError naming what is
-    missing or damaged."""
-    directory = os.fspath(directory)
+    """The checked manifest of the artifact in `directory` (read where `artifact_dir` says it is whole);
+    FileNotFoundError or ValueError naming what is missing or damaged."""
+    directory = artifact_dir(directory)
     path = os.path.join(directory, MANIFEST)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no inference artifact at {directory!r}: the directory does not exist")

@@ -24,7 +24,6 @@ import copy
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from torchspeed.args import as_list, progress_fn
+from torchspeed.atomic import scratch_dir
 from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
 from torchspeed.infer.export import OnnxGraph, grow_batch, onnx_example, read_onnx
 from torchspeed.infer.precision import as_fp32, output_error
@@ -41,7 +41,7 @@ from torchspeed.infer.result import OptimizeResult, VariantRow
 from torchspeed.infer.runners import RUNTIMES, module_device
 from torchspeed.infer.variants import BuildContext, Machine, ModelFacts, OnnxExport, Variant, candidates, skip_reason
 from torchspeed.models import ModelSpec, spec_of
-from torchspeed.runtime import PRECISIONS, usable_cores
+from torchspeed.runtime import PRECISIONS, cache_dir, usable_cores
 
 __all__ = ["optimize", "SearchConfig", "build_variant", "verify", "judge", "time_variants", "exact_tolerance"]
 
@@ -245,7 +245,7 @@ def _search(subject: nn.Module | OnnxGraph, example_input: Any, calib_data: Iter
     verify_x = _verification_inputs(example, graph, calib_data, config, gen)
     ref = None if model is None else _reference_outputs(model, verify_x, example, config.batch_format)
     machine = Machine.detect(config.device)
-    workdir = tempfile.TemporaryDirectory(prefix="torchspeed-optimize-")
+    workdir = scratch_dir(cache_dir("tmp"), "optimize-")  # a killed run's files: removed by the next run
     if graph is None:
         export = OnnxExport(model, example, os.path.join(workdir.name, "model.onnx"), config.exporter, say,
                             config.batch_format)

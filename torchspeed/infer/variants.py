@@ -136,11 +136,12 @@ class BuildContext:
         if precision == "int8":
             dst = os.path.join(self.workdir, "model-int8-static.onnx")
             quantize_onnx_static(src, dst, self.calib_data, self.calibration, max_samples=self.max_calib_samples,
-                                 batch_format=self.batch_format, input_names=self.onnx.result["input_names"])
+                                 batch_format=self.batch_format, input_names=self.onnx.result["input_names"],
+                                 temp_dir=self.workdir)
             return OrtRunner(dst, "int8", self.threads)
         if precision == "int8-dynamic":
             dst = os.path.join(self.workdir, "model-int8-dynamic.onnx")
-            return OrtRunner(quantize_onnx_dynamic(src, dst), "int8-dynamic", self.threads)
+            return OrtRunner(quantize_onnx_dynamic(src, dst, temp_dir=self.workdir), "int8-dynamic", self.threads)
         if precision == "fp16" and provider == "cuda":
             src = convert_onnx_fp16(src, os.path.join(self.workdir, "model-fp16.onnx"))
         device = self.device if provider != "cpu" else None
@@ -348,5 +349,5 @@ class _CallableRunner(Runner):
     def size_bytes(self) -> int:
         return 0
 
-    def save(self, directory: str | os.PathLike) -> str:
+    def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
         raise ValueError("a custom variant cannot be saved as an artifact")

@@ -45,7 +45,7 @@ from torchspeed.runtime import (
 from torchspeed.train import distributed
 
 __all__ = ["accelerate", "accelerate_with", "AccelerateOptions", "Accelerated", "AccelerateResult", "TrialRow",
-           "apply_cudnn_benchmark", "apply_tf32", "autocast_for", "forget_prepared"]
+           "apply_cudnn_benchmark", "apply_tf32", "autocast_for", "check_class_outputs", "forget_prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +288,33 @@ def _default_loss(outputs: Any, targets: Any) -> torch.Tensor:
     return out.float().mean()
 
 
+def _indexes_by_label(loss_fn: Any) -> bool:
+    """Whether the loss picks each sample's logit by its label (cross-entropy, NLL), so a label past
+    the logits' width fails inside it."""
+    fn = getattr(loss_fn, "func", loss_fn)  # a functools.partial of one
+    return isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss)) or fn in (
+        nn.functional.cross_entropy, nn.functional.nll_loss, _default_loss)
+
+
+def check_class_outputs(logits: Any, targets: Any, loss_fn: Any, classes: int | None = None) -> None:
+    """Refuse class logits narrower than the labels need, before the loss indexes past them (an
+    IndexError deep in torch on the CPU, a device-side assert that ends the process on CUDA).
+
+    Only for class labels under a loss that indexes by them; `classes`: how many the data names,
+    when it does. Reads the largest label (one host read), so it is called on a first batch only."""
+    if not (_indexes_by_label(loss_fn) and isinstance(logits, torch.Tensor) and logits.dim() == 2
+            and isinstance(targets, torch.Tensor) and targets.dim() == 1 and not targets.is_floating_point()
+            and targets.numel()):
+        return
+    width, top = logits.shape[1], int(targets.max())
+    need = max(top + 1, classes or 0)
+    if width < need:
+        data = f"the data has {classes} classes" if classes and classes > top else f"a label is {top}"
+        raise ValueError(f"the model gives {width} output(s) per sample (its logits' width) but {data}: a "
+                         f"classifier needs one output per class; build it with {need} outputs (e.g. "
+                         f"num_classes={need}), or check the labels")
+
+
 def _image_input(x: Any) -> bool:
     """Whether the inputs hold a 4-D float tensor (images: a memory format applies)."""
     if isinstance(x, torch.Tensor):
@@ -301,8 +328,8 @@ class _StepTimer:
     the batch format (inputs, target, logits) the training itself uses."""
 
     def __init__(self, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, steps: int,
-                 batch_format: BatchFormat | None = None):
-        self.device, self.steps = device, steps
+                 batch_format: BatchFormat | None = None, classes: int | None = None):
+        self.device, self.steps, self.classes = device, steps, classes
         self.loss_fn = loss_fn or _default_loss
         self.fmt = batch_format or BatchFormat()
         try:
@@ -315,10 +342,15 @@ class _StepTimer:
         y = to_device(self.targets, self.device)
         needs_inputs = getattr(self.loss_fn, "needs_inputs", False)
         fmt = self.fmt
+        checked = False
 
         def step() -> None:
+            nonlocal checked
             with autocast_for(self.device, precision):
                 out = fmt.logits_of(fmt.forward(model, x))
+                if not checked:  # the first call only: it reads the largest label
+                    check_class_outputs(out, y, self.loss_fn, self.classes)
+                    checked = True
                 loss = self.loss_fn(out, y, x) if needs_inputs else self.loss_fn(out, y)
             loss.backward()
             for p in model.parameters():
@@ -743,8 +775,10 @@ def accelerate(
 
 def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     example_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-                    batch_format: BatchFormat | dict | None = None) -> Accelerated:
-    """accelerate() with its settings given as one `AccelerateOptions` (how the Trainer calls it)."""
+                    batch_format: BatchFormat | dict | None = None, classes: int | None = None) -> Accelerated:
+    """accelerate() with its settings given as one `AccelerateOptions` (how the Trainer calls it);
+    `classes`: how many classes the training data names, when known (class logits are checked
+    against it on the example batch)."""
     _check_model(model)
     fmt = BatchFormat.of(batch_format)
     untried = dict(options.untried)
@@ -754,7 +788,7 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
     denv, dev, strategy_eff = _resolve_strategy(options.strategy, dev, untried)
     model.to(dev)
     report = AccelerateResult(device=str(dev), strategy=strategy_eff)
-    timer = _trial_timer(options, dev, example_batch, loss_fn, fmt)
+    timer = _trial_timer(options, dev, example_batch, loss_fn, fmt, classes)
     with _leaving_no_trace(model) if timer is not None else contextlib.nullcontext():
         compiled = _choose_step_settings(model, timer, options, report, dev, untried)
     if denv.distributed:
@@ -776,7 +810,8 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
 
 
 def _trial_timer(options: AccelerateOptions, dev: torch.device, example_batch: Any,
-                 loss_fn: Callable[..., torch.Tensor] | None, fmt: BatchFormat) -> _StepTimer | None:
+                 loss_fn: Callable[..., torch.Tensor] | None, fmt: BatchFormat,
+                 classes: int | None = None) -> _StepTimer | None:
     """The timer of the trials, or None when nothing is measured; refuses what cannot be measured or run."""
     if options.measures_step and example_batch is None:
         raise ValueError("accelerate(): an 'auto' setting needs example_batch=(inputs, targets) to measure "
@@ -786,7 +821,7 @@ def _trial_timer(options: AccelerateOptions, dev: torch.device, example_batch: A
     cuda_switches = example_batch is not None and options.measures_cuda_switches(dev)
     if not (options.measures_step or cuda_switches):
         return None
-    return _StepTimer(example_batch, loss_fn, dev, options.trial_steps, fmt)
+    return _StepTimer(example_batch, loss_fn, dev, options.trial_steps, fmt, classes)
 
 
 def _choose_step_settings(model: nn.Module, timer: _StepTimer | None, options: AccelerateOptions,

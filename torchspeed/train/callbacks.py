@@ -92,8 +92,9 @@ class EarlyStopping(Callback):
 
 
 class Checkpoint(Callback):
-    """Save the full training state to `directory` every `every_n_steps` optimizer steps and after
-    every epoch, keeping the newest `keep_last` of this run.
+    """Save the full training state to `directory` every `every_n_steps` optimizer steps, after every
+    epoch and at the end of the run (a run that stops at `max_steps` mid-epoch can be continued from
+    where it stopped), keeping the newest `keep_last` of this run.
 
     The state holds the model, optimizer, GradScaler, scheduler, every RNG (python, numpy, torch,
     each CUDA device), epoch, step and the loader position, so `Trainer.fit(resume="last")` continues
@@ -103,8 +104,8 @@ class Checkpoint(Callback):
     The directory belongs to one run (its id is in `run.json` and in every checkpoint). A fit that
     does not resume is a new run: it refuses a directory holding another run's checkpoints (a
     ValueError naming it, raised before any data is read) unless `overwrite=True`, which deletes
-    those checkpoints first. `resume="last"` continues the directory's own run; pruning deletes only
-    this run's checkpoints.
+    those checkpoints first. `resume="last"` continues the directory's own run (refused when the
+    directory holds none of its checkpoints); pruning deletes only this run's checkpoints.
     """
 
     def __init__(self, directory: str | os.PathLike, every_n_steps: int | None = None, keep_last: int = 3,
@@ -117,6 +118,8 @@ class Checkpoint(Callback):
         self.overwrite = bool(overwrite)
         self.saved: list[str] = []
         self._lock: Any = None
+        self._started_at: int | None = None  # the optimizer step this fit started from
+        self._saved_at: int | None = None    # the step of the newest checkpoint this callback saved
 
     def claim(self, run_id: str, resuming: bool = False) -> None:
         """Take the directory for run `run_id` (the Trainer calls this at the start of fit, on rank 0)."""
@@ -133,6 +136,7 @@ class Checkpoint(Callback):
 
     def _save(self, trainer: Trainer) -> None:
         path = trainer.save_checkpoint(self.directory)
+        self._saved_at = trainer.global_step
         if path and path not in self.saved:
             self.saved.append(path)
         if trainer.is_main:
@@ -146,6 +150,13 @@ class Checkpoint(Callback):
 
     def on_epoch_end(self, trainer: Trainer) -> None:
         self._save(trainer)
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self._started_at, self._saved_at = trainer.global_step, None
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if trainer.global_step not in (self._started_at, self._saved_at):  # steps taken since the last save
+            self._save(trainer)
 
     def last(self) -> str | None:
         """The newest complete checkpoint of the directory's run (None if there is none)."""

@@ -17,9 +17,11 @@ and in the directory's run file `run.json`. `claim()` gives a directory to a run
 a directory that holds another run's checkpoints (unless `overwrite=True`, which deletes them: only
 torchspeed's own files, `step-*`, their records and `run.json`), a resumed run continues its own.
 Listing, "last" and pruning see only the checkpoints of the directory's run, so a run never deletes
-or resumes another's. While a run trains it holds an exclusive lock on `DIR/.lock` (flock, released
-by the kernel when the process dies), so two live processes never write into one directory, and any
-temp file found when the lock is taken is a dead process's (or this one's) and is removed.
+or resumes another's, and a save never replaces another run's checkpoint (`foreign`); a resume with
+nothing of the directory's run to continue is refused, naming what is there (`resumable`). While a
+run trains it holds an exclusive lock on `DIR/.lock` (flock, released by the kernel when the process
+dies), so two live processes never write into one directory, and any temp file found when the lock
+is taken is a dead process's (or this one's) and is removed.
 
 Under FSDP each rank holds a shard, so the model and optimizer go through
 `torch.distributed.checkpoint` (DCP) into a directory `step-NNNNNNNN/` (written as a hidden temp
@@ -47,7 +49,8 @@ from torchspeed.atomic import atomic_write, fsync_dir, write_json
 from torchspeed.safeload import load_torch_file
 
 __all__ = ["checkpoint_name", "list_checkpoints", "candidates", "last_checkpoint", "save_file", "load_file", "verify",
-           "claim", "holds_run", "read_run", "new_run_id", "prune", "CheckpointError", "FORMAT", "RUN_FILE"]
+           "claim", "holds_run", "read_run", "new_run_id", "prune", "foreign", "resumable", "CheckpointError", "FORMAT",
+           "RUN_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -230,14 +233,67 @@ def last_checkpoint(directory: str | os.PathLike, run_id: str | None = None) -> 
     return found[-1][1] if found else None
 
 
+def foreign(directory: str | os.PathLike, run_id: str | None) -> list[tuple[int, str]]:
+    """(step, path) of the checkpoints in `directory` that are not run `run_id`'s, oldest first: another
+    run's (its record names another run), or no known run's (no readable record; every one when
+    `run_id` is None). They are never resumed, and a save never replaces one."""
+    directory = os.fspath(directory)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _NAME.match(name)
+        if m:
+            rec = _read_record(os.path.join(directory, name))
+            if run_id is None or rec is None or rec.get("run_id") != run_id:
+                found.append((int(m.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+def _whose(path: str) -> str:
+    """Whose checkpoint `path` is, as its record says: "run ID", "no run id" or "no record"."""
+    rec = _read_record(path)
+    if rec is None:
+        return "no record"
+    return f"run {rec['run_id']}" if rec.get("run_id") else "no run id"
+
+
+def resumable(directory: str | os.PathLike, asked: str, instead: str) -> list[tuple[int, str]]:
+    """(step, path) of the checkpoints of `directory`'s own run (its run.json) that resume may try.
+
+    A resume with nothing of the run to continue is refused, never turned into a new run silently:
+    FileNotFoundError saying what `asked` for (e.g. "--resume") found, naming every checkpoint of
+    another run there (never resumed, never overwritten), and `instead` (what to do)."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{asked}: {directory!r} does not exist, so there is no checkpoint to continue "
+                                f"from; {instead}")
+    run = read_run(directory)
+    found = candidates(directory, run) if run is not None else []
+    if found:
+        return found
+    others = foreign(directory, run)
+    what = f"no checkpoint of its run {run}" if run else "no checkpoint of a run of its own"
+    msg = f"{asked}: {directory!r} holds {what}, so there is nothing to continue"
+    if others:
+        names = ", ".join(f"{os.path.basename(p)} ({_whose(p)})" for _, p in others[:3])
+        msg += (f"; {names}{' ...' if len(others) > 3 else ''}: not of {f'run {run}' if run else 'a run of its own'}, "
+                "so never resumed or overwritten here (to continue a run elsewhere, copy its whole checkpoint "
+                "directory, run.json with it)")
+    raise FileNotFoundError(f"{msg}; {instead}")
+
+
 def holds_run(directory: str | os.PathLike) -> bool:
-    """Whether `directory` holds anything of a torchspeed run (a run file, checkpoints, records)."""
+    """Whether `directory` holds checkpoints of a torchspeed run (checkpoint files or their records). A
+    run file alone, left by a run that ended before its first checkpoint, holds nothing to lose."""
     directory = os.fspath(directory)
     try:
         names = os.listdir(directory)
     except OSError:
         return False
-    return any(n == RUN_FILE or _OURS.match(n) for n in names)
+    return any(_OURS.match(n) for n in names)
 
 
 # ---------------------------------------------------------------- writing
@@ -250,6 +306,7 @@ def save_file(path: str | os.PathLike, state: dict[str, Any]) -> None:
     verifies."""
     path = os.fspath(path)
     name = os.path.basename(path)
+    _refuse_foreign(path, state.get("run_id"))
     old = _read_record(path) if os.path.isfile(path) else None
     with atomic_write(path, "wb") as f:
         w = _HashingWriter(f)
@@ -261,6 +318,17 @@ def save_file(path: str | os.PathLike, state: dict[str, Any]) -> None:
         write_json(path + ".json", {**record, "previous": {name: old["files"][name]}} if both else record)
     if both:
         write_json(path + ".json", record)  # after the rename: only the new bytes
+
+
+def _refuse_foreign(path: str, run_id: str | None) -> None:
+    """A checkpoint under `path` that is not run `run_id`'s is never replaced by that run's save."""
+    if not os.path.lexists(path):
+        return
+    rec = _read_record(path)
+    if rec is None or rec.get("run_id") != run_id:
+        raise CheckpointError(f"checkpoint {path!r} is not this run's ({_whose(path)}; this is run {run_id}), so it "
+                              "is never overwritten: move it out of that directory, or write this run's checkpoints "
+                              "elsewhere")
 
 
 def _load_state(path: str) -> dict[str, Any]:
@@ -324,6 +392,7 @@ def save_sharded(directory: str, step: int, model: torch.nn.Module, optimizer: A
     final = os.path.join(directory, checkpoint_name(step, sharded=True))
     tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp")
     if is_main:
+        _refuse_foreign(final, state.get("run_id"))
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
@@ -423,10 +492,10 @@ def claim(directory: str | os.PathLike, run_id: str, overwrite: bool = False, re
     """Give `directory` to run `run_id` for as long as it trains; returns the lock (release() it at the end).
 
     The directory is locked, stale temp files are removed, and then: a directory whose run file names
-    `run_id` is this run's (continued); an empty one (or one with no torchspeed files) becomes this
-    run's; one holding another run's checkpoints is refused with a ValueError naming it, unless
-    `overwrite` (its torchspeed files, `step-*`, their records and `run.json`, are deleted first;
-    nothing else in it is touched)."""
+    `run_id` is this run's (continued); one with no checkpoints (empty, or only the run file of a run
+    that ended before its first checkpoint) becomes this run's; one holding another run's checkpoints
+    is refused with a ValueError naming it, unless `overwrite` (its torchspeed files, `step-*`, their
+    records and `run.json`, are deleted first; nothing else in it is touched)."""
     directory = os.fspath(directory)
     try:
         os.makedirs(directory, exist_ok=True)

@@ -38,6 +38,7 @@ from torchspeed.train.acceleration import (
     AccelerateResult,
     accelerate_with,
     autocast_for,
+    check_class_outputs,
     forget_prepared,
 )
 from torchspeed.train.callbacks import Callback, Checkpoint
@@ -71,7 +72,7 @@ class _MetricsLog:
             if self.path.endswith(".jsonl"):
                 rows = [json.loads(line) for line in f if line.strip()]
             else:
-                rows = [{k: (float(v) if v not in ("", None) else None) for k, v in r.items()} for r in csv.DictReader(f)]
+                rows = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f)]
         self.rows = [r for r in rows if r.get("step") is not None and r["step"] <= up_to_step]
 
     def flush(self) -> None:
@@ -85,6 +86,16 @@ class _MetricsLog:
                 w = csv.DictWriter(f, fieldnames=_LOG_COLUMNS, extrasaction="ignore")
                 w.writeheader()
                 w.writerows(self.rows)
+
+
+def _number(text: str | None) -> int | float | None:
+    """A CSV cell as it was written: an int stays an int (epoch, step), a float a float, empty is None."""
+    if text in ("", None):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 class _LossMeter:
@@ -214,6 +225,12 @@ def _own_rng(state: dict[str, Any], e: distributed.DistEnv) -> dict[str, Any]:
     if start is not None and mine.get("epoch_start_rng") is not None:
         start = dict(start, rng=mine["epoch_start_rng"])
     return dict(state, rng=mine["rng"], epoch_start=start)
+
+
+def _class_count(loader: Any) -> int | None:
+    """How many classes the loader's dataset names (torchvision's `classes` convention), if it does."""
+    classes = getattr(getattr(loader, "dataset", None), "classes", None)
+    return len(classes) if isinstance(classes, (list, tuple)) and classes else None
 
 
 def _check_agrees(acc: Accelerated, options: AccelerateOptions) -> None:
@@ -353,6 +370,8 @@ class Trainer:
         self._epoch_finished = False
         self._loader: Any = None
         self._resume_state: dict[str, Any] | None = None  # the loaded checkpoint's state, this rank's generators
+        self._classes: int | None = None  # the classes the training data names, when it does
+        self._outputs_checked = False  # the model's class outputs checked against the labels (first batch)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -408,7 +427,7 @@ class Trainer:
         measured = options.measures_step or options.measures_cuda_switches(resolve_device(options.device))
         example = self._example_batch(loader) if measured else None
         self.acc = accelerate_with(options, self._raw_model, self.optimizer, example_batch=example,
-                                   loss_fn=self.loss_fn, batch_format=self.batch_format)
+                                   loss_fn=self.loss_fn, batch_format=self.batch_format, classes=self._classes)
         forget_prepared(self.acc.model)
         self.dist = distributed.env()
 
@@ -474,9 +493,11 @@ class Trainer:
         try:
             no_autograd = torch.no_grad() if self.acc.report.strategy == "fsdp" else torch.inference_mode()
             with no_autograd, autocast_for(self.device, self.acc.precision):
-                for batch in self._loader:
+                for i, batch in enumerate(self._loader):
                     x, y = self._split(batch)
                     out = self._forward(model, x)
+                    if i == 0:
+                        check_class_outputs(out, y, self.loss_fn, _class_count(loader))
                     k = self._count(y)
                     loss_sum += float(self._loss(out, y, x).float()) * k
                     if classify and isinstance(out, torch.Tensor) and out.dim() == 2 and isinstance(y, torch.Tensor) \
@@ -566,28 +587,35 @@ class Trainer:
             for cb in self._checkpoint_callbacks():
                 cb.claim(self.run_id, resuming=resuming)
 
+    def _refuse_foreign_ahead(self, last_step: float) -> None:
+        """Before the first batch: a checkpoint of another run under a step this run may save
+        (after its current step, up to `last_step`) is named and refused, never overwritten."""
+        if not self.is_main:
+            return
+        for cb in self._checkpoint_callbacks():
+            ahead = [p for s, p in ckpt.foreign(cb.directory, self.run_id) if self.global_step < s <= last_step]
+            if ahead:
+                raise ValueError(
+                    f"checkpoint directory {cb.directory!r} holds {os.path.basename(ahead[0])}, which is not this "
+                    f"run's (run {self.run_id}), under a step this run would write: it is never overwritten; move "
+                    "it out of that directory, or write this run's checkpoints elsewhere")
+
     def _release(self) -> None:
         for cb in self._checkpoint_callbacks():
             cb.release()
 
-    def _resume(self, resume: str | os.PathLike) -> str | None:
-        """Load the checkpoint `resume` names; returns its path (None: "last" found none, a fresh start).
+    def _resume(self, resume: str | os.PathLike) -> str:
+        """Load the checkpoint `resume` names; returns its path.
 
         A directory or "last": its run's newest checkpoint that passes its check; one that fails
         (damaged, torn) is skipped with a warning naming it, and the previous one is loaded; when none
-        passes, CheckpointError lists them. An explicit file is loaded or refused, never replaced."""
+        passes, CheckpointError lists them. "last" with no checkpoint of the directory's run is refused
+        (FileNotFoundError naming any other run's checkpoints there). An explicit file is loaded or
+        refused, never replaced."""
         resume = os.fspath(resume)
         if resume == "last":
-            dirs = [cb.directory for cb in self._checkpoint_callbacks()]
-            if not dirs:
-                raise ValueError("resume='last' needs a Checkpoint callback (its directory is searched); "
-                                 "or pass the checkpoint's path")
-            directory = dirs[0]
-            candidates = [p for _, p in reversed(ckpt.candidates(directory))]
-            if not candidates:
-                if self.run_id is None:  # the directory's run, if one started there without a checkpoint yet
-                    self.run_id = ckpt.read_run(directory) if os.path.isdir(directory) else None
-                return None
+            directory, found = self._last_of_run()
+            candidates = [p for _, p in reversed(found)]
         elif os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, ".metadata")):
             directory = resume
             candidates = [p for _, p in reversed(ckpt.candidates(resume))]
@@ -612,6 +640,16 @@ class Trainer:
             return path
         raise ckpt.CheckpointError(f"no checkpoint in {directory!r} passes its check, so there is nothing to resume "
                                    f"from: {'; '.join(failed)}")
+
+    def _last_of_run(self) -> tuple[str, list[tuple[int, str]]]:
+        """resume='last': (the Checkpoint callback's directory, its run's checkpoints); refused when
+        there is none (see checkpoint.resumable)."""
+        dirs = [cb.directory for cb in self._checkpoint_callbacks()]
+        if not dirs:
+            raise ValueError("resume='last' needs a Checkpoint callback (its directory is searched); "
+                             "or pass the checkpoint's path")
+        return dirs[0], ckpt.resumable(dirs[0], "resume='last'", "fit without resume to start a new run there "
+                                       "(Checkpoint(..., overwrite=True) deletes the checkpoints it holds)")
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by save_checkpoint; training continues from it.
@@ -715,10 +753,12 @@ class Trainer:
         """Train for `epochs` (or until `max_steps` optimizer steps / a callback stops); returns final metrics.
 
         `resume`: a checkpoint path, a directory of checkpoints, or "last" (the newest complete one
-        of the run in the Checkpoint callback's directory; a fresh start when there is none yet). A
-        directory or "last" skips a checkpoint that fails its check (bit flip, torn write) with a
-        warning naming it and loads the one before; CheckpointError when none passes. A checkpoint
-        path given explicitly is loaded or refused (CheckpointError naming it), never replaced.
+        of the run in the Checkpoint callback's directory; FileNotFoundError when that directory holds
+        none of its run: a resume never silently becomes a new run). A directory or "last" skips a
+        checkpoint that fails its check (bit flip, torn write) with a warning naming it and loads the
+        one before; CheckpointError when none passes. A checkpoint path given explicitly is loaded or
+        refused (CheckpointError naming it), never replaced. Another run's checkpoint in the directory
+        is never loaded or overwritten: one under a step this run would write refuses the run first.
 
         Without `resume` this is a new run (unless this Trainer has run before): a Checkpoint
         directory holding another run's checkpoints is refused before any data is read, unless the
@@ -758,26 +798,33 @@ class Trainer:
 
     def _start_run(self, train_loader: Iterable[Any], epochs: int, max_steps: int | None,
                    resume: str | os.PathLike | None) -> tuple[Any, int | None, dict[str, Any] | None]:
-        """Before the first batch: a new run's checkpoint directories claimed (before any data is read),
-        the loader sharded, accelerate() run on one batch, the checkpoint `resume` names loaded.
+        """Before the first batch: a new run's checkpoint directories claimed, or a resume's checked
+        (both before any data is read), the loader sharded, accelerate() run on one batch, the
+        checkpoint `resume` names loaded, another run's checkpoints in the way refused.
         Returns (the loader, its batches per epoch or None, the state to resume from or None)."""
         self.dist = distributed.env()
         if resume is None:  # a new run, or this Trainer's own run going on: the directory is checked now
             if self.run_id is None:
                 self.run_id = ckpt.new_run_id()
             self._claim(resuming=False)
+        elif os.fspath(resume) == "last":
+            self._last_of_run()  # nothing of the run to continue: refused before any data is read
         loader = self._shard(train_loader)
         try:
             n_batches = len(loader)  # type: ignore[arg-type]
         except TypeError:
             n_batches = None
+        self._classes = _class_count(train_loader)
+        self._outputs_checked = False
         self._prepare(loader, max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None))
+        planned = -(-n_batches // self.grad_accum_steps) * epochs if n_batches else None  # optimizer steps
         self._resume_state = None
         if resume is not None:
             self._resume(resume)
             if self.run_id is None:
                 self.run_id = ckpt.new_run_id()
-            self._claim(resuming=self._resume_state is not None)
+            self._claim(resuming=True)
+        self._refuse_foreign_ahead(min(s for s in (max_steps, planned, math.inf) if s))
         self.should_stop = False
         self._loader = loader
         self._losses = _LossMeter()
@@ -827,7 +874,11 @@ class Trainer:
         sync = micro == self.grad_accum_steps or (n_batches is not None and self.batches_done + 1 == n_batches)
         with self._no_sync(sync):
             with self.acc.autocast():
-                loss = self._loss(self._forward(self.model, x), y, x)
+                out = self._forward(self.model, x)
+                if not self._outputs_checked:  # once per run: it reads the largest label
+                    check_class_outputs(out, y, self.loss_fn, self._classes)
+                    self._outputs_checked = True
+                loss = self._loss(out, y, x)
             self.acc.backward(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss)
         self.batches_done += 1
         self._losses.add(loss, samples, (self.global_step + 1, self.epoch + 1, self.batches_done))
