@@ -84,7 +84,8 @@ def run_demo_data(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     make_photo_folder(args.dir, args.images, n_classes=args.classes, seed=args.seed, num_workers=args.num_workers)
-    Console().print(f"wrote {args.images} images in {args.classes} classes to {args.dir} ({time.perf_counter() - t0:.1f} s)")
+    Console().print(f"{args.dir}: {args.images} demo images in {args.classes} classes ({time.perf_counter() - t0:.1f} s)",
+                    highlight=False)
     return 0
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from torchspeed.args import as_list
 from torchspeed.args import progress_fn
+from torchspeed.images import image_size_error, rgb_image
 from torchspeed.measure import compare
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ class Record(NamedTuple):
 
 
 __all__ = ["Record", "Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder",
-           "measure_decoders", "choose_decoder", "decode_record", "to_hwc_uint8", "jpeg_size", "jpeg_info",
-           "decode_jpeg_batch_cuda", "psnr"]
+           "measure_decoders", "choose_decoder", "decode_record", "to_hwc_uint8", "integer_label", "UnsupportedSample",
+           "jpeg_size", "jpeg_info", "check_jpeg_size", "decode_jpeg_batch_cuda", "psnr"]
 
 
 def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
@@ -57,11 +58,18 @@ def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
 
 
 class Decoder:
-    """A named JPEG decoder: `decode(buf, min_h, min_w) -> RGB HWC uint8` (min sizes 0 = full size)."""
+    """A named JPEG decoder: `decode(buf, min_h, min_w) -> RGB HWC uint8` (min sizes 0 = full size).
+
+    `decode` reads the size from the JPEG's header first and refuses one over the pixel limit before
+    any decoder allocates its pixels, whatever the data came from; subclasses implement `_decode`."""
 
     name = "base"
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+        check_jpeg_size(buf)
+        return self._decode(buf, min_h, min_w)
+
+    def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -76,7 +84,7 @@ class SimpleJpegDecoder(Decoder):
         self.fast = fast
         self.name = "simplejpeg-fast" if fast else "simplejpeg"
 
-    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+    def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
         # min_factor=2: a scale between 1/2 and 1 (7/8..5/8, no SIMD in libjpeg-turbo) decodes at full size instead
         return self._sj.decode_jpeg(buf, colorspace="RGB", fastdct=self.fast, fastupsample=self.fast,
                                     min_height=min_h, min_width=min_w, min_factor=2)
@@ -92,7 +100,7 @@ class OpenCVDecoder(Decoder):
         self._flags = {1: cv2.IMREAD_COLOR_RGB, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
                        8: cv2.IMREAD_REDUCED_COLOR_8}
 
-    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+    def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
         cv2 = self._cv2
         s = 1
         if min_h > 0 or min_w > 0:
@@ -107,13 +115,13 @@ class OpenCVDecoder(Decoder):
 class PILDecoder(Decoder):
     name = "pil"
 
-    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+    def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
         from PIL import Image
 
         im = Image.open(io.BytesIO(buf))
         if min_h > 0 or min_w > 0:
             im.draft("RGB", (max(min_w, 1), max(min_h, 1)))  # DCT scaling to >= the requested size
-        return np.asarray(im.convert("RGB"))
+        return np.asarray(rgb_image(im))
 
 
 class TorchvisionDecoder(Decoder):
@@ -128,15 +136,15 @@ class TorchvisionDecoder(Decoder):
             warnings.simplefilter("ignore", DeprecationWarning)
             from torchvision.io import ImageReadMode, decode_jpeg
 
-        self._torch, self._decode, self._mode = torch, decode_jpeg, ImageReadMode.RGB
+        self._torch, self._decode_jpeg, self._mode = torch, decode_jpeg, ImageReadMode.RGB
 
-    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:  # no DCT scaling exposed
+    def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:  # no DCT scaling exposed
         import warnings
 
         data = self._torch.frombuffer(bytearray(buf), dtype=self._torch.uint8)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            img = self._decode(data, mode=self._mode)
+            img = self._decode_jpeg(data, mode=self._mode)
         return np.ascontiguousarray(img.permute(1, 2, 0).numpy())
 
 
@@ -148,7 +156,7 @@ class TurboJpegDecoder(Decoder):
 
         self._tj, self._fmt = TurboJPEG(), TJPF_RGB
 
-    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+    def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
         s = 1
         if min_h > 0 or min_w > 0:
             h, w = jpeg_size(buf)
@@ -174,7 +182,7 @@ class NvjpegDecoder(Decoder):
     def decode_batch(self, buffers: Sequence[Any], names: Sequence[str] | Callable[[int], str] | None = None) -> list[Any]:
         return decode_jpeg_batch_cuda(buffers, self.device, names=names)
 
-    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:  # full size: no DCT scaling
+    def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:  # full size: no DCT scaling
         return self.decode_batch([buf])[0].permute(1, 2, 0).cpu().numpy()
 
 
@@ -328,6 +336,19 @@ def jpeg_info(buf: Any) -> tuple[int, int, int]:
     raise ValueError("JPEG data has no frame header (truncated or corrupt)")
 
 
+def check_jpeg_size(buf: Any) -> None:
+    """Refuse JPEG data whose frame header claims more than `torchspeed.images.MAX_IMAGE_PIXELS` (or no
+    pixels), before anything is decoded. Data without a readable frame header passes: the decoder then
+    says what it is (PIL, which also reads other formats, applies the same limit)."""
+    try:
+        h, w, _ = jpeg_info(buf)
+    except ValueError:
+        return
+    why = image_size_error(w, h)
+    if why:
+        raise ValueError(f"the JPEG {why}")
+
+
 def decode_record(rec: Record, decoder: str | Decoder = "simplejpeg", min_h: int = 0, min_w: int = 0) -> np.ndarray:
     """A record's pixels as RGB HWC uint8 (JPEG decoded, raw and arrays returned as they are)."""
     if rec.kind == "jpeg":
@@ -336,30 +357,74 @@ def decode_record(rec: Record, decoder: str | Decoder = "simplejpeg", min_h: int
     return rec.payload
 
 
+class UnsupportedSample(ValueError):
+    """A sample the torchspeed pipeline does not take (an already-transformed float tensor, an odd shape,
+    not an (image, label) pair): not a broken sample, and a plain DataLoader may still read it."""
+
+
 def to_hwc_uint8(x: Any) -> np.ndarray:
-    """A PIL image, HWC uint8 array or CHW uint8 tensor -> RGB HWC uint8 array: the decoders' output
-    format, for images that arrive already decoded (a Dataset's samples, a file PIL reads)."""
+    """A PIL image, HWC uint8 (or uint16) array or CHW uint8 tensor -> RGB HWC uint8 array: the decoders'
+    output format, for images that arrive already decoded (a Dataset's samples, a file PIL reads).
+
+    PIL images of any mode are converted by `torchspeed.images.rgb_image` (16-bit scaled, transparency
+    over white), after their size is checked against the pixel limit; uint16 pixels are scaled by
+    255/65535; four channels are RGBA, composited over white the same way. What the pipeline does not
+    take raises UnsupportedSample."""
     from PIL import Image
 
     if isinstance(x, Image.Image):
-        return np.asarray(x.convert("RGB"))
+        why = image_size_error(*x.size)
+        if why:
+            raise ValueError(f"the image {why}")
+        return np.asarray(rgb_image(x))
     if hasattr(x, "detach") and hasattr(x, "numpy"):  # a torch tensor: CHW (or HW)
         t = x.detach().cpu()
         if t.dtype.is_floating_point:
-            raise ValueError("a float tensor image is ambiguous (0..1 or 0..255?); give uint8 CHW tensors or PIL images")
+            raise UnsupportedSample("a float tensor image is ambiguous (0..1 or 0..255?); give uint8 CHW tensors or "
+                                    "PIL images")
         a = t.numpy()
         a = a if a.ndim == 2 else np.moveaxis(a, 0, -1)
     else:
         a = np.asarray(x)
+    if a.dtype == np.uint16:
+        a = ((a.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
     if a.dtype != np.uint8:
-        raise ValueError(f"expected uint8 pixels, got {a.dtype}")
+        raise UnsupportedSample(f"expected uint8 pixels, got {a.dtype}")
     if a.ndim == 2:
         a = a[..., None]
     if a.ndim != 3 or a.shape[2] not in (1, 3, 4):
-        raise ValueError(f"expected an HWC image with 1, 3 or 4 channels, got shape {a.shape}")
+        raise UnsupportedSample(f"expected an HWC image with 1, 3 or 4 channels, got shape {a.shape}")
     if a.shape[2] == 1:
         a = np.repeat(a, 3, axis=2)
-    return np.ascontiguousarray(a[..., :3])
+    if a.shape[2] == 4:  # RGBA over white, as rgb_image does for a PIL image
+        alpha = a[..., 3:].astype(np.uint32)
+        a = ((a[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
+    return np.ascontiguousarray(a)
+
+
+def integer_label(y: Any) -> int:
+    """A sample's label as an int: a Python or numpy integer (or a whole float such as 3.0), or such a
+    one-element tensor or array. Anything else (a class name, 0.5, a one-hot vector) is a ValueError
+    saying what it is."""
+    if isinstance(y, (bool, np.bool_)):
+        what = f"a bool ({y})"
+    elif isinstance(y, (int, np.integer)):
+        return int(y)
+    elif isinstance(y, (float, np.floating)) and float(y).is_integer():
+        return int(y)  # 3.0 from a table of labels
+    elif hasattr(y, "dtype") and hasattr(y, "shape"):
+        dtype = str(y.dtype).replace("torch.", "")
+        if ("int" in dtype or "float" in dtype) and int(np.prod(tuple(y.shape))) == 1:
+            value = y.reshape(()).item()
+            if float(value).is_integer():
+                return int(value)
+        what = f"a {type(y).__name__} of {dtype}, shape {tuple(y.shape)}"
+    elif isinstance(y, str):
+        what = f"a str ({y!r})"
+    else:
+        what = f"a {type(y).__name__} ({str(y)[:40]})"
+    raise ValueError(f"its label is {what}: labels must be integer class indices (0 for the first class, 1 for "
+                     "the next...); map class names to indices in the Dataset")
 
 
 def _nvjpeg(data: list[Any], device: Any) -> list[Any]:
@@ -403,10 +468,14 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
     gpu = []
     for i, buf in enumerate(buffers):
         try:
-            if jpeg_info(buf)[2] in (1, 3):
-                gpu.append(i)
+            h, w, components = jpeg_info(buf)
         except ValueError:
-            pass  # not JPEG data, or no frame header: the CPU decoders say what it is
+            continue  # not JPEG data, or no frame header: the CPU decoders say what it is
+        why = image_size_error(w, h)
+        if why:
+            raise ValueError(f"{name_of(i)}: the JPEG {why}")
+        if components in (1, 3):
+            gpu.append(i)
     data = {i: torch.frombuffer(bytearray(buffers[i]), dtype=torch.uint8) for i in gpu}
     try:
         for i, img in zip(gpu, _nvjpeg([data[i] for i in gpu], device) if gpu else []):

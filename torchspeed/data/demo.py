@@ -11,13 +11,19 @@ transformations (quantization, pruning) to show a loss when there is one.
 from __future__ import annotations
 
 import colorsys
+import io
+import logging
 import os
+import stat
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 __all__ = ["make_photo_folder", "demo_folder", "class_name"]
+
+log = logging.getLogger(__name__)
 
 HUE_JITTER = 0.05  # std of an object's hue around its class hue (classes are 1/n_classes apart)
 
@@ -75,8 +81,12 @@ def _render(index: int, n_classes: int, seed: int, size: tuple[int, int]) -> tup
     return label, Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
 
 
-def _write_range(root: str, indices: range, n_classes: int, seed: int, size: tuple[int, int], quality: int,
-                 atomic: bool = True) -> None:
+def _photo_path(root: str, index: int, n_classes: int) -> str:
+    return os.path.join(root, class_name(index % n_classes), f"img_{index:06d}.jpg")
+
+
+def _write_range(root: str, indices: Sequence[int], n_classes: int, seed: int, size: tuple[int, int], quality: int,
+                 atomic: bool = True) -> list[str]:
     """Write images `indices`; `atomic`: each through atomic_write (into a folder that may be in use),
     else plainly (into a build directory that is renamed into place only when whole)."""
     from torchspeed.atomic import atomic_write
@@ -89,10 +99,42 @@ def _write_range(root: str, indices: range, n_classes: int, seed: int, size: tup
                 im.save(f, format="JPEG", quality=quality)
         else:
             im.save(path, format="JPEG", quality=quality)
+    return []
+
+
+def _foreign_files(root: str, indices: Sequence[int], n_classes: int, seed: int, size: tuple[int, int],
+                   quality: int) -> list[str]:
+    """Which files at the names of images `indices` are not exactly the image that would be written there
+    (another photo, a link, a FIFO: anything but a regular file with the same bytes)."""
+    foreign = []
+    for i in indices:
+        path = _photo_path(root, i, n_classes)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            foreign.append(path)
+            continue
+        buf = io.BytesIO()
+        _render(i, n_classes, seed, size)[1].save(buf, format="JPEG", quality=quality)
+        with open(path, "rb") as f:
+            if f.read() != buf.getvalue():
+                foreign.append(path)
+    return foreign
+
+
+def _in_chunks(work: Callable[..., list[str]], root: str, indices: Sequence[int], num_workers: int,
+               *args: object) -> list[str]:
+    """`work(root, chunk, *args)` over `indices` in chunks of 64, in `num_workers` processes; the lists joined."""
+    if num_workers <= 1 or len(indices) < 64:
+        return work(root, indices, *args)
+    chunks = [indices[s:s + 64] for s in range(0, len(indices), 64)]
+    with ProcessPoolExecutor(num_workers) as pool:
+        return [x for f in [pool.submit(work, root, c, *args) for c in chunks] for x in f.result()]
 
 
 def _fill(root: str, n_images: int, n_classes: int, seed: int, size: tuple[int, int], quality: int,
           num_workers: int | None, atomic: bool) -> None:
+    """Write the images into `root`. Into an existing folder (`atomic`) a name already taken is never
+    replaced: the same image already there is kept; anything else there refuses the whole call, naming
+    it, before any image is written."""
     umask = os.umask(0)
     os.umask(umask)
     try:
@@ -103,13 +145,21 @@ def _fill(root: str, n_images: int, n_classes: int, seed: int, size: tuple[int, 
     except OSError as e:
         raise OSError(f"cannot create the demo folder {root!r}: {e.strerror}") from None
     num_workers = num_workers or min(os.cpu_count() or 1, 8)
-    if num_workers <= 1 or n_images < 64:
-        _write_range(root, range(n_images), n_classes, seed, size, quality, atomic)
-    else:
-        chunks = [range(s, min(s + 64, n_images)) for s in range(0, n_images, 64)]
-        with ProcessPoolExecutor(num_workers) as pool:
-            for f in [pool.submit(_write_range, root, c, n_classes, seed, size, quality, atomic) for c in chunks]:
-                f.result()
+    indices = list(range(n_images))
+    if atomic:
+        there = [i for i in indices if os.path.lexists(_photo_path(root, i, n_classes))]
+        foreign = sorted(_in_chunks(_foreign_files, root, there, num_workers, n_classes, seed, size, quality))
+        if foreign:
+            more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+            raise FileExistsError(f"demo folder {root!r} already holds {foreign[0]!r}{more}, which is not the demo "
+                                  "image of that name: it is never replaced; choose another folder or move it "
+                                  "(nothing was written)")
+        if there:
+            log.info("demo folder %s: kept the %d images already there, wrote %d", root, len(there),
+                     n_images - len(there))
+        taken = set(there)
+        indices = [i for i in indices if i not in taken]
+    _in_chunks(_write_range, root, indices, num_workers, n_classes, seed, size, quality, atomic)
 
 
 def make_photo_folder(
@@ -127,7 +177,9 @@ def make_photo_folder(
     height). Images are spread evenly over the classes (image i has label i % n_classes).
     `num_workers` processes write them (default: cores, at most 8; the bytes do not depend on it).
     Nothing half-written is ever left under a final name: a new `root` is built beside it and renamed
-    into place when whole; into an existing `root` each image is written atomically. Returns `root`.
+    into place when whole; into an existing `root` each image is written atomically, and only where its
+    name is free: the same image already there is kept, any other file of that name refuses the call
+    (FileExistsError naming it) before anything is written. Returns `root`.
     """
     if not isinstance(n_images, int) or n_images < 1:
         raise ValueError(f"n_images must be a positive integer, got {n_images!r}")

@@ -33,7 +33,7 @@ from torchspeed.data.decode import GPU_DECODERS, choose_decoder, dct_factor, dec
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.sources import DatasetSource, as_source, is_dataset_spec, sample_name, spec_for_tuning
 from torchspeed.data.threads import ThreadedBatches
-from torchspeed.data.tune import TuneResult, as_counts, dataloader_factory, measure_settings
+from torchspeed.data.tune import TuneResult, as_counts, dataloader_factory, measure_settings, worker_error
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.runtime import resolve_device
 
@@ -284,12 +284,10 @@ class FastLoader:
                 self.batches_done += 1
                 yield batch
         except ValueError as e:  # a bad sample in a worker process: its one-line message, not the worker's traceback
-            # parsed from the text: torch's ExceptionWrapper sends only the type and the formatted traceback
-            text = str(e)
-            if "Original Traceback" not in text:
+            one_line = worker_error(e)
+            if one_line is e:
                 raise
-            last = [line for line in text.strip().splitlines() if line.strip()][-1]
-            raise ValueError(last[len("ValueError: "):] if last.startswith("ValueError: ") else last) from None
+            raise one_line from None
         self.epoch, self.batches_done = self.epoch + 1, 0
 
     def __repr__(self) -> str:
@@ -645,8 +643,9 @@ def _timed_factory(dataset: Any, batch_size: int, threads: str | int | Sequence[
                    device: torch.device) -> tuple[Callable[..., Any], str | int | Sequence[int] | None]:
     """What tune_loader times, and the threads it searches: the torchspeed pipeline for a path or a
     Dataset of images (threads "auto" unless given), the factory given, or a plain DataLoader (no threads)."""
+    name = None
     if is_dataset_spec(dataset):  # built once, not once per setting timed
-        dataset = spec_for_tuning(dataset)
+        name, dataset = dataset.strip(), spec_for_tuning(dataset)
         if not isinstance(dataset, DatasetSource):
             threads = None  # a plain DataLoader has worker processes only
     if isinstance(dataset, (str, os.PathLike, DatasetSource)):
@@ -660,4 +659,4 @@ def _timed_factory(dataset: Any, batch_size: int, threads: str | int | Sequence[
         return build, "auto" if threads is None else threads  # the torchspeed pipeline: its threads are searched too
     if callable(dataset) and not hasattr(dataset, "__getitem__"):
         return dataset, threads
-    return dataloader_factory(dataset, batch_size, collate_fn), threads
+    return dataloader_factory(dataset, batch_size, collate_fn, name=name), threads

@@ -14,6 +14,7 @@ process is gone (and puts back a previous store an interrupted overwrite had mov
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import multiprocessing as mp
@@ -26,15 +27,15 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from torchspeed.atomic import atomic_write, fsync_dir
-from torchspeed.data.decode import to_hwc_uint8
-from torchspeed.images import open_image, quoted, scan_folder, shown
+from torchspeed.data.decode import integer_label, to_hwc_uint8
+from torchspeed.images import open_image, quoted, rgb_image, scan_folder, shown
 from torchspeed.data.store import (ENCODING_CODES, FORMAT_VERSION, HEADER, MAGIC, MANIFEST, STORE_KIND, key_of,
                                    lmdb_module)
 
@@ -73,7 +74,7 @@ def load_image_file(path: str, short_side: int | None) -> np.ndarray:
             s = short_side / min(w, h)
             if s < 1:
                 im.draft("RGB", (int(w * s) + 1, int(h * s) + 1))  # DCT downscale, still >= the target size
-        im = im.convert("RGB")  # .convert loads: truncated or corrupt data raises here
+        im = rgb_image(im)  # loads (truncated or corrupt data raises here); 16-bit and alpha converted faithfully
         return _resize_short(im, short_side)
 
 
@@ -124,12 +125,16 @@ def _work(task: tuple[list[tuple[int, Any, int]], str, int | None, int]) -> list
             if path is not None:
                 img = load_image_file(path, short_side)
             else:
-                x, label = _DATASET[i]
+                try:
+                    x, label = _DATASET[i]
+                except Exception as e:
+                    raise ValueError(f"the Dataset raised {type(e).__name__}: {e}") from None
                 img = _resize_short(to_hwc_uint8(x), short_side)
-            out.append((i, _encode(img, int(label), encoding, quality), ""))
+            out.append((i, _encode(img, integer_label(label), encoding, quality), ""))
         except Exception as e:  # reported per sample; on_error decides whether it is fatal
-            text = str(e)  # the image-size guard's errors already name the file
-            out.append((i, None, text if path is not None and quoted(path) in text else f"{type(e).__name__}: {text}"))
+            text = str(e)  # torchspeed's own errors (ValueError) say what is wrong, the size guard's name the file
+            named = isinstance(e, ValueError) or (path is not None and quoted(path) in text)
+            out.append((i, None, text if named else f"{type(e).__name__}: {text}"))
     return out
 
 
@@ -156,7 +161,10 @@ def pack(
     most 8). `progress`: True shows a progress bar, a callable is given a message after each chunk.
     `overwrite=True` replaces `dst` only when it is a torchspeed store holding nothing else; a `dst`
     equal to, inside or around the source folder is refused either way. Images over
-    `torchspeed.images.MAX_IMAGE_PIXELS` are refused from their header, before decoding.
+    `torchspeed.images.MAX_IMAGE_PIXELS` are refused from their header, before decoding. Entries of a
+    folder that are not regular files (a FIFO named x.jpg) are left out and listed in `skipped`.
+    A destination that cannot be written fails before anything is read; a write that fails (disk
+    full) is one OSError naming `dst`, the previous store there untouched.
     """
     t0 = time.perf_counter()
     _check_pack_arguments(format, on_error, quality, short_side)
@@ -164,15 +172,15 @@ def pack(
     src_path = os.path.abspath(os.fspath(src)) if isinstance(src, (str, os.PathLike)) else None
     _check_destination(src_path, dst, overwrite)  # before anything is written or deleted
     lmdb = lmdb_module()
+    tmp = _partial_directory(dst)  # can the store be written there? known before any work
     global _DATASET
     try:
-        folder_classes, items, names = _samples(src, src_path)
+        result = PackResult(dst=dst, written=0, encoding=format, short_side=short_side)
+        folder_classes, items, names = _samples(src, src_path, result)
         _DATASET = None if src_path is not None else src  # the workers read it by fork
         workers = _encoding_processes(num_workers, src_path)
         tasks = [(items[s:s + CHUNK], format, short_side, quality) for s in range(0, len(items), CHUNK)]
-        result = PackResult(dst=dst, written=0, encoding=format, short_side=short_side)
-        tmp = _partial_directory(dst)
-        try:
+        with _write_errors_named(dst, lmdb):
             with closing(_run(tasks, workers, progress, len(items))) as chunks:  # the pool and the bar end here
                 labels, crcs = _write_records(tmp, lmdb, chunks, names, on_error, result,
                                               what=src_path or "the Dataset")
@@ -180,17 +188,41 @@ def pack(
                 classes = folder_classes
             elif classes is None:
                 classes = list(getattr(src, "classes", None) or [str(c) for c in range(max(labels, default=-1) + 1)])
+            _check_labels(labels, list(classes), src_path or "the Dataset")
             result.seconds = time.perf_counter() - t0
             _write_manifest(tmp, result, list(classes), quality, src_path, labels, crcs)
             _check_destination(None, dst, overwrite)  # again: `dst` may have changed while packing
             _move_into_place(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         _DATASET = None
     result.seconds = time.perf_counter() - t0
     return result
+
+
+@contextmanager
+def _write_errors_named(dst: str, lmdb: Any) -> Iterator[None]:
+    """A failed write (disk full, quota, read-only, I/O error; LMDB's own errors too) as one OSError
+    naming the store, saying that the previous store is untouched (it is replaced only by a rename)."""
+    try:
+        yield
+    except (OSError, lmdb.Error) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        code = getattr(e, "errno", None)
+        if code == errno.ENOSPC or "No space left" in reason:
+            reason = "the disk is full (No space left on device)"
+        kept = "the previous store there is untouched" if os.path.lexists(dst) else "nothing was left behind"
+        raise OSError(code or errno.EIO, f"cannot write the store {dst!r}: {reason}; {kept}") from None
+
+
+def _check_labels(labels: list[int], classes: list[str], what: str) -> None:
+    """Every label must name one of `classes` (readers refuse a store whose labels do not)."""
+    if labels and not 0 <= min(labels) <= max(labels) < len(classes):
+        bad = min(labels) if min(labels) < 0 else max(labels)
+        raise ValueError(f"a sample of {what} has label {bad}, but there are {len(classes)} classes (labels 0.."
+                         f"{len(classes) - 1}): give classes= naming every label, or fix the Dataset's labels")
 
 
 def _check_pack_arguments(format: str, on_error: str, quality: Any, short_side: Any) -> None:
@@ -204,11 +236,14 @@ def _check_pack_arguments(format: str, on_error: str, quality: Any, short_side: 
         raise ValueError(f"short_side must be a positive integer or None, got {short_side!r}")
 
 
-def _samples(src: Any, src_path: str | None) -> tuple[list[str] | None, list[tuple[int, str | None, int]], list[str]]:
+def _samples(src: Any, src_path: str | None,
+             result: PackResult) -> tuple[list[str] | None, list[tuple[int, str | None, int]], list[str]]:
     """(the folder's classes or None for a Dataset, the work items (index, file or None, label), how
-    errors name each sample)."""
+    errors name each sample). A folder's entries that are not regular files go to `result.skipped`."""
     if src_path is not None:
-        classes, samples = scan_folder(src_path)
+        left_out: list[tuple[str, str]] = []
+        classes, samples = scan_folder(src_path, skipped=left_out)
+        result.skipped += [{"path": shown(p), "reason": f"{why}, not an image file"} for p, why in left_out]
         return classes, [(i, p, y) for i, (p, y) in enumerate(samples)], [shown(p) for p, _ in samples]
     if not hasattr(src, "__getitem__") or not hasattr(src, "__len__"):
         raise ValueError(f"src must be an ImageFolder path or a map-style Dataset, got {type(src).__name__}")
@@ -228,11 +263,18 @@ def _encoding_processes(num_workers: Any, src_path: str | None) -> int:
 
 def _partial_directory(dst: str) -> str:
     """A new directory beside `dst` that the store is built in, named for this process; the leftovers
-    of packs whose process is gone are removed first."""
+    of packs whose process is gone are removed first. OSError naming `dst` when it cannot be made, or
+    when a previous store there could not be replaced (read-only)."""
     parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    clean_stale_partials(parent)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.partial-{_owner()}-")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        if os.path.isdir(dst) and not os.access(dst, os.W_OK):  # moving it aside needs its own write permission
+            raise PermissionError(errno.EACCES, "the store there is read-only, so it cannot be replaced")
+        clean_stale_partials(parent)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.partial-{_owner()}-")
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write the store {dst!r}: {e.strerror or e}; choose a DST you can write "
+                               "(nothing was read or written)") from None
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the store gets the usual permissions
     return tmp
 
@@ -252,7 +294,8 @@ def _write_records(path: str, lmdb: Any, chunks: Iterable[list[Any]], names: lis
             for i, record, error in chunk:
                 if record is None:
                     if on_error == "fail":
-                        said = error if quoted(names[i]) in error else f"cannot read {quoted(names[i])}: {error}"
+                        name = quoted(names[i]) if what != "the Dataset" else names[i]  # a file, or "sample 3"
+                        said = error if name in error else f"cannot read {name}: {error}"
                         raise ValueError(f"{said}; fix or remove it, or pack with on_error='skip' (--on-error skip)")
                     result.skipped.append({"path": names[i], "reason": error})
                     continue
@@ -306,7 +349,12 @@ def _move_into_place(tmp: str, dst: str) -> None:
     if os.path.lexists(dst):
         old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.old-{_owner()}-")
         os.rename(dst, os.path.join(old, "store"))
-        os.rename(tmp, dst)
+        try:
+            os.rename(tmp, dst)
+        except BaseException:
+            os.rename(os.path.join(old, "store"), dst)  # the previous store back at its name
+            os.rmdir(old)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, dst)

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from torchspeed.data.decode import decode_record, jpeg_info, to_hwc_uint8
+from torchspeed.data.decode import UnsupportedSample, decode_record, integer_label, jpeg_info, to_hwc_uint8
 from torchspeed.data.store import PackedDataset, Record, is_store, looks_damaged
-from torchspeed.images import IMAGE_EXTENSIONS, check_image_size, open_image, quoted, scan_folder
+from torchspeed.images import IMAGE_EXTENSIONS, check_image_size, open_image, quoted, read_image_file, scan_folder
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ class FolderSource:
         pixel limit before anything is decoded) or, for other formats, its decoded pixels."""
         path, label = self.samples[index]
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = read_image_file(path)  # a FIFO put there since the scan is refused, not waited on
             if data[:2] == b"\xff\xd8":
                 h, w, components = jpeg_info(data)
                 check_image_size(w, h, path)
@@ -85,9 +84,15 @@ class DatasetSource:
         return f"sample {index} of {self.spec or type(self.dataset).__name__}"
 
     def record(self, index: int) -> Record:
+        """The sample as a decoded record. Whatever goes wrong is one ValueError naming the sample: the
+        Dataset raising, a label that is not a class index, an image over the pixel limit;
+        UnsupportedSample for a sample the pipeline does not take (see `spec_for_tuning`)."""
         from torchspeed.batches import BatchFormat
 
-        sample = self.dataset[index]
+        try:
+            sample = self.dataset[index]
+        except Exception as e:
+            raise ValueError(f"{self.name(index)}: the Dataset raised {type(e).__name__}: {e}") from None
         try:
             x, y = BatchFormat().split(sample)
         except ValueError:
@@ -96,12 +101,17 @@ class DatasetSource:
             (x,) = x.values()
         if x is None or y is None or isinstance(x, dict):
             what = f"a dict with keys {sorted(sample)}" if isinstance(sample, dict) else f"a {type(sample).__name__}"
-            raise ValueError(f"{self.name(index)} is {what}: fast_loader takes (image, label) samples or dicts of "
-                             "one image and a label (image/label, pixel_values/labels, ...)")
+            raise UnsupportedSample(f"{self.name(index)} is {what}: fast_loader takes (image, label) samples or dicts "
+                                    "of one image and a label (image/label, pixel_values/labels, ...)")
         try:
             img = to_hwc_uint8(x)
-            return Record("array", img, img.shape[0], img.shape[1], int(y))
+        except UnsupportedSample as e:
+            raise UnsupportedSample(f"{self.name(index)}: {e}") from None
         except Exception as e:
+            raise ValueError(f"{self.name(index)}: {e}") from None
+        try:
+            return Record("array", img, img.shape[0], img.shape[1], integer_label(y))
+        except ValueError as e:
             raise ValueError(f"{self.name(index)}: {e}") from None
 
     def __getitem__(self, index: int) -> Any:
@@ -174,11 +184,12 @@ def dataset_from_spec(spec: str) -> Any:
 def spec_for_tuning(spec: str) -> Any:
     """What `tune_loader` times for a Dataset factory spec: a DatasetSource (the torchspeed pipeline) when
     its samples are images the pipeline takes, else the Dataset itself (its samples are already tensors
-    from its own transforms: timed as a plain DataLoader; logged at INFO)."""
+    from its own transforms: timed as a plain DataLoader; logged at INFO). A broken first sample (the
+    Dataset raising, a label that is no class index) is an error naming it."""
     source = DatasetSource(dataset_from_spec(spec), spec=spec.strip())
     try:
         source.record(0)
-    except ValueError as e:
+    except UnsupportedSample as e:
         log.info("%s; timing %s as a plain DataLoader with its own transforms", e, source.spec)
         return source.dataset
     return source
@@ -206,12 +217,15 @@ def as_source(data: Any, in_memory: bool = False) -> Any:
 
 
 def train_val_split(data: Any, val_fraction: float = 0.1, seed: int = 0) -> tuple[Any, Any]:
-    """(train, val) sources: DATA/train and DATA/val when a folder has both, else a seeded random split
-    holding out `val_fraction` of the samples."""
+    """(train, val) sources: DATA/train and DATA/val when a folder has both (their classes must be the
+    same: labels are numbered by class, so any difference makes validation meaningless), else a seeded
+    random split holding out `val_fraction` of the samples."""
     if isinstance(data, (str, os.PathLike)):
         path = os.fspath(data)
         if os.path.isdir(os.path.join(path, "train")) and os.path.isdir(os.path.join(path, "val")):
-            return as_source(os.path.join(path, "train")), as_source(os.path.join(path, "val"))
+            train, val = as_source(os.path.join(path, "train")), as_source(os.path.join(path, "val"))
+            _check_same_classes(path, list(train.classes), list(val.classes))
+            return train, val
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     source = as_source(data)
@@ -221,6 +235,23 @@ def train_val_split(data: Any, val_fraction: float = 0.1, seed: int = 0) -> tupl
         raise ValueError(f"{getattr(source, 'root', data)!r} has only {n} samples: too few to hold out a validation split")
     order = np.random.default_rng(seed).permutation(n).tolist()
     return Subset(source, sorted(order[n_val:])), Subset(source, sorted(order[:n_val]))
+
+
+def _check_same_classes(path: str, train: list[str], val: list[str]) -> None:
+    """ValueError naming the classes that train/ and val/ of `path` do not share (or order alike)."""
+    if train == val:
+        return
+    only_train = [c for c in train if c not in val]
+    only_val = [c for c in val if c not in train]
+    differences = ([f"{_listed(only_train)} only in train/"] if only_train else []) + \
+        ([f"{_listed(only_val)} only in val/"] if only_val else []) or ["the same names in another order"]
+    raise ValueError(f"{os.path.join(path, 'train')!r} and {os.path.join(path, 'val')!r} have different classes "
+                     f"({'; '.join(differences)}): labels are numbered by class, so validation would compare "
+                     "different classes; give both the same class folders (an empty one is allowed)")
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    return ", ".join(map(repr, names[:most])) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def evenly_spread(data: Any, n: int) -> Any:

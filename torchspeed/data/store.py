@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from torchspeed.data.decode import Record, decode_record
+from torchspeed.images import image_size_error
 
 __all__ = ["PackedDataset", "FORMAT_VERSION", "MANIFEST", "HEADER", "is_store", "read_manifest", "looks_damaged",
            "check_data_file"]
@@ -145,7 +146,31 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     for k in ("count", "classes", "labels", "crc32", "encoding"):
         if k not in manifest:
             raise ValueError(f"the manifest of store {path!r} lacks {k!r}; re-pack the store")
+    why = _manifest_problem(manifest)
+    if why:
+        raise ValueError(f"the manifest of store {path!r} is damaged: {why}; re-pack the store")
     return manifest
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the types and sizes of the manifest's fields that readers use, or None."""
+    count, classes = manifest["count"], manifest["classes"]
+    if type(count) is not int or count < 0:
+        return f"'count' is {count!r}, not a number of samples"
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        return "'classes' is not a list of class names"
+    if manifest["encoding"] not in ENCODING_CODES:
+        return f"'encoding' is {manifest['encoding']!r}, not one of {', '.join(ENCODING_CODES)}"
+    for key, high in (("labels", len(classes) - 1), ("crc32", 2 ** 32 - 1)):
+        values = manifest[key]
+        if not isinstance(values, list) or len(values) != count:
+            return f"{key!r} is not a list of {count} numbers (one per sample)"
+        if any(type(v) is not int for v in values):
+            bad = next(v for v in values if type(v) is not int)
+            return f"{key!r} holds {bad!r}, not an integer"
+        if values and not 0 <= min(values) <= max(values) <= high:
+            return f"{key!r} holds {min(values) if min(values) < 0 else max(values)}, outside 0..{high}"
+    return None
 
 
 # One LMDB environment per (path, process): py-lmdb refuses to open a path twice in a process, and a
@@ -170,7 +195,8 @@ def _acquire_env_locked(path: str) -> Any:
         try:
             env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
         except lmdb.Error as e:
-            raise ValueError(f"cannot open the LMDB data of store {path!r}: {e}") from None
+            raise ValueError(f"cannot open the LMDB data of store {path!r}: {e}; re-pack it "
+                             f"(`torchspeed pack SRC {path} --overwrite`)") from None
         entry = _ENVS[key] = [env, 0]
     entry[1] += 1
     return entry[0]
@@ -253,6 +279,15 @@ class PackedDataset:
             local.txn, local.env = env.begin(), env
         return local.txn
 
+    def _drop_transaction(self) -> None:
+        """End this thread's read transaction; the next read begins a new one."""
+        txn, self._local.txn, self._local.env = getattr(self._local, "txn", None), None, None
+        try:
+            if txn is not None:
+                txn.abort()
+        except Exception:
+            pass
+
     def _load_into_memory(self) -> None:
         """Copy every record into one contiguous buffer (offsets[i]:offsets[i+1] is record i)."""
         try:
@@ -271,7 +306,12 @@ class PackedDataset:
     def _raw(self, index: int) -> Any:
         if self._blob is not None:
             return memoryview(self._blob[self._offsets[index]:self._offsets[index + 1]])
-        value = self._transaction().get(key_of(index))  # bytes (a copy): no tie to the transaction
+        try:
+            value = self._transaction().get(key_of(index))  # bytes (a copy): no tie to the transaction
+        except lmdb_module().Error as e:  # a corrupted page: MDB_CORRUPTED, MDB_PAGE_NOTFOUND
+            self._drop_transaction()  # a failed read leaves it unusable (MDB_BAD_TXN) for every later record
+            raise ValueError(f"store {self.path!r} is damaged: reading record {index} failed ({e}); re-pack it "
+                             f"(`torchspeed pack SRC {self.path} --overwrite`)") from None
         if value is None:
             raise ValueError(f"store {self.path!r} has no record {index} although its manifest counts "
                              f"{len(self)}; the store is damaged, re-pack it")
@@ -286,11 +326,20 @@ class PackedDataset:
         raw = self._raw(index)
         if self.verify and zlib.crc32(raw) != int(self._crc[index]):
             raise ValueError(f"record {index} of store {self.path!r} is corrupt (CRC32 mismatch); re-pack the store")
+        if len(raw) < HEADER.size:
+            raise ValueError(f"record {index} of store {self.path!r} is shorter than its header; re-pack the store")
         magic, code, channels, height, width, label = HEADER.unpack_from(raw)
         if magic != MAGIC or code not in ENCODINGS:
             raise ValueError(f"record {index} of store {self.path!r} has an unknown header; re-pack the store")
+        why = image_size_error(width, height)  # before a decoder or a reshape trusts the size
+        if why:
+            raise ValueError(f"{self.name(index)} {why}; pack refuses such images: the store is damaged or was "
+                             "not made by pack, re-pack it")
         payload = memoryview(raw)[HEADER.size:]  # no copy of the JPEG bytes (the decoders take any buffer)
         if ENCODINGS[code] == "raw":
+            if channels != 3 or len(payload) != height * width * channels:
+                raise ValueError(f"{self.name(index)} holds {len(payload):,} bytes, not the {height}x{width}x"
+                                 f"{channels} pixels its header says; re-pack the store")
             payload = np.frombuffer(payload, np.uint8).reshape(height, width, channels)
         return Record(ENCODINGS[code], payload, height, width, label)
 

@@ -19,13 +19,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from torchspeed.args import as_list, progress_fn
 from torchspeed.measure import time_iterable
 from torchspeed.runtime import usable_cores
 
-__all__ = ["TuneResult", "LoaderRow", "measure_settings", "dataloader_factory", "as_counts", "shutdown_workers"]
+__all__ = ["TuneResult", "LoaderRow", "measure_settings", "dataloader_factory", "as_counts", "shutdown_workers",
+           "worker_error"]
 
 
 def as_counts(value: Any, name: str, minimum: int) -> str | int | list[int]:
@@ -130,16 +131,119 @@ def shutdown_workers(loader: Any) -> None:
         dl._iterator = None
 
 
-def dataloader_factory(dataset: Any, batch_size: int, collate_fn: Callable | None = None) -> Callable[..., DataLoader]:
-    """A factory of plain shuffled DataLoaders over a map-style `dataset`, for `measure_settings`."""
+def worker_error(e: ValueError) -> ValueError:
+    """A ValueError raised in a DataLoader worker process as its own one line: torch re-raises it in this
+    process with the worker's whole traceback as the message (only the type and that text travel)."""
+    text = str(e)
+    if "Original Traceback" not in text:
+        return e
+    last = [line for line in text.strip().splitlines() if line.strip()][-1]
+    return ValueError(last[len("ValueError: "):] if last.startswith("ValueError: ") else last)
+
+
+class _Samples(list):
+    """The samples of one batch, with the indices they were read at (named when they cannot be collated)."""
+
+    indices: list[int]
+
+
+class _NamedSamples(Dataset):
+    """A user's Dataset whose failures name the sample: what raised, at which index."""
+
+    def __init__(self, dataset: Any, name: str):
+        self.dataset, self.name = dataset, name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as e:
+            raise ValueError(f"sample {index} of {self.name}: the Dataset raised {type(e).__name__}: {e}") from None
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        own = getattr(self.dataset, "__getitems__", None)
+        if own is not None:
+            try:
+                samples = _Samples(own(indices))
+            except Exception as e:
+                raise ValueError(f"samples {_span(indices)} of {self.name}: the Dataset raised "
+                                 f"{type(e).__name__}: {e}") from None
+        else:
+            samples = _Samples(self[i] for i in indices)
+        samples.indices = list(indices)
+        return samples
+
+
+class _NamedCollate:
+    """A collate function whose failure names the samples that do not fit together (ragged shapes)."""
+
+    def __init__(self, collate_fn: Callable | None, name: str):
+        self.collate_fn, self.name = collate_fn or default_collate, name
+
+    def __call__(self, batch: list[Any]) -> Any:
+        try:
+            return self.collate_fn(batch)
+        except Exception as e:
+            raise ValueError(self.explain(batch, e)) from None
+
+    def explain(self, batch: list[Any], error: Exception) -> str:
+        """Which sample does not fit the others (its layout against the most common one), or what failed."""
+        indices = getattr(batch, "indices", None) or list(range(len(batch)))
+        layouts = [_layout(sample) for sample in batch]
+        usual = max(layouts, key=layouts.count) if layouts else ""
+        odd = [i for i, layout in enumerate(layouts) if layout != usual]
+        if odd:
+            seen, other = indices[layouts.index(usual)], indices[odd[0]]
+            return (f"sample {other} of {self.name} cannot be batched with sample {seen}: sample {other} is "
+                    f"{layouts[odd[0]]}, sample {seen} is {usual}; every sample needs the same shapes (resize or "
+                    "crop in the Dataset's transform)")
+        return (f"samples {_span(indices)} of {self.name} cannot be batched ({type(error).__name__}: {error}); "
+                f"each is {usual}")
+
+
+def _layout(x: Any) -> str:
+    """A sample's structure and shapes, for messages: '(Tensor(3, 32, 32) float32, int)'."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{type(x).__name__}{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}"
+    if isinstance(x, (list, tuple)):
+        return "(" + ", ".join(_layout(v) for v in x) + ")"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_layout(v)}" for k, v in x.items()) + "}"
+    return type(x).__name__
+
+
+def _span(indices: Sequence[int]) -> str:
+    return ", ".join(map(str, indices[:4])) + (", ..." if len(indices) > 4 else "")
+
+
+class _OneLineErrors(DataLoader):
+    """A DataLoader whose workers' ValueErrors (a sample named) arrive as one line, not a traceback."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        try:
+            yield from super().__iter__()
+        except ValueError as e:
+            raise worker_error(e) from None
+
+
+def dataloader_factory(dataset: Any, batch_size: int, collate_fn: Callable | None = None,
+                       name: str | None = None) -> Callable[..., DataLoader]:
+    """A factory of plain shuffled DataLoaders over a map-style `dataset`, for `measure_settings`.
+
+    A sample that fails (the Dataset raising, samples whose shapes cannot be batched) is one
+    ValueError naming its index and what was wrong; `name` names the Dataset (default: its type)."""
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ValueError(f"dataset must be a map-style Dataset, a data path or a loader factory, got {type(dataset).__name__}")
+    name = name or type(dataset).__name__
+    named, collate = _NamedSamples(dataset, name), _NamedCollate(collate_fn, name)
 
     def build_plain(num_workers: int, prefetch_factor: int | None, persistent_workers: bool,
                     pin_memory: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=num_workers,
-                          collate_fn=collate_fn, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-                          persistent_workers=persistent_workers)
+        return _OneLineErrors(named, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=num_workers,
+                              collate_fn=collate, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+                              persistent_workers=persistent_workers)
 
     return build_plain
 
