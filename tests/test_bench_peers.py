@@ -37,6 +37,46 @@ def test_data_peers_are_skipped_rows_with_the_note(no_peer_libraries, tmp_path):
         assert "pip install" in r.what and r.peer and r.unit == "img/s" and r.ceiling == "decode"
 
 
+def test_a_peer_failing_with_an_empty_message_costs_only_its_row(monkeypatch, tmp_path):
+    """StopIteration (a loader that yielded no batch) carries no message: the row names the exception."""
+    from torchspeed.bench.suites import data
+
+    def no_batch(*args, **kwargs):
+        raise StopIteration
+
+    def bare_error(*args, **kwargs):
+        raise ValueError("")
+
+    monkeypatch.setattr(peers, "DaliLoader", no_batch)
+    monkeypatch.setattr(peers, "litdata_dir", bare_error)
+    added, skipped = [], []
+    data._peers(str(tmp_path), 2, 0.1, lambda s: None, lambda *a, **k: added.append(a), skipped.append)
+    assert added == [] and [r.technique for r in skipped] == ["dali_cpu", "litdata"]
+    assert skipped[0].what.endswith("failed here: StopIteration") and skipped[1].what.endswith("failed here: ValueError")
+
+
+class _EpochsOfTwo:
+    """A DALI-like iterator whose epoch end is reported by the next call after its last batch."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __next__(self):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            raise StopIteration
+        return [{"x": self.calls, "y": __import__("torch").tensor([1])}]
+
+
+def test_dali_loader_starts_a_fresh_epoch_when_the_last_pass_left_one_ending():
+    loader = peers.DaliLoader.__new__(peers.DaliLoader)
+    loader.it = _EpochsOfTwo()
+    assert [x for x, _ in loader] == [1, 2]
+    assert [x for x, _ in loader] == [4, 5]  # each pass is one whole epoch
+    loader.it.calls = 2  # a pass stopped after the epoch's last batch: its end is still pending
+    assert next(iter(loader))[0] == 4
+
+
 def test_peer_runs_at_its_best_count():
     from torchspeed.bench.suites import data
 

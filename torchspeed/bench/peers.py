@@ -74,11 +74,16 @@ class DaliLoader:
         self.threads = threads
 
     def __iter__(self) -> Iterator[Any]:
+        started = False
         while True:  # next() on DALI's iterator: iter() on it would ask for a reset mid-epoch
             try:
                 d = next(self.it)[0]
             except StopIteration:  # the epoch ended (auto_reset starts the next one)
-                return
+                if started:
+                    return
+                started = True  # the end of the epoch a previous pass left pending: this epoch starts now
+                continue
+            started = True
             yield d["x"], d["y"].view(-1).long()
 
 

@@ -170,7 +170,10 @@ def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], a
 def _why(e: BaseException) -> str:
     from torchspeed.bench.peers import PeerMissing
 
-    return str(e) if isinstance(e, PeerMissing) else f"failed here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if isinstance(e, PeerMissing):
+        return str(e)
+    first = (str(e).strip().splitlines() or [""])[0][:200]  # StopIteration and others may carry no message
+    return f"failed here: {type(e).__name__}{': ' + first if first else ''}"
 
 
 def _scale_folder(src: str, n: int) -> str:
