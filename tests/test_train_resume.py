@@ -114,6 +114,28 @@ def test_resume_in_process_matches_a_straight_run(task, straight, tmp_path, k):
         deterministic(False)
 
 
+def test_resume_auto_starts_a_new_run_then_continues_it_exactly(task, straight, tmp_path, caplog):
+    """One script for the first attempt and every restart: resume="auto" starts when the directory holds
+    no checkpoint of its run, and continues from the newest one when it does, saying which."""
+    import logging
+
+    deterministic(True)
+    try:
+        with caplog.at_level(logging.INFO, logger="torchspeed"):
+            tr, train, val = task.build(tmp_path, every=7)
+            assert tr.fit(train, val, epochs=3, max_steps=7, resume="auto")["step"] == 7
+            assert "starting a new run" in caplog.text
+            caplog.clear()
+            seed_everything(12345)
+            tr2, train2, val2 = task.build(tmp_path, seed=0)
+            out = tr2.fit(train2, val2, epochs=3, max_steps=N, resume="auto")
+            assert "continuing the run" in caplog.text
+        assert out["step"] == N
+        _assert_same(tr2.module.state_dict(), straight[0])
+    finally:
+        deterministic(False)
+
+
 def test_checkpoints_of_older_versions_resume_exactly(task, straight, tmp_path):
     """Older versions kept rank 0's generators at the top level too (`rng`, `epoch_start["rng"]`),
     the oldest there only: both layouts still resume bit-exactly; one with no RNG state is refused."""

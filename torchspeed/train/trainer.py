@@ -752,9 +752,11 @@ class Trainer:
             max_steps: int | None = None, resume: str | os.PathLike | None = None) -> dict[str, Any]:
         """Train for `epochs` (or until `max_steps` optimizer steps / a callback stops); returns final metrics.
 
-        `resume`: a checkpoint path, a directory of checkpoints, or "last" (the newest complete one
+        `resume`: a checkpoint path, a directory of checkpoints, "last" (the newest complete one
         of the run in the Checkpoint callback's directory; FileNotFoundError when that directory holds
-        none of its run: a resume never silently becomes a new run). A directory or "last" skips a
+        none of its run: a resume never silently becomes a new run), or "auto" ("last" when the
+        directory holds a checkpoint of its run, else a new run, logged at INFO: one script that
+        starts or continues). A directory or "last" skips a
         checkpoint that fails its check (bit flip, torn write) with a warning naming it and loads the
         one before; CheckpointError when none passes. A checkpoint path given explicitly is loaded or
         refused (CheckpointError naming it), never replaced. Another run's checkpoint in the directory
@@ -768,10 +770,26 @@ class Trainer:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}")
+        if resume is not None and os.fspath(resume) == "auto":
+            resume = self._auto_resume()
         try:
             return self._fit(train_loader, val_loader, epochs, max_steps, resume)
         finally:
             self._release()
+
+    def _auto_resume(self) -> str | None:
+        """resume='auto': "last" when the Checkpoint directory holds a checkpoint of its run, else None
+        (a new run, which still refuses another run's checkpoints there), saying which."""
+        dirs = [cb.directory for cb in self._checkpoint_callbacks()]
+        if not dirs:
+            raise ValueError("resume='auto' needs a Checkpoint callback (its directory is searched)")
+        try:
+            ckpt.resumable(dirs[0], "resume='auto'", "starting a new run")
+        except FileNotFoundError as e:
+            log.info("%s", e)
+            return None
+        log.info("resume='auto': continuing the run in %s from its newest checkpoint", dirs[0])
+        return "last"
 
     def _fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int,
              max_steps: int | None, resume: str | os.PathLike | None) -> dict[str, Any]:
