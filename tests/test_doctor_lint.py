@@ -1,11 +1,17 @@
 """doctor.lint: per-layer costs against analytic FLOPs, and each rule firing (or staying quiet)."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import torchspeed as ts
+from torchspeed.measure import OthersLoad
 
 
 @pytest.fixture(autouse=True)
@@ -129,3 +135,35 @@ def test_elementwise_heavy_model_breaks_g4():
     g4 = [f for f in r.findings if f.rule == "g4-elementwise"]
     assert g4 and 0 < g4[0].expected_gain <= 0.5
     assert r.by_kind["elementwise"]["ops"] == 15
+
+
+def _detached_busy_loop() -> int:
+    """A spinning process that is not our descendant (its parent shell exits): the pid."""
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def _timed_lint():
+    """A lint whose timed forward passes last long enough for the load to be sampled."""
+    m = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1))
+    return ts.doctor.lint(m, torch.randn(4, 3, 64, 64), repeats=10)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
+def test_lint_names_a_busy_machine_beside_its_timed_forward():
+    pid = _detached_busy_loop()
+    try:
+        time.sleep(0.2)
+        r = _timed_lint()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert r.others_cores > 0.5 and r.to_dict()["others_cores"] == r.others_cores
+    assert r.busy.startswith("the machine was busy") and "the machine was busy" in str(r)
+
+
+def test_lint_on_a_quiet_machine_says_nothing_of_load(monkeypatch):
+    monkeypatch.setattr(OthersLoad, "cores", lambda self: 0.0)
+    r = _timed_lint()
+    assert r.others_cores == 0.0 and r.busy is None and r.to_dict()["busy"] is None
+    assert "busy" not in str(r)

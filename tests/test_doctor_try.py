@@ -2,8 +2,12 @@
 measured spread, numerics on the first losses, measured gains replacing estimates, the fixes injected
 in a real loop (in this process), and one end-to-end run on a tiny script."""
 import json
+import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -13,7 +17,8 @@ from torch.utils.data import DataLoader
 
 from torchspeed.doctor import fixes as fx
 from torchspeed.doctor.instrument import Recorder
-from torchspeed.doctor.trying import apply_measured, step_times, try_fixes
+from torchspeed.doctor.trying import apply_measured, markdown_tried, note_load, print_tried, step_times, try_fixes
+from torchspeed.measure import OthersLoad
 
 LOADER = {"name": "DataLoader #1", "num_workers": 0, "batch_size": 8, "batches": 9, "training": True,
           "pin_memory": False, "persistent_workers": False}
@@ -224,6 +229,7 @@ def test_doctor_try_end_to_end(tmp_path, capsys):
     assert row["fix"] == "fused_optimizer" and row["numerics_ok"] is True  # same seed, same losses
     assert row["code"] == "optimizer = torch.optim.SGD(model.parameters(), ..., fused=True)"
     assert len(d["try"]["baseline_runs"]) >= 2 and d["try"]["baseline_reproducible"] is True
+    assert "others_cores" in d["try"] and "others_cores" in row and "busy" in d["try"]  # the load, sampled per run
     out = capsys.readouterr().out
     assert "[2/3+] fused_optimizer: median" in out and "[3/3+] baseline: median" in out
     assert "Fixes measured on this script" in out
@@ -244,3 +250,58 @@ def test_a_speedup_beyond_removing_the_fixed_phases_is_implausible():
 
     rows = {r["fix"]: r for r in try_fixes(_raw(1.0), payload, launch, fx.plan(payload, ["fused_optimizer"]))["tried"]}
     assert not rows["fused_optimizer"]["kept"] and rows["fused_optimizer"]["verdict"].startswith("implausible")
+
+
+def _detached_busy_loop() -> int:
+    """A spinning process that is not our descendant (its parent shell exits): the pid."""
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def _try_with_load():
+    """A --try of one fix that measures as much as the baseline, each run taking a little wall time."""
+    payload = _payload()
+
+    base = iter([1.04, 1.0, 1.04, 1.0])  # a 4% spread between the baseline's runs
+
+    def launch(spec, title):
+        time.sleep(0.15)
+        return _raw(next(base) if title == "baseline" else 1.01)
+
+    load = OthersLoad()
+    t = try_fixes(_raw(1.0), payload, launch, fx.plan(payload, ["fused_optimizer"]))
+    note_load(t, load.cores())
+    return t
+
+
+def _printed(t):
+    from rich.console import Console
+
+    con = Console(width=200, record=True, file=open(os.devnull, "w"))
+    print_tried(t, con)
+    return con.export_text()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
+def test_a_busy_machine_is_named_beside_the_spread_it_caused():
+    pid = _detached_busy_loop()
+    try:
+        time.sleep(0.2)
+        t = _try_with_load()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert t["others_cores"] > 0.5 and all(r["others_cores"] > 0.5 for r in t["baseline_runs"][1:])  # the first ran before --try
+    (row,) = t["tried"]
+    assert row["others_cores"] > 0.5 and row["verdict"] == "within the spread of a busy machine"
+    assert t["busy"].startswith("the machine was busy: other processes used") and "measure again on a quiet" in t["busy"]
+    assert "the spread of" in t["busy"] and "the machine was busy" in _printed(t)
+    assert any("the machine was busy" in line for line in markdown_tried(t))
+
+
+def test_a_quiet_machine_gets_no_busy_note(monkeypatch):
+    monkeypatch.setattr(OthersLoad, "cores", lambda self: 0.0)
+    t = _try_with_load()
+    assert t["others_cores"] == 0.0 and t["busy"] is None
+    assert t["tried"][0]["verdict"] == "within the spread" and t["tried"][0]["others_cores"] == 0.0
+    assert "busy" not in _printed(t) and not any("busy" in line for line in markdown_tried(t))

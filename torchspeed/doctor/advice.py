@@ -59,10 +59,10 @@ FIXES: dict[str, Fix] = {
         "train in mixed precision: ts.train.accelerate(model, optimizer, precision='auto') or "
         "`with torch.autocast(device_type, dtype=torch.bfloat16)` around forward and loss",
         "torchspeed doctor --try bf16,fp16 -- python your_train.py"),
-    "bf16-without-amx": Fix(
-        "keep fp32 unless bf16 measures faster here: ts.train.accelerate(model, optimizer, precision='auto') "
-        "times both and keeps the faster",
-        "torchspeed doctor --try bf16 -- python your_train.py"),
+    "bf16-emulated": Fix(
+        "keep fp32: without native bf16 instructions this CPU emulates bf16; on a machine with them "
+        "(avx512_bf16, amx_bf16) or a tensor-core GPU, `doctor --try bf16` measures it",
+        "torchspeed info", "info"),
     "pin-memory-without-cuda": Fix(
         "drop pin_memory=True: there is no CUDA device, so pinning only costs host memory and a copy",
         "torchspeed doctor -- python your_train.py", "info"),

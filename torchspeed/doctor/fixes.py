@@ -39,7 +39,7 @@ KIND = {"workers": "loader", "persistent_workers": "loader", "pin_memory": "load
         "fp16": "precision"}
 # the findings whose estimated gain a fix measures
 RULES = {"workers": ("loader-no-workers", "data-bound"), "persistent_workers": ("loader-not-persistent",),
-         "pin_memory": ("no-pin-memory",), "bf16": ("no-autocast", "bf16-without-amx"), "fp16": ("no-autocast",),
+         "pin_memory": ("no-pin-memory",), "bf16": ("no-autocast",), "fp16": ("no-autocast",),
          "channels_last": ("no-channels-last",), "cudnn_benchmark": ("cudnn-benchmark-off",),
          "inference_mode": ("eval-without-no-grad",), "threads": ("cpu-oversubscribed",),
          "compile": ("python-overhead",)}

@@ -21,6 +21,7 @@ from torchspeed.args import progress_fn
 from torchspeed.doctor import instrument
 from torchspeed.doctor.fixes import check_names, plan
 from torchspeed.doctor.phases import PHASES, verdict
+from torchspeed.measure import OthersLoad
 
 __all__ = ["REPORT_FILES", "TRY_STEPS", "build_payload", "check_interpreter", "child_command", "run_doctor"]
 
@@ -308,7 +309,10 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     report_dir = _claim_outputs(out, json_path)
     env = _child_env(steps, cprofile, trace, out, seeded=measure_fixes)
     check_interpreter(argv, env)
+    load = OthersLoad() if measure_fixes else None  # other processes' load over the baseline and every fix run
     status, raw, ranks, timed_out, interrupted = _run_child(argv, env, timeout)
+    if load is not None:
+        raw["others_cores"] = load.cores()
     payload = build_payload(raw, command, status)
     _note_how_it_ended(payload, raw, status, ranks, timeout if timed_out else None, interrupted)
     con = None
@@ -317,7 +321,7 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
 
         con = console or Console()
     if measure_fixes:
-        _try(payload, raw, command, argv, env, steps, timeout, requested, con, timed_out or interrupted)
+        _try(payload, raw, command, argv, env, (steps, timeout, requested), con, timed_out or interrupted, load)
     # what a person reads: the steady steps (the first step's one-time costs are in the JSON's totals)
     shown = {**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
              "phases": payload["steady"]["phases"]}
@@ -430,10 +434,13 @@ def _write_report(payload: dict[str, Any], shown: dict[str, Any], json_path: str
 
 
 def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv: list[str], env: dict[str, str],
-         steps: int, timeout: float | None, requested: list[str] | None, con: Any, stopped: bool) -> None:
-    """doctor --try after the baseline run: measure the fixes, add `tried`, put measured gains in the findings."""
+         how: tuple[int, float | None, list[str] | None], con: Any, stopped: bool, load: Any) -> None:
+    """doctor --try after the baseline run: measure the fixes, add `tried`, put measured gains in the findings.
+    `how` is (steps per run, timeout per run, the fixes asked for); `load` the OthersLoad started before
+    the baseline run, so a busy machine is named beside the figures it disturbed."""
     from torchspeed.doctor import trying
 
+    steps, timeout, requested = how
     if stopped or len(raw.get("windows") or []) < 2:
         payload["try"] = {"tried": [], "skipped": [], "error": "the baseline run measured fewer than 2 steps: "
                           "nothing to compare fixes with"}
@@ -452,8 +459,9 @@ def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv:
         f"{steps} steps each (the script's output is hidden)")
     launch = trying.launcher(argv, env, steps, timeout, run_child)
     result = trying.try_fixes(raw, payload, launch, planned, progress=say)
+    trying.note_load(result, load.cores() if load is not None else None)
     payload["try"] = result
     payload["tried"] = [{k: r[k] for k in ("fix", "baseline_step_s", "step_s", "speedup", "spread", "numerics_ok",
-                                           "code", "kept", "verdict", "numerics", "steps")}
+                                           "code", "kept", "verdict", "numerics", "steps", "others_cores")}
                         | ({"compile_s": r["compile_s"]} if "compile_s" in r else {}) for r in result["tried"]]
     trying.apply_measured(payload, result["tried"], command)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchspeed.doctor.advice import Finding, finding, rank
+from torchspeed.measure import OthersLoad, busy_warning
 
 __all__ = ["LintResult", "lint", "loss_pairing", "random_input"]
 
@@ -222,10 +223,17 @@ class LintResult:
     layers: list[dict[str, Any]]
     by_kind: dict[str, dict[str, float]]
     findings: list[Finding] = field(default_factory=list)
+    others_cores: float | None = None  # cores other processes used while the forward was timed (None: unknown)
+
+    @property
+    def busy(self) -> str | None:
+        """A sentence when other processes shared the cores while the forward was timed, else None."""
+        return busy_warning(self.others_cores)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "input_shape": self.input_shape, "totals": self.totals,
-                "by_kind": self.by_kind, "layers": self.layers, "findings": [f.to_dict() for f in self.findings]}
+                "by_kind": self.by_kind, "layers": self.layers, "findings": [f.to_dict() for f in self.findings],
+                "others_cores": self.others_cores, "busy": self.busy}
 
     def __str__(self) -> str:
         from torchspeed.doctor.output import format_lint
@@ -305,6 +313,7 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     was = model.training
     model.eval()
+    load = OthersLoad()
     try:
         with torch.no_grad():
             model(*example_input) if isinstance(example_input, tuple) else model(example_input)  # warm-up
@@ -314,6 +323,7 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
                 runs.append([op for op in tracer.ops if op.phase == "model"])
     finally:
         model.train(was)
+    others = load.cores()
     ops = tracer.ops
     for op, t in zip(ops, _fastest_times(runs)):
         op.time_s = t
@@ -328,7 +338,7 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
     totals = {"flops": sum(op.flops for op in mops) or 1.0, "memory_bytes": sum(op.bytes for op in mops) or 1.0,
               "time_s": total_t, "params": float(sum(p.numel() for p in model.parameters())), "ops": float(len(mops))}
     return LintResult(type(model).__name__, shape, totals, sorted(layers.values(), key=lambda r: -r["time_s"]),
-                      _by_kind(mops, total_t), rank(findings))
+                      _by_kind(mops, total_t), rank(findings), others_cores=others)
 
 
 def _by_kind(ops: list[_Op], total_t: float) -> dict[str, dict[str, float]]:

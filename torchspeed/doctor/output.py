@@ -103,6 +103,8 @@ def print_lint(rep: Any, console: Any = None, top: int = 12) -> None:
                 [(k, int(v["ops"]), f"{v['flops'] / max(t['flops'], 1):.1%}",
                   f"{v['memory_bytes'] / max(t['memory_bytes'], 1):.0%}", f"{v['time_share']:.0%}")
                  for k, v in sorted(d["by_kind"].items(), key=lambda kv: -kv[1]["time_s"]) if k != "view"], con)
+    if d.get("busy"):
+        con.print(f"[bold]{d['busy']}[/] (the layer times above)", highlight=False)
     print_findings(d["findings"], con, title="Lint findings, ranked by expected gain (share of forward time)")
 
 

@@ -89,32 +89,41 @@ def data_bound(f: Facts) -> Finding | None:
                    "overlap: a fast enough pipeline hides the wait behind compute")
 
 
+def _low_precision_capability(f: Facts) -> tuple[str, str] | None:
+    """What this machine's own capability says of mixed precision: ("plausible", the capability read) where
+    it has tensor cores or native bf16 instructions, ("emulated", why) on a CPU without them, else None."""
+    s = f["settings"]
+    if f.get("device") == "cuda":
+        cap = s.get("cuda_capability") or [0, 0]
+        if cap[0] < 7:
+            return None
+        return "plausible", f"this GPU (sm {cap[0]}.{cap[1]}) has {'bf16 and fp16' if cap[0] >= 8 else 'fp16'} tensor cores"
+    if f.get("device") != "cpu":
+        return None
+    flags = s.get("cpu_bf16_flags") or (["amx_bf16"] if s.get("cpu_amx") else ["avx512_bf16"] if s.get("cpu_bf16") else [])
+    if flags:
+        return "plausible", f"this CPU has native bf16 instructions ({', '.join(flags)})"
+    return "emulated", "this CPU has no native bf16 instructions (neither avx512_bf16 nor amx_bf16 in its flags)"
+
+
 @rule
 def no_autocast(f: Facts) -> Finding | None:
     s = f["settings"]
     if s.get("autocast") or str((s.get("model") or {}).get("dtype", "float32")) in ("torch.bfloat16", "torch.float16"):
         return None
-    if f.get("device") == "cuda":
-        cap = s.get("cuda_capability") or [0, 0]
-        if cap[0] < 7:
-            return None
-        hw = f"this GPU (sm {cap[0]}.{cap[1]}) has {'bf16 and fp16' if cap[0] >= 8 else 'fp16'} tensor cores"
-    elif f.get("device") == "cpu" and s.get("cpu_amx"):
-        hw = "this CPU has AMX bf16 tiles"
-    elif f.get("device") == "cpu" and s.get("cpu_bf16"):
-        # avx512_bf16 without AMX: bf16 convolutions gain little or lose; say so, expect nothing, ask to measure
-        compute = _compute_share(f)
-        return finding("bf16-without-amx", f"training runs in fp32; this CPU has avx512_bf16 but no AMX, where bf16 "
-                       f"autocast is often no faster (ResNet-18 training measured 0.86-0.92x of fp32 on such a "
-                       f"CPU); compute is {compute:.0%} of step time", 0.0,
-                       "no gain assumed without AMX: only a measurement on this machine can tell")
-    else:
+    cap = _low_precision_capability(f)
+    if cap is None:
         return None
+    kind, hw = cap
     compute = _compute_share(f)
-    return finding("no-autocast", f"training runs in fp32 (no autocast seen) although {hw}; compute is "
-                   f"{compute:.0%} of step time", compute * (1 - 1 / 1.5),
-                   "assumes a 1.5x speed-up of forward/backward/optimizer (articles report 1.5-2x on tensor-core "
-                   "GPUs and AMX CPUs)")
+    if kind == "emulated":
+        return finding("bf16-emulated", f"training runs in fp32 and {hw}: bf16 would run emulated there, so "
+                       "no gain is expected from it", 0.0, "no gain expected: the capability this machine lacks")
+    try_ = "bf16,fp16" if f.get("device") == "cuda" else "bf16"
+    return finding("no-autocast", f"training runs in fp32 (no autocast seen) although {hw}, so mixed precision "
+                   f"may be faster here; compute is {compute:.0%} of step time; `doctor --try {try_}` measures it",
+                   compute * 0.5, "a guess, not a measurement: half the compute time (forward, backward, optimizer); "
+                   f"doctor --try {try_} measures it on this machine and replaces the guess")
 
 
 @rule
@@ -170,7 +179,7 @@ def data_parallel(f: Facts) -> Finding | None:
         return None
     return finding("data-parallel", "the model is wrapped in nn.DataParallel (one process, replicas re-made "
                    "every step, GIL-bound)", _compute_share(f) * 0.25,
-                   "assumes DDP runs the same work 25% faster (article 004 recommends DDP over DataParallel)")
+                   "a guess, not a measurement: DDP runs the same work a quarter faster; run both to know")
 
 
 @rule
@@ -207,7 +216,7 @@ def cpu_oversubscribed(f: Facts) -> Finding | None:
     kind += "s" if workers != 1 else ""
     return finding("cpu-oversubscribed", f"{workers} {kind} + {threads} intra-op threads on {cores} "
                    "cores: they time-slice each other", 0.1,
-                   "rough: oversubscription typically costs ~10%; tune-loader measures the best split")
+                   "a guess, not a measurement: a tenth of the step; doctor --try threads,workers measures the split")
 
 
 @rule

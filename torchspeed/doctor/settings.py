@@ -28,6 +28,7 @@ def machine_settings() -> dict[str, Any]:
     s: dict[str, Any] = {"cores": usable_cores(), "torch_threads": torch.get_num_threads(),
                          "cpu_bf16": bool({"avx512_bf16", "amx_bf16"} & cpu_flags()),
                          "cpu_amx": "amx_bf16" in cpu_flags(),
+                         "cpu_bf16_flags": sorted({"avx512_bf16", "amx_bf16"} & cpu_flags()),
                          "cuda_available": torch.cuda.is_available(), "cuda_capability": None,
                          "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
     if torch.cuda.is_available():

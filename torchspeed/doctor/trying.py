@@ -14,6 +14,7 @@ Imports no torch (the parent only launches, reads and judges).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -21,9 +22,9 @@ from typing import Any
 
 from torchspeed.args import progress_fn
 from torchspeed.doctor import fixes as fx
-from torchspeed.measure import Timing
+from torchspeed.measure import OthersLoad, Timing, busy_warning
 
-__all__ = ["apply_measured", "launcher", "markdown_tried", "print_tried", "step_times", "try_fixes"]
+__all__ = ["apply_measured", "launcher", "markdown_tried", "note_load", "print_tried", "step_times", "try_fixes"]
 
 
 def step_times(raw: dict[str, Any]) -> list[float]:
@@ -46,6 +47,7 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
     Returns {"tried": rows, "skipped": [...], "baseline_runs": [...], "spread": float}."""
     plan, skipped = planned
     say = progress_fn(progress)
+    launch = _sampled(launch)
     runs_total = 1 + 2 * len(plan)
     base_runs = [baseline]
     results: list[tuple[str, Any, dict[str, Any]]] = []
@@ -92,8 +94,42 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
         row["code"] = "\n".join(r["code"] for r in best.values())
         rows.append(row)
     return {"tried": rows, "skipped": skipped, "spread": spread, "baseline_reproducible": reproducible,
-            "baseline_runs": [{"step_s": _median(step_times(r)), "steps": len(step_times(r))} for r in base_runs],
+            "baseline_runs": [{"step_s": _median(step_times(r)), "steps": len(step_times(r)),
+                               "others_cores": r.get("others_cores")} for r in base_runs],
             "numerics_steps": fx.NUMERICS_STEPS, "tolerances": dict(fx.TOLERANCES)}
+
+
+def _sampled(launch: Callable[[dict[str, Any], str], dict[str, Any]]) -> Callable[[dict[str, Any], str], dict[str, Any]]:
+    """`launch` with the cores other processes used during each run recorded in its raw record."""
+    def run(spec: dict[str, Any], title: str) -> dict[str, Any]:
+        load = OthersLoad()
+        raw = launch(spec, title)
+        raw["others_cores"] = load.cores()
+        return raw
+    return run
+
+
+def _most(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def note_load(t: dict[str, Any], others_cores: float | None) -> None:
+    """Record the cores other processes used over all runs (`others_cores`) in `t`; when the machine
+    was busy, name it in `t["busy"]` and in the verdicts that would otherwise say "within the spread"
+    as if the script itself varied."""
+    t["others_cores"] = others_cores
+    worst = _most([others_cores] + [r.get("others_cores") for r in t.get("tried") or []])
+    t["busy"] = None
+    if busy_warning(worst) is None:
+        return
+    avg = "-" if others_cores is None else f"{others_cores:.1f}"
+    t["busy"] = (f"the machine was busy: other processes used {avg} of {os.cpu_count()} cores on average while "
+                 f"doctor --try ran (up to {worst:.1f} during one fix's runs); the spread of {t.get('spread', 0.0):.0%} "
+                 "comes from that; measure again on a quiet machine")
+    for r in t.get("tried") or []:
+        if r["verdict"] == "within the spread":
+            r["verdict"] = "within the spread of a busy machine"
 
 
 def _spread(base_runs: list[dict[str, Any]]) -> float:
@@ -169,7 +205,8 @@ def _row(name: str, value: Any, raws: list[dict[str, Any]], around: list[dict[st
     row = {"fix": fx.label(name, value) if name != "combined" else name, "name": name, "value": value,
            "baseline_step_s": base_s, "step_s": step_s, "speedup": speedup, "spread": spread,
            "numerics_ok": num["ok"], "numerics": num, "kept": kept, "verdict": verdict, "code": code,
-           "steps": len(fix_times), "runs": len(raws), "max_speedup": bound}
+           "steps": len(fix_times), "runs": len(raws), "max_speedup": bound,
+           "others_cores": _most([r.get("others_cores") for r in raws + around])}
     if raw.get("compile_window") is not None:
         windows = raw.get("windows") or []
         first = raw["compile_window"] + 1
@@ -231,6 +268,8 @@ def print_tried(t: dict[str, Any], console: Any) -> None:
                   f"first {t['numerics_steps']} losses (before and after the first update) stay within {t['tolerances']['math']:g} (fp32 fixes) or "
                   f"{t['tolerances']['precision']:g} (precision fixes) relative; loader fixes must yield the same "
                   "batches in the same order", highlight=False, markup=False)
+    if t.get("busy"):
+        console.print(t["busy"], style="bold", highlight=False, markup=False)
     kept = [r for r in t["tried"] if r["kept"] and r["code"]]
     if kept:
         console.print("[bold]To keep a fix, add to the script:[/]")
@@ -248,6 +287,8 @@ def markdown_tried(t: dict[str, Any]) -> list[str]:
              f"fixes; spread (run-to-run range of the baseline) {t['spread']:.0%}.", "",
              "| fix | baseline s/step | with fix s/step | speed-up | spread | numerics | verdict |",
              "|---|---:|---:|---:|---:|---|---|"]
+    if t.get("busy"):
+        lines[3:3] = [f"**{t['busy']}**", ""]
     for r in t["tried"]:
         lines.append(f"| {r['fix']} | {_fmt(r['baseline_step_s'], '.3f')} | {_fmt(r['step_s'], '.3f')} | "
                      f"{_fmt(r['speedup'], '.2f')} | {r['spread']:.0%} | {_numerics_cell(r)} | {r['verdict']} |")
