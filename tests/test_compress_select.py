@@ -71,8 +71,9 @@ def test_candidates_as_a_comma_string_and_the_choice_logged(caplog):
         result = select_backbone(" mobilenet_v3_small, resnet18 ,", (1, 3, 32, 32), repeats=2, warmup=1,
                                  precision="fp32")
     assert sorted(c.name for c in result.table) == ["mobilenet_v3_small", "resnet18"]
-    records = [r for r in caplog.records if r.name == "torchspeed.compress.selection"]
-    assert len(records) == 1 and records[0].levelno == logging.INFO
+    records = [r for r in caplog.records if r.name == "torchspeed.compress.selection" and r.levelno == logging.INFO]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]  # other processes may share the cores
+    assert len(records) == 1 and len(warned) == (1 if result.busy_warning else 0)
     line = records[0].getMessage()
     assert line.startswith(f"select_backbone: fastest {result.best.name} at fp32")
     assert f"{result.best.latency_ms:.2f} ms" in line and result.table[1].name in line

@@ -131,6 +131,20 @@ def test_distributed_shards_are_disjoint_and_complete():
     assert sorted(shards[0] + shards[1]) == list(range(40))
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dataloader_attributes_are_the_values_the_loader_uses(rank):
+    data = IndexDataset(41)
+    loader = fast_loader(data, 5, crop=16, device="cpu", num_workers=1, drop_last=True, num_replicas=2, rank=rank)
+    assert loader.batch_size == 5 and loader.drop_last is True and loader.num_workers == 1
+    assert loader.dataset.dataset is data  # the source wrapping the user's Dataset, as before
+    assert (loader.sampler.num_replicas, loader.sampler.rank, loader.sampler.shuffle) == (2, rank, True)
+    assert len(loader) == 21 // 5 and all(len(y) == 5 for _, y in loader)  # 21 samples per rank, last 1 dropped
+    kept = fast_loader(data, 5, train=False, crop=16, device="cpu", num_workers=0, threads=2)
+    assert (kept.batch_size, kept.drop_last, kept.num_workers, kept.sampler.shuffle) == (5, False, 0, False)
+    with pytest.raises(AttributeError):
+        kept.batch_size = 7  # read-only: the loader's batches could not follow a new value
+
+
 def test_an_initialised_process_group_is_used(tmp_path):
     import torch.distributed as dist
 

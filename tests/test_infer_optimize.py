@@ -275,6 +275,29 @@ def test_thread_count_restored_even_when_a_variant_raises(trained):
         torch.set_num_threads(before)
 
 
+def test_a_runner_call_uses_its_threads_and_gives_the_callers_back():
+    from torchspeed.infer.runners import TorchRunner
+
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            return x.flatten(1)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = TorchRunner(Probe(), {}, threads=2)
+        runner(torch.randn(1, 3, 4, 4))
+        assert seen == [2] and torch.get_num_threads() == 1
+        with pytest.raises(TypeError):
+            runner("not a tensor")  # a call that fails gives the caller's count back too
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_one_info_line_per_variant_and_one_for_the_choice(trained, caplog):
     model, calib, eval_fn = trained
     with caplog.at_level(logging.INFO, logger="torchspeed"):

@@ -176,8 +176,8 @@ def test_timing_synchronises_on_the_models_device(monkeypatch):
         seen.update(kw)
         for fn in contenders.values():
             fn()
-        timing = torchspeed.measure.Timing("x", [0.001], [2.0])
-        return {name: timing for name in contenders}  # compare()'s result is looked up by name
+        timings = [torchspeed.measure.Timing(name, [0.001], [2.0]) for name in contenders]
+        return torchspeed.measure.Comparison(timings, baseline=kw["baseline"], others_cores=0.0)
 
     monkeypatch.setattr(torchspeed.measure, "compare", fake_compare)
     row = VariantRow("onnxruntime fp32", "onnxruntime", "fp32", True, runner=lambda x: x)

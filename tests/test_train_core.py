@@ -404,8 +404,11 @@ def test_accelerate_logs_one_info_line_per_setting(caplog):
     with caplog.at_level(logging.INFO, logger="torchspeed.train.acceleration"):
         acc = accelerate(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=_first_batch(),
                          loss_fn=nn.functional.cross_entropy, trial_steps=1, untried={"compile": "test budget"})
-    lines = [r.getMessage() for r in caplog.records if r.name == "torchspeed.train.acceleration"]
-    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "torchspeed.train.acceleration")
+    mine = [r for r in caplog.records if r.name == "torchspeed.train.acceleration"]
+    busy = [r for r in mine if r.levelno == logging.WARNING and "the machine was busy" in r.getMessage()]
+    assert len(busy) == (1 if acc.report.busy_warning else 0)  # other processes may share the cores
+    lines = [r.getMessage() for r in mine if r not in busy]
+    assert all(r.levelno == logging.INFO for r in mine if r not in busy)
     settings = list(dict.fromkeys(c.setting for c in acc.report.candidates))
     assert len(lines) == len(settings)
     for setting, line in zip(settings, lines):

@@ -450,6 +450,28 @@ def annotate(results: dict[str, Any], ceilings: dict[str, Any] | None) -> None:
                 d["pct_of_ceiling"] = pct_of_ceiling(row, ceilings)
 
 
+ABOVE_CEILING_NOTE = ("* above 100%: a ceiling is the fastest route timed on its reference kernel, not a hard limit, "
+                      "or it was timed at a busier moment (`--refresh-ceilings` on a quiet machine)")
+
+
+def ceiling_unit(ceiling: str | None) -> str:
+    """The unit a ceiling is measured in."""
+    return {"decode": "img/s", "int8": "GOP/s"}.get(ceiling or "", "GFLOP/s")
+
+
+def ceiling_cell(row: Row) -> str:
+    """A row against the ceiling of its own precision, achieved first: "bf16: 133 of 215 GFLOP/s (62%)",
+    starred above 100% (the table carries `ABOVE_CEILING_NOTE` once); "" for a row without one."""
+    from torchspeed.tables import format_number
+
+    p, got = row.pct_of_ceiling, row.achieved
+    if not isinstance(p, (int, float)) or not isinstance(got, (int, float)) or p <= 0:
+        return ""
+    star = "*" if p > 100 else ""
+    return (f"{row.ceiling}: {format_number(got)} of {format_number(100 * got / p)} {ceiling_unit(row.ceiling)} "
+            f"({p:.0f}%{star})")
+
+
 def ceiling_rows(ceilings: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(ceiling, value, route, what) for the report's table."""
     from torchspeed.tables import format_number

@@ -26,8 +26,9 @@ from typing import Any
 from rich.console import Console
 
 from torchspeed.atomic import write_json
+from torchspeed.measure import OthersLoad
 from torchspeed.bench import suites
-from torchspeed.bench.ceilings import annotate
+from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, annotate, ceiling_cell
 from torchspeed.bench.budget import seconds_for
 from torchspeed.bench.rows import rows_of
 from torchspeed.tables import print_table
@@ -95,6 +96,7 @@ def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str,
     title). `step` is "[i/n]"; `left_after` the budget of the suites still to come, for the time-left estimate."""
     title = getattr(module, "TITLE", name)
     t0 = time.perf_counter()
+    load = OthersLoad()  # other processes' use of the cores while the suite (and its process) runs
     with console.status(f"{step} {name}: starting") as status:
         def progress(text: str) -> None:
             elapsed = time.perf_counter() - t0
@@ -110,6 +112,8 @@ def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str,
         console.print(f"[red]suite {name} failed:[/] {result['error']}", highlight=False)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["budget_s"] = budget_s
+    others = load.cores()
+    result["others_cores"] = round(others, 2) if others is not None else None
     return result, title
 
 
@@ -290,14 +294,18 @@ def read_results(out: str) -> dict[str, Any]:
 
 def render_report(out: str, console: Console | None = None, command: str | None = None) -> dict[str, Any]:
     """Write `out/report.md` and the plots from `out/results.json` and print the summary; returns the results."""
-    from torchspeed.bench.report import summary_rows, write_report
+    from torchspeed.bench.report import busy_lines, summary_rows, write_report
 
     console = console or Console()
     results = read_results(out)
+    summary = summary_rows(results)
     report = write_report(results, out, command=command or results.get("command") or "torchspeed bench")
     print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
-                ["suite", "technique", "measured", "speed-up", "accuracy drop", "% of ceiling"], summary_rows(results),
-                console)
+                ["suite", "technique", "measured", "speed-up", "accuracy", "achieved of ceiling"], summary, console)
+    if any("%*)" in row[-1] for row in summary):
+        console.print(ABOVE_CEILING_NOTE, highlight=False, markup=False)
+    for line in busy_lines(results):
+        console.print(f"[yellow]busy machine:[/] {line}", highlight=False)
     took = f" ({results['seconds'] / 60:.1f} min)" if results.get("seconds") is not None else ""
     console.print(f"report: {report}{took}")
     return results
@@ -307,11 +315,11 @@ def print_suite(name: str, result: dict[str, Any], console: Console, title: str 
     """A suite's table on the console, as it finishes."""
     if "error" in result:
         return
-    rows = [(r.technique, r.median, r.unit, r.ratio, r.cumulative, r.metric_drop, r.pct_of_ceiling)
+    rows = [(r.technique, r.median, r.unit, r.ratio, r.cumulative, r.metric_drop, ceiling_cell(r))
             for r in rows_of(result)]
     if title is None:
         title = getattr(suites.load(name), "TITLE", name)
-    print_table(title, ["technique", "median", "unit", "ratio", "cumulative", "metric drop", "% of ceiling"], rows,
+    print_table(title, ["technique", "median", "unit", "ratio", "cumulative", "metric drop", "achieved of ceiling"], rows,
                 console)
 
 

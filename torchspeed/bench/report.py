@@ -5,12 +5,16 @@ each suite JSON holding "rows" as described in `torchspeed.bench.suites`, read b
 """
 from __future__ import annotations
 
+import math
 import os
+import textwrap
 from typing import Any
 
 from torchspeed.atomic import atomic_write
 from torchspeed.bench import suites
+from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, ceiling_cell
 from torchspeed.bench.rows import Row, rows_of
+from torchspeed.measure import busy_warning
 from torchspeed.tables import format_number
 
 WHAT = {
@@ -39,19 +43,22 @@ def headline(result: dict[str, Any]) -> Row | None:
     return max(scored, key=lambda r: r.speedup, default=None)
 
 
-SUMMARY_COLUMNS = ["suite", "technique", "measured (median)", "speed-up vs plain PyTorch", "accuracy drop",
-                   "% of this machine's ceiling"]
+SUMMARY_COLUMNS = ["suite", "technique", "measured (median)", "speed-up vs plain PyTorch", "accuracy",
+                   "achieved of this machine's ceiling"]
+# suites with no plain-PyTorch baseline to be faster than: their own section only, not the Summary
+NOT_IN_SUMMARY = ("design",)
 
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
-    """(suite, technique, measured, speed-up, accuracy effect, % of ceiling) per suite."""
+    """(suite, technique, measured, speed-up, accuracy, achieved of ceiling) per suite."""
     out = []
     for name in suites.SUITE_NAMES:
         result = results.get(name)
-        if not isinstance(result, dict):
+        if not isinstance(result, dict) or name in NOT_IN_SUMMARY:
             continue
         if "error" in result:
-            out.append((name, "failed", result["error"].splitlines()[0][:120], "", "", ""))
+            first = (result["error"].strip().splitlines() or ["(no message)"])[0]
+            out.append((name, "failed", first[:120], "", "", ""))
             continue
         row = headline(result)
         if row is None:
@@ -60,12 +67,23 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str,
         out.append((
             name,
             row.technique,
-            f"{format_number(row.median)} {row.unit}".strip(),
+            _median(row),
             f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else "",
-            format_number(row.metric_drop),
-            _pct(row),
+            _accuracy(row),
+            ceiling_cell(row),
         ))
     return out
+
+
+def busy_lines(results: dict[str, Any]) -> list[str]:
+    """One line per suite measured while other processes used the cores (`others_cores` in its JSON)."""
+    lines = []
+    for name in ("ceilings", *suites.SUITE_NAMES):
+        result = results.get(name)
+        warning = busy_warning(result.get("others_cores")) if isinstance(result, dict) else None
+        if warning:
+            lines.append(f"{name}: {warning}")
+    return lines
 
 
 def _md_table(columns: list[str], rows: list[tuple[Any, ...]]) -> str:
@@ -75,35 +93,48 @@ def _md_table(columns: list[str], rows: list[tuple[Any, ...]]) -> str:
     return "\n".join(lines)
 
 
-def _pct(row: Row) -> str:
-    p = row.pct_of_ceiling
-    if not isinstance(p, (int, float)):
+def _with_note(table: str, cells: list[str]) -> str:
+    """A table, with the above-the-ceiling footnote once when one of its cells is starred."""
+    return table + ("\n\n" + ABOVE_CEILING_NOTE if any("%*)" in c for c in cells) else "")
+
+
+def _median(row: Row) -> str:
+    """The median column: a speed (an accuracy row leaves it empty; its figure is in the accuracy column)."""
+    if row.is_accuracy:
         return ""
-    unit = {"decode": "img/s"}.get(row.ceiling or "", "GOP/s" if row.ceiling == "int8" else "GFLOP/s")
-    above = (" - above the ceiling: a ceiling is the fastest route timed on its reference GEMM, not a hard limit "
-             "(or it was timed at a busier moment: `--refresh-ceilings` on a quiet machine)") if p > 100 else ""
-    return f"{p:.0f}% of {row.ceiling} ({format_number(row.achieved)} {unit}){above}"
+    return f"{format_number(row.median)} {row.unit}".strip()
+
+
+def _accuracy(row: Row) -> str:
+    """The accuracy column: the row's accuracy when that is its figure, and the drop against the baseline."""
+    drop = f"drop {format_number(row.metric_drop)}" if isinstance(row.metric_drop, (int, float)) else ""
+    if not (row.is_accuracy and row.measured):
+        return drop
+    spread = f" ({_spread(row)})" if _spread(row) else ""
+    return f"{row.unit} {format_number(row.median)}{spread}" + (f"; {drop}" if drop else "")
 
 
 def suite_table(result: dict[str, Any]) -> str:
     """A suite's rows as a markdown table (the ceiling column only when a row reaches one)."""
     table = rows_of(result)
-    with_ceiling = any(isinstance(r.pct_of_ceiling, (int, float)) for r in table)
+    cells = [ceiling_cell(r) for r in table]
+    with_ceiling = any(cells)
     rows = [
         (
             r.technique,
-            f"{format_number(r.median)} {r.unit}".strip(),
-            _spread(r),
+            _median(r),
+            "" if r.is_accuracy else _spread(r),
             f"{r.ratio:.2f}x" if isinstance(r.ratio, (int, float)) else "",
             f"{r.cumulative:.2f}x" if isinstance(r.cumulative, (int, float)) else "",
-            format_number(r.metric_drop),
-            *((_pct(r),) if with_ceiling else ()),
+            _accuracy(r),
+            *((cell,) if with_ceiling else ()),
             r.what,
         )
-        for r in table
+        for r, cell in zip(table, cells)
     ]
-    return _md_table(["technique", "median", "spread (min-max)", "vs plain PyTorch", "cumulative", "accuracy drop",
-                      *(("% of this machine's ceiling",) if with_ceiling else ()), "what this is"], rows)
+    columns = ["technique", "median", "spread (min-max)", "vs plain PyTorch", "cumulative", "accuracy",
+               *(("achieved of this machine's ceiling",) if with_ceiling else ()), "what this is"]
+    return _with_note(_md_table(columns, rows), cells)
 
 
 def ceilings_section(ceilings: dict[str, Any]) -> list[str]:
@@ -143,10 +174,158 @@ def limits_section(results: dict[str, Any]) -> list[str]:
             _md_table(["suite", "goal", "measured here", "met", "why (measured)"], rows)]
 
 
+# ---------------------------------------------------------------- plots
+
+# colour = the ceiling (precision) a row is judged against; no red, which reads as "bad"
+PRECISION_COLOURS = {"decode": "#4C72B0", "fp32": "#55A868", "bf16": "#DD8452", "fp16": "#CCB974",
+                     "int8": "#8172B2"}
+OTHER_COLOUR = "#937860"
+BAR_COLOUR = "#4C72B0"
+ALLOWED_DROP = 0.01  # the infer suite's accuracy guard (top-1), when its JSON does not name one
+
+
+def _wrap(text: str, width: int = 48) -> str:
+    """A long label on several lines, so it fits beside its bar instead of running out of the figure."""
+    return textwrap.fill(str(text).strip(), width=width) or "-"
+
+
 def _save_png(fig: Any, path: str) -> None:
     """A figure as a PNG, written atomically (an interrupted report leaves the old plot, not half a new one)."""
     with atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=110)
+
+
+def _finish(fig: Any, out: str, fname: str, plt: Any) -> str:
+    _save_png(fig, os.path.join(out, fname))
+    plt.close(fig)
+    return fname
+
+
+def _bar_panel(ax: Any, rows: list[Row], values: list[float], xlabel: str, title: str,
+               colours: list[str] | None = None, labels: list[str] | None = None) -> None:
+    """Horizontal bars, one per row, its value (or its label) written at the bar's end."""
+    y = list(range(len(rows)))
+    ax.barh(y, values, color=colours or BAR_COLOUR)
+    ax.set_yticks(y, [_wrap(r.technique) for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(_wrap(xlabel, 70), fontsize=8)
+    ax.set_title(_wrap(title, 70), fontsize=9)
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {labels[i] if labels else format_number(float(v))}", va="center", fontsize=6)
+    ax.margins(x=0.18)  # room for the value labels inside the axes
+
+
+def _height(rows: int) -> float:
+    return 0.32 * rows + 1.6
+
+
+def _plot_bars(name: str, rows: list[Row], out: str, plt: Any) -> str:
+    """One bar chart of a suite's main figure (cumulative speed-up for train, else the median)."""
+    cumulative = [r for r in rows if isinstance(r.cumulative, (int, float))]
+    if name == "train" and cumulative:
+        rows, values = cumulative, [r.cumulative for r in cumulative]
+        xlabel, fname = "cumulative speed-up over plain PyTorch (x)", "train_speedup.png"
+    else:
+        rows = [r for r in rows if r.unit == rows[0].unit]  # one unit per axis
+        values = [r.median for r in rows]
+        if rows[0].unit == "ms":
+            xlabel, fname = "median latency (ms, lower is better)", f"{name}_latency.png"
+        else:
+            xlabel, fname = f"median {rows[0].unit} (higher is better)", f"{name}.png"
+    fig, ax = plt.subplots(figsize=(9, _height(len(rows))), layout="constrained")
+    _bar_panel(ax, rows, values, xlabel, WHAT.get(name, name))
+    return _finish(fig, out, fname, plt)
+
+
+def _by_batch(rows: list[Row]) -> dict[int, list[Row]]:
+    groups: dict[int, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(int(r.batch) if isinstance(r.batch, (int, float)) else 0, []).append(r)
+    return dict(sorted(groups.items()))
+
+
+def _plot_infer_latency(rows: list[Row], out: str, plt: Any) -> str:
+    """Inference latency, one panel per batch size (a batch of 8 takes longer than a batch of 1)."""
+    groups = _by_batch([r for r in rows if r.unit == "ms" and math.isfinite(r.median)])
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, sum(_height(len(g)) for g in groups.values())),
+                             layout="constrained", squeeze=False,
+                             height_ratios=[len(g) + 2 for g in groups.values()])
+    for ax, (batch, group) in zip(axes[:, 0], groups.items()):
+        _bar_panel(ax, group, [r.median for r in group], "median latency (ms, lower is better)",
+                   f"Inference latency, batch {batch}" if batch else "Inference latency")
+    return _finish(fig, out, "infer_latency.png", plt)
+
+
+def _plot_accuracy(rows: list[Row], out: str, plt: Any, allowed: float = ALLOWED_DROP) -> str:
+    """Inference variants: accuracy drop against latency, one panel per batch size, with the allowed drop."""
+    groups = _by_batch(rows)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 5), layout="constrained", squeeze=False)
+    for ax, (batch, group) in zip(axes[0], groups.items()):
+        ax.scatter([r.median for r in group], [100 * r.metric_drop for r in group], color=BAR_COLOUR,
+                   label="variant")
+        points: dict[tuple[float, float], list[str]] = {}
+        for r in group:  # variants at the same point share one label
+            points.setdefault((r.median, 100 * r.metric_drop), []).append(
+                r.technique.split(": ", 1)[-1] if batch else r.technique)
+        for i, (xy, names) in enumerate(points.items()):
+            ax.annotate(_wrap(" = ".join(names), 28), xy, fontsize=6, textcoords="offset points",
+                        xytext=(4, 4 + 7 * (i % 3)))
+        ax.axhline(100 * allowed, color="black", linestyle="--", linewidth=1,
+                   label=f"allowed drop ({allowed:g} top-1)")
+        ax.set_xscale("log")
+        ax.set_xlabel("median latency (ms, log scale)", fontsize=8)
+        ax.set_ylabel("accuracy drop vs fp32 (percentage points)", fontsize=8)
+        ax.set_title(f"Accuracy vs latency, batch {batch}" if batch else "Accuracy vs latency", fontsize=9)
+        ax.margins(x=0.25, y=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    return _finish(fig, out, "infer_accuracy_vs_latency.png", plt)
+
+
+def _plot_compress(result: dict[str, Any], out: str, plt: Any) -> str | None:
+    """Pruning: latency before and after, side by side at each batch size it was timed."""
+    prune = result.get("prune") if isinstance(result.get("prune"), dict) else {}
+    report, batched = prune.get("report") or {}, prune.get("batched") or {}
+    pairs = []
+    if isinstance(report.get("latency_before_ms"), (int, float)) and isinstance(report.get("latency_after_ms"),
+                                                                                 (int, float)):
+        pairs.append((1, report["latency_before_ms"], report["latency_after_ms"]))
+    if isinstance(batched.get("original_ms"), (int, float)) and isinstance(batched.get("pruned_ms"), (int, float)):
+        pairs.append((batched.get("batch", "?"), batched["original_ms"], batched["pruned_ms"]))
+    if not pairs:
+        return None
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.5 * len(pairs), 4), layout="constrained", squeeze=False)
+    for ax, (batch, before, after) in zip(axes[0], pairs):
+        bars = ax.bar([0, 1], [before, after], color=[OTHER_COLOUR, BAR_COLOUR])
+        ax.set_xticks([0, 1], ["unpruned", "pruned"], fontsize=8)
+        for bar, v in zip(bars, (before, after)):
+            ax.text(bar.get_x() + bar.get_width() / 2, v, format_number(float(v)), ha="center", va="bottom",
+                    fontsize=7)
+        ax.set_ylabel("median latency (ms, lower is better)", fontsize=8)
+        ax.set_title(f"batch {batch}: {before / after:.2f}x faster pruned", fontsize=9)
+        ax.margins(y=0.15)
+    fig.suptitle("Structured pruning: latency before and after", fontsize=10)
+    return _finish(fig, out, "compress_latency.png", plt)
+
+
+def _plot_ceiling(name: str, table: list[Row], out: str, plt: Any) -> list[str]:
+    """One plot per suite: each row's % of the ceiling of its precision (100% = this machine's best)."""
+    from matplotlib.patches import Patch
+
+    rows = [r for r in table if isinstance(r.pct_of_ceiling, (int, float))]
+    if not rows:
+        return []
+    fig, ax = plt.subplots(figsize=(9, _height(len(rows))), layout="constrained")
+    colours = [PRECISION_COLOURS.get(r.ceiling or "", OTHER_COLOUR) for r in rows]
+    _bar_panel(ax, rows, [r.pct_of_ceiling for r in rows],
+               "% of this machine's ceiling for the row's precision (100 = the ceiling)",
+               f"{name}: how close each row comes to this machine's limit", colours=colours,
+               labels=[f"{r.pct_of_ceiling:.0f}%" for r in rows])
+    ax.axvline(100, color="black", linewidth=1)
+    used = list(dict.fromkeys(r.ceiling or "other" for r in rows))
+    handles = [Patch(color=PRECISION_COLOURS.get(c, OTHER_COLOUR), label=f"{c} ceiling") for c in used]
+    ax.legend(handles=handles, title="judged against", fontsize=7, title_fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1))  # beside the axes: never over a bar
+    return [_finish(fig, out, f"{name}_ceiling.png", plt)]
 
 
 def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
@@ -161,75 +340,56 @@ def plot_suite(name: str, result: dict[str, Any], out: str) -> list[str]:
     if not rows:
         return []
     written = _plot_ceiling(name, table, out, plt)
-    cumulative_rows = [r for r in rows if isinstance(r.cumulative, (int, float))]
-    if name == "train" and cumulative_rows:
-        rows = cumulative_rows
-        values = [r.cumulative for r in rows]
-        xlabel, fname = "cumulative speed-up over plain PyTorch (x)", "train_speedup.png"
-    else:
-        rows = [r for r in rows if r.unit == rows[0].unit]  # one unit per axis
-        values = [r.median for r in rows]
-        if rows[0].unit == "ms":
-            xlabel, fname = "median latency (ms, lower is better)", f"{name}_latency.png"
-        else:
-            xlabel, fname = f"median {rows[0].unit}", f"{name}.png"
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
-    y = range(len(rows))
-    ax.barh(list(y), values, color="#4C72B0")
-    ax.set_yticks(list(y), [r.technique for r in rows], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel(xlabel)
-    ax.set_title(WHAT.get(name, name), fontsize=10)
-    for i, v in enumerate(values):
-        ax.text(v, i, f" {format_number(float(v))}", va="center", fontsize=7)
-    fig.tight_layout()
-    _save_png(fig, os.path.join(out, fname))
-    plt.close(fig)
-    written.append(fname)
-    scatter = [r for r in rows if isinstance(r.metric_drop, (int, float)) and r.unit == "ms"]
-    if name == "infer" and scatter:
-        written.append(_plot_accuracy(scatter, out, plt))
+    if name == "infer" and any(r.unit == "ms" for r in rows):
+        written.append(_plot_infer_latency(rows, out, plt))
+        scatter = [r for r in rows if isinstance(r.metric_drop, (int, float)) and r.unit == "ms"
+                   and math.isfinite(r.median)]
+        if scatter:
+            written.append(_plot_accuracy(scatter, out, plt, result.get("max_metric_drop", ALLOWED_DROP)))
+        return written
+    compress = _plot_compress(result, out, plt) if name == "compress" else None
+    written.append(compress or _plot_bars(name, rows, out, plt))
     return written
 
 
-def _plot_accuracy(rows: list[Row], out: str, plt: Any) -> str:
-    """Inference variants: accuracy drop against latency."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.scatter([r.median for r in rows], [100 * r.metric_drop for r in rows], color="#DD8452")
-    for r in rows:
-        ax.annotate(r.technique, (r.median, 100 * r.metric_drop), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("median latency (ms, log scale)")
-    ax.set_ylabel("accuracy drop vs fp32 (percentage points)")
-    ax.set_title("Inference candidates: accuracy vs latency", fontsize=10)
-    fig.tight_layout()
-    fname = "infer_accuracy_vs_latency.png"
-    _save_png(fig, os.path.join(out, fname))
-    plt.close(fig)
-    return fname
+def summary_section(results: dict[str, Any]) -> list[str]:
+    """The Summary table, its footnote, the suites measured on a busy machine, and where design went."""
+    rows = summary_rows(results)
+    parts = ["## Summary", "", _with_note(_md_table(SUMMARY_COLUMNS, rows), [r[-1] for r in rows])]
+    busy = busy_lines(results)
+    if busy:
+        parts += ["", "Measured on a busy machine:", "", *(f"- {line}" for line in busy)]
+    shown = [n for n in NOT_IN_SUMMARY if isinstance(results.get(n), dict)]
+    if shown:
+        parts += ["", f"Not in the summary ({', '.join(shown)}): no plain-PyTorch baseline to compare with; "
+                      "see its own section below."]
+    return parts
 
 
-def _plot_ceiling(name: str, table: list[Row], out: str, plt: Any) -> list[str]:
-    """One plot per suite: each row's % of the ceiling of its kind of work (100% = this machine's best)."""
-    rows = [r for r in table if isinstance(r.pct_of_ceiling, (int, float))]
-    if not rows:
-        return []
-    fname = f"{name}_ceiling.png"
-    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.4))
-    y = list(range(len(rows)))
-    colours = {"decode": "#4C72B0", "fp32": "#55A868", "bf16": "#C44E52", "int8": "#8172B2"}
-    ax.barh(y, [r.pct_of_ceiling for r in rows], color=[colours.get(r.ceiling, "#937860") for r in rows])
-    ax.axvline(100, color="black", linewidth=1)
-    ax.set_yticks(y, [f"{r.technique} [{r.ceiling}]" for r in rows], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("% of this machine's ceiling for the row's kind of work (100 = the ceiling)")
-    ax.set_title(f"{name}: how close each row comes to this machine's limit", fontsize=10)
-    for i, r in enumerate(rows):
-        ax.text(r.pct_of_ceiling, i, f" {r.pct_of_ceiling:.0f}%", va="center", fontsize=6)
-    fig.tight_layout()
-    _save_png(fig, os.path.join(out, fname))
-    plt.close(fig)
-    return [fname]
+def _suite_section(name: str, result: dict[str, Any], out: str) -> list[str]:
+    """A suite's heading, table, plots, figures and notes (or its error)."""
+    parts = ["", f"## {name}: {WHAT.get(name, '')}", ""]
+    if "error" in result:
+        return parts + ["**This suite failed**; the other suites ran. Its error:", "", "```",
+                        result.get("traceback") or result["error"], "```"]
+    warning = busy_warning(result.get("others_cores"))
+    if warning:
+        parts += [f"**Note:** {warning}.", ""]
+    parts.append(suite_table(result))
+    try:
+        images = plot_suite(name, result, out)
+    except ImportError:
+        images = []
+        parts += ["", "(plots need matplotlib: `pip install 'torchspeed[report]'`)"]
+    for img in images:
+        parts += ["", f"![{name}]({img})"]
+    figures = {k: v for k, v in result.items()
+               if k not in ("rows", "notes", "traceback", "limits", "others_cores") and not isinstance(v, (dict, list))}
+    if figures:
+        parts += ["", "Figures: " + ", ".join(f"`{k}` = {format_number(v)}" for k, v in figures.items())]
+    for note in result.get("notes", []):
+        parts += ["", f"- {note}"]
+    return parts
 
 
 def write_report(results: dict[str, Any], out: str, command: str = "torchspeed bench") -> str:
@@ -243,9 +403,7 @@ def write_report(results: dict[str, Any], out: str, command: str = "torchspeed b
         "",
         f"Command: `{command}`" + (" (quick mode: short runs, wider spread)" if results.get("quick") else ""),
         "",
-        "## Summary",
-        "",
-        _md_table(SUMMARY_COLUMNS, summary_rows(results)),
+        *summary_section(results),
     ]
     if isinstance(results.get("ceilings"), dict):
         parts += [""] + ceilings_section(results["ceilings"])
@@ -253,28 +411,8 @@ def write_report(results: dict[str, Any], out: str, command: str = "torchspeed b
     if limits:
         parts += [""] + limits
     for name in suites.SUITE_NAMES:
-        result = results.get(name)
-        if not isinstance(result, dict):
-            continue
-        parts += ["", f"## {name}: {WHAT.get(name, '')}", ""]
-        if "error" in result:
-            parts += ["**This suite failed**; the other suites ran. Its error:", "", "```",
-                      result.get("traceback") or result["error"], "```"]
-            continue
-        parts.append(suite_table(result))
-        try:
-            images = plot_suite(name, result, out)
-        except ImportError:
-            images = []
-            parts += ["", "(plots need matplotlib: `pip install 'torchspeed[report]'`)"]
-        for img in images:
-            parts += ["", f"![{name}]({img})"]
-        figures = {k: v for k, v in result.items()
-                   if k not in ("rows", "notes", "traceback", "limits") and not isinstance(v, (dict, list))}
-        if figures:
-            parts += ["", "Figures: " + ", ".join(f"`{k}` = {format_number(v)}" for k, v in figures.items())]
-        for note in result.get("notes", []):
-            parts += ["", f"- {note}"]
+        if isinstance(results.get(name), dict):
+            parts += _suite_section(name, results[name], out)
     path = os.path.join(out, "report.md")
     with atomic_write(path, "w") as f:
         f.write("\n".join(parts) + "\n")

@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+# units of a row whose figure is an accuracy, not a speed (the report shows it in the accuracy column)
+ACCURACY_UNITS = ("top-1", "top-5", "accuracy")
+
 # the columns every row writes, in the report's order
 CORE = ("technique", "median", "min", "max", "unit", "ratio", "cumulative", "metric_drop", "what")
 
@@ -90,6 +93,11 @@ class Row:
     def speedup(self) -> float | None:
         """The row's speed-up in the summary: cumulative when it has one, else its ratio."""
         return self.cumulative or self.ratio
+
+    @property
+    def is_accuracy(self) -> bool:
+        """Whether the row's figure is an accuracy (a distilled student's top-1) rather than a speed."""
+        return self.unit in ACCURACY_UNITS
 
     @property
     def measured(self) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 
 from torchspeed.args import as_list, progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
-from torchspeed.measure import Timing, compare
+from torchspeed.measure import Timing, busy_warning, compare
 from torchspeed.models import HOW_TO_NAME, create
 from torchspeed.runtime import FLOAT_PRECISIONS, default_precision, resolve_device
 from torchspeed.tables import print_table
@@ -56,6 +56,12 @@ class SelectResult:
     batch_size: int
     budget_ms: float | None
     device: str
+    others_cores: float | None = None  # cores other processes used while the candidates were timed
+
+    @property
+    def busy_warning(self) -> str | None:
+        """A sentence saying the candidates were timed on a busy machine (the ranking may be noise), else None."""
+        return busy_warning(self.others_cores)
 
     @property
     def best(self) -> BackboneRow:
@@ -85,7 +91,13 @@ class SelectResult:
         budget = f", budget {self.budget_ms:g} ms" if self.budget_ms is not None else ""
         title = (f"Backbones by measured latency per batch: input {tuple(self.input_shape)}, {self.device}{budget} "
                  f"(GMACs per sample, per s = samples per second)")
+        if self.busy_warning and console is None:
+            from rich.console import Console
+
+            console = Console()
         print_table(title, self.COLUMNS, self.rows(), console)
+        if self.busy_warning:
+            console.print(f"note: {self.busy_warning}", highlight=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +105,7 @@ class SelectResult:
             "batch_size": self.batch_size,
             "budget_ms": self.budget_ms,
             "device": self.device,
+            "others_cores": self.others_cores,
             "best": self.best.name,
             "table": [c.to_dict() for c in self.table],
         }
@@ -163,7 +176,8 @@ def select_backbone(
                          device=dev, cooldown_s=0.05)
     ranked = sorted((_row(label, sizes[label], {p: comparison[f"{label}|{p}"] for p in precisions}, batch, budget_ms)
                      for label, _ in items), key=lambda c: c.latency_ms)
-    result = SelectResult(table=ranked, input_shape=shape, batch_size=batch, budget_ms=budget_ms, device=str(dev))
+    result = SelectResult(table=ranked, input_shape=shape, batch_size=batch, budget_ms=budget_ms, device=str(dev),
+                          others_cores=comparison.others_cores)
     _log_choice(result)
     return result
 
@@ -238,3 +252,5 @@ def _log_choice(result: SelectResult) -> None:
     log.info("select_backbone: fastest %s at %s, p50 %.2f ms per batch of %d on %s (%s params, %.3f GMACs per "
              "sample)%s%s", best.name, best.precision, best.latency_ms, result.batch_size, result.device,
              f"{best.params / 1e6:.2f}M", best.macs / 1e9, budget, f"; then {others}" if others else "")
+    if result.busy_warning:
+        log.warning("select_backbone: %s", result.busy_warning)

@@ -239,6 +239,26 @@ class FastLoader:
         return self._augmented.source
 
     @property
+    def batch_size(self) -> int:
+        """Samples per batch (DataLoader's attribute, for code written for one)."""
+        return self.batch_sampler.batch_size
+
+    @property
+    def sampler(self) -> EpochBatchSampler:
+        """What orders this rank's samples: its `num_replicas`, `rank`, `shuffle` and `epoch`."""
+        return self.batch_sampler
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether a last batch smaller than `batch_size` is left out."""
+        return self.batch_sampler.drop_last
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes really used (0: `threads` of this process make the batches)."""
+        return self.dataloader.num_workers
+
+    @property
     def decoder(self) -> str:
         return self._augmented.decoder
 

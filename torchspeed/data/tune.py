@@ -11,6 +11,7 @@ it): the factory is `build(num_workers, prefetch_factor, persistent_workers, pin
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,12 +22,15 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+import torchspeed.measure as measure
 from torchspeed.args import as_list, progress_fn
 from torchspeed.measure import time_iterable
 from torchspeed.runtime import usable_cores
 
 __all__ = ["TuneResult", "LoaderRow", "measure_settings", "dataloader_factory", "as_counts", "shutdown_workers",
            "worker_error"]
+
+log = logging.getLogger(__name__)
 
 
 def as_counts(value: Any, name: str, minimum: int) -> str | int | list[int]:
@@ -85,6 +89,17 @@ class TuneResult:
     table: list[LoaderRow] = field(default_factory=list)
     threads: int = 1  # fast_loader's batch-making threads when num_workers is 0
     tuning_s: float = 0.0  # how long the measurement took
+    others_cores: float | None = None  # cores other processes used while it measured (None: not measured)
+
+    @property
+    def busy_warning(self) -> str | None:
+        """A sentence saying the settings were timed on a busy machine (the choice may be noise), else None."""
+        return measure.busy_warning(self.others_cores)
+
+    def __str__(self) -> str:
+        lines = [f"loader: {self.describe()} ({self.throughput:.0f} items/s, {len(self.table)} settings timed in "
+                 f"{self.tuning_s:.1f} s)"]
+        return "\n".join(lines + ([f"note: {self.busy_warning}"] if self.busy_warning else []))
 
     @property
     def best(self) -> LoaderRow | None:
@@ -374,11 +389,16 @@ def measure_settings(
     first = (prefetch_factor[0] if prefetch_factor else 2, persistent_workers[0] if persistent_workers else True,
              (list(pin_memory) or [False])[0])
     search = _Search(build, thread_counts is not None, first, tune_seconds, device, progress, patience)
+    others = measure.OthersLoad()
     rate, best = _best_counts(search, worker_counts, thread_counts)
     rate, best = _best_options(search, rate, best, prefetch_factor[1:], persistent_workers[1:], list(pin_memory)[1:])
-    return TuneResult(num_workers=best.num_workers, prefetch_factor=best.prefetch_factor,
-                      persistent_workers=best.persistent_workers, pin_memory=best.pin_memory, throughput=rate,
-                      table=search.table, threads=best.threads, tuning_s=time.perf_counter() - t_start)
+    result = TuneResult(num_workers=best.num_workers, prefetch_factor=best.prefetch_factor,
+                        persistent_workers=best.persistent_workers, pin_memory=best.pin_memory, throughput=rate,
+                        table=search.table, threads=best.threads, tuning_s=time.perf_counter() - t_start,
+                        others_cores=others.cores())
+    if result.busy_warning:
+        log.warning("loader settings: %s", result.busy_warning)
+    return result
 
 
 def _best_counts(search: _Search, num_workers: str | int | list[int],

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from torchspeed.infer.runners import RUNTIME_KEY, Runner
+from torchspeed.measure import busy_warning
 
 __all__ = ["VariantRow", "OptimizeResult"]
 
@@ -82,6 +83,12 @@ class OptimizeResult:
     threads: int
     unavailable: dict[str, str]
     _workdir: Any = field(default=None, repr=False)  # keeps exported files alive while the result lives
+    others_cores: float | None = None  # most cores other processes used while one batch size was timed
+
+    @property
+    def busy_warning(self) -> str | None:
+        """A sentence saying the variants were timed on a busy machine (the choice may be noise), else None."""
+        return busy_warning(self.others_cores)
 
     @property
     def best(self) -> VariantRow | None:
@@ -109,7 +116,7 @@ class OptimizeResult:
         return {
             "best": best.name if best else None, "objective": self.objective,
             "batch_sizes": list(self.batch_sizes), "baseline_metric": self.baseline_metric,
-            "threads": self.threads, "unavailable": self.unavailable,
+            "threads": self.threads, "unavailable": self.unavailable, "others_cores": self.others_cores,
             "candidates": [r.to_dict() for r in self.table],
         }
 
@@ -148,3 +155,5 @@ class OptimizeResult:
         skipped = [f"{r.name} ({r.reason})" for r in self.table if r.status == "skipped"]
         if skipped:
             console.print("skipped: " + "; ".join(skipped), highlight=False)
+        if self.busy_warning:
+            console.print(f"note: {self.busy_warning}", highlight=False)

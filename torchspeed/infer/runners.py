@@ -172,15 +172,23 @@ class TorchRunner(Runner):
         self.module = build_torch_module(model, recipe)
 
     def __call__(self, x: Any) -> torch.Tensor:
-        """Logits for the model's inputs (a tensor, or a dict / tuple of them as `batch_format` says)."""
-        if self.device.type == "cpu" and torch.get_num_threads() != self.threads:
+        """Logits for the model's inputs (a tensor, or a dict / tuple of them as `batch_format` says).
+
+        On a CPU the call runs with the runner's thread count (what it was timed with) and gives the
+        caller's back on return."""
+        caller_threads = torch.get_num_threads()
+        if self.device.type == "cpu" and caller_threads != self.threads:
             torch.set_num_threads(self.threads)
-        # tensors (arrays made tensors), floating ones as float32; a list is positional inputs, as a tuple
-        x = map_tensors(lambda v: as_fp32(_as_tensor(v)), tuple(x) if isinstance(x, list) else x, leaf=object)
-        x = to_device(x, self.device)
-        with torch.inference_mode(), self._compile_config():
-            out = self.format.forward(self.module, x)
-        return self.format.logits_of(out)
+        try:
+            # tensors (arrays made tensors), floating ones as float32; a list is positional inputs, as a tuple
+            x = map_tensors(lambda v: as_fp32(_as_tensor(v)), tuple(x) if isinstance(x, list) else x, leaf=object)
+            x = to_device(x, self.device)
+            with torch.inference_mode(), self._compile_config():
+                out = self.format.forward(self.module, x)
+            return self.format.logits_of(out)
+        finally:
+            if torch.get_num_threads() != caller_threads:
+                torch.set_num_threads(caller_threads)
 
     def _compile_config(self) -> Any:
         if not self.recipe.get("compile"):

@@ -257,13 +257,15 @@ def _search(subject: nn.Module | OnnxGraph, example_input: Any, calib_data: Iter
                           model if graph is None else graph.path, config.batch_format)
     table = _build_and_verify(variants, ctx, verify_x, ref, machine, facts, config, eval_fn is not None, say)
     baseline_metric = judge(table, eval_fn, config.max_metric_drop, say) if eval_fn is not None else None
+    others_cores = None
     if config.measure:
-        time_variants([r for r in table if r.runner is not None], example, config.batch_sizes, gen, config.repeats,
-                      config.min_time_s, say, device=config.device if config.device.type == "cuda" else None)
+        others_cores = time_variants([r for r in table if r.runner is not None], example, config.batch_sizes, gen,
+                                     config.repeats, config.min_time_s, say,
+                                     device=config.device if config.device.type == "cuda" else None)
     _note_export(table, export)
     unavailable = {name: why for name, why in machine.runtimes.items() if why}
     result = OptimizeResult(table, config.batch_sizes, config.objective, baseline_metric, config.threads, unavailable,
-                            workdir)
+                            workdir, others_cores=others_cores)
     _log_rows(result)
     return result
 
@@ -413,22 +415,27 @@ def judge(table: list[VariantRow], eval_fn: Callable[[Callable[[Any], Any]], flo
 
 
 def time_variants(rows: list[VariantRow], example: Any, batch_sizes: Sequence[int], gen: torch.Generator,
-                  repeats: int, min_time_s: float, say: Callable[[str], Any], device: Any = None) -> None:
+                  repeats: int, min_time_s: float, say: Callable[[str], Any], device: Any = None) -> float | None:
     """The timing step: every row with a runner, interleaved against the baseline (the first row), at
     each batch size. Inputs are made on the model's device (`example`'s); on a GPU `compare`
-    synchronises the device after each run, so asynchronous kernels are timed to their end."""
+    synchronises the device after each run, so asynchronous kernels are timed to their end.
+    Returns the most cores other processes used while one batch size was timed (None: not measurable)."""
     from torchspeed.measure import compare  # the one timing tool (house rule)
 
+    others: list[float] = []
     for b in batch_sizes if rows else ():
         say(f"timing {len(rows)} variants at batch {b}")
         x = _batch_of(example, b, gen)
         contenders = {r.name: (lambda r=r: r.runner(x)) for r in rows}
         cmp = compare(contenders, baseline=rows[0].name, repeats=repeats, min_time_s=min_time_s, items=b,
                       cooldown_s=0.1, device=device)
+        if cmp.others_cores is not None:
+            others.append(cmp.others_cores)
         for r in rows:
             t = cmp[r.name]
             r.latency_ms[b] = {"p50_ms": t.median_s * 1e3, "p90_ms": t.p90_s * 1e3, "min_ms": t.min_s * 1e3,
                                "max_ms": t.max_s * 1e3, "throughput": t.throughput}
+    return max(others, default=None)
 
 
 def _log_rows(result: OptimizeResult) -> None:
@@ -445,6 +452,8 @@ def _log_rows(result: OptimizeResult) -> None:
             parts.append(f"output error {r.rel_l2_error:.2e}")
         parts.append("passed" if r.passed else f"{r.status}: {r.reason}")
         log.info("optimize: %s: %s", r.name, "; ".join(parts))
+    if result.busy_warning:
+        log.warning("optimize: %s", result.busy_warning)
     best = result.best
     if best is None:
         log.info("optimize: no variant chosen (%s)",

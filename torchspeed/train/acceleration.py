@@ -126,6 +126,14 @@ class AccelerateResult:
     tf32: bool | None = None              # TF32 for fp32 matrix multiplies (CUDA); None: not applicable here
     cudnn_benchmark: bool | None = None   # cuDNN autotuning (CUDA); None: not applicable here
     candidates: list[TrialRow] = field(default_factory=list)
+    others_cores: float | None = None     # most cores other processes used during a trial (None: not measured)
+
+    @property
+    def busy_warning(self) -> str | None:
+        """A sentence saying the trials ran on a busy machine (their choices may be noise), else None."""
+        from torchspeed.measure import busy_warning
+
+        return busy_warning(self.others_cores)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -144,6 +152,8 @@ class AccelerateResult:
         for c in self.candidates:
             step = "-" if c.step_s is None else f"{c.step_s * 1e3:.1f} ms"
             lines.append(f"  {c.setting:13s} {c.value:6s} step {step:>10s}  one-off {c.one_off_s:.1f} s  {c.decision}")
+        if self.busy_warning:
+            lines.append(f"  note: {self.busy_warning}")
         return "\n".join(lines)
 
 
@@ -330,6 +340,7 @@ class _StepTimer:
     def __init__(self, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, steps: int,
                  batch_format: BatchFormat | None = None, classes: int | None = None):
         self.device, self.steps, self.classes = device, steps, classes
+        self.others: list[float] = []  # cores other processes used during each timing
         self.loss_fn = loss_fn or _default_loss
         self.fmt = batch_format or BatchFormat()
         try:
@@ -359,13 +370,15 @@ class _StepTimer:
 
     def measure(self, step: Callable[[], None]) -> tuple[float, float]:
         """(median step seconds, first-call seconds): the first call carries one-off costs."""
-        from torchspeed.measure import time_callable
+        import torchspeed.measure as measure
 
         t0 = time.perf_counter()
         step()
         synchronize(self.device)
         first = time.perf_counter() - t0
-        t = time_callable(step, name="trial", warmup=1, repeats=self.steps, device=self.device)
+        others = measure.OthersLoad()
+        t = measure.time_callable(step, name="trial", warmup=1, repeats=self.steps, device=self.device)
+        self._record(others.cores())
         return t.median_s, first
 
     def compare(self, steps: dict[str, Callable[[], None]]) -> dict[str, float]:
@@ -373,7 +386,17 @@ class _StepTimer:
         from torchspeed.measure import compare
 
         c = compare(steps, warmup=1, repeats=self.steps, cooldown_s=0.05, device=self.device)
+        self._record(c.others_cores)
         return {name: c[name].median_s for name in steps}
+
+    def _record(self, others_cores: float | None) -> None:
+        if others_cores is not None:
+            self.others.append(others_cores)
+
+    @property
+    def others_cores(self) -> float | None:
+        """The most cores other processes used during any one timing (None where none could tell)."""
+        return max(self.others, default=None)
 
 
 @contextlib.contextmanager
@@ -791,6 +814,10 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
     timer = _trial_timer(options, dev, example_batch, loss_fn, fmt, classes)
     with _leaving_no_trace(model) if timer is not None else contextlib.nullcontext():
         compiled = _choose_step_settings(model, timer, options, report, dev, untried)
+    if timer is not None:
+        report.others_cores = timer.others_cores
+        if report.busy_warning:
+            log.warning("accelerate: %s", report.busy_warning)
     if denv.distributed:
         _agree_across_ranks(report, model)
     wrapped = _wrap_for_strategy(model, optimizer, strategy_eff, options.strategy, dev, denv, untried,

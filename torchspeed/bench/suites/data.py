@@ -146,10 +146,10 @@ def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], a
         try:
             best, loader, rates = _best(f"{name} threads", lambda n, d=dev: peers.DaliLoader(
                 resized, BATCH, CROP, n, IMAGENET_MEAN, IMAGENET_STD, device=d), counts, tune_s, say)
-            tried = ", ".join(f"{n}: {r:,.0f}" for n, r in rates.items())
+            tried = ", ".join(str(n) for n in rates)
             add(name, loader, f"NVIDIA DALI {dev.upper()} pipeline ({'device_id=None, ' if dev == 'cpu' else ''}"
                 f"fn.decoders.image_random_crop on {'cpu' if dev == 'cpu' else 'mixed'}, resize, crop_mirror_normalize) "
-                f"on the photos resized offline to short side {SHORT_SIDE}, num_threads={best} (best of {tried} img/s)",
+                f"on the photos resized offline to short side {SHORT_SIDE}, num_threads={best}, the fastest in a short trial of {tried}",
                 peer=True, check=dev == "cpu")
         except Exception as e:  # noqa: BLE001 - a peer that is missing or fails is a row with the reason
             skipped(peers.skipped_row(name, _why(e), "img/s", ceiling="decode"))
@@ -159,9 +159,9 @@ def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], a
                                                             f"{os.path.basename(resized)}-litdata"))
         best, loader, rates = _best("litdata num_workers", lambda n: peers.litdata_loader(
             directory, BATCH, CROP, n, IMAGENET_MEAN, IMAGENET_STD), list(range(0 if full else 1, cores + 1)), tune_s, say)
-        tried = ", ".join(f"{n}: {r:,.0f}" for n, r in rates.items())
+        tried = ", ".join(str(n) for n in rates)
         add("litdata", loader, f"LitData optimize() of the photos resized offline to short side {SHORT_SIDE} + "
-            f"StreamingDataLoader, PIL + the torchvision transforms, num_workers={best} (best of {tried} img/s)",
+            f"StreamingDataLoader, PIL + the torchvision transforms, num_workers={best}, the fastest in a short trial of {tried}",
             peer=True)
     except Exception as e:  # noqa: BLE001
         skipped(peers.skipped_row("litdata", _why(e), "img/s", ceiling="decode"))
