@@ -162,7 +162,17 @@ def test_conv_bound_times_every_convolution_alone_and_counts_their_flops():
     profile = {"step_s": 1.0, "layout": "NCHW", "conv_bound": bound,
                "categories": {"convolution forward": {"seconds": 0.6, "share_pct": 60.0, "gflops": 10.0}}}
     rep = type("Rep", (), {"channels_last": False})()
-    lim = _train_limit(5.0, 1e9, 100.0, profile, rep, "fp32")
+    lim = _train_limit(5.0, 1e9, {"fp32": 100.0, "bf16": 200.0}, profile, rep, "fp32")
     # the bound is the faster of the convolutions' rate in the step (10 GFLOP/s = 10%) and alone
     assert lim["bound_pct"] == pytest.approx(max(10.0, bound["gflops"]))  # GFLOP/s = % of a 100 GFLOP/s ceiling
     assert "each of the 2 timed alone" in lim["why"] and f"about {lim['bound_pct']:.0f}%" in lim["why"]
+    assert lim["measured"] == "fp32: 5 of 100 GFLOP/s (5%)" and lim["met"] is False
+
+
+def test_the_train_goal_judges_a_bf16_step_against_the_bf16_ceiling():
+    from torchspeed.bench.suites.train import _train_limit
+
+    lim = _train_limit(160.0, 1e9, {"fp32": 100.0, "bf16": 200.0}, None, None, "bf16")
+    assert lim["measured"] == "bf16: 160 of 200 GFLOP/s (80%)" and lim["met"] is True  # 160% of fp32's: not the question
+    assert "(bf16)" in lim["goal"]
+    assert _train_limit(160.0, 1e9, {"fp32": 100.0}, None, None, "bf16")["met"] is None

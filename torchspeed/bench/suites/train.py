@@ -25,6 +25,7 @@ from typing import Any
 from torchspeed.bench.budget import Budget
 from torchspeed.bench.rows import Row, to_json
 from torchspeed.bench.suite_kit import Phases, Windows
+from torchspeed.runtime import FLOAT_PRECISIONS
 
 TITLE = "Training: ResNet-18 samples/s (10 classes, 128x128, batch 64; rows cumulative)"
 
@@ -396,7 +397,8 @@ class _TrainSuite:
         # the suite measures the CPU path here; CUDA runs use the same code
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         items = (ceil.load_cached(describe()) or {}).get("items", {})
-        self.fp32_ceiling = (items.get("fp32") or {}).get("value")
+        self.ceilings = {p: (items.get(p) or {}).get("value") for p in FLOAT_PRECISIONS}  # GFLOP/s per precision
+        self.fp32_ceiling = self.ceilings["fp32"]
         self.mixed, self.emulated, self.emulated_why = _mixed_precision(self.device, items, self.fp32_ceiling)
         self.rows: list[Row] = []
         self.notes: list[str] = []
@@ -698,25 +700,28 @@ class _TrainSuite:
                      f"{es['best_val_loss_early_stopped']:.4f} vs {es['best_val_loss_full_run']:.4f} with the full "
                      "budget")
         notes.append(f"FLOPs per training sample (forward + backward, torch.utils.flop_counter): {self.flops / 1e9:.2f} G")
-        results["limits"] = [_train_limit(auto, self.flops, self.fp32_ceiling, results.get("step_profile"), self.rep,
+        results["limits"] = [_train_limit(auto, self.flops, self.ceilings, results.get("step_profile"), self.rep,
                                           self.auto_prec)]
         results["notes"] = notes
         return results
 
 
-def _train_limit(auto: float, flops: float, fp32_ceiling: float | None, profile: dict[str, Any] | None,
+def _train_limit(auto: float, flops: float, ceilings: dict[str, float | None], profile: dict[str, Any] | None,
                  rep: Any, precision: str) -> dict[str, Any]:
-    """The train goal (a step at >= 75% of the fp32 GEMM ceiling) and, from the step's profile, why not."""
+    """The train goal (the chosen step at >= 75% of the GEMM ceiling of the precision it runs) and, from
+    the profile of an fp32 step, why not."""
     achieved = auto * flops / 1e9
-    lim: dict[str, Any] = {"goal": "ResNet-18 training step >= 75% of the fp32 GEMM ceiling",
-                           "measured": f"{achieved:.1f} GFLOP/s" + (f" = {100 * achieved / fp32_ceiling:.0f}% of "
-                                                                    f"{fp32_ceiling:.0f}" if fp32_ceiling else ""),
-                           "met": (achieved >= 0.75 * fp32_ceiling) if fp32_ceiling else None}
+    ceiling, fp32_ceiling = ceilings.get(precision), ceilings.get("fp32")
+    lim: dict[str, Any] = {"goal": f"ResNet-18 training step >= 75% of the GEMM ceiling of its precision ({precision})",
+                           "measured": (f"{precision}: {achieved:.0f} of {ceiling:.0f} GFLOP/s "
+                                        f"({100 * achieved / ceiling:.0f}%)" if ceiling
+                                        else f"{achieved:.1f} GFLOP/s (no {precision} ceiling measured)"),
+                           "met": (achieved >= 0.75 * ceiling) if ceiling else None}
     if not profile:
         lim["why"] = "no step profile in this run (budget)"
         return lim
     cats = profile["categories"]
-    conv = [f"{c} {v['gflops']:.0f} GFLOP/s" + (f" ({v['pct_of_fp32_ceiling']:.0f}% of the ceiling)"
+    conv = [f"{c} {v['gflops']:.0f} GFLOP/s" + (f" ({v['pct_of_fp32_ceiling']:.0f}% of the fp32 ceiling)"
                                                   if "pct_of_fp32_ceiling" in v else "")
             for c, v in cats.items() if "gflops" in v]
     rest = sum(v["seconds"] for c, v in cats.items() if not c.startswith("convolution"))
@@ -732,7 +737,7 @@ def _train_limit(auto: float, flops: float, fp32_ceiling: float | None, profile:
         bound = profile.get("conv_bound") or {}
         alone = bound.get("gflops") or 0.0
         lim["bound_pct"] = 100 * max(in_step, alone) / fp32_ceiling
-        lim["why"] += (f". The convolutions together run at {100 * in_step / fp32_ceiling:.0f}% of the ceiling in the step"
+        lim["why"] += (f". The convolutions together run at {100 * in_step / fp32_ceiling:.0f}% of the fp32 ceiling in the step"
                        + (f" ({100 * alone / fp32_ceiling:.0f}% with each of the {bound['convolutions']} timed alone at "
                           "its shapes, forward + backward)" if alone else "")
                        + f", so even if every other op cost nothing a step would reach about {lim['bound_pct']:.0f}%")
