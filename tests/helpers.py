@@ -4,6 +4,14 @@ Import as `from helpers import tiny_convnet, separable_loader` (pytest puts test
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -42,3 +50,17 @@ def separable_loader(n: int = 256, batch: int = 32, *, size: int = 8, seed: int 
     x, y = separable_images(n, size, seed)
     return DataLoader(TensorDataset(x.to(device), y.to(device)), batch_size=batch, shuffle=shuffle,
                       generator=torch.Generator().manual_seed(seed) if shuffle else None)
+
+
+@contextlib.contextmanager
+def another_process_spinning() -> Iterator[None]:
+    """A busy loop in a process that is not our descendant (its parent shell exits), for the length of the
+    block: the load of "other processes" that torchspeed must notice and name. Started 0.2 s before."""
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    pid = int(out.stdout.strip())
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        os.kill(pid, signal.SIGKILL)

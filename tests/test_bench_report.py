@@ -2,6 +2,7 @@ import json
 import types
 
 import pytest
+from helpers import another_process_spinning
 
 from torchspeed.bench import orchestration, suites
 
@@ -202,20 +203,8 @@ def test_rows_above_their_ceiling_carry_one_footnote_and_accuracy_stays_out_of_t
     assert summary[0][:3] == ("data", "failed", "(no message)")  # an empty error message still reports
 
 
-def _detached_busy_loop() -> int:
-    """A spinning process that is not our descendant (its parent shell exits): the pid."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout.strip())
-
-
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/stat"), reason="needs Linux /proc")
 def test_a_suite_measured_beside_a_busy_process_is_named(tmp_path, monkeypatch):
-    import os
-    import signal
     import time
 
     from rich.console import Console
@@ -225,12 +214,8 @@ def test_a_suite_measured_beside_a_busy_process_is_named(tmp_path, monkeypatch):
         return {"rows": [{"technique": "torchspeed", "median": 50.0, "unit": "img/s", "ratio": 2.0}]}
 
     monkeypatch.setattr(suites, "load", lambda name: types.SimpleNamespace(TITLE="d", run=run))
-    pid = _detached_busy_loop()
-    try:
-        time.sleep(0.2)
+    with another_process_spinning():
         results = orchestration.run_suites(["compress"], quick=True, out=str(tmp_path), console=Console(quiet=True))
-    finally:
-        os.kill(pid, signal.SIGKILL)
     assert results["compress"]["others_cores"] > 0.5  # the loop alone uses about one core
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["compress"]["others_cores"] == results["compress"]["others_cores"]

@@ -1,14 +1,12 @@
 """doctor.lint: per-layer costs against analytic FLOPs, and each rule firing (or staying quiet)."""
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from torch import nn
+
+from helpers import another_process_spinning
 
 import torchspeed as ts
 from torchspeed.measure import OthersLoad
@@ -137,13 +135,6 @@ def test_elementwise_heavy_model_breaks_g4():
     assert r.by_kind["elementwise"]["ops"] == 15
 
 
-def _detached_busy_loop() -> int:
-    """A spinning process that is not our descendant (its parent shell exits): the pid."""
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout.strip())
-
-
 def _timed_lint():
     """A lint whose timed forward passes last long enough for the load to be sampled."""
     m = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1))
@@ -152,12 +143,8 @@ def _timed_lint():
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
 def test_lint_names_a_busy_machine_beside_its_timed_forward():
-    pid = _detached_busy_loop()
-    try:
-        time.sleep(0.2)
+    with another_process_spinning():
         r = _timed_lint()
-    finally:
-        os.kill(pid, signal.SIGKILL)
     assert r.others_cores > 0.5 and r.to_dict()["others_cores"] == r.others_cores
     assert r.busy.startswith("the machine was busy") and "the machine was busy" in str(r)
 

@@ -3,15 +3,13 @@ measured spread, numerics on the first losses, measured gains replacing estimate
 in a real loop (in this process), and one end-to-end run on a tiny script."""
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
 import torch
-from helpers import separable_loader
+from helpers import another_process_spinning, separable_loader
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -252,13 +250,6 @@ def test_a_speedup_beyond_removing_the_fixed_phases_is_implausible():
     assert not rows["fused_optimizer"]["kept"] and rows["fused_optimizer"]["verdict"].startswith("implausible")
 
 
-def _detached_busy_loop() -> int:
-    """A spinning process that is not our descendant (its parent shell exits): the pid."""
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout.strip())
-
-
 def _try_with_load():
     """A --try of one fix that measures as much as the baseline, each run taking a little wall time."""
     payload = _payload()
@@ -285,12 +276,8 @@ def _printed(t):
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
 def test_a_busy_machine_is_named_beside_the_spread_it_caused():
-    pid = _detached_busy_loop()
-    try:
-        time.sleep(0.2)
+    with another_process_spinning():
         t = _try_with_load()
-    finally:
-        os.kill(pid, signal.SIGKILL)
     assert t["others_cores"] > 0.5 and all(r["others_cores"] > 0.5 for r in t["baseline_runs"][1:])  # the first ran before --try
     (row,) = t["tried"]
     assert row["others_cores"] > 0.5 and row["verdict"] == "within the spread of a busy machine"

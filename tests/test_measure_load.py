@@ -2,32 +2,22 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from helpers import another_process_spinning
+
 from torchspeed import measure
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
 
 
-def _detached_busy_loop() -> int:
-    """A spinning process that is not our descendant (its parent shell exits): the pid."""
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout.strip())
-
-
 def test_another_process_spinning_during_compare_is_counted():
-    pid = _detached_busy_loop()
-    try:
-        time.sleep(0.2)
+    with another_process_spinning():
         c = measure.compare({"a": lambda: time.sleep(0.01), "b": lambda: time.sleep(0.01)}, repeats=10)
-    finally:
-        os.kill(pid, signal.SIGKILL)
     assert c.others_cores is not None and c.others_cores > 0.5  # the loop alone uses about one core
     assert "busy" in measure.busy_warning(c.others_cores) and c.to_dict()["others_cores"] == c.others_cores
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torchspeed.atomic import write_json
 
-__all__ = ["MARKER", "OutputDir", "claim_output_dir"]
+__all__ = ["MARKER", "OutputDir", "claim_output_dir", "check_output_file", "is_temporary"]
 
 MARKER = ".torchspeed-output.json"
 
@@ -54,7 +54,22 @@ def _read_marker(path: str) -> list[str] | None:
     return written
 
 
-def _is_temporary(name: str) -> bool:
+def check_output_file(path: str | os.PathLike, flag: str = "--json") -> None:
+    """Before any work: the file `path` can be written (its folder is created and a file tried there;
+    nothing is left behind). ValueError for a folder, OSError for an unwritable place, naming `flag`."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a folder: give a file path such as {os.path.join(path, 'result.json')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise OSError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
+
+
+def is_temporary(name: str) -> bool:
     """torchspeed's own temporaries (an atomic write's `.NAME.XXXX.tmp`, a save's partial folder): an
     interrupted save may leave one, and the writers clean those of dead processes themselves."""
     return name.startswith(".torchspeed-") or (name.startswith(".") and name.endswith(".tmp"))
@@ -77,7 +92,7 @@ def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = Fa
             pass
     except OSError as e:
         raise OSError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
-    present = sorted(n for n in os.listdir(path) if n != MARKER and not _is_temporary(n))
+    present = sorted(n for n in os.listdir(path) if n != MARKER and not is_temporary(n))
     ours = _read_marker(path) or []
     foreign = [n for n in present if n not in ours]
     if foreign:

@@ -31,7 +31,7 @@ from torchspeed.args import progress_fn
 from torchspeed.atomic import atomic_write, write_json
 from torchspeed.data import fast_loader, train_val_split
 from torchspeed.models import build, is_factory_spec, load_weights
-from torchspeed.outputs import MARKER, OutputDir, claim_output_dir
+from torchspeed.outputs import MARKER, OutputDir, claim_output_dir, is_temporary
 from torchspeed.runtime import resolve_device, seed_everything
 from torchspeed.train import distributed
 from torchspeed.train.acceleration import AccelerateOptions, AccelerateResult
@@ -296,7 +296,7 @@ def _adopt(out: str, ckdir: str) -> None:
     checkpoints or its run file) and nothing else is there but the train command's files, which are
     then recorded as torchspeed's."""
     try:
-        names = {n for n in os.listdir(out) if n != MARKER and not n.startswith(".")}  # hidden: temporaries
+        names = {n for n in os.listdir(out) if n != MARKER and not is_temporary(n)}
     except OSError:
         return
     folder = OutputDir(out, "train")

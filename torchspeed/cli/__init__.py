@@ -91,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.unlink(args.json)
     try:
         if getattr(args, "json", None) and not json_to_stdout:
-            check_json_path(args.json)
+            from torchspeed.outputs import check_output_file
+
+            check_output_file(args.json, "--json")
         with contextlib.redirect_stdout(sys.stderr) if json_to_stdout else contextlib.nullcontext():
             status = int(args.func(args) or 0)
         if json_to_stdout and os.path.exists(args.json):
@@ -181,20 +183,6 @@ def build_model(spec: str, args: argparse.Namespace, **library_defaults: object)
 
     return build(spec, weights=getattr(args, "weights", None), model_kwargs=getattr(args, "model_kwargs", None),
                  **library_defaults)
-
-
-def check_json_path(path: str) -> None:
-    """UserError naming --json when `path` cannot be written: checked before a command measures anything,
-    so a bad path costs nothing. Its folder is created, and a file tried there (nothing is left behind)."""
-    if os.path.isdir(path):
-        raise UserError(f"--json {path!r} is a folder: give a file path such as {os.path.join(path, 'result.json')!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise UserError(f"--json {path!r} cannot be written: {e.strerror or e}") from None
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:

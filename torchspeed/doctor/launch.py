@@ -340,18 +340,12 @@ def _claim_outputs(out: str | None, json_path: str | None) -> Any:
     """Check `--out` and `--json` before the script runs, so a bad one costs no run. `--out` is new or a
     folder torchspeed wrote (never one holding a user's file); an earlier doctor report there is
     replaced. Returns the claimed folder (`torchspeed.outputs.OutputDir`) or None."""
+    from torchspeed.outputs import check_output_file, claim_output_dir
+
     if json_path:
-        parent = os.path.dirname(os.path.abspath(json_path))
-        if os.path.isdir(json_path):
-            raise ValueError(f"--json {json_path!r} is a folder: give a file path")
-        try:
-            with tempfile.TemporaryFile(dir=parent):
-                pass
-        except OSError as e:
-            raise OSError(f"--json {json_path!r} cannot be written: {e.strerror or e}") from None
+        check_output_file(json_path, "--json")
     if not out:
         return None
-    from torchspeed.outputs import claim_output_dir
 
     return claim_output_dir(out, "doctor", overwrite=True, replaces=REPORT_FILES)
 
