@@ -4,7 +4,25 @@ Tests that change what they read (corrupting a file, adding a class) copy these 
 """
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory):
+    """The tests' own torchspeed cache: the user's ~/.cache/torchspeed is never read or written by a test."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TORCHSPEED_CACHE", str(tmp_path_factory.mktemp("torchspeed-cache")))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_remembered(_session_cache):
+    """Each test measures afresh: decisions remembered by an earlier test (torchspeed.remembered) are removed."""
+    shutil.rmtree(os.path.join(os.environ["TORCHSPEED_CACHE"], "decisions"), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ PACKAGE = os.path.join(ROOT, "torchspeed")
 # by side), except within the floor, whose modules form a small graph of their own (checked for cycles).
 LAYERS: list[set[str]] = [
     {"_lazy", "args", "atomic", "outputs", "safeload", "images", "tables", "measure", "runtime", "batches",
-     "metrics", "models"},
+     "metrics", "models", "remembered"},
     {"data", "train", "infer", "doctor"},
     {"compress", "recipes"},
     {"bench"},

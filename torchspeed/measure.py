@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["Timing", "Comparison", "PeakMemory", "OthersLoad", "time_callable", "time_iterable", "compare",
-           "process_tree_cpu_seconds", "machine_busy_cpu_seconds", "busy_warning", "wait_until_quiet"]
+           "process_tree_cpu_seconds", "machine_busy_cpu_seconds", "busy_warning", "wait_until_quiet",
+           "wait_for_quiet_machine", "Quiet"]
 
 BUSY_CORES = 0.3  # other processes using more than this many cores while we time: the figures may be off
 
@@ -400,6 +401,33 @@ class OthersLoad:
         if None in (machine, own, self._machine0, self._own0) or wall < 0.05:
             return None
         return max(0.0, ((machine - self._machine0) - (own - self._own0)) / wall)
+
+
+@dataclass
+class Quiet:
+    """What `wait_for_quiet_machine` saw: seconds waited, and the cores other processes used in its
+    last look (None where /proc cannot tell)."""
+
+    waited_s: float
+    others_cores: float | None
+
+    @property
+    def busy(self) -> bool:
+        return self.others_cores is not None and self.others_cores > BUSY_CORES
+
+
+def wait_for_quiet_machine(max_s: float = 10.0, window_s: float = 0.5, quiet_cores: float = BUSY_CORES) -> Quiet:
+    """Before timing: wait (at most `max_s`) until processes other than this one and its children use at
+    most `quiet_cores` cores, looking in windows of `window_s`. Returns what was seen; a caller whose
+    machine stayed busy times anyway and says so (`busy_warning`), rather than waiting forever."""
+    t0 = time.perf_counter()
+    seen: float | None = None
+    while True:
+        load = OthersLoad()
+        time.sleep(window_s)
+        seen = load.cores()
+        if seen is None or seen <= quiet_cores or time.perf_counter() - t0 + window_s > max_s:
+            return Quiet(time.perf_counter() - t0, seen)
 
 
 def busy_warning(others_cores: float | None) -> str | None:

@@ -4,6 +4,8 @@ This is the floor every other module stands on; it imports nothing else from tor
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import random
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "machine_key",
     "FLOAT_PRECISIONS",
     "PRECISIONS",
     "PrecisionChoice",
@@ -92,6 +95,14 @@ def describe() -> dict[str, Any]:
                 {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1)}
             )
     return info
+
+
+def machine_key(info: dict[str, Any] | None = None) -> str:
+    """A short stable key of what decides this machine's speed: CPU, cores, ISA, GPUs, torch version
+    (the ceilings and remembered decisions are kept under it)."""
+    info = info if info is not None else describe()
+    keep = {k: info.get(k) for k in ("cpu", "arch", "cores", "isa", "gpus", "torch")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def describe_line(info: dict[str, Any] | None = None) -> str:

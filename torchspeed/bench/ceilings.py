@@ -20,7 +20,6 @@ under `torchspeed.runtime.cache_dir("ceilings")`. Every timing goes through `tor
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchspeed.bench.rows import Row
+from torchspeed.runtime import machine_key
 
 TITLE = "Ceilings: what this machine's cores reach at best"
 VERSION = 1
@@ -36,12 +36,6 @@ SHORT_SIDE = 160        # the stores' image size (bench data and train suites)
 DECODE_SAMPLES = 128
 # which ceiling a row's precision is judged against
 PRECISION_CEILING = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16", "int8": "int8"}
-
-
-def machine_key(machine: dict[str, Any]) -> str:
-    """A short stable key of what decides the ceilings: CPU, cores, ISA, GPUs, torch version."""
-    keep = {k: machine.get(k) for k in ("cpu", "arch", "cores", "isa", "gpus", "torch")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def cache_path(machine: dict[str, Any]) -> str:
