@@ -187,7 +187,7 @@ def test_accelerate_reports_every_candidate_and_restores_weights():
     acc = accelerate(model, opt, example_batch=batch, loss_fn=nn.functional.cross_entropy, trial_steps=2,
                      untried={"compile": "quick mode budget"})
     m, o = acc
-    assert m is model and o is opt
+    assert m.module is model and acc.module is model and o is opt  # the model wraps the user's own
     rep = acc.report
     settings = {(c.setting, c.value): c for c in rep.candidates}
     precs = ["fp32", default_precision("cpu").name] if default_precision("cpu").name != "fp32" else ["fp32"]
@@ -221,7 +221,7 @@ def test_bad_arguments_are_clear():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="precision must be"):
         accelerate(model, opt, precision="fp8")
-    with pytest.raises(ValueError, match="needs example_batch"):
+    with pytest.raises(ValueError, match="needs a batch.*the training loader.*example_batch"):
         accelerate(model, opt)
     with pytest.raises(ValueError, match="fp16.*CUDA"):
         accelerate(model, opt, precision="fp16", channels_last=False, compile=False, device="cpu")
@@ -245,7 +245,7 @@ def test_accelerate_tries_compile_and_reports_its_cost():
     assert comp["True"].step_s > 0 and comp["True"].one_off_s > 0  # measured, with its compile time
     assert comp["True"].decision.startswith(("kept", "rejected"))
     assert acc.report.compile == (comp["True"].decision == "kept")
-    assert hasattr(acc.model, "_orig_mod") == acc.report.compile and acc.module is model
+    assert hasattr(acc.wrapped, "_orig_mod") == acc.report.compile and acc.module is model
     out = acc.model(_first_batch()[0])
     assert out.shape == (32, 2)
 
@@ -341,7 +341,7 @@ def test_trainer_takes_a_wrapped_model_that_accelerate_returned():
     model = tiny_convnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     m, o = accelerate(model, opt, precision="fp32", channels_last=False, compile=True)
-    assert hasattr(m, "_orig_mod")  # torch.compile's wrapper (compiles lazily, on the first call)
+    assert hasattr(m.wrapped, "_orig_mod")  # torch.compile's wrapper (compiles lazily, on the first call)
     tr = Trainer(m, o, nn.functional.cross_entropy, progress=False)  # no "already wrapped" error
     assert tr.model is m and tr.module is model and tr.report.compile
     with pytest.raises(ValueError, match="already wrapped"):

@@ -3,19 +3,27 @@
 (Module named acceleration, not accelerate: a submodule called accelerate would shadow the
 public function ts.train.accelerate once imported.)
 
+    model, optimizer, loader = ts.train.accelerate(model, optimizer, loader)
+
 Each "auto" setting is decided by timing a few real training steps (forward, loss, backward) of the
-user's model on an example batch, and an option is kept only when it is faster by a clear margin;
-one-off costs (torch.compile's compile time) are charged against the expected length of the run.
-The model's weights, buffers and RNG state are restored after the trials, so trying options
-changes nothing about training. The result lists every option as a `TrialRow` with its figures and
-decision, and each setting's outcome is logged as one INFO line on this module's logger.
+user's model on one batch (the loader's first, or `example_batch`), and an option is kept only when
+it is faster by a clear margin; one-off costs (torch.compile's compile time) are charged against the
+expected length of the run. The model's weights, buffers and RNG state are restored after the
+trials, so trying options changes nothing about training. What was decided is remembered
+(`torchspeed.remembered`, keyed by the machine, the model's structure, the batch's shapes and the
+settings), so the next run of the same script decides at once; `refresh=True` measures again. The
+result lists every option as a `TrialRow` with its figures and decision, and each setting's outcome
+is logged as one INFO line on this module's logger.
+
+The model returned runs its forward the chosen way by itself (`wrapping.AcceleratedModel`), so the
+user's loop stays `loss = loss_fn(model(x), y); loss.backward(); optimizer.step()`; under fp16 the
+GradScaler needs `acc.backward(loss)` and `acc.step(optimizer)`, and a plain step is refused.
 
 The settings are one `AccelerateOptions` value, checked once when it is made (`accelerate` builds it
 from its keywords; the Trainer holds one). `accelerate` runs four steps in order, one function each:
 the precision and memory-format trials (`_choose_precision_and_layout`), the compile trial
 (`_choose_compile`), the distributed wrapper (`_wrap_for_strategy`) and the optimizer implementation
-(`_choose_optimizer_implementation`). The `Accelerated` it returns runs the training step the chosen
-way: `autocast()`, `backward(loss)`, `step(optimizer)`.
+(`_choose_optimizer_implementation`).
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchspeed import measure, remembered
+from torchspeed.args import progress_fn
 from torchspeed.batches import BatchFormat, to_device
 from torchspeed.runtime import (
     FLOAT_PRECISIONS,
@@ -43,9 +53,17 @@ from torchspeed.runtime import (
     synchronize,
 )
 from torchspeed.train import distributed
+from torchspeed.train.wrapping import (
+    AcceleratedModel,
+    DeviceLoader,
+    class_count,
+    example_batch_of,
+    warn_if_unsharded,
+)
 
 __all__ = ["accelerate", "accelerate_with", "AccelerateOptions", "Accelerated", "AccelerateResult", "TrialRow",
-           "apply_cudnn_benchmark", "apply_tf32", "autocast_for", "check_class_outputs", "forget_prepared"]
+           "apply_cudnn_benchmark", "apply_tf32", "autocast_for", "check_class_outputs", "forget_prepared",
+           "AcceleratedModel", "DeviceLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +92,7 @@ class AccelerateOptions:
     min_compile_cost_s: float = 20.0
     untried: Mapping[str, str] = field(default_factory=dict)
     fused_optimizer: bool = True
+    refresh: bool = False  # measure again instead of recalling what an earlier run measured
 
     def __post_init__(self) -> None:
         if self.precision not in ("auto", *FLOAT_PRECISIONS):
@@ -92,7 +111,13 @@ class AccelerateOptions:
     @property
     def measures_step(self) -> bool:
         """Whether precision, memory format or compile is left to measurement (an example batch is needed)."""
-        return "auto" in (self.precision, self.channels_last, self.compile)
+        return "auto" in (self.precision, self.channels_last) or self.compile_may_be_tried
+
+    @property
+    def compile_may_be_tried(self) -> bool:
+        """Whether the compile trial can run: compile on "auto", not untried, and a run length given
+        (without `expected_steps` compile's one-off cost cannot be weighed)."""
+        return self.compile == "auto" and "compile" not in self.untried and self.expected_steps is not None
 
     def measures_cuda_switches(self, device: torch.device) -> bool:
         """Whether TF32 or cudnn.benchmark is left to measurement on `device` (CUDA only)."""
@@ -159,9 +184,19 @@ class AccelerateResult:
 
 @dataclass
 class Accelerated:
-    """The prepared model and optimizer (unpack: `model, optimizer = acc`) plus how to run a step.
+    """The prepared model, optimizer and loader (unpack: `model, optimizer, loader = acc`, or
+    `model, optimizer = acc` when no loader was given) plus how to run a step.
 
-    A plain training loop with the chosen settings::
+    The model runs its forward at the chosen precision and memory format by itself, so a plain loop
+    needs nothing more::
+
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            loss.backward()          # under fp16: acc.backward(loss)
+            optimizer.step()         # under fp16: acc.step(optimizer)
+            optimizer.zero_grad()
+
+    The explicit form does the same (the model then does not enter autocast twice)::
 
         with acc.autocast():
             loss = loss_fn(model(acc.prepare_input(x)), y)
@@ -173,12 +208,18 @@ class Accelerated:
     optimizer: torch.optim.Optimizer | None
     report: AccelerateResult
     device: torch.device
-    module: nn.Module             # the unwrapped model (no DDP / compile wrapper): state_dict lives here
+    module: nn.Module             # the user's model (no wrapper): state_dict lives here
     scaler: Any = None            # torch.amp.GradScaler for fp16, else None
     batch_format: BatchFormat | None = None  # how the batches were read (the Trainer's default for this model)
+    loader: Any = None            # the loader accelerate() was given, yielding device batches (a DeviceLoader)
+
+    def __post_init__(self) -> None:
+        if self.scaler is not None and self.optimizer is not None:
+            _guard_scaled_steps(self.optimizer)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter((self.model, self.optimizer))
+        parts = (self.model, self.optimizer) if self.loader is None else (self.model, self.optimizer, self.loader)
+        return iter(parts)
 
     @property
     def precision(self) -> str:
@@ -187,6 +228,11 @@ class Accelerated:
     @property
     def channels_last(self) -> bool:
         return self.report.channels_last
+
+    @property
+    def wrapped(self) -> nn.Module:
+        """What runs the forward: the user's model or its DDP / FSDP / torch.compile wrapper."""
+        return self.model.wrapped if isinstance(self.model, AcceleratedModel) else self.model
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The autocast context for forward passes at the chosen precision (fp32 weights are kept)."""
@@ -200,7 +246,11 @@ class Accelerated:
         """`loss.backward()`, with the loss scaled by the GradScaler under fp16 (small fp16 gradients
         would underflow to zero otherwise). For gradient accumulation, divide the loss by the number
         of micro-batches and call backward on each; then one `step()`."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            _BACKWARD_SCALED.add(self.scaler)
+        else:
+            loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer | None = None, max_grad_norm: float | None = None) -> bool:
         """One optimizer step on the gradients `backward()` left, then clear them (set to None).
@@ -208,7 +258,9 @@ class Accelerated:
         Under fp16 the gradients are unscaled before clipping (so `max_grad_norm` applies to the
         true gradients), the GradScaler skips a step whose gradients hold inf/NaN and adjusts its
         scale. `max_grad_norm` clips the total norm of the optimizer's parameters' gradients.
-        Returns True when the step was taken, False when the scaler skipped it.
+        Returns True when the step was taken, False when the scaler skipped it. Under fp16 a step
+        with no `backward()` since the last one is refused (a plain `loss.backward()` left unscaled
+        gradients that unscaling would shrink), before any weight changes.
 
         Host reads: none outside fp16 (the gradient norm stays on the device). Under fp16 one per
         step: the scaler's inf/NaN finding, read once after unscaling and before the optimizer's
@@ -220,21 +272,32 @@ class Accelerated:
         if opt is None:
             raise ValueError("Accelerated.step() needs the optimizer (none was given to accelerate())")
         scaler = self.scaler
-        if scaler is not None:
-            scaler.unscale_(opt)  # what scaler.step would do first; now the finding can be read once
+        if scaler is None:
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(_parameters(opt), max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return True
+        if scaler not in _BACKWARD_SCALED:
+            raise RuntimeError("precision is fp16: acc.step() found no acc.backward(loss) since the last step; the "
+                               "GradScaler needs the loss scaled, so call acc.backward(loss) instead of "
+                               "loss.backward() (nothing was stepped)")
+        _guard_scaled_steps(opt)
+        scaler.unscale_(opt)  # what scaler.step would do first; now the finding can be read once
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(_parameters(opt), max_grad_norm)
-        stepped = True
-        if scaler is not None:
-            found = list(scaler._found_inf_per_device(opt).values())
-            stepped = not bool(sum(v.to(found[0].device) for v in found)) if found else True
+        found = list(scaler._found_inf_per_device(opt).values())
+        stepped = not bool(sum(v.to(found[0].device) for v in found)) if found else True
+        _STEPPING.add(id(opt))
+        try:
             if getattr(opt, "_step_supports_amp_scaling", False):
                 scaler.step(opt)  # fused: the kernel skips the update itself on the device's finding
             elif stepped:
                 opt.step()  # the gradients are unscaled already; update() below reads the same finding
-            scaler.update()
-        else:
-            opt.step()
+        finally:
+            _STEPPING.discard(id(opt))
+        scaler.update()
+        _BACKWARD_SCALED.discard(scaler)
         opt.zero_grad(set_to_none=True)
         return stepped
 
@@ -256,6 +319,27 @@ class Accelerated:
             return None
         return cls(model=model, optimizer=optimizer, report=rec.report, device=rec.device, module=module,
                    scaler=rec.scaler, batch_format=rec.batch_format)
+
+
+# fp16: gradients scaled by the GradScaler must be stepped through Accelerated.step (unscaled, checked for inf)
+_STEPPING: set[int] = set()  # ids of the optimizers inside Accelerated.step now
+_GUARDED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers carrying the refusing hook
+_BACKWARD_SCALED: weakref.WeakSet[Any] = weakref.WeakSet()  # scalers with an acc.backward since their last step
+
+
+def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if id(optimizer) not in _STEPPING:
+        raise RuntimeError("precision is fp16: optimizer.step() was called outside acc.step(optimizer); the GradScaler "
+                           "must unscale the gradients and skip steps with inf/NaN, so use acc.backward(loss) and "
+                           "acc.step(optimizer) in the loop (nothing was stepped)")
+
+
+def _guard_scaled_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Under fp16: a step pre-hook refusing any step not made through Accelerated.step, before a weight
+    changes (a plain step would apply scaled, unchecked gradients: silently wrong)."""
+    if optimizer not in _GUARDED:
+        optimizer.register_step_pre_hook(_refuse_plain_step)
+        _GUARDED.add(optimizer)
 
 
 @dataclass
@@ -312,17 +396,54 @@ def check_class_outputs(logits: Any, targets: Any, loss_fn: Any, classes: int | 
 
     Only for class labels under a loss that indexes by them; `classes`: how many the data names,
     when it does. Reads the largest label (one host read), so it is called on a first batch only."""
-    if not (_indexes_by_label(loss_fn) and isinstance(logits, torch.Tensor) and logits.dim() == 2
-            and isinstance(targets, torch.Tensor) and targets.dim() == 1 and not targets.is_floating_point()
-            and targets.numel()):
+    if isinstance(logits, torch.Tensor) and logits.dim() == 2:
+        _check_class_width(logits.shape[1], targets, loss_fn, classes)
+
+
+def _check_class_width(width: int | None, targets: Any, loss_fn: Any, classes: int | None) -> None:
+    """check_class_outputs on the logits' width alone (a remembered decision keeps the width, so a
+    recalled accelerate() checks the labels without running the model)."""
+    if not (width is not None and _indexes_by_label(loss_fn) and isinstance(targets, torch.Tensor)
+            and targets.dim() == 1 and not targets.is_floating_point() and targets.numel()):
         return
-    width, top = logits.shape[1], int(targets.max())
+    top = int(targets.max())
     need = max(top + 1, classes or 0)
     if width < need:
         data = f"the data has {classes} classes" if classes and classes > top else f"a label is {top}"
         raise ValueError(f"the model gives {width} output(s) per sample (its logits' width) but {data}: a "
                          f"classifier needs one output per class; build it with {need} outputs (e.g. "
                          f"num_classes={need}), or check the labels")
+
+
+def _shapes(x: Any) -> str:
+    """A batch part's shapes for a message: '(32, 3, 64, 64) float32', dicts and tuples of them."""
+    if isinstance(x, torch.Tensor):
+        return f"({', '.join(map(str, x.shape))}) {str(x.dtype).replace('torch.', '')}"
+    if isinstance(x, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_shapes(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (tuple, list)):
+        return "[" + ", ".join(_shapes(v) for v in x) + "]"
+    return type(x).__name__
+
+
+def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """Refuse an optimizer that does not hold the model's parameters (made for another model, or before
+    `model.fc = ...` replaced a layer): its steps would leave the model untrained. An optimizer over a
+    part of the model only (a head being fine-tuned) is fine; one over extra tensors (a loss's) too."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
+    held = {id(p) for p in _parameters(optimizer)}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in trainable if id(p) not in held]
+    ours = {id(p) for _, p in model.named_parameters()}
+    foreign = sum(1 for i in held if i not in ours)
+    if trainable and (len(missing) == len(trainable) or (missing and foreign)):
+        raise ValueError(f"the optimizer lacks {len(missing)} of the model's {len(trainable)} trainable parameters "
+                         f"(e.g. {missing[0]!r}) and holds {foreign} tensor(s) that are not the model's: it was made "
+                         "for another model, or before a layer was replaced (model.fc = ...); create it from "
+                         "model.parameters() after the model is final")
 
 
 def _image_input(x: Any) -> bool:
@@ -368,10 +489,28 @@ class _StepTimer:
                 p.grad = None
         return step
 
+    def preflight(self, model: nn.Module) -> int | None:
+        """One forward and loss on the example batch before any trial, so that a batch the model cannot
+        take, or class logits narrower than the labels, is one clear ValueError naming both sides (not
+        an error inside a timed trial). Returns the logits' width (kept with the decision), or None."""
+        x, y = to_device(self.inputs, self.device), to_device(self.targets, self.device)
+        try:
+            with torch.no_grad():
+                out = self.fmt.logits_of(self.fmt.forward(model, x))
+        except Exception as e:
+            raise ValueError(f"the model cannot take the training batch (inputs {_shapes(x)}): "
+                             f"{type(e).__name__}: {e}") from e
+        check_class_outputs(out, y, self.loss_fn, self.classes)
+        try:
+            with torch.no_grad():
+                self.loss_fn(out, y, x) if getattr(self.loss_fn, "needs_inputs", False) else self.loss_fn(out, y)
+        except Exception as e:
+            raise ValueError(f"loss_fn cannot take the model's outputs {_shapes(out)} and the batch's targets "
+                             f"{_shapes(y)}: {type(e).__name__}: {e}") from e
+        return int(out.shape[1]) if isinstance(out, torch.Tensor) and out.dim() == 2 else None
+
     def measure(self, step: Callable[[], None]) -> tuple[float, float]:
         """(median step seconds, first-call seconds): the first call carries one-off costs."""
-        import torchspeed.measure as measure
-
         t0 = time.perf_counter()
         step()
         synchronize(self.device)
@@ -383,9 +522,7 @@ class _StepTimer:
 
     def compare(self, steps: dict[str, Callable[[], None]]) -> dict[str, float]:
         """Median step seconds of each option, timed interleaved (drifts hit all alike)."""
-        from torchspeed.measure import compare
-
-        c = compare(steps, warmup=1, repeats=self.steps, cooldown_s=0.05, device=self.device)
+        c = measure.compare(steps, warmup=1, repeats=self.steps, cooldown_s=0.05, device=self.device)
         self._record(c.others_cores)
         return {name: c[name].median_s for name in steps}
 
@@ -434,7 +571,7 @@ def _check_model(model: Any) -> None:
     """Refuse what cannot be prepared before anything is moved or measured."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, AcceleratedModel)) or hasattr(model, "_orig_mod"):
         raise ValueError("model is already wrapped (DDP or torch.compile); pass the plain nn.Module to accelerate(), "
                          "or pass the Accelerated that accelerate() returned (or its model) to the Trainer")
 
@@ -508,6 +645,10 @@ def _choose_compile(model: nn.Module, timer: _StepTimer | None, compile: bool | 
         return None
     if "compile" in untried:
         rows.append(TrialRow("compile", "True", decision=f"not tried: {untried['compile']}"))
+        return None
+    if expected_steps is None:
+        rows.append(TrialRow("compile", "True", decision="not tried: give expected_steps to weigh compile's one-off "
+                                                         "cost"))
         return None
     if base_step is None:
         base_step, _ = timer.measure(timer.step_fn(model, report.precision, report.channels_last))
@@ -753,12 +894,13 @@ def _log_choices(rows: Iterable[TrialRow], device: str) -> None:
 def accelerate(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    loader: Iterable[Any] | None = None,
+    *,
     precision: str = "auto",
     channels_last: bool | str = "auto",
     compile: bool | str = "auto",  # noqa: A002 (the public name of the setting)
     strategy: str | None = "auto",
     example_batch: Any = None,
-    *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     device: str | torch.device = "auto",
     expected_steps: int | None = None,
@@ -770,54 +912,104 @@ def accelerate(
     tf32: bool | str = "auto",
     cudnn_benchmark: bool | str = "auto",
     batch_format: BatchFormat | dict | None = None,
+    refresh: bool = False,
+    progress: bool | Callable[[str], Any] = False,
 ) -> Accelerated:
-    """Prepare `model` and `optimizer` for fast training here; decisions are measured and reported.
+    """Prepare `model`, `optimizer` and `loader` for fast training here; decisions are measured,
+    reported and remembered.
+
+        model, optimizer, loader = ts.train.accelerate(model, optimizer, loader)
+
+    The model returned runs its forward at the chosen precision and memory format (inputs moved to
+    the device where they enter, autocast, fp32 outputs), so the loop stays plain; the loader
+    returned yields batches on the device (everything else about it is the loader's). Under fp16
+    (CUDA) step with `acc.backward(loss)` and `acc.step(optimizer)` (the GradScaler; a plain
+    `optimizer.step()` is refused).
 
     precision: "auto" | "bf16" | "fp16" | "fp32" (mixed precision keeps fp32 weights and autocasts;
     fp16 brings a GradScaler on CUDA). channels_last / compile: "auto" | True | False. strategy:
-    "auto" (DDP under torchrun, else none) | "ddp" | "fsdp" | None. "auto" settings need
-    `example_batch` = one training batch, read by `batch_format` (`torchspeed.batches.BatchFormat`:
-    which part is the input, which the target, where the logits are; default: `(x, y)` tuples and
-    dict batches by its auto rules), and `loss_fn(logits, target)`; an option must beat the current
-    choice by `margin` (fraction of step time). Compile's one-off cost must be repaid within `expected_steps` steps;
-    with an expected run shorter than `min_compile_cost_s` it is not tried. `untried` maps a setting
-    name to the reason it is deliberately not tried (e.g. {"compile": "quick mode budget"}).
-    On CUDA, `tf32` (TF32 for fp32 matmuls) and `cudnn_benchmark` are "auto" (measured) | True |
-    False; both are process-wide switches, set to what was chosen.
+    "auto" (DDP under torchrun, else none) | "ddp" | "fsdp" | None. "auto" settings are measured on
+    the loader's first batch (taken without moving any RNG or the loader's position), or on
+    `example_batch`, read by `batch_format` (`torchspeed.batches.BatchFormat`: which part is the
+    input, which the target, where the logits are; default: `(x, y)` tuples and dict batches by its
+    auto rules), with `loss_fn(logits, target)`; an option must beat the current choice by
+    `margin` (fraction of step time). Compile is tried only when `expected_steps` is given, and
+    kept only when its one-off cost is repaid within them; with an expected run shorter than
+    `min_compile_cost_s` it is not tried. `untried` maps a setting name to the reason it is
+    deliberately not tried (e.g. {"compile": "quick mode budget"}). On CUDA, `tf32` (TF32 for fp32
+    matmuls) and `cudnn_benchmark` are "auto" (measured) | True | False; both are process-wide
+    switches, set to what was chosen.
+
+    Before any trial the batch goes through the model and the loss once: a batch the model cannot
+    take, too few class outputs for the labels, or an optimizer not holding the model's parameters
+    is a ValueError naming both sides. What was measured is remembered for this machine, model
+    structure, batch shapes and settings; the next call decides from it at once ("remembered from
+    <date> (<figure>)"); `refresh=True` measures again. `progress`: True prints one line per trial
+    on stderr, a callable receives them; by default nothing is printed (INFO log lines as always).
 
     The model returned can be given to `Trainer` as it is (or the `Accelerated` itself): the
     Trainer then uses these choices and does not measure again.
     """
+    if isinstance(loader, str):
+        raise TypeError(f"accelerate()'s third argument is the training loader, got the string {loader!r}; pass "
+                        f"the settings by keyword, e.g. precision={loader!r}")
     options = AccelerateOptions(
         precision=precision, channels_last=channels_last, compile=compile, strategy=strategy, device=device,
         tf32=tf32, cudnn_benchmark=cudnn_benchmark, expected_steps=expected_steps, trial_steps=trial_steps,
-        margin=margin, min_compile_cost_s=min_compile_cost_s, untried=untried or {}, fused_optimizer=fused_optimizer)
-    return accelerate_with(options, model, optimizer, example_batch=example_batch, loss_fn=loss_fn,
-                           batch_format=batch_format)
+        margin=margin, min_compile_cost_s=min_compile_cost_s, untried=untried or {}, fused_optimizer=fused_optimizer,
+        refresh=refresh)
+    return accelerate_with(options, model, optimizer, loader=loader, example_batch=example_batch, loss_fn=loss_fn,
+                           batch_format=batch_format, progress=progress)
 
 
 def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    example_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-                    batch_format: BatchFormat | dict | None = None, classes: int | None = None) -> Accelerated:
+                    loader: Iterable[Any] | None = None, example_batch: Any = None,
+                    loss_fn: Callable[..., torch.Tensor] | None = None, batch_format: BatchFormat | dict | None = None,
+                    classes: int | None = None, progress: bool | Callable[[str], Any] = False) -> Accelerated:
     """accelerate() with its settings given as one `AccelerateOptions` (how the Trainer calls it);
-    `classes`: how many classes the training data names, when known (class logits are checked
-    against it on the example batch)."""
+    `classes`: how many classes the training data names, when known (else the loader's dataset's
+    `classes`; class logits are checked against it before any trial)."""
+    say = progress_fn(progress)
     _check_model(model)
+    _check_optimizer(model, optimizer)
     fmt = BatchFormat.of(batch_format)
     untried = dict(options.untried)
     dev = resolve_device(options.device)
     if dev.type == "cuda":
         _cublas_workspace_for_determinism(torch.cuda.is_initialized())
     denv, dev, strategy_eff = _resolve_strategy(options.strategy, dev, untried)
+    if loader is not None:
+        warn_if_unsharded(loader, denv.world_size)
+        classes = classes if classes is not None else class_count(loader)
+        needs_batch = options.measures_step or options.measures_cuda_switches(dev)
+        if example_batch is None and needs_batch:
+            example_batch = example_batch_of(loader)
     model.to(dev)
     report = AccelerateResult(device=str(dev), strategy=strategy_eff)
     timer = _trial_timer(options, dev, example_batch, loss_fn, fmt, classes)
-    with _leaving_no_trace(model) if timer is not None else contextlib.nullcontext():
-        compiled = _choose_step_settings(model, timer, options, report, dev, untried)
+    compiled, memory = None, None
     if timer is not None:
-        report.others_cores = timer.others_cores
-        if report.busy_warning:
-            log.warning("accelerate: %s", report.busy_warning)
+        parts = _memory_parts(options, model, timer, dev, denv.world_size, loss_fn, untried)
+        memory = _recall(parts, options.refresh)
+        if memory is not None:
+            _follow_memory(memory, model, timer, options, report, dev)
+            say(f"accelerate: {memory.describe()}")
+        else:
+            with _leaving_no_trace(model):
+                width = timer.preflight(model)
+                quiet = measure.wait_for_quiet_machine(max_s=3.0, window_s=0.25)
+                if quiet.waited_s > 0.5:
+                    say(f"accelerate: waited {quiet.waited_s:.1f} s for other processes to leave the cores")
+                compiled = _choose_step_settings(model, timer, options, report, dev, untried, say)
+            report.others_cores = timer.others_cores
+            if report.busy_warning:
+                log.warning("accelerate: %s", report.busy_warning)
+            if report.busy_warning:  # a choice made on noise is not kept for the next runs
+                log.info("accelerate: not remembered (measured on a busy machine)")
+            elif distributed.env().is_main:
+                _remember(parts, report, width)
+    else:
+        _choose_step_settings(model, None, options, report, dev, untried, say)
     if denv.distributed:
         _agree_across_ranks(report, model)
     wrapped = _wrap_for_strategy(model, optimizer, strategy_eff, options.strategy, dev, denv, untried,
@@ -829,11 +1021,93 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
     if report.compile:
         wrapped = compiled if (compiled is not None and wrapped is model) else torch.compile(wrapped)
     scaler = torch.amp.GradScaler("cuda") if report.precision == "fp16" else None
-    _log_choices(report.candidates, report.device)
-    _PREPARED[wrapped] = _Prepared(report, dev, scaler, weakref.ref(model),
-                                   weakref.ref(optimizer) if optimizer is not None else None, fmt)
-    return Accelerated(model=wrapped, optimizer=optimizer, report=report, device=dev, module=model, scaler=scaler,
-                       batch_format=fmt)
+    if memory is None:  # a remembered decision said its one line
+        _log_choices(report.candidates, report.device)
+    front = AcceleratedModel(model, wrapped, dev, report.precision, report.channels_last)
+    _PREPARED[front] = _Prepared(report, dev, scaler, weakref.ref(model),
+                                 weakref.ref(optimizer) if optimizer is not None else None, fmt)
+    return Accelerated(model=front, optimizer=optimizer, report=report, device=dev, module=model, scaler=scaler,
+                       batch_format=fmt,
+                       loader=DeviceLoader(loader, dev, report.channels_last) if loader is not None else None)
+
+
+def _qualified_name(fn: Any) -> str | None:
+    """The loss's qualified name (a module's class, a function, a partial's function) for a decision's key."""
+    if fn is None:
+        return None
+    fn = getattr(fn, "func", fn)
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(named, '__module__', '')}.{named.__qualname__}"
+
+
+def _memory_parts(options: AccelerateOptions, model: nn.Module, timer: _StepTimer, dev: torch.device,
+                  world_size: int, loss_fn: Any, untried: Mapping[str, str]) -> dict[str, Any]:
+    """What accelerate()'s decision depends on, besides the machine (`remembered` adds it): the model's
+    structure, the batch's shapes, the device type, the world size, the settings measured or given,
+    deterministic mode, the loss."""
+    parts: dict[str, Any] = {
+        "model": remembered.model_fingerprint(model), "inputs": remembered.shapes_of(timer.inputs),
+        "targets": remembered.shapes_of(timer.targets), "device": dev.type, "world_size": world_size,
+        "precision": options.precision, "channels_last": str(options.channels_last), "compile": str(options.compile),
+        "tf32": str(options.tf32), "cudnn_benchmark": str(options.cudnn_benchmark), "margin": options.margin,
+        "compile_may_be_tried": options.compile_may_be_tried and "compile" not in untried,
+        "deterministic": torch.are_deterministic_algorithms_enabled(), "loss_fn": _qualified_name(loss_fn),
+        "untried": sorted(untried)}
+    if parts["compile_may_be_tried"]:  # whether compile repays itself depends on the run's length
+        parts["expected_steps"], parts["min_compile_cost_s"] = options.expected_steps, options.min_compile_cost_s
+    if dev.type == "cuda":  # switches the process set before count as the user's (see _choose_cuda_flags)
+        parts["switches"] = [torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark,
+                             _SET_HERE.get("matmul"), _SET_HERE.get("cudnn_benchmark")]
+    return parts
+
+
+def _recall(parts: dict[str, Any], refresh: bool) -> remembered.Memory | None:
+    """The decision remembered for `parts`; under torchrun rank 0's finding is every rank's (when rank 0
+    recalls, no rank measures; the choices themselves are broadcast after)."""
+    memory = None if refresh else remembered.recall("accelerate", parts)
+    e = distributed.env()
+    if not e.distributed:
+        return memory
+    (found,) = distributed.broadcast_ints([int(memory is not None)])
+    if not found:
+        return None
+    return memory or remembered.Memory("accelerate", {}, "as rank 0 remembered", "rank 0's record")
+
+
+_DECIDED = ("precision", "channels_last", "compile", "tf32", "cudnn_benchmark")
+
+
+def _remember(parts: dict[str, Any], report: AccelerateResult, width: int | None) -> None:
+    """Keep what the trials chose, with a figure: the choice and its measured step ('bf16 + channels_last,
+    41.2 ms/step')."""
+    steps = [r.step_s for r in report.candidates if r.step_s is not None and r.decision.startswith("kept")]
+    chosen = [report.precision] + [n for n, on in (("channels_last", report.channels_last),
+                                                   ("compile", report.compile), ("tf32", report.tf32)) if on]
+    figure = " + ".join(chosen) + (f", {steps[-1] * 1e3:.1f} ms/step" if steps else "")
+    decision = {name: getattr(report, name) for name in _DECIDED}
+    remembered.remember("accelerate", parts, {**decision, "logits_width": width}, figure)
+
+
+def _follow_memory(memory: remembered.Memory, model: nn.Module, timer: _StepTimer, options: AccelerateOptions,
+                   report: AccelerateResult, dev: torch.device) -> None:
+    """Take a remembered decision instead of measuring: the settings as chosen then (those given now
+    are the same, the key holds them), one row per setting, the labels checked against the width of
+    the logits then. Under torchrun another rank's values follow from rank 0 afterwards."""
+    d, said = memory.decision, memory.describe()
+    for name in _DECIDED:
+        given = getattr(options, name)
+        if name in d:
+            setattr(report, name, d[name])
+        if name in ("tf32", "cudnn_benchmark") and dev.type != "cuda":
+            continue
+        value = getattr(report, name)
+        report.candidates.append(TrialRow(name, str(value), decision="given" if given != "auto" else said))
+    _check_class_width(d.get("logits_width"), timer.targets, timer.loss_fn, timer.classes)
+    model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
+    apply_tf32(report.tf32)
+    apply_cudnn_benchmark(report.cudnn_benchmark)
+    log.info("accelerate on %s: precision=%s channels_last=%s compile=%s, %s", report.device, report.precision,
+             report.channels_last, report.compile, said)
 
 
 def _trial_timer(options: AccelerateOptions, dev: torch.device, example_batch: Any,
@@ -841,8 +1115,9 @@ def _trial_timer(options: AccelerateOptions, dev: torch.device, example_batch: A
                  classes: int | None = None) -> _StepTimer | None:
     """The timer of the trials, or None when nothing is measured; refuses what cannot be measured or run."""
     if options.measures_step and example_batch is None:
-        raise ValueError("accelerate(): an 'auto' setting needs example_batch=(inputs, targets) to measure "
-                         "options on; pass one batch, or give precision/channels_last/compile explicitly")
+        raise ValueError("accelerate(): an 'auto' setting needs a batch to measure options on: pass the training "
+                         "loader (accelerate(model, optimizer, loader)) or example_batch=(inputs, targets), or "
+                         "give precision/channels_last/compile explicitly")
     if options.precision == "fp16" and dev.type != "cuda":
         raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
     cuda_switches = example_batch is not None and options.measures_cuda_switches(dev)
@@ -852,18 +1127,36 @@ def _trial_timer(options: AccelerateOptions, dev: torch.device, example_batch: A
 
 
 def _choose_step_settings(model: nn.Module, timer: _StepTimer | None, options: AccelerateOptions,
-                          report: AccelerateResult, dev: torch.device, untried: dict[str, str]) -> nn.Module | None:
+                          report: AccelerateResult, dev: torch.device, untried: dict[str, str],
+                          say: Callable[[str], Any]) -> nn.Module | None:
     """Precision and memory format, then the CUDA switches, then compile (timed under the switches
-    chosen); fills `report`. Returns the compiled model when the compile trial kept it."""
+    chosen); fills `report`, saying each trial's figure as it is known. Returns the compiled model
+    when the compile trial kept it."""
+    rows = report.candidates
     report.precision, report.channels_last, base_step = _choose_precision_and_layout(
-        model, timer, options.precision, options.channels_last, dev, options.margin, report.candidates)
+        model, timer, options.precision, options.channels_last, dev, options.margin, rows)
+    _say_rows(rows, 0, say)
     model.to(memory_format=torch.channels_last if report.channels_last else torch.contiguous_format)
     switches = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+    done = len(rows)
     _choose_cuda_flags(model, timer, options.tf32, options.cudnn_benchmark, report, dev, options.margin)
+    _say_rows(rows, done, say)
     if switches != (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark):
         base_step = None  # measured under other switches: compile's baseline is timed again
-    return _choose_compile(model, timer, options.compile, report, base_step, options.expected_steps, options.margin,
-                           options.min_compile_cost_s, untried)
+    done = len(rows)
+    compiled = _choose_compile(model, timer, options.compile, report, base_step, options.expected_steps,
+                               options.margin, options.min_compile_cost_s, untried)
+    _say_rows(rows, done, say)
+    return compiled
+
+
+def _say_rows(rows: list[TrialRow], start: int, say: Callable[[str], Any]) -> None:
+    """progress=: one line per trial measured since `start` ('accelerate: precision+channels_last
+    bf16+NHWC 41.2 ms/step [kept]')."""
+    for r in rows[start:]:
+        if r.step_s is not None:
+            one_off = f" + {r.one_off_s:.1f} s one-off" if r.one_off_s else ""
+            say(f"accelerate: {r.setting} {r.value} {r.step_s * 1e3:.1f} ms/step{one_off} [{r.decision}]")
 
 
 def forget_prepared(model: nn.Module) -> None:

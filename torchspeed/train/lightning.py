@@ -14,6 +14,7 @@ module); measure with `accelerate(model, strategy=None, compile=False, ...)`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -30,6 +31,7 @@ except ImportError:  # the standalone package of older set-ups
         raise ImportError("torchspeed.train.lightning needs Lightning: pip install lightning") from None
 
 from torchspeed.train.acceleration import Accelerated, AccelerateResult, apply_cudnn_benchmark, apply_tf32
+from torchspeed.train.wrapping import inputs_in_layout
 
 __all__ = ["AcceleratedCallback", "lightning_precision", "trainer_kwargs"]
 
@@ -67,8 +69,10 @@ class AcceleratedCallback(_LightningCallback):
     """Applies accelerate()'s precision and channels_last to a Lightning run.
 
     At `setup` (before Lightning moves and wraps the module): the LightningModule goes to
-    channels_last when that was measured faster (convolutions then run NHWC; a FastLoader's batches
-    are NHWC already), and the measured mixed precision becomes the precision plugin, unless the
+    channels_last when that was measured faster (convolutions then run NHWC), the inputs entering the
+    model accelerate() measured (given as the `Accelerated`, and part of the LightningModule) are put
+    in the chosen memory format where they enter it, as the model accelerate() returns does, and the
+    measured mixed precision becomes the precision plugin, unless the
     Trainer was given a precision of its own (anything but the default "32-true"): the user's is kept,
     with a warning when it differs. Under DDP every rank takes rank 0's choices (timings may differ
     between ranks; the model must not). Strategies with their own precision plugins (FSDP, DeepSpeed)
@@ -79,6 +83,8 @@ class AcceleratedCallback(_LightningCallback):
         r = _report(acc)
         self.precision, self.channels_last, self.device = r.precision, bool(r.channels_last), r.device
         self.switches = (r.tf32, r.cudnn_benchmark)
+        self.measured = acc.module if isinstance(acc, Accelerated) else None
+        self._hook: Any = None
 
     def setup(self, trainer: Any, pl_module: torch.nn.Module, stage: str) -> None:
         self.precision, self.channels_last, self.switches = trainer.strategy.broadcast(
@@ -87,6 +93,9 @@ class AcceleratedCallback(_LightningCallback):
         apply_cudnn_benchmark(self.switches[1])
         if self.channels_last:
             pl_module.to(memory_format=torch.channels_last)
+        if self._hook is None and self.measured is not None and any(m is self.measured for m in pl_module.modules()):
+            self._hook = self.measured.register_forward_pre_hook(
+                functools.partial(inputs_in_layout, channels_last=self.channels_last), with_kwargs=True)
         want = lightning_precision(self.precision)
         plugin = trainer.strategy.precision_plugin
         have = getattr(plugin, "precision", None)
@@ -100,3 +109,8 @@ class AcceleratedCallback(_LightningCallback):
         scaler = torch.amp.GradScaler("cuda") if want == "16-mixed" else None
         trainer.strategy.precision_plugin = MixedPrecision(want, device, scaler=scaler)
         log.info("Lightning precision set to %r, as accelerate() measured", want)
+
+    def teardown(self, trainer: Any, pl_module: torch.nn.Module, stage: str) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

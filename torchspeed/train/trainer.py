@@ -42,6 +42,7 @@ from torchspeed.train.acceleration import (
     forget_prepared,
 )
 from torchspeed.train.callbacks import Callback, Checkpoint
+from torchspeed.train.wrapping import class_count, example_batch_of
 
 __all__ = ["Trainer"]
 
@@ -227,12 +228,6 @@ def _own_rng(state: dict[str, Any], e: distributed.DistEnv) -> dict[str, Any]:
     return dict(state, rng=mine["rng"], epoch_start=start)
 
 
-def _class_count(loader: Any) -> int | None:
-    """How many classes the loader's dataset names (torchvision's `classes` convention), if it does."""
-    classes = getattr(getattr(loader, "dataset", None), "classes", None)
-    return len(classes) if isinstance(classes, (list, tuple)) and classes else None
-
-
 def _check_agrees(acc: Accelerated, options: AccelerateOptions) -> None:
     """A prepared model comes with its settings: a Trainer setting that says otherwise is an error
     (silently ignoring it, or preparing the model twice, would both surprise)."""
@@ -398,26 +393,6 @@ class Trainer:
         return self.acc.report if self.acc else None
 
     # ---------------------------------------------------------------- set-up
-    def _example_batch(self, loader: Any) -> Any:
-        """One batch for accelerate's trials, taken without moving any RNG or loader position."""
-        saved = rng_state()
-        gen = _generator_of(loader)
-        gen_state = gen.get_state() if gen is not None else None
-        lstate = loader.state_dict() if hasattr(loader, "load_state_dict") and hasattr(loader, "state_dict") else None
-        try:
-            it = iter(loader)
-            batch = next(it)
-            del it
-        except StopIteration:
-            raise ValueError("the training loader is empty") from None
-        finally:
-            set_rng_state(saved)
-            if gen_state is not None:
-                gen.set_state(gen_state)
-            if lstate is not None:
-                loader.load_state_dict(lstate)
-        return batch
-
     def _prepare(self, loader: Any, expected_steps: int | None) -> None:
         if self.acc is not None:
             return
@@ -425,9 +400,10 @@ class Trainer:
         if options.expected_steps is None:
             options = replace(options, expected_steps=expected_steps)
         measured = options.measures_step or options.measures_cuda_switches(resolve_device(options.device))
-        example = self._example_batch(loader) if measured else None
+        example = example_batch_of(loader) if measured else None
         self.acc = accelerate_with(options, self._raw_model, self.optimizer, example_batch=example,
-                                   loss_fn=self.loss_fn, batch_format=self.batch_format, classes=self._classes)
+                                   loss_fn=self.loss_fn, batch_format=self.batch_format, classes=self._classes,
+                                   progress=self.progress if self.is_main and callable(self.progress) else False)
         forget_prepared(self.acc.model)
         self.dist = distributed.env()
 
@@ -466,7 +442,7 @@ class Trainer:
 
     def _no_sync(self, syncing: bool) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce on accumulation micro-steps (DDP's no_sync, FSDP2's flag)."""
-        m = self.acc.module if self.acc.report.strategy == "fsdp" else self.model
+        m = self.acc.module if self.acc.report.strategy == "fsdp" else self.acc.wrapped
         if syncing:
             if hasattr(m, "set_requires_gradient_sync"):
                 m.set_requires_gradient_sync(True)
@@ -497,7 +473,7 @@ class Trainer:
                     x, y = self._split(batch)
                     out = self._forward(model, x)
                     if i == 0:
-                        check_class_outputs(out, y, self.loss_fn, _class_count(loader))
+                        check_class_outputs(out, y, self.loss_fn, class_count(loader))
                     k = self._count(y)
                     loss_sum += float(self._loss(out, y, x).float()) * k
                     if classify and isinstance(out, torch.Tensor) and out.dim() == 2 and isinstance(y, torch.Tensor) \
@@ -832,7 +808,7 @@ class Trainer:
             n_batches = len(loader)  # type: ignore[arg-type]
         except TypeError:
             n_batches = None
-        self._classes = _class_count(train_loader)
+        self._classes = class_count(train_loader)
         self._outputs_checked = False
         self._prepare(loader, max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None))
         planned = -(-n_batches // self.grad_accum_steps) * epochs if n_batches else None  # optimizer steps

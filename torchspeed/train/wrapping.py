@@ -1,0 +1,208 @@
+"""The user's model and loader wrapped so that an unchanged loop runs the way accelerate() chose.
+
+`AcceleratedModel` is the model accelerate() returns: where inputs enter it they are moved to the
+device and the chosen memory format, its forward runs under autocast at the chosen precision (entered
+only when autocast is not already on at that dtype, so the explicit `with acc.autocast()` style
+still works), and floating outputs come back in fp32 for the loss (as Hugging Face Accelerate's
+`convert_outputs_to_fp32` and Lightning Fabric's `_FabricModule` do). Its state_dict, parameter
+names and attributes are the user's model's (no `module.` / `_orig_mod.` prefixes from DDP or
+torch.compile), so a checkpoint loads into the plain model and back.
+
+`DeviceLoader` is the loader accelerate() returns: the user's loader, its batches moved to the device
+(non_blocking; from pinned memory on CUDA) in the chosen memory format; everything else a loader is
+asked for (len, set_epoch, state_dict, batch_size, dataset, sampler, ...) is the user's loader's.
+Train never imports torchspeed.data: loaders are read by duck typing.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchspeed.batches import map_tensors, to_device
+from torchspeed.runtime import precision_dtype, rng_state, set_rng_state
+
+__all__ = ["AcceleratedModel", "DeviceLoader", "autocast_once", "class_count", "example_batch_of",
+           "inputs_in_layout", "outputs_fp32", "warn_if_unsharded"]
+
+log = logging.getLogger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def autocast_once(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast at `precision` on `device`, unless it is already on at that dtype (a caller's own
+    `with acc.autocast()` around the model): nested autocast would only add overhead. fp32: nothing."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = precision_dtype(precision)
+    if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def inputs_in_layout(module: nn.Module, args: Any, kwargs: Any, channels_last: bool = True) -> tuple[Any, Any]:
+    """A forward pre-hook (`with_kwargs=True`, the layout bound with functools.partial): 4-D float inputs
+    in the chosen memory format where they enter `module`, as AcceleratedModel does (for a loop it does
+    not run, e.g. Lightning's)."""
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return map_tensors(lambda t: t.contiguous(memory_format=layout) if t.dim() == 4 and t.is_floating_point() else t,
+                       (args, kwargs))
+
+
+def outputs_fp32(out: Any) -> Any:
+    """bf16/fp16 tensors in a model's output as fp32 (the loss and metrics then compute in fp32).
+    Mappings keep their type (a Hugging Face ModelOutput keeps `.logits`): changed in place."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.dtype in _HALF else out
+    if isinstance(out, Mapping) and type(out) is not dict:
+        for k in list(out.keys()):
+            out[k] = outputs_fp32(out[k])  # type: ignore[index]
+        return out
+    return map_tensors(lambda t: t.float() if t.dtype in _HALF else t, out)
+
+
+class AcceleratedModel(nn.Module):
+    """The user's model, run at the precision and memory format accelerate() chose (see the module's
+    docstring). `module` is the user's model; `wrapped` what runs the forward (the user's model, or
+    its DDP / FSDP / torch.compile wrapper). Attribute reads and writes the wrapper does not have go
+    to the user's model (`model.fc`, `model.fc = nn.Linear(...)`)."""
+
+    def __init__(self, module: nn.Module, wrapped: nn.Module, device: torch.device, precision: str,
+                 channels_last: bool):
+        super().__init__()
+        self._forward_module = wrapped
+        self._original_module = module
+        self.device, self.precision, self.channels_last = device, precision, channels_last
+        self._ts_ready = True
+
+    @property
+    def module(self) -> nn.Module:
+        return self._original_module
+
+    @property
+    def wrapped(self) -> nn.Module:
+        return self._forward_module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = to_device((args, kwargs), self.device, self.channels_last)
+        with autocast_once(self.device, self.precision):
+            out = self._forward_module(*args, **kwargs)
+        return out if self.precision == "fp32" else outputs_fp32(out)
+
+    # the user's model's names, not the wrapper's: checkpoints and optimizers see the plain model
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self._original_module.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._original_module.named_buffers(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_modules", {}).get("_original_module")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_ts_ready"):
+            super().__setattr__(name, value)
+            return
+        original = self._original_module
+        mine = name in self.__dict__ or name in self._modules or name in self._parameters or hasattr(type(self), name)
+        if hasattr(original, name) or not mine:
+            setattr(original, name, value)
+        if mine:
+            super().__setattr__(name, value)
+
+    def __getitem__(self, index: Any) -> Any:  # an nn.Sequential / ModuleList / ModuleDict model
+        return self._original_module[index]
+
+    def __repr__(self) -> str:
+        return (f"AcceleratedModel(precision={self.precision}, channels_last={self.channels_last}, "
+                f"device={self.device}):\n{self._original_module!r}")
+
+
+class DeviceLoader:
+    """The user's loader, each batch moved to `device` (non_blocking; pinned first on CUDA) with 4-D
+    float tensors in the chosen memory format. Every other attribute is the user's loader's."""
+
+    yields_device_batches = True
+
+    def __init__(self, loader: Any, device: torch.device, channels_last: bool):
+        self.loader, self.device, self.channels_last = loader, device, channels_last
+
+    def __iter__(self) -> Iterator[Any]:
+        pin = self.device.type == "cuda"
+        for batch in self.loader:
+            if pin:
+                batch = map_tensors(lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t,
+                                    batch)
+            yield to_device(batch, self.device, self.channels_last)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        loader = self.__dict__.get("loader")
+        if loader is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(loader, name)
+
+    def __repr__(self) -> str:
+        return f"DeviceLoader({self.loader!r}, device={self.device}, channels_last={self.channels_last})"
+
+
+def example_batch_of(loader: Any) -> Any:
+    """The loader's first batch, taken without moving any RNG, the loader's generator or its position
+    (its state_dict), so the run that follows sees the same batches as without it."""
+    saved = rng_state()
+    gen = getattr(loader, "generator", None)
+    gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
+    position = loader.state_dict() if hasattr(loader, "load_state_dict") and hasattr(loader, "state_dict") else None
+    try:
+        it = iter(loader)
+        batch = next(it)
+        del it
+    except StopIteration:
+        raise ValueError("the training loader is empty") from None
+    finally:
+        set_rng_state(saved)
+        if gen_state is not None:
+            gen.set_state(gen_state)
+        if position is not None:
+            loader.load_state_dict(position)
+    return batch
+
+
+def class_count(loader: Any) -> int | None:
+    """How many classes the loader's dataset names (torchvision's `classes` convention), if it does."""
+    classes = getattr(getattr(loader, "dataset", None), "classes", None)
+    return len(classes) if isinstance(classes, (list, tuple)) and classes else None
+
+
+def warn_if_unsharded(loader: Any, world_size: int) -> None:
+    """Under torchrun a DataLoader without a DistributedSampler gives every rank all the data: say so."""
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+    if world_size <= 1 or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return
+    samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+    if any(isinstance(s, DistributedSampler) for s in samplers):
+        return
+    log.warning("accelerate(): the loader is a DataLoader without a DistributedSampler under torchrun (world of %d), "
+                "so each rank would see all the data; build it with sampler=torch.utils.data.DistributedSampler("
+                "dataset) (and call sampler.set_epoch(epoch) each epoch), or use ts.data.fast_loader, which shards "
+                "itself", world_size)
