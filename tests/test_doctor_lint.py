@@ -154,3 +154,16 @@ def test_lint_on_a_quiet_machine_says_nothing_of_load(monkeypatch):
     r = _timed_lint()
     assert r.others_cores == 0.0 and r.busy is None and r.to_dict()["busy"] is None
     assert "busy" not in str(r)
+
+
+def test_lint_waits_for_a_quiet_machine_before_timing(monkeypatch):
+    """At most `quiet_wait_s`: a machine that stays busy is timed anyway, and the result says so."""
+    import torchspeed.doctor.linting as linting
+    from torchspeed.measure import Quiet
+
+    asked = []
+    monkeypatch.setattr(linting, "wait_for_quiet_machine", lambda max_s: asked.append(max_s) or Quiet(1.5, 1.0))
+    r = ts.doctor.lint(nn.Sequential(nn.Conv2d(3, 8, 3)), X, quiet_wait_s=1.5)
+    assert asked == [1.5] and r.waited_s == 1.5 and r.to_dict()["waited_s"] == 1.5
+    ts.doctor.lint(nn.Sequential(nn.Conv2d(3, 8, 3)), X, quiet_wait_s=0)
+    assert asked == [1.5]  # 0: no wait

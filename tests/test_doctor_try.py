@@ -40,6 +40,7 @@ def test_plan_reads_the_capability_before_any_hardware_fix():
     assert why["bf16"].startswith("needs bf16 hardware: capability says fp32")
     assert "needs CUDA" in why["fp16"] and "needs CUDA" in why["cudnn_benchmark"] and "needs CUDA" in why["pin_memory"]
     assert "compile" not in names and "compile" not in why  # opt-in only
+    assert why["fast_loader"].startswith("the loop's DataLoader does not read image files")  # tensors, not files
     run, _ = fx.plan(_payload(mixed="bf16"))
     assert ("bf16", True) in run
     run, skipped = fx.plan(_payload(device="cuda", mixed="fp16"))
@@ -49,7 +50,7 @@ def test_plan_reads_the_capability_before_any_hardware_fix():
     from torchspeed.doctor.launch import run_doctor
 
     # one check of the names, before anything runs (the script does not even exist)
-    with pytest.raises(ValueError, match="unknown fix 'turbo'; choose from workers, persistent_workers, "):
+    with pytest.raises(ValueError, match="unknown fix 'turbo'; choose from workers, fast_loader, persistent_workers, "):
         run_doctor([sys.executable, "no_such_script.py"], try_fixes=["channels_last", "turbo"], console=False)
 
 

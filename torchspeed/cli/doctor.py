@@ -27,9 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="interrupt the script after S seconds (it still writes its report); per run under --try")
     p.add_argument("--try", dest="try_fixes", nargs="?", const="auto", metavar="FIX,...",
                    help="measure the fixes on the script itself, --steps steps per run (default 8): every fix the "
-                        "findings call for, or the listed ones: workers, persistent_workers, pin_memory, bf16, fp16, "
-                        "channels_last, cudnn_benchmark, fused_optimizer, inference_mode, threads, compile "
-                        "(compile only when listed)")
+                        "findings call for, or the listed ones: workers, fast_loader (a DataLoader of image files "
+                        "swapped for ts.data.fast_loader on the same files), persistent_workers, pin_memory, bf16, "
+                        "fp16, channels_last, cudnn_benchmark, fused_optimizer, inference_mode, threads, compile "
+                        "(compile only when listed); waits up to 5 s for a quiet machine first")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python your_train.py ARGS")
     p.set_defaults(func=run_doctor)
 

@@ -7,6 +7,7 @@ Parent side (planning, code, tolerances) imports no torch; `FixState` (child sid
 | fix | injected by the bootstrap | numerics judged by |
 |---|---|---|
 | `workers=N` | DataLoader(num_workers=N, persistent_workers=True) for loaders made with 0 | same batches (labels), in order |
+| `fast_loader` (image files) | the DataLoader of an ImageFolder iterates `data.fast_loader` on the same files (`datafix`) | same files and labels, image statistics |
 | `persistent_workers` | DataLoader(persistent_workers=True) where workers exist | same batches |
 | `pin_memory` (CUDA) | DataLoader(pin_memory=True), pinned `.to(cuda)` copies non_blocking | same batches |
 | `bf16` (bf16 hardware) | autocast(bf16) around each training forward, output cast back to fp32 | losses, precision tolerance |
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from torchspeed.doctor import datafix
 from torchspeed.doctor.rules import loader_parallelism, training_loaders
 
 __all__ = ["FIX_NAMES", "TOLERANCES", "Plan", "check_names", "plan", "code_for", "label", "numerics", "FixState"]
@@ -36,16 +38,20 @@ NUMERICS_STEPS = 2
 BATCHES_COMPARED = 3
 TOLERANCES = {"math": 1e-3, "precision": 5e-2}
 KIND = {"workers": "loader", "persistent_workers": "loader", "pin_memory": "loader", "bf16": "precision",
-        "fp16": "precision"}
+        "fp16": "precision", "fast_loader": "images"}
+# fixes that change the same loader: a combination keeps the faster one of each group
+CONFLICTS = (("fast_loader", "workers", "persistent_workers", "pin_memory"),)
 # the findings whose estimated gain a fix measures
-RULES = {"workers": ("loader-no-workers", "data-bound"), "persistent_workers": ("loader-not-persistent",),
+RULES = {"workers": ("loader-no-workers", "data-bound"), "fast_loader": ("loader-no-workers", "data-bound"),
+         "persistent_workers": ("loader-not-persistent",),
          "pin_memory": ("no-pin-memory",), "bf16": ("no-autocast",), "fp16": ("no-autocast",),
          "channels_last": ("no-channels-last",), "cudnn_benchmark": ("cudnn-benchmark-off",),
          "inference_mode": ("eval-without-no-grad",), "threads": ("cpu-oversubscribed",),
          "compile": ("python-overhead",)}
 FUSABLE = ("SGD", "Adam", "AdamW")
 # the phases a fix can shorten: removing them entirely bounds its speed-up (threads: everything)
-PHASES_CHANGED = {"workers": ("data", "copy"), "persistent_workers": ("data", "copy"), "pin_memory": ("data", "copy"),
+PHASES_CHANGED = {"workers": ("data", "copy"), "fast_loader": ("data", "copy"), "persistent_workers": ("data", "copy"),
+                  "pin_memory": ("data", "copy"),
                   "bf16": ("forward", "backward", "optimizer", "copy"), "fp16": ("forward", "backward", "optimizer", "copy"),
                   "channels_last": ("forward", "backward", "optimizer", "copy"), "cudnn_benchmark": ("forward", "backward"),
                   "fused_optimizer": ("optimizer",), "inference_mode": ("eval",),
@@ -64,7 +70,10 @@ def max_speedup(name: str, payload: dict[str, Any]) -> float | None:
 
 
 def label(name: str, value: Any = True) -> str:
-    """How a fix with its value is named in progress lines and tables: `workers=2`, `channels_last`."""
+    """How a fix with its value is named in progress lines and tables: `workers=2`, `channels_last`,
+    `fast_loader(threads=1)`."""
+    if isinstance(value, dict):
+        return f"{name}(threads={value.get('threads')})"
     return name if value is True else f"{name}={value}"
 
 
@@ -104,6 +113,12 @@ def _workers(b: _Seen) -> str | list[Any]:
     if not any(ld.get("num_workers") == 0 for ld in b.loaders) and not b.forced:
         return "the loop's DataLoader already has worker processes"
     return sorted({max(1, b.cores // 2), min(b.cores, 4)})
+
+
+def _fast_loader(b: _Seen) -> str | list[Any]:
+    if not b.loaders:
+        return "no torch DataLoader feeds the loop"
+    return datafix.candidates(b.loaders, b.cores, "cuda" if b.cuda else "cpu")
 
 
 def _persistent_workers(b: _Seen) -> str | list[Any]:
@@ -192,8 +207,8 @@ def _compile(b: _Seen) -> str | list[Any]:
 
 # per fix, in the order they are tried: why the fix is not tried (str), or the values to try it with
 CHECKS: dict[str, Callable[[_Seen], str | list[Any]]] = {
-    "workers": _workers, "persistent_workers": _persistent_workers, "pin_memory": _pin_memory, "bf16": _bf16,
-    "fp16": _fp16, "channels_last": _channels_last, "cudnn_benchmark": _cudnn_benchmark,
+    "workers": _workers, "fast_loader": _fast_loader, "persistent_workers": _persistent_workers,
+    "pin_memory": _pin_memory, "bf16": _bf16, "fp16": _fp16, "channels_last": _channels_last, "cudnn_benchmark": _cudnn_benchmark,
     "fused_optimizer": _fused_optimizer, "inference_mode": _inference_mode, "threads": _threads, "compile": _compile}
 FIX_NAMES = tuple(CHECKS)
 
@@ -235,6 +250,8 @@ def code_for(name: str, value: Any, payload: dict[str, Any]) -> str:
     if name == "workers":
         return (f"loader = torch.utils.data.DataLoader(dataset, batch_size={bs}, ..., num_workers={value},\n"
                 "                                     persistent_workers=True)")
+    if name == "fast_loader":
+        return datafix.code(value, training_loaders(s))
     if name == "persistent_workers":
         return "loader = torch.utils.data.DataLoader(dataset, ..., persistent_workers=True)"
     if name == "pin_memory":
@@ -274,6 +291,8 @@ def numerics(name: str, base: dict[str, Any], fixed: dict[str, Any]) -> dict[str
     random augmentation, whose draws come from worker seeds, so they are shown, not judged). Other fixes:
     the first NUMERICS_STEPS losses within the kind's relative tolerance of the baseline's (same seed)."""
     kind = KIND.get(name, "math")
+    if kind == "images":
+        return datafix.numerics(base, fixed, BATCHES_COMPARED)
     lb, lf = base.get("losses") or [], fixed.get("losses") or []
     k = min(NUMERICS_STEPS, len(lb), len(lf))
     diff = max((abs(a - b) / max(abs(a), 1e-8) for a, b in zip(lb[:k], lf[:k])), default=None)
@@ -303,6 +322,7 @@ class FixState:
         self._compiled: set[int] = set()
         self.scaler: Any = None
         self.compile_window: int | None = None
+        self.notes: dict[str, Any] = {}  # what a fix found while applied (the data fix: same files?)
 
     def install(self, rec: Any) -> list[Any]:
         """Apply the global parts of the fixes; returns undo callables."""
@@ -331,6 +351,8 @@ class FixState:
             rec.non_blocking = True
         if loader_kw:
             undo.append(_patch_dataloader(loader_kw))
+        if spec.get("fast_loader"):
+            undo.append(datafix.install_swap(spec["fast_loader"], self.notes.setdefault("fast_loader", {})))
         if spec.get("fused_optimizer"):
             undo.extend(_patch_optimizers())
         return undo

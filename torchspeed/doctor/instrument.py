@@ -7,7 +7,9 @@ is the table `PATCHES` (each entry: what it wraps, the wrapper that records into
 undo); `Recorder.install()` applies it and `Recorder.uninstall()` puts every original back:
 
 - DataLoader: `__iter__` (worker start-up) and iterator `__next__`: phase `data`, per-loader settings
-  (num_workers, pin_memory, batch_size, persistent_workers), batches, epochs, first-batch waits;
+  (num_workers, pin_memory, batch_size, persistent_workers, and the image files and transforms it
+  reads, `datafix.describe`), batches, epochs, first-batch waits; the labels and image statistics of
+  the first batches (`--try`'s numerics);
 - torchspeed's FastLoader: `__iter__`, the loop's wait for each batch: phase `data`, its num_workers
   and threads (its inner DataLoader, iterated by a prefetch thread, is not counted again);
 - module forward, via torch's global forward hooks: the outermost call is phase `forward` (autograd
@@ -82,6 +84,7 @@ class Recorder:
         self.optimizers_made = 0
         self.losses: list[Any] = []  # first KEEP_LOSSES losses, detached on their device
         self.batch_prints: list[list[Any]] = []  # integer contents (labels) of the first batches
+        self.batch_stats: list[Any] = []  # image statistics of the first batches (datafix.image_stats)
         self._samples = 0
         self.fix: Any = None  # doctor --try: the fixes.FixState this run injects
         self.non_blocking = False  # --try pin_memory: pinned copies to CUDA made non_blocking
@@ -131,7 +134,10 @@ class Recorder:
         info["batches"] += 1
         info["data_s"] += now - t0
         if len(self.batch_prints) < KEEP_LOSSES and batch is not None:
+            from torchspeed.doctor.datafix import image_stats
+
             self.batch_prints.append(_fingerprint(batch))
+            self.batch_stats.append(image_stats(batch))
         if info.pop("_first", False):
             info["startup_s"].append(now - info.pop("_t_iter", t0))
         self._last_loader = key
@@ -340,8 +346,9 @@ class Recorder:
         peak = PeakMemory("cuda" if self._cuda_seen else "cpu").peak()  # never reset: the script's whole run
         losses = [float(t.float()) for t in self.losses]
         return {"steps_run": self.steps, "windows": self.windows, "settings": s, "peak_memory_bytes": peak,
-                "losses": losses, "batch_prints": self.batch_prints,
+                "losses": losses, "batch_prints": self.batch_prints, "batch_stats": self.batch_stats,
                 "fixes": self.fix.spec if self.fix is not None else {},
+                "fix_notes": self.fix.notes if self.fix is not None else {},
                 "compile_window": self.fix.compile_window if self.fix is not None else None,
                 "script_s": time.perf_counter() - self.t_start, "trace": self.trace_path if self.trace_path
                 and os.path.exists(self.trace_path) else None}
@@ -426,9 +433,14 @@ def _dataloader_iter(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., A
     def dl_iter(loader):
         if not rec.enabled:
             return orig(loader)
+        images = {}
+        if id(loader) not in rec.loaders:  # what it reads, once: the data fix of --try needs image files
+            from torchspeed.doctor.datafix import describe
+
+            images = {"images": d} if (d := describe(loader)) else {}
         rec._loader_epoch(loader, "DataLoader", num_workers=loader.num_workers,
                           pin_memory=bool(loader.pin_memory), batch_size=loader.batch_size,
-                          persistent_workers=bool(loader.persistent_workers))
+                          persistent_workers=bool(loader.persistent_workers), **images)
         rec._enter("data")
         try:
             it = orig(loader)

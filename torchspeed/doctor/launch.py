@@ -21,11 +21,12 @@ from torchspeed.args import progress_fn
 from torchspeed.doctor import instrument
 from torchspeed.doctor.fixes import check_names, plan
 from torchspeed.doctor.phases import PHASES, verdict
-from torchspeed.measure import OthersLoad
+from torchspeed.measure import OthersLoad, wait_for_quiet_machine
 
-__all__ = ["REPORT_FILES", "TRY_STEPS", "build_payload", "check_interpreter", "child_command", "run_doctor"]
+__all__ = ["QUIET_WAIT_S", "REPORT_FILES", "TRY_STEPS", "build_payload", "check_interpreter", "child_command", "run_doctor"]
 
 TRY_STEPS = 8  # steps per run under --try when --steps is not given
+QUIET_WAIT_S = 5.0  # --try waits at most this long for other processes to leave the cores before its first run
 
 _PY = re.compile(r"^(python|pypy)(\d+(\.\d+)*)?(\.exe)?$")
 _OPTS_WITH_VALUE = {"-W", "-X", "-Q"}
@@ -309,6 +310,7 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     report_dir = _claim_outputs(out, json_path)
     env = _child_env(steps, cprofile, trace, out, seeded=measure_fixes)
     check_interpreter(argv, env)
+    quiet = wait_for_quiet_machine(max_s=QUIET_WAIT_S) if measure_fixes else None  # before the first timed run
     load = OthersLoad() if measure_fixes else None  # other processes' load over the baseline and every fix run
     status, raw, ranks, timed_out, interrupted = _run_child(argv, env, timeout)
     if load is not None:
@@ -321,7 +323,7 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
 
         con = console or Console()
     if measure_fixes:
-        _try(payload, raw, command, argv, env, (steps, timeout, requested), con, timed_out or interrupted, load)
+        _try(payload, raw, command, argv, env, (steps, timeout, requested), con, timed_out or interrupted, (quiet, load))
     # what a person reads: the steady steps (the first step's one-time costs are in the JSON's totals)
     shown = {**payload, "steps": payload["steady"]["steps"], "wall_s": payload["steady"]["wall_s"],
              "phases": payload["steady"]["phases"]}
@@ -428,13 +430,15 @@ def _write_report(payload: dict[str, Any], shown: dict[str, Any], json_path: str
 
 
 def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv: list[str], env: dict[str, str],
-         how: tuple[int, float | None, list[str] | None], con: Any, stopped: bool, load: Any) -> None:
+         how: tuple[int, float | None, list[str] | None], con: Any, stopped: bool, machine: tuple[Any, Any]) -> None:
     """doctor --try after the baseline run: measure the fixes, add `tried`, put measured gains in the findings.
-    `how` is (steps per run, timeout per run, the fixes asked for); `load` the OthersLoad started before
-    the baseline run, so a busy machine is named beside the figures it disturbed."""
+    `how` is (steps per run, timeout per run, the fixes asked for); `machine` is (the `measure.Quiet`
+    waited for before the baseline run, the OthersLoad started then), so a busy machine is named
+    beside the figures it disturbed."""
     from torchspeed.doctor import trying
 
     steps, timeout, requested = how
+    quiet, load = machine
     if stopped or len(raw.get("windows") or []) < 2:
         payload["try"] = {"tried": [], "skipped": [], "error": "the baseline run measured fewer than 2 steps: "
                           "nothing to compare fixes with"}
@@ -449,11 +453,14 @@ def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv:
 
     planned = plan(payload, requested)
     say = progress_fn((lambda m: con.print(m, highlight=False, markup=False)) if con is not None else False)
+    if quiet is not None and quiet.busy:
+        say(f"torchspeed doctor --try: other processes still used {quiet.others_cores:.1f} cores after waiting "
+            f"{quiet.waited_s:.1f} s for quiet; measuring anyway, their load is named beside the figures")
     say(f"torchspeed doctor --try: {len(planned.run)} fix run(s), each followed by a baseline run, "
         f"{steps} steps each (the script's output is hidden)")
     launch = trying.launcher(argv, env, steps, timeout, run_child)
     result = trying.try_fixes(raw, payload, launch, planned, progress=say)
-    trying.note_load(result, load.cores() if load is not None else None)
+    trying.note_load(result, load.cores() if load is not None else None, quiet)
     payload["try"] = result
     payload["tried"] = [{k: r[k] for k in ("fix", "baseline_step_s", "step_s", "speedup", "spread", "numerics_ok",
                                            "code", "kept", "verdict", "numerics", "steps", "others_cores")}

@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchspeed.doctor.advice import Finding, finding, rank
-from torchspeed.measure import OthersLoad, busy_warning
+from torchspeed.measure import OthersLoad, busy_warning, wait_for_quiet_machine
+from torchspeed.runtime import process_as_found
 
 __all__ = ["LintResult", "lint", "loss_pairing", "random_input"]
 
@@ -152,7 +153,7 @@ def _trace(model: nn.Module, example_input: Any, loss_fn: Any = None, target: An
     h1 = register_module_forward_pre_hook(pre)
     h2 = register_module_forward_hook(post)
     try:
-        with tracer:
+        with process_as_found(), tracer:  # a dispatch mode's first use imports torch._dynamo (env, warning filter)
             out = model(*example_input) if isinstance(example_input, tuple) else model(example_input)
             if loss_fn is not None:
                 tracer.phase = "loss"
@@ -224,6 +225,7 @@ class LintResult:
     by_kind: dict[str, dict[str, float]]
     findings: list[Finding] = field(default_factory=list)
     others_cores: float | None = None  # cores other processes used while the forward was timed (None: unknown)
+    waited_s: float = 0.0  # how long lint waited for other processes to leave the cores before timing
 
     @property
     def busy(self) -> str | None:
@@ -233,7 +235,7 @@ class LintResult:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "input_shape": self.input_shape, "totals": self.totals,
                 "by_kind": self.by_kind, "layers": self.layers, "findings": [f.to_dict() for f in self.findings],
-                "others_cores": self.others_cores, "busy": self.busy}
+                "others_cores": self.others_cores, "busy": self.busy, "waited_s": round(self.waited_s, 2)}
 
     def __str__(self) -> str:
         from torchspeed.doctor.output import format_lint
@@ -300,12 +302,13 @@ def _free_memory(device: torch.device) -> int | None:
 
 
 def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any = None,
-         repeats: int = 3) -> LintResult:
+         repeats: int = 3, quiet_wait_s: float = 2.0) -> LintResult:
     """Trace one inference forward pass (eval mode, no_grad) and judge the model.
 
     `example_input`: a tensor (or tuple of tensors) on the model's device. `loss_fn` (optional, e.g.
     nn.CrossEntropyLoss()) is applied to the output to check the activation/loss pairing; `target`
-    defaults to random class indices. Times are per-op minimums over `repeats` traced passes after a warm-up.
+    defaults to random class indices. Times are per-op minimums over `repeats` traced passes after a warm-up,
+    taken once other processes have left the cores or `quiet_wait_s` has passed (then `busy` says so).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"lint needs an nn.Module, got {type(model).__name__}")
@@ -313,6 +316,7 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     was = model.training
     model.eval()
+    quiet = wait_for_quiet_machine(max_s=quiet_wait_s) if quiet_wait_s > 0 else None
     load = OthersLoad()
     try:
         with torch.no_grad():
@@ -338,7 +342,8 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
     totals = {"flops": sum(op.flops for op in mops) or 1.0, "memory_bytes": sum(op.bytes for op in mops) or 1.0,
               "time_s": total_t, "params": float(sum(p.numel() for p in model.parameters())), "ops": float(len(mops))}
     return LintResult(type(model).__name__, shape, totals, sorted(layers.values(), key=lambda r: -r["time_s"]),
-                      _by_kind(mops, total_t), rank(findings), others_cores=others)
+                      _by_kind(mops, total_t), rank(findings), others_cores=others,
+                      waited_s=quiet.waited_s if quiet is not None else 0.0)
 
 
 def _by_kind(ops: list[_Op], total_t: float) -> dict[str, dict[str, float]]:

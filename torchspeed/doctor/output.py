@@ -104,7 +104,8 @@ def print_lint(rep: Any, console: Any = None, top: int = 12) -> None:
                   f"{v['memory_bytes'] / max(t['memory_bytes'], 1):.0%}", f"{v['time_share']:.0%}")
                  for k, v in sorted(d["by_kind"].items(), key=lambda kv: -kv[1]["time_s"]) if k != "view"], con)
     if d.get("busy"):
-        con.print(f"[bold]{d['busy']}[/] (the layer times above)", highlight=False)
+        waited = f"; lint waited {d['waited_s']:.1f} s for quiet before timing" if d.get("waited_s") else ""
+        con.print(f"[bold]{d['busy']}[/] (the layer times above{waited})", highlight=False)
     print_findings(d["findings"], con, title="Lint findings, ranked by expected gain (share of forward time)")
 
 

@@ -83,6 +83,10 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
     for r in rows:
         if r["kept"] and (r["name"] not in best or r["step_s"] < best[r["name"]]["step_s"]):
             best[r["name"]] = r
+    for group in fx.CONFLICTS:  # fixes of the same loader are alternatives: the faster one joins the combination
+        rivals = sorted((r for n, r in best.items() if n in group), key=lambda r: r["step_s"])
+        for r in rivals[1:]:
+            del best[r["name"]]
     rows.sort(key=lambda r: (not r["kept"], -(r["speedup"] or 0.0)))
     if len(best) >= 2:
         spec = {r["name"]: r["value"] for r in best.values()}
@@ -114,22 +118,33 @@ def _most(values: list[float | None]) -> float | None:
     return max(known) if known else None
 
 
-def note_load(t: dict[str, Any], others_cores: float | None) -> None:
-    """Record the cores other processes used over all runs (`others_cores`) in `t`; when the machine
-    was busy, name it in `t["busy"]` and in the verdicts that would otherwise say "within the spread"
-    as if the script itself varied."""
+def note_load(t: dict[str, Any], others_cores: float | None, quiet: Any = None) -> None:
+    """Record the cores other processes used over all runs (`others_cores`) in `t`, and how long doctor
+    waited for quiet before the first run (`quiet`, a `measure.Quiet`); when the machine was busy, name
+    it in `t["busy"]` with the figures it disturbed (`t["busy_figures"]`: each run that had other
+    processes on the cores, and how many), and in the verdicts that would otherwise read as the
+    script's own variation ("within the spread", "slower")."""
     t["others_cores"] = others_cores
-    worst = _most([others_cores] + [r.get("others_cores") for r in t.get("tried") or []])
+    if quiet is not None:
+        t["quiet_wait"] = {"waited_s": round(quiet.waited_s, 2), "others_cores": quiet.others_cores}
+    runs = [(f"baseline run {i}", r.get("others_cores")) for i, r in enumerate(t.get("baseline_runs") or [], 1)]
+    runs += [(r["fix"], r.get("others_cores")) for r in t.get("tried") or []]
+    t["busy_figures"] = [{"figure": name, "others_cores": round(c, 2)} for name, c in runs if busy_warning(c)]
+    worst = _most([others_cores] + [c for _, c in runs])
     t["busy"] = None
     if busy_warning(worst) is None:
         return
     avg = "-" if others_cores is None else f"{others_cores:.1f}"
+    named = ", ".join(f"{b['figure']} ({b['others_cores']:.1f})" for b in t["busy_figures"])
     t["busy"] = (f"the machine was busy: other processes used {avg} of {os.cpu_count()} cores on average while "
-                 f"doctor --try ran (up to {worst:.1f} during one fix's runs); the spread of {t.get('spread', 0.0):.0%} "
-                 "comes from that; measure again on a quiet machine")
+                 f"doctor --try ran (up to {worst:.1f} during one fix's runs)"
+                 + (f"; busy during: {named}" if named else "")
+                 + f"; the spread of {t.get('spread', 0.0):.0%} comes from that; measure again on a quiet machine")
     for r in t.get("tried") or []:
         if r["verdict"] == "within the spread":
             r["verdict"] = "within the spread of a busy machine"
+        elif r["verdict"] == "slower" and busy_warning(r.get("others_cores")):
+            r["verdict"] = "slower on a busy machine"
 
 
 def _spread(base_runs: list[dict[str, Any]]) -> float:
@@ -236,9 +251,15 @@ def apply_measured(payload: dict[str, Any], tried: list[dict[str, Any]], command
         f["gain_basis"] = (f"measured by doctor --try {r['fix']}: {r['baseline_step_s']:.3f} -> {r['step_s']:.3f} "
                            f"s/step ({r['speedup']:.2f}x, spread {r['spread']:.0%}): {r['verdict']}")
         f["measured"] = r["verdict"]
+    payload["findings"] = sorted(payload.get("findings") or [], key=_measured_rank)
+
+
+def _measured_rank(f: dict[str, Any]) -> tuple[int, int, float, str]:
+    """Bugs first; then fixes --try measured as gains, fixes not measured (estimates), fixes measured
+    without a gain (within the spread, slower, changed results), each by expected gain; info last."""
     order = {"bug": 0, "speed": 1, "info": 2}
-    payload["findings"] = sorted(payload.get("findings") or [],
-                                 key=lambda f: (order.get(f["severity"], 3), -f["expected_gain"], f["rule"]))
+    tier = 1 if "measured" not in f else 0 if f["measured"] == "kept" else 2
+    return order.get(f["severity"], 3), tier, -f["expected_gain"], f["rule"]
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -267,7 +288,8 @@ def print_tried(t: dict[str, Any], console: Any) -> None:
                   "removing the phases it changes could give, and its "
                   f"first {t['numerics_steps']} losses (before and after the first update) stay within {t['tolerances']['math']:g} (fp32 fixes) or "
                   f"{t['tolerances']['precision']:g} (precision fixes) relative; loader fixes must yield the same "
-                  "batches in the same order", highlight=False, markup=False)
+                  "batches in the same order; fast_loader the same files and labels, with per-channel image "
+                  "statistics within tolerance", highlight=False, markup=False)
     if t.get("busy"):
         console.print(t["busy"], style="bold", highlight=False, markup=False)
     kept = [r for r in t["tried"] if r["kept"] and r["code"]]

@@ -1,0 +1,298 @@
+"""The data fix `doctor --try fast_loader` measures: a torch DataLoader that reads image files (a
+torchvision ImageFolder / DatasetFolder, or a Dataset of `(path, label)` samples) through the standard
+transforms is swapped for `torchspeed.data.fast_loader` on the same files, with the crop size, flip and
+normalisation read from its Compose.
+
+Why this fix and not only more workers: decoding full-size JPEGs with PIL is the cost, and on a machine
+with few cores worker processes add no core. fast_loader decodes DCT-scaled and crops on uint8, in
+threads that release the GIL; the swap measures what that gives beside the script's own step.
+
+Child side (in the script's process, imports no torchspeed area until a swap is made): `describe`
+reads a DataLoader's dataset and transforms into a plain dict (recorded by every run), `image_stats`
+summarises a batch, `install_swap` makes the described loader iterate a fast_loader. Parent side:
+`candidates` (what to try), `code` (the lines to write) and `numerics` (same files and labels; image
+statistics within tolerance, since random crops never give equal pixels).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+__all__ = ["EVAL_CROP_FRACTION", "candidates", "code", "describe", "image_stats", "install_swap", "numerics",
+           "MEAN_Z", "STD_RATIO"]
+
+EVAL_CROP_FRACTION = 0.875  # fast_loader's evaluation crop: this share of the short side (Resize(256) + CenterCrop(224))
+MEAN_Z = 4.0  # per-channel image means may differ by this many standard errors (random crops of other images)
+MEAN_FLOOR = 0.05  # ... or by this much in normalised units, whichever is larger
+STD_RATIO = (0.8, 1.25)  # the per-channel pixel std of the swapped loader's batches, relative to the script's
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_PIL_LOADERS = ("default_loader", "pil_loader", "accimage_loader")
+
+
+# ====================================================================== child side: what the script's loader reads
+def describe(loader: Any) -> dict[str, Any] | None:
+    """What a DataLoader reads, when it is image files: {"dataset", "root", "samples", "supported", and
+    either "reason" (why fast_loader cannot stand in) or "train", "crop", "scale", "mean", "std"}. None
+    for a Dataset that is not image files (tensors, text...). Never raises: a recognition that fails is
+    a reason, not a crash of the user's script."""
+    try:
+        return _describe(loader)
+    except Exception as e:  # noqa: BLE001 - reading a user's Dataset must not cost their run
+        return {"dataset": type(getattr(loader, "dataset", None)).__name__, "supported": False,
+                "reason": f"its Dataset could not be read ({type(e).__name__}: {e})"}
+
+
+def _describe(loader: Any) -> dict[str, Any] | None:
+    ds = loader.dataset
+    samples = getattr(ds, "samples", None) or getattr(ds, "imgs", None)
+    if not _image_samples(samples):
+        inner = getattr(ds, "dataset", None)  # torch.utils.data.Subset (random_split) of an image folder
+        if inner is not None and _image_samples(getattr(inner, "samples", None)):
+            return {"dataset": f"{type(ds).__name__} of {type(inner).__name__}", "supported": False,
+                    "reason": "it reads a subset of the folder (random_split / Subset), fast_loader reads a whole folder"}
+        return None
+    first = os.path.abspath(samples[0][0])
+    root = os.path.abspath(getattr(ds, "root", None) or os.path.dirname(os.path.dirname(first)))
+    out: dict[str, Any] = {"dataset": type(ds).__name__, "root": root, "samples": len(samples), "supported": False}
+    reason = _dataset_reason(ds)
+    if reason is None:
+        tf = _transforms(getattr(ds, "transform", None))
+        if isinstance(tf, str):
+            reason = tf
+        else:
+            out.update(tf)
+    if reason is None and getattr(loader, "batch_size", None) is None:
+        reason = "the DataLoader has no batch_size (a batch_sampler of its own)"
+    if reason is None and getattr(loader, "collate_fn", None) is not None and \
+            getattr(loader.collate_fn, "__name__", "") not in ("default_collate", "collate"):
+        reason = f"the DataLoader has its own collate_fn ({getattr(loader.collate_fn, '__name__', 'a callable')})"
+    out["supported"] = reason is None
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+def _image_samples(samples: Any) -> bool:
+    """A list of (path, int label) whose first path is an image file."""
+    try:
+        path, label = samples[0]
+    except (TypeError, ValueError, IndexError, KeyError):
+        return False
+    return isinstance(path, (str, os.PathLike)) and isinstance(label, int) and \
+        os.fspath(path).lower().endswith(IMAGE_SUFFIXES)
+
+
+def _dataset_reason(ds: Any) -> str | None:
+    """Why the Dataset's own reading would differ from fast_loader's, or None."""
+    if getattr(ds, "target_transform", None) is not None:
+        return "its Dataset has a target_transform (labels changed on the way)"
+    image_loader = getattr(ds, "loader", None)
+    if image_loader is not None and getattr(image_loader, "__name__", "") not in _PIL_LOADERS:
+        return f"its Dataset opens images with its own loader ({getattr(image_loader, '__name__', 'a callable')})"
+    for klass in type(ds).__mro__:
+        if klass.__name__ == "DatasetFolder":
+            if type(ds).__getitem__ is not klass.__getitem__:
+                return f"{type(ds).__name__} overrides __getitem__ (it may do more than open, transform and label)"
+            break
+    return None
+
+
+def _size(v: Any) -> int | None:
+    """A square size: an int, or a sequence of one int or of two equal ints."""
+    if isinstance(v, int):
+        return v
+    if isinstance(v, (list, tuple)) and len(v) in (1, 2) and all(isinstance(x, int) for x in v) and v[0] == v[-1]:
+        return int(v[0])
+    return None
+
+
+def _transforms(transform: Any) -> dict[str, Any] | str:
+    """The fast_loader settings a torchvision Compose (v1 or v2) amounts to, or why it has none."""
+    if transform is None:
+        return "its Dataset has no transform (it yields PIL images, not tensors)"
+    steps = list(getattr(transform, "transforms", None) or [transform])
+    seen: dict[str, Any] = {}
+    for t in steps:
+        name = type(t).__name__
+        if name == "RandomResizedCrop":
+            size, ratio = _size(t.size), tuple(t.ratio)
+            if size is None:
+                return f"RandomResizedCrop({t.size}) is not square; fast_loader crops squares"
+            if any(abs(a - b) > 1e-3 for a, b in zip(ratio, (3 / 4, 4 / 3))):
+                return f"RandomResizedCrop(ratio={ratio}) is not the default (3/4, 4/3) fast_loader draws from"
+            seen["rrc"], seen["scale"] = size, [float(s) for s in t.scale]
+        elif name == "RandomHorizontalFlip":
+            if abs(float(t.p) - 0.5) > 1e-6:
+                return f"RandomHorizontalFlip(p={t.p}); fast_loader flips with p=0.5"
+            seen["flip"] = True
+        elif name == "Resize":
+            size = t.size if isinstance(t.size, int) else t.size[0] if len(t.size) == 1 else None
+            if size is None:
+                return f"Resize({list(t.size)}) squashes to a fixed shape; fast_loader resizes the short side"
+            seen["resize"] = int(size)
+        elif name == "CenterCrop":
+            if (size := _size(t.size)) is None:
+                return f"CenterCrop({t.size}) is not square; fast_loader crops squares"
+            seen["center"] = size
+        elif name in ("ToTensor", "ToImage", "PILToTensor", "ToImageTensor"):
+            seen["tensor"] = seen.get("tensor") or name == "ToTensor"
+        elif name in ("ToDtype", "ConvertImageDtype"):
+            seen["tensor"] = "float" in str(getattr(t, "dtype", "")) and getattr(t, "scale", True)
+        elif name == "Normalize":
+            seen["mean"], seen["std"] = [float(m) for m in t.mean], [float(s) for s in t.std]
+        else:
+            return f"its transforms include {name}, which fast_loader does not apply"
+    if not seen.get("tensor"):
+        return "its transforms do not end in a float tensor scaled to [0, 1] (ToTensor)"
+    norm = {"mean": seen.get("mean"), "std": seen.get("std")}
+    if "rrc" in seen:
+        if not seen.get("flip") or "resize" in seen or "center" in seen:
+            return ("RandomResizedCrop without RandomHorizontalFlip (fast_loader's training crop always flips)"
+                    if not seen.get("flip") else "RandomResizedCrop combined with Resize / CenterCrop")
+        return {"train": True, "crop": seen["rrc"], "scale": seen["scale"], **norm}
+    if seen.get("flip"):
+        return "RandomHorizontalFlip without RandomResizedCrop; fast_loader flips only with its random crop"
+    if "resize" in seen and "center" in seen:
+        fraction = seen["center"] / seen["resize"]
+        if abs(fraction - EVAL_CROP_FRACTION) > 0.02:
+            return (f"Resize({seen['resize']}) + CenterCrop({seen['center']}) keeps {fraction:.3f} of the short side; "
+                    f"fast_loader's evaluation crop keeps {EVAL_CROP_FRACTION}")
+        return {"train": False, "crop": seen["center"], "scale": None, **norm}
+    return "its transforms neither crop at random (RandomResizedCrop) nor resize and centre-crop"
+
+
+def image_stats(batch: Any) -> dict[str, Any] | None:
+    """Per-image channel means and the per-channel pixel std of a batch's images (its first floating
+    4-D tensor): what `numerics` compares, since random crops never give the same pixels twice."""
+    import torch
+
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]
+    x = next((v for v in items if isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point()), None)
+    if x is None or x.shape[0] == 0:
+        return None
+    with torch.no_grad():
+        x = x.detach().float()
+        means = x.mean(dim=(2, 3))
+        std = x.transpose(0, 1).reshape(x.shape[1], -1).std(dim=1)
+    read = torch._C.TensorBase  # unpatched reads: doctor's own, not the loop's host syncs
+    return {"means": read.tolist(read.cpu(means)), "std": read.tolist(read.cpu(std))}
+
+
+def install_swap(value: dict[str, Any], notes: dict[str, Any]) -> Any:
+    """Make the DataLoader that `value` names (its root, train/eval crop) iterate a fast_loader of the same
+    files instead; what the swap found (same samples?, decoder) goes into `notes`. Returns the undo."""
+    from torch.utils.data import DataLoader
+
+    orig = DataLoader.__iter__  # doctor's instrumented __iter__: other loaders stay measured as before
+    made: dict[int, tuple[Any, Any]] = {}  # id(loader) -> (loader, its fast_loader or None); the loader kept alive
+
+    def swapped_iter(loader: Any) -> Any:
+        if id(loader) not in made:
+            made[id(loader)] = (loader, _fast_for(loader, value, notes))
+        fast = made[id(loader)][1]
+        return orig(loader) if fast is None else iter(fast)
+
+    DataLoader.__iter__ = swapped_iter
+    return lambda: setattr(DataLoader, "__iter__", orig)
+
+
+def _fast_for(loader: Any, value: dict[str, Any], notes: dict[str, Any]) -> Any:
+    d = describe(loader)
+    if not d or not d.get("supported") or d["root"] != value["root"] or d["train"] != value["train"] \
+            or d["crop"] != value["crop"]:
+        return None
+    from torchspeed.data import fast_loader
+
+    kw = _keywords(d, value)
+    fast = fast_loader(d["root"], loader.batch_size, **kw)
+    theirs = sorted((os.path.abspath(p), int(y)) for p, y in (getattr(loader.dataset, "samples", None)
+                                                              or loader.dataset.imgs))
+    ours = sorted((os.path.abspath(p), int(y)) for p, y in fast.dataset.samples)
+    notes.update(root=d["root"], same_samples=theirs == ours, samples=len(theirs), fast_samples=len(ours),
+                 decoder=fast.decoder, threads=fast.threads, num_workers=fast.num_workers)
+    return fast
+
+
+def _keywords(d: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+    """fast_loader's keywords for a description `d` and a tried `value` (the ones that differ from its
+    defaults are what `code` prints)."""
+    kw: dict[str, Any] = {"train": d["train"], "crop": d["crop"]}
+    if d["train"] and d.get("scale") and tuple(d["scale"]) != (0.08, 1.0):
+        kw["scale"] = tuple(d["scale"])
+    kw["mean"] = tuple(d["mean"]) if d.get("mean") else None
+    kw["std"] = tuple(d["std"]) if d.get("std") else None
+    kw.update(device=value["device"], channels_last=False, num_workers=0, threads=value["threads"])
+    return kw
+
+
+# ====================================================================== parent side
+def candidates(loaders: list[dict[str, Any]], cores: int, device: str) -> str | list[dict[str, Any]]:
+    """The fast_loader settings to try for the training loaders' records, or why there are none.
+    Decoding threads: one, and half the cores (the step's own threads keep the rest)."""
+    images = [ld["images"] for ld in loaders if ld.get("images")]
+    if not images:
+        return "the loop's DataLoader does not read image files (fast_loader reads the JPEG / PNG files of an ImageFolder)"
+    ok = [d for d in images if d.get("supported")]
+    if not ok:
+        return f"the loop's image Dataset ({images[0].get('dataset')}) is read differently: {images[0].get('reason')}"
+    d = ok[0]
+    return [{"threads": n, "device": device, "root": d["root"], "train": d["train"], "crop": d["crop"]}
+            for n in sorted({1, max(1, cores // 2)})]
+
+
+def code(value: dict[str, Any], loaders: list[dict[str, Any]]) -> str:
+    """The lines that keep the fix: the script's DataLoader replaced by fast_loader with what was measured."""
+    d = next((ld["images"] for ld in loaders if (ld.get("images") or {}).get("root") == value["root"]), None)
+    bs = next((ld.get("batch_size") for ld in loaders if (ld.get("images") or {}).get("root") == value["root"]), None)
+    if d is None:
+        return f"loader = ts.data.fast_loader({value['root']!r}, batch_size=..., crop={value['crop']})"
+    kw = _keywords(d, value)
+    args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    what = "RandomResizedCrop + RandomHorizontalFlip" if d["train"] else "Resize + CenterCrop"
+    return (f"import torchspeed as ts\n"
+            f"# the same files, {what} {d['crop']}, {'Normalize' if d.get('mean') else 'no Normalize'}; "
+            "batches already on the device\n"
+            f"loader = ts.data.fast_loader({d['root']!r}, batch_size={bs}, {args})")
+
+
+def numerics(base: dict[str, Any], fixed: dict[str, Any], batches: int) -> dict[str, Any]:
+    """Does the swapped loader give the same data? The same files with the same labels (checked in the
+    script's process when the swap was made), and per channel, over the first `batches` batches, image
+    means within MEAN_Z standard errors (or MEAN_FLOOR) of the script's and a pixel std within STD_RATIO."""
+    notes = (fixed.get("fix_notes") or {}).get("fast_loader") or {}
+    sb = [s for s in base.get("batch_stats") or [] if s][:batches]
+    sf = [s for s in fixed.get("batch_stats") or [] if s][:batches]
+    out: dict[str, Any] = {"kind": "images", "max_rel_diff": None, "same_samples": notes.get("same_samples"),
+                           "tolerance": f"the same files and labels; per channel over the first {batches} batches, "
+                                        f"image means within {MEAN_Z:g} standard errors (or {MEAN_FLOOR:g}) and pixel std "
+                                        f"within {STD_RATIO[0]:g}-{STD_RATIO[1]:g}x of the script's loader"}
+    if not notes:
+        out.update(ok=False, reason="the swap was not made: no DataLoader of the described files was iterated")
+        return out
+    if not sb or not sf:
+        out["ok"] = None if notes.get("same_samples") else False
+        return out
+    channels = []
+    ok = bool(notes.get("same_samples"))
+    for c in range(min(len(sb[0]["std"]), len(sf[0]["std"]))):
+        mb, vb, nb = _moments([m[c] for s in sb for m in s["means"]])
+        mf, vf, nf = _moments([m[c] for s in sf for m in s["means"]])
+        se = math.sqrt(vb / nb + vf / nf)
+        std_b = sum(s["std"][c] for s in sb) / len(sb)
+        std_f = sum(s["std"][c] for s in sf) / len(sf)
+        ratio = std_f / std_b if std_b > 0 else float("inf")
+        mean_ok = abs(mb - mf) <= max(MEAN_Z * se, MEAN_FLOOR)
+        std_ok = STD_RATIO[0] <= ratio <= STD_RATIO[1]
+        ok = ok and mean_ok and std_ok
+        channels.append({"mean": [round(mb, 4), round(mf, 4)], "mean_tolerance": round(max(MEAN_Z * se, MEAN_FLOOR), 4),
+                         "std": [round(std_b, 4), round(std_f, 4)], "ok": mean_ok and std_ok})
+    out.update(ok=ok, channels=channels)
+    return out
+
+
+def _moments(values: list[float]) -> tuple[float, float, int]:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, var, n
