@@ -31,7 +31,8 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
-# The built wheel installed into a fresh environment that already has torch: torch must stay.
+# The built wheel installed with every extra ([all]) into a fresh environment that already has torch:
+# torch must stay, and doctor, optimize (torch + ONNX Runtime) and fast_loader must run there.
 test-install: $(STAMP)
 	$(PY) -m pytest -q -m install tests/test_packaging.py
 

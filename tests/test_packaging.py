@@ -3,7 +3,8 @@
 The wheel is built from this checkout and installed with its dependencies into a fresh virtual
 environment whose only packages are torch and torchvision (with what they need), the situation of a
 user with their own CUDA or CPU build. pip resolves against the real package index; the test fails if
-it would install any torch or torchvision, and checks the installed command runs doctor on a script.
+it would install any torch or torchvision. With every extra installed (`[all]`) there, the installed
+command runs doctor on a script, and `optimize` (torch and ONNX Runtime) and `fast_loader` run.
 """
 from __future__ import annotations
 
@@ -88,10 +89,10 @@ def test_wheel_installs_into_an_environment_with_torch_and_keeps_it(tmp_path):
     subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--dry-run", "--report", str(report),
                     f"{wheel}[all]"], check=True, env=env, capture_output=True, text=True)
     planned = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
-    assert {"torchspeed", "onnxruntime", "lmdb"} <= planned
+    assert {"torchspeed", "onnxruntime", "lmdb", "openvino", "timm"} <= planned
     assert not planned & {"torch", "torchvision"}, f"pip would replace the user's torch: {sorted(planned)}"
 
-    subprocess.run([str(py), "-m", "pip", "install", "--quiet", str(wheel)], check=True, env=env,
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", f"{wheel}[all]"], check=True, env=env,
                    capture_output=True, text=True)
     where = subprocess.run([str(py), "-c", "import torch, torchspeed; print(torch.__version__, torch.__file__)"],
                            check=True, env=env, capture_output=True, text=True).stdout.split()
@@ -115,6 +116,31 @@ def test_wheel_installs_into_an_environment_with_torch_and_keeps_it(tmp_path):
                           str(py), str(script)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (out / "doctor.json").exists()
+
+    # The extras work there: optimize (torch and ONNX Runtime) and fast_loader, each on its own data.
+    use = tmp_path / "use.py"
+    use.write_text(textwrap.dedent("""
+        import json, sys
+        import torch
+        import torchspeed as ts
+
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                    torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
+        result = ts.infer.optimize(model, torch.randn(1, 3, 16, 16), runtimes="torch,onnxruntime",
+                                   precisions="fp32", batch_sizes=(1,), repeats=1)
+        ran = sorted(r.runtime for r in result.table if r.passed)
+        result.best.save("best")
+        back = ts.infer.load("best")(torch.randn(3, 3, 16, 16))
+        ts.data.make_photo_folder("photos", 8, n_classes=2, size=(48, 36))
+        loader = ts.data.fast_loader("photos", batch_size=4, train=True, crop=32)
+        images, labels = next(iter(loader))
+        json.dump({"ran": ran, "best": list(back.shape), "batch": list(images.shape)}, sys.stdout)
+    """))
+    run = subprocess.run([str(py), str(use)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {"torch", "onnxruntime"} <= set(got["ran"]), got
+    assert got["best"] == [3, 2] and got["batch"] == [4, 3, 32, 32]
 
 
 def test_every_install_hint_names_an_extra_that_exists():

@@ -97,7 +97,7 @@ class ModelSpec:
         if timm is not None and timm.is_model(name):
             return cls("timm", name, kwargs)
         if source == "timm" and timm is None:
-            raise ImportError(f"{spec!r} needs timm: pip install 'torchspeed[compress]'")
+            raise ImportError(f"{spec!r} needs timm: pip install 'torchspeed[timm]'")
         known = sorted(set(tv) | (set(timm.list_models()) if timm is not None else set()))
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -230,7 +230,7 @@ def create(spec: str | ModelSpec, *, weights: str | None = None, **kwargs: Any) 
     elif spec.source == "timm":
         timm = _timm()
         if timm is None:
-            raise ImportError(f"timm:{spec.name} needs timm: pip install 'torchspeed[compress]'")
+            raise ImportError(f"timm:{spec.name} needs timm: pip install 'torchspeed[timm]'")
         model = timm.create_model(spec.name, pretrained=False, **kw)
     elif spec.runs_user_code:
         try:

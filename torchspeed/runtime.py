@@ -4,14 +4,18 @@ This is the floor every other module stands on; it imports nothing else from tor
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import json
+import multiprocessing
 import os
 import platform
 import random
+import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
@@ -27,9 +31,12 @@ __all__ = [
     "cache_dir",
     "cpu_flags",
     "default_precision",
+    "default_mp_context",
     "describe",
     "deterministic",
     "precision_dtype",
+    "process_as_found",
+    "import_as_found",
     "resolve_device",
     "rng_state",
     "seed_everything",
@@ -318,6 +325,45 @@ def deterministic(enabled: bool = True) -> None:
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(enabled, warn_only=False)
+
+
+@contextlib.contextmanager
+def process_as_found(env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Put back what third-party code changes in the caller's process on its first use: environment
+    variables (cv2 prepends LD_LIBRARY_PATH, torch's inductor sets TORCHINDUCTOR_CACHE_DIR), warning
+    filters (sympy adds one) and an unset multiprocessing start method (a library starting a process
+    fixes it, after which the user's `set_start_method` fails). `env`: variables set only inside the
+    block (an opt-out read by what runs there). Only the variables that changed are put back."""
+    before = dict(os.environ)
+    method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        with warnings.catch_warnings():  # restores warnings.filters on exit
+            os.environ.update(env or {})
+            yield
+    finally:
+        for key in set(before) | set(os.environ):
+            if os.environ.get(key) != before.get(key):
+                if key in before:
+                    os.environ[key] = before[key]
+                else:
+                    del os.environ[key]
+        if method is None and multiprocessing.get_start_method(allow_none=True) is not None:
+            multiprocessing.set_start_method(None, force=True)  # unset again: the user may still choose
+
+
+def import_as_found(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """`importlib.import_module(name)`, its first import inside `process_as_found(env)`."""
+    if name in sys.modules:
+        return sys.modules[name]
+    with process_as_found(env):
+        return importlib.import_module(name)
+
+
+def default_mp_context() -> Any:
+    """The multiprocessing context a plain `Process` would use, without fixing the process's start
+    method as using the default context does (pass it as DataLoader's `multiprocessing_context`)."""
+    method = multiprocessing.get_start_method(allow_none=True)
+    return multiprocessing.get_context(method or multiprocessing.get_all_start_methods()[0])
 
 
 def cache_dir(*parts: str) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchspeed.runtime import FLOAT_PRECISIONS, precision_dtype, synchronize
+from torchspeed.runtime import FLOAT_PRECISIONS, precision_dtype, process_as_found, synchronize
 
 __all__ = ["count_params", "count_macs", "inference_fn"]
 
@@ -29,7 +29,8 @@ def count_macs(model: nn.Module, example_input: torch.Tensor) -> int:
     was_training = model.training
     model.eval()
     try:
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
+        # a dispatch mode's first use imports torch._dynamo (TORCHINDUCTOR_CACHE_DIR, sympy's warning filter)
+        with process_as_found(), FlopCounterMode(display=False) as counter, torch.no_grad():
             model(example_input)
     finally:
         model.train(was_training)

@@ -23,6 +23,7 @@ from torchspeed.args import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import compare
 from torchspeed.models import ModelSpec
+from torchspeed.runtime import import_as_found
 
 __all__ = ["PruneResult", "prune", "output_layers", "IMPORTANCES", "PRUNED_FILES", "save_pruned", "load_pruned"]
 
@@ -41,7 +42,7 @@ IMPORTANCES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def _torch_pruning():
     try:
-        import torch_pruning
+        torch_pruning = import_as_found("torch_pruning")  # its import sets TORCHINDUCTOR_CACHE_DIR, a warning filter
     except ImportError:
         raise ImportError("structural pruning needs torch-pruning: pip install 'torchspeed[compress]'") from None
     return torch_pruning

@@ -24,6 +24,7 @@ from torch import nn
 from torchspeed.atomic import atomic_write
 from torchspeed.batches import BatchFormat
 from torchspeed.infer.precision import as_fp32, output_error
+from torchspeed.runtime import process_as_found
 
 __all__ = ["export_onnx", "ExportResult", "flatten_inputs", "grow_batch", "convert_onnx_fp16", "fp16_converter",
            "onnx_inputs", "onnx_example", "read_onnx", "OnnxGraph", "save_onnx_copy", "onnx_data_files"]
@@ -86,11 +87,11 @@ def flatten_inputs(example: Any) -> tuple[list[str], list[torch.Tensor], list[st
 
 def _export_dynamo(model: nn.Module, xs: tuple[torch.Tensor, ...], names: list[str], path: str,
                    dynamic_batch: bool, opset: int | None) -> None:
-    _need("onnxscript")
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    # one entry for forward's *xs, holding one spec per tensor
-    dyn = (tuple({0: batch} for _ in xs),) if dynamic_batch else None
-    with warnings.catch_warnings():
+    with process_as_found():  # torch.export's first use sets TORCHINDUCTOR_CACHE_DIR and sympy's warning filter
+        _need("onnxscript")
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        # one entry for forward's *xs, holding one spec per tensor
+        dyn = (tuple({0: batch} for _ in xs),) if dynamic_batch else None
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(model, xs, None, dynamo=True, dynamic_shapes=dyn, input_names=names,
                                  output_names=["output"], opset_version=opset, optimize=True, verbose=False)
@@ -100,7 +101,7 @@ def _export_dynamo(model: nn.Module, xs: tuple[torch.Tensor, ...], names: list[s
 def _export_torchscript(model: nn.Module, xs: tuple[torch.Tensor, ...], names: list[str], path: str,
                         dynamic_batch: bool, opset: int | None) -> None:
     axes = {**{n: {0: "batch"} for n in names}, "output": {0: "batch"}} if dynamic_batch else None
-    with warnings.catch_warnings():
+    with process_as_found():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, xs, path, dynamo=False, input_names=names, output_names=["output"],
                           dynamic_axes=axes, opset_version=opset or 17, do_constant_folding=True)

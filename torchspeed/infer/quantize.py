@@ -209,11 +209,12 @@ def quantize_openvino(model_path: str, calib_data: Iterable[Any] | None, method:
     if method != "minmax":
         raise ValueError(f"NNCF picks its own range estimators; calibration method {method!r} is only "
                          "available through ONNX Runtime (use 'minmax' here)")
+    from torchspeed.infer.runners import import_openvino
+
     try:
-        import nncf
-        import openvino as ov
+        nncf, ov = import_openvino("nncf"), import_openvino()  # no telemetry sent (runners.OPENVINO_NO_TELEMETRY)
     except ImportError:
-        raise ImportError("OpenVINO INT8 needs openvino and nncf: pip install 'torchspeed[infer]'") from None
+        raise ImportError("OpenVINO INT8 needs openvino and nncf: pip install 'torchspeed[openvino]'") from None
     arrays = calibration_arrays(calib_data, max_samples, batch_format)
     model = ov.Core().read_model(model_path)
     with quiet_quantizer_logs():

@@ -29,18 +29,30 @@ from torchspeed.atomic import publish_files, published_set, recover_published, w
 from torchspeed.batches import BatchFormat, map_tensors, to_device
 from torchspeed.infer.precision import as_fp32
 from torchspeed.models import ModelSpec, spec_of
-from torchspeed.runtime import usable_cores
+from torchspeed.runtime import import_as_found, process_as_found, usable_cores
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "RUNTIMES", "available_runtimes",
            "build_torch_module", "module_device", "ort_providers", "provider_label", "ort_cuda_problem",
-           "check_ort_cuda", "feed_names", "read_manifest", "artifact_dir", "recover_artifact", 
-           "MANIFEST", "FORMAT", "RUNTIME_KEY", "ARTIFACT_FILES"]
+           "check_ort_cuda", "feed_names", "read_manifest", "artifact_dir", "recover_artifact",
+           "import_openvino", "MANIFEST", "FORMAT", "RUNTIME_KEY", "ARTIFACT_FILES"]
 
 RUNTIMES = ("torch", "torch.compile", "onnxruntime", "onnxruntime-cuda", "openvino", "tensorrt")
 MANIFEST = "manifest.json"
 FORMAT = "torchspeed-inference-artifact"
 RUNTIME_KEY = "backend"  # the manifest key naming the runtime: part of the saved artifact format
-ARTIFACT_FILES = (MANIFEST, "weights.pt", "model.onnx", "model.onnx.data", "model.xml", "model.bin")  # any runner's
+ARTIFACT_FILES = (MANIFEST, "weights.pt", "program.pt2", "model.onnx", "model.onnx.data", "model.xml",
+                  "model.bin")  # any runner's
+
+# OpenVINO's `import openvino` (its model converter) and NNCF start a process that sends usage telemetry
+# unless the machine opted out. Both skip it in CI (`disable_in_ci`: CI=true) and NNCF when NNCF_CI is
+# set: set only while we import them, so the user's own settings and later uses of OpenVINO are untouched.
+OPENVINO_NO_TELEMETRY = {"CI": "true", "NNCF_CI": "1"}
+
+
+def import_openvino(name: str = "openvino") -> Any:
+    """Import `openvino` (or `nncf`) with no telemetry sent and the caller's process left as it was
+    (`runtime.import_as_found`); ImportError when it is not installed."""
+    return import_as_found(name, OPENVINO_NO_TELEMETRY)
 
 
 def _as_numpy(x: Any, dtype: Any = np.float32) -> np.ndarray:
@@ -72,11 +84,10 @@ def available_runtimes() -> dict[str, str | None]:
     except ImportError:
         out["onnxruntime"] = "onnxruntime/onnx not installed: pip install 'torchspeed[infer]'"
     try:
-        import openvino  # noqa: F401
-
+        import_openvino()
         out["openvino"] = None
     except ImportError:
-        out["openvino"] = "openvino not installed: pip install 'torchspeed[infer]'"
+        out["openvino"] = "openvino not installed: pip install 'torchspeed[openvino]'"
     if not torch.cuda.is_available():
         gpu: str | None = "no CUDA GPU"
     else:
@@ -148,20 +159,24 @@ def build_torch_module(model: nn.Module, recipe: dict[str, Any]) -> nn.Module | 
     m = to_precision(m, recipe.get("precision", "fp32"), recipe.get("mode", "autocast"),
                      bool(recipe.get("channels_last")), copy_model=False)
     if recipe.get("compile"):
-        m = torch.compile(m, dynamic=False)  # compiled on first call, under TorchRunner's freezing patch
+        with process_as_found():  # torch.compile's first use sets TORCHINDUCTOR_CACHE_DIR
+            m = torch.compile(m, dynamic=False)  # compiled on first call, under TorchRunner's freezing patch
     return m
 
 
 class TorchRunner(Runner):
     """PyTorch eager or torch.compile. Saved as the original weights (torch.save, loaded weights_only)
-    plus the architecture name and the recipe; loading rebuilds and re-applies the recipe. No pickle,
-    so it needs a model built by `torchspeed.models.create` (or the CLI)."""
+    plus the architecture name and the recipe; loading rebuilds and re-applies the recipe. A model
+    with no name (your own class, not made by `torchspeed.models.create`) is saved as a program
+    captured by torch.export on `example` (its inputs), see `torchspeed.infer.program`. No pickle."""
 
-    saves = ("weights.pt", MANIFEST)
+    saves = ("weights.pt", "program.pt2", MANIFEST)
 
     def __init__(self, model: nn.Module, recipe: dict[str, Any], threads: int | None = None,
-                 spec: ModelSpec | None = None, batch_format: BatchFormat | dict | None = None):
+                 spec: ModelSpec | None = None, batch_format: BatchFormat | dict | None = None,
+                 example: Any = None):
         self.source = model
+        self.example = example
         self.recipe = dict(recipe)
         self.spec = spec if spec is not None else spec_of(model)
         self.runtime = "torch.compile" if recipe.get("compile") else "torch"
@@ -170,6 +185,7 @@ class TorchRunner(Runner):
         self.format = BatchFormat.of(batch_format)
         self.device = module_device(model)  # runs where the model is: inputs are moved there
         self.module = build_torch_module(model, recipe)
+        self._compiled_for: set[tuple] = set()  # input shapes torch.compile has compiled the module for
 
     def __call__(self, x: Any) -> torch.Tensor:
         """Logits for the model's inputs (a tensor, or a dict / tuple of them as `batch_format` says).
@@ -183,30 +199,44 @@ class TorchRunner(Runner):
             # tensors (arrays made tensors), floating ones as float32; a list is positional inputs, as a tuple
             x = map_tensors(lambda v: as_fp32(_as_tensor(v)), tuple(x) if isinstance(x, list) else x, leaf=object)
             x = to_device(x, self.device)
-            with torch.inference_mode(), self._compile_config():
+            with torch.inference_mode(), self._compile_config(x):
                 out = self.format.forward(self.module, x)
             return self.format.logits_of(out)
         finally:
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
 
-    def _compile_config(self) -> Any:
+    def _compile_config(self, x: Any) -> Any:
+        """Inductor's settings for the call; a call that compiles (an input shape not seen yet) also runs
+        inside `process_as_found`, since compiling sets TORCHINDUCTOR_CACHE_DIR and warning filters."""
         if not self.recipe.get("compile"):
             return contextlib.nullcontext()
         import torch._inductor.config as inductor_config
 
+        stack = contextlib.ExitStack()
+        shapes: list[tuple] = []
+        map_tensors(lambda t: shapes.append((tuple(t.shape), t.dtype)) or t, x)
+        if tuple(shapes) not in self._compiled_for:
+            self._compiled_for.add(tuple(shapes))
+            stack.enter_context(process_as_found())
         # freezing: weights become constants, folded and pre-packed for oneDNN (inference only)
-        return inductor_config.patch(freezing=True)
+        stack.enter_context(inductor_config.patch(freezing=True))
+        return stack
 
     def size_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.module.state_dict().values() if isinstance(t, torch.Tensor))
 
     def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
-        if self.spec is None:
-            raise ValueError(
-                "this torch variant cannot be saved without pickle: its architecture has no name. Create the model "
-                "with torchspeed.models.create('resnet18', ...) (or pass spec= to optimize), or save an "
-                "ONNX Runtime / OpenVINO variant instead")
+        if self.spec is None:  # no name to rebuild it by: saved as a torch.export program
+            from torchspeed.infer.program import PROGRAM_FILE, save_program
+
+            def write_program(tmp: str) -> dict[str, Any]:
+                program = save_program(self.source, self.example, os.path.join(tmp, PROGRAM_FILE), self.format,
+                                       fuse=bool(self.recipe.get("fuse")))
+                return {"file": PROGRAM_FILE, "program": program, "recipe": self.recipe, "threads": self.threads,
+                        "device": str(self.device)}
+
+            return self._publish(directory, write_program, manifest_extra)
         state = {k: v.detach().contiguous() for k, v in self.source.state_dict().items()}
 
         def write(tmp: str) -> dict[str, Any]:
@@ -511,9 +541,9 @@ class OpenVINORunner(Runner):
 
     def __init__(self, model: Any, precision: str = "fp32", threads: int | None = None):
         try:
-            import openvino as ov
+            ov = import_openvino()
         except ImportError:
-            raise ImportError("OpenVINO is not installed: pip install 'torchspeed[infer]'") from None
+            raise ImportError("OpenVINO is not installed: pip install 'torchspeed[openvino]'") from None
         if precision not in _OV_HINT:
             raise ValueError(f"OpenVINO precision must be one of {', '.join(_OV_HINT)}, got {precision!r}")
         self.core = ov.Core()
@@ -538,8 +568,7 @@ class OpenVINORunner(Runner):
         return torch.from_numpy(np.array(self.request.get_output_tensor(0).data, copy=True))
 
     def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
-        import openvino as ov
-
+        ov = import_openvino()
         directory = os.fspath(directory)
 
         def write(tmp: str) -> dict[str, Any]:
@@ -556,9 +585,7 @@ class OpenVINORunner(Runner):
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            import openvino as ov
-
-            ov.save_model(self.model, os.path.join(tmp, "m.xml"), compress_to_fp16=False)
+            import_openvino().save_model(self.model, os.path.join(tmp, "m.xml"), compress_to_fp16=False)
             return sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
 
     @classmethod

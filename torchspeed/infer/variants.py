@@ -120,7 +120,7 @@ class BuildContext:
     batch_format: BatchFormat = field(default_factory=BatchFormat)
 
     def torch(self, recipe: dict[str, Any]) -> Runner:
-        return TorchRunner(self.model, recipe, self.threads, self.spec, self.batch_format)
+        return TorchRunner(self.model, recipe, self.threads, self.spec, self.batch_format, example=self.example)
 
     def low_precision(self, precision: str, **more: Any) -> dict[str, Any]:
         """The torch recipe for a bf16/fp16 variant: fused, autocast, channels_last for images."""
