@@ -30,7 +30,9 @@ def _wide_console(monkeypatch):
 def _one_line_error(capsys, *names):
     err = capsys.readouterr().err
     assert "Traceback" not in err and "weights_only=False" not in err, err
-    assert "torchspeed: error:" in err and len(err.strip().splitlines()) == 1, err
+    # a warning that the machine was busy while something was timed is not part of the error
+    lines = [line for line in err.strip().splitlines() if "the machine was busy" not in line]
+    assert "torchspeed: error:" in err and len(lines) == 1, err
     for name in names:
         assert name in err, err
     return err
