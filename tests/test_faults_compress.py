@@ -151,3 +151,12 @@ def test_save_pruned_refuses_a_folder_with_a_users_file(tmp_path):
     with pytest.raises(ValueError, match="'notes.txt'"):
         save_pruned(model, str(tmp_path), ts.models.spec_of(model))
     assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("command", [["prune", "resnet18", "--ratio", "0.3"], ["select", "--candidates", "resnet18,mobilenet_v3_small"]])
+def test_prune_and_select_input_shape_too_large_is_one_line_naming_it(command, capsys):
+    from torchspeed.cli import main
+
+    assert main([*command, "--input-shape", "100000,3,1000,1000"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "100000,3,1000,1000" in err and "GiB" in err and "Traceback" not in err, err

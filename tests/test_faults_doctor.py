@@ -139,12 +139,12 @@ def test_lint_input_shape_too_large_is_one_line_naming_it(capsys, monkeypatch):
 
     import torch
 
-    from torchspeed.doctor import linting
+    from torchspeed import batches
 
     def refuse(*shape, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4800000000 bytes")
 
-    monkeypatch.setattr(linting, "_free_memory", lambda device: None)  # the size check passes: allocation fails
+    monkeypatch.setattr(batches, "free_memory", lambda device: None)  # the size check passes: allocation fails
     monkeypatch.setattr(torch, "randn", refuse)
     assert main(["lint", "resnet18", "--input-shape", "1000,3,400,1000"]) == 2
     err = " ".join(capsys.readouterr().err.split())

@@ -7,13 +7,16 @@ otherwise for a model that takes several or named inputs (Hugging Face style) or
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["BatchFormat", "split_batch", "map_tensors", "to_device", "batch_size", "logits_of", "DICT_KEY_PAIRS",
+from torchspeed.runtime import free_memory
+
+__all__ = ["random_input", "BatchFormat", "split_batch", "map_tensors", "to_device", "batch_size", "logits_of", "DICT_KEY_PAIRS",
            "LABEL_KEYS"]
 
 DICT_KEY_PAIRS = (("image", "label"), ("images", "labels"), ("input", "target"), ("inputs", "targets"))
@@ -180,3 +183,23 @@ class BatchFormat:
             raise ValueError(f"batch_format logits={self.logits!r}: the model output "
                              f"({type(output).__name__}) has no such attribute or key")
         return getattr(output, self.logits)
+
+
+def random_input(shape: tuple[int, ...], device: str | torch.device = "cpu", *,
+                 name: str = "input_shape") -> torch.Tensor:
+    """A random fp32 input of `shape` on `device`. A shape whose tensor alone exceeds the memory free
+    there is refused in one line naming `name`, before allocating: the allocation would fail with a
+    traceback, or the kernel would kill the process."""
+    device = torch.device(device)
+    needed = math.prod(shape) * 4
+    free = free_memory(device)
+    text = ",".join(map(str, shape))
+    if free is not None and needed > free:
+        raise ValueError(f"{name} {text}: the input alone needs {needed / 2**30:,.1f} GiB and {device} has "
+                         f"{free / 2**30:,.1f} GiB free: give a smaller shape")
+    try:
+        return torch.randn(*shape, device=device)
+    except (RuntimeError, MemoryError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{name} {text}: cannot allocate the input on {device} ({first[:160]}): give a smaller "
+                         "shape") from None

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "free_memory",
     "machine_key",
     "FLOAT_PRECISIONS",
     "PRECISIONS",
@@ -374,3 +375,32 @@ def cache_dir(*parts: str) -> str:
     path = os.path.join(root, *parts)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for a new tensor on `device` (a CPU's under its cgroup limit), None when unknown."""
+    if device.type == "cuda":
+        try:
+            return torch.cuda.mem_get_info(device)[0]
+        except (RuntimeError, AssertionError, ValueError):
+            return None
+    if device.type != "cpu":
+        return None
+    free = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+            used = int(f.read().strip())
+        if limit.isdigit() and free is not None:
+            free = min(free, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return free

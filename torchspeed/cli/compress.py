@@ -68,9 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_prune(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
 
+    from torchspeed.batches import random_input
     from torchspeed.compress.pruning import IMPORTANCES, PRUNED_FILES, prune, save_pruned
     from torchspeed.models import default_input_shape, spec_of
 
@@ -81,7 +81,7 @@ def run_prune(args: argparse.Namespace) -> int:
 
         claim_output_dir(args.out, "prune", overwrite=args.overwrite, replaces=PRUNED_FILES)
     model = build_model(args.model, args)
-    example = torch.randn(*(args.input_shape or default_input_shape(model) or (1, 3, 224, 224)))
+    example = random_input(tuple(args.input_shape or default_input_shape(model) or (1, 3, 224, 224)), name="--input-shape")
     console = Console()
     with console.status("pruning") as status:
         result = prune(model, example, args.ratio, importance=args.importance, steps=args.steps,

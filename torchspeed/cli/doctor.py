@@ -73,7 +73,8 @@ def run_lint(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from torchspeed.doctor.linting import lint, random_input
+    from torchspeed.batches import random_input
+    from torchspeed.doctor.linting import lint
     from torchspeed.doctor.output import print_lint
     from torchspeed.models import default_input_shape
 

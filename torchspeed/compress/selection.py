@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from torchspeed.args import as_list, progress_fn
+from torchspeed.batches import random_input
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
 from torchspeed.measure import Timing, busy_warning, compare
 from torchspeed.models import HOW_TO_NAME, create
@@ -160,7 +161,7 @@ def select_backbone(
     precisions = _precisions_to_try(precision, dev)
     say = progress_fn(progress)
 
-    x = torch.randn(shape, device=dev)
+    x = random_input(shape, dev, name="input_shape")  # a shape larger than memory: one line, before any build
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     sizes: dict[str, tuple[int, int]] = {}

@@ -27,7 +27,7 @@ from torchspeed.doctor.advice import Finding, finding, rank
 from torchspeed.measure import OthersLoad, busy_warning, wait_for_quiet_machine
 from torchspeed.runtime import process_as_found
 
-__all__ = ["LintResult", "lint", "loss_pairing", "random_input"]
+__all__ = ["LintResult", "lint", "loss_pairing"]
 
 _VIEW = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze", "slice", "select",
          "as_strided", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind", "reshape", "lift_fresh",
@@ -250,55 +250,6 @@ def _fastest_times(runs: list[list[_Op]]) -> list[float]:
         return [op.time_s for op in runs[-1]]
     # the minimum over passes: on a shared machine the least-disturbed run is the closest to the op's cost
     return [min(r[i].time_s for r in runs) for i in range(n)]
-
-
-def random_input(shape: tuple[int, ...], device: str | torch.device = "cpu", *,
-                 name: str = "input_shape") -> torch.Tensor:
-    """A random fp32 input of `shape` on `device`. A shape whose tensor alone exceeds the memory free
-    there is refused in one line naming `name`, before allocating: the allocation would fail with a
-    traceback, or the kernel would kill the process."""
-    device = torch.device(device)
-    needed = math.prod(shape) * 4
-    free = _free_memory(device)
-    text = ",".join(map(str, shape))
-    if free is not None and needed > free:
-        raise ValueError(f"{name} {text}: the input alone needs {needed / 2**30:,.1f} GiB and {device} has "
-                         f"{free / 2**30:,.1f} GiB free: give a smaller shape")
-    try:
-        return torch.randn(*shape, device=device)
-    except (RuntimeError, MemoryError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{name} {text}: cannot allocate the input on {device} ({first[:160]}): give a smaller "
-                         "shape") from None
-
-
-def _free_memory(device: torch.device) -> int | None:
-    """Bytes free for a new tensor on `device` (a CPU's under its cgroup limit), None when unknown."""
-    if device.type == "cuda":
-        try:
-            return torch.cuda.mem_get_info(device)[0]
-        except (RuntimeError, AssertionError, ValueError):
-            return None
-    if device.type != "cpu":
-        return None
-    free = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    try:
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
-            used = int(f.read().strip())
-        if limit.isdigit() and free is not None:
-            free = min(free, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return free
 
 
 def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any = None,
