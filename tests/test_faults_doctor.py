@@ -149,3 +149,14 @@ def test_lint_input_shape_too_large_is_one_line_naming_it(capsys, monkeypatch):
     assert main(["lint", "resnet18", "--input-shape", "1000,3,400,1000"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "--input-shape 1000,3,400,1000" in err and "cannot allocate" in err and "Traceback" not in err
+
+
+def test_trace_without_out_is_refused_before_the_script_runs(tmp_path, capsys, monkeypatch):
+    marker = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["doctor", "--trace", "--", sys.executable, str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "--trace needs --out" in err and "Traceback" not in err
+    assert not marker.exists() and not (tmp_path / "doctor-trace.json").exists()

@@ -306,6 +306,8 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     `try_fixes` (True: every fix the findings call for; a list: those fixes) then measures each fix on
     the unchanged script (`trying.try_fixes`), `steps` steps per run (default TRY_STEPS)."""
     measure_fixes, requested, steps = _fixes_requested(try_fixes, steps)
+    if trace and not out:  # the trace is a file of its own: into a folder doctor owns, never the current one
+        raise ValueError("--trace needs --out DIR: the trace is written to DIR/doctor-trace.json")
     argv = child_command(command)
     report_dir = _claim_outputs(out, json_path)
     env = _child_env(steps, cprofile, trace, out, seeded=measure_fixes)
@@ -373,7 +375,7 @@ def _child_env(steps: int | None, cprofile: bool, trace: bool, out: str | None, 
     env = dict(os.environ)
     env[instrument.ENV_STEPS] = str(steps or "")
     env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
-    env[instrument.ENV_TRACE] = os.path.abspath(os.path.join(out or ".", "doctor-trace.json")) if trace else ""
+    env[instrument.ENV_TRACE] = os.path.abspath(os.path.join(out, "doctor-trace.json")) if trace and out else ""
     if seeded:
         env[instrument.ENV_SEED] = "0"  # the baseline run is seeded like the runs it is compared with
     return env
