@@ -382,11 +382,7 @@ def test_available_decoders_says_why_a_decoder_is_missing(monkeypatch):
 def test_measured_choices_are_logged_at_info(photo_store, caplog):
     import logging
 
-    from torchspeed.data import decode, loader
-
     caplog.set_level(logging.INFO, logger="torchspeed.data")
-    decode._CHOICES.clear()
-    loader._TUNED.clear()
     fast_loader(photo_store, 4, crop=16, device="cpu", num_workers=[0], threads=[1, 2], tune_seconds=0.02)
     by_logger = {r.name: r.getMessage() for r in caplog.records if r.levelno == logging.INFO}
     assert by_logger["torchspeed.data.decode"].startswith("decoder: ")  # what was chosen, with its time
@@ -405,7 +401,8 @@ def test_progress_is_a_bool_or_a_callable(tmp_path, capsys):
     tune_loader(IndexDataset(16), 8, num_workers=[0], tune_seconds=0.02, device="cpu", prefetch_factor=(2,),
                 progress=said.append)
     assert said and said[0].startswith("timing num_workers=0")
-    tune_loader(IndexDataset(16), 8, num_workers=[0], tune_seconds=0.02, device="cpu", prefetch_factor=(2,), progress=True)
+    tune_loader(IndexDataset(16), 8, num_workers=[0], tune_seconds=0.02, device="cpu", prefetch_factor=(2,), progress=True,
+                refresh=True)  # measured again, not remembered from the call above
     assert "timing num_workers=0" in capsys.readouterr().err
     packed = []
     pack(IndexDataset(40), tmp_path / "s", format="raw", num_workers=1, progress=packed.append)

@@ -71,6 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="batch-making threads tried at num_workers=0: auto (1..cores+1, default), a number (fixed) "
                         "or a comma list such as 1,2")
     p.add_argument("--tune-seconds", type=float, default=1.0, metavar="S", help="length of each timed pass in seconds (default 1.0)")
+    p.add_argument("--refresh", action="store_true",
+                   help="measure again instead of using the settings remembered from an earlier run on this machine")
     add_json_option(p)
     p.set_defaults(func=run_tune_loader)
 
@@ -123,7 +125,8 @@ def run_tune_loader(args: argparse.Namespace) -> int:
     pipeline = isinstance(data, (str, DatasetSource))  # else the Dataset's own samples, in a plain DataLoader
     tuned = tune_loader(data, args.batch_size, crop=args.crop, num_workers=args.num_workers,
                         threads=args.threads if pipeline else None,
-                        tune_seconds=args.tune_seconds, progress=lambda text: console.print(text, style="dim"))
+                        tune_seconds=args.tune_seconds, refresh=args.refresh,
+                        progress=lambda text: console.print(text, style="dim"))
     rows = [(r.num_workers, r.threads, r.prefetch_factor, r.persistent_workers, r.pin_memory,
              "final (interleaved)" if r.final else "", r.items_per_s) for r in tuned.table]
     print_table(f"tune-loader {args.data} (batch {args.batch_size}, crop {args.crop}): images/s",
@@ -131,6 +134,10 @@ def run_tune_loader(args: argparse.Namespace) -> int:
                 console)
     console.print(f"best: {'fast_loader' if pipeline else 'DataLoader'}(..., {tuned.describe()}) at "
                   f"{tuned.throughput:,.0f} img/s", highlight=False)
+    if tuned.remembered:
+        console.print(f"{tuned.remembered}: not measured again (--refresh measures again)", highlight=False)
+    if tuned.busy_warning:
+        console.print(f"note: {tuned.busy_warning}", highlight=False)
     if args.json:
         write_json(args.json, tuned.to_dict())
     return 0

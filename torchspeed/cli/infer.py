@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="save the best variant here (model file + manifest.json); a new folder, or one optimize wrote")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the artifact an earlier optimize saved in --out (never other files there)")
+    p.add_argument("--refresh", action="store_true",
+                   help="search and time every variant again instead of checking the winner remembered from an "
+                        "earlier run on this machine")
     add_json_option(p)
     p.set_defaults(func=run)
 
@@ -146,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         result = optimize(resolved.model, torch.randn(shape), calib_data=calib, eval_fn=eval_fn,
                           max_metric_drop=args.max_metric_drop, device=device, runtimes=args.runtimes,
                           precisions=args.precisions, batch_sizes=args.batch_sizes, objective=args.objective,
-                          max_calib_samples=args.max_calib_samples, progress=lambda s: status.update(f"optimize: {s}"))
+                          max_calib_samples=args.max_calib_samples, refresh=args.refresh,
+                          progress=lambda s: status.update(f"optimize: {s}"))
     result.print(console)
     best = result.best
     if best is None:

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from torchspeed.args import as_list
-from torchspeed.args import progress_fn
+from torchspeed import remembered
+from torchspeed.args import as_list, progress_fn
 from torchspeed.images import image_size_error, rgb_image
 from torchspeed.measure import compare
+from torchspeed.runtime import process_as_found
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,6 @@ DECODERS: dict[str, Callable[[], Decoder]] = {
 }
 GPU_DECODERS = ("nvjpeg",)  # decode on the device: candidates only for a loader whose device is CUDA
 _INSTANCES: dict[str, Decoder] = {}
-_CHOICES: dict[Any, tuple[str, list[dict[str, Any]]]] = {}
 
 
 def get_decoder(name: str) -> Decoder:
@@ -207,7 +207,8 @@ def get_decoder(name: str) -> Decoder:
         raise ValueError(f"unknown decoder {name!r}; choose from {', '.join(DECODERS)} or 'auto'")
     if name not in _INSTANCES:
         try:
-            _INSTANCES[name] = DECODERS[name]()
+            with process_as_found():  # importing cv2 changes LD_LIBRARY_PATH; torchvision.io, torch's inductor env
+                _INSTANCES[name] = DECODERS[name]()
         except (ImportError, OSError, RuntimeError) as e:
             hint = {"turbojpeg": "pip install PyTurboJPEG and the libturbojpeg system library",
                     "nvjpeg": "use a CPU decoder, or a machine with CUDA and torch/torchvision built for it"}.get(
@@ -283,13 +284,24 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
     return [rows[n] for n in names]
 
 
-def choose_decoder(samples: Sequence[Any], key: Any = None, min_size: int = 0,
-                   progress: bool | Callable[[str], None] = False, device: Any = None) -> tuple[str, list[dict[str, Any]]]:
-    """The fastest available decoder on `samples`, measured once per `key` in this process (logged at INFO).
+def choose_decoder(samples: Sequence[Any], parts: Mapping[str, Any] | None = None, min_size: int = 0,
+                   progress: bool | Callable[[str], None] = False, device: Any = None,
+                   refresh: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """The fastest available decoder on `samples` (logged at INFO), with the measurement's table.
 
+    With `parts` (what identifies the data, JSON-able) the choice is remembered on this machine
+    (`torchspeed.remembered`, kind "decoder", keyed also by the decoders available and the device): the
+    next call recalls it, logged as "decoder: remembered from <date> (<figure>)", unless `refresh`.
     With a CUDA `device`, nvjpeg competes too (see `measure_decoders`)."""
-    if key is not None and key in _CHOICES:
-        return _CHOICES[key]
+    on_gpu = device is not None and str(device).startswith("cuda")
+    names = [n for n, why in available_decoders().items() if why is None and (on_gpu or n not in GPU_DECODERS)]
+    key = None if parts is None else {**parts, "decoders": names, "min_size": min_size,
+                                      "device": str(device) if on_gpu else "cpu"}
+    memory = None if key is None or refresh else remembered.recall("decoder", key)
+    if memory is not None and memory.decision.get("decoder") in names:
+        log.info("decoder: %s", memory.describe())
+        progress_fn(progress)(f"decoder: {memory.decision['decoder']}, {memory.describe()}")
+        return str(memory.decision["decoder"]), list(memory.decision.get("table", []))
     table = measure_decoders(samples, min_size=min_size, progress=progress, device=device)
     timed = [r for r in table if r["us_per_image"] is not None]
     if not timed:
@@ -300,7 +312,8 @@ def choose_decoder(samples: Sequence[Any], key: Any = None, min_size: int = 0,
     log.info("decoder: %s (%.0f us/image; %s) measured on %d JPEGs", best, chosen["us_per_image"],
              others or "no other decoder", len(samples))
     if key is not None:
-        _CHOICES[key] = (best, table)
+        remembered.remember("decoder", key, {"decoder": best, "table": table},
+                            f"{best}, {chosen['us_per_image']:.0f} us/image")
     return best, table
 
 

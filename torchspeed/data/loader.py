@@ -31,11 +31,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
 from torchspeed.data.decode import GPU_DECODERS, choose_decoder, dct_factor, decode_jpeg_batch_cuda, get_decoder
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
-from torchspeed.data.sources import DatasetSource, as_source, is_dataset_spec, sample_name, spec_for_tuning
+from torchspeed.data.sources import (DatasetSource, as_source, is_dataset_spec, sample_name, source_identity,
+                                     spec_for_tuning)
 from torchspeed.data.threads import ThreadedBatches
-from torchspeed.data.tune import TuneResult, as_counts, dataloader_factory, measure_settings, worker_error
+from torchspeed.data.tune import (TuneResult, as_counts, candidate_counts, dataloader_factory, measure_settings,
+                                  recall_settings, remember_settings, worker_error)
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
-from torchspeed.runtime import resolve_device
+from torchspeed.runtime import default_mp_context, resolve_device, usable_cores
 
 __all__ = ["fast_loader", "tune_loader", "LoaderOptions", "FastLoader", "AugmentedDataset", "EpochBatchSampler",
            "world"]
@@ -316,9 +318,6 @@ class FastLoader:
                 f"device={self.device})")
 
 
-_TUNED: dict[Any, TuneResult] = {}
-
-
 def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, bytes]]:
     """Up to `k` (index, JPEG bytes) spread over the source (none when it holds no JPEGs)."""
     n = len(source)
@@ -334,13 +333,12 @@ def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, bytes]]:
 
 
 def _measured_decoder(source: Any, samples: list[tuple[int, bytes]], progress: Any,
-                      device: torch.device | None = None) -> tuple[str, list]:
-    """choose_decoder on the samples (nvjpeg competing for a CUDA `device`); when they cannot be
-    decoded, the error names the sample that fails."""
-    key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))),
-           str(device) if device is not None and device.type == "cuda" else "cpu")
+                      device: torch.device | None = None, refresh: bool = False) -> tuple[str, list]:
+    """choose_decoder on the samples (nvjpeg competing for a CUDA `device`), remembered for this data
+    (see `source_identity`); when they cannot be decoded, the error names the sample that fails."""
     try:
-        return choose_decoder([b for _, b in samples], key=key, progress=progress, device=device)
+        return choose_decoder([b for _, b in samples], parts={"data": source_identity(source)}, progress=progress,
+                              device=device, refresh=refresh)
     except Exception as e:
         for index, data in samples:
             try:
@@ -405,6 +403,7 @@ class LoaderOptions:
     multiprocessing_context: Any = None
     threads: int | str | Sequence[int] = "auto"
     progress: bool | Callable[[str], None] = False
+    refresh: bool = False
 
     def keywords(self) -> dict[str, Any]:
         """The fields as fast_loader's keyword arguments."""
@@ -437,6 +436,7 @@ def fast_loader(
     multiprocessing_context: Any = None,
     threads: int | str | Sequence[int] = "auto",
     progress: bool | Callable[[str], None] = False,
+    refresh: bool = False,
 ) -> FastLoader:
     """The whole fast input pipeline in one call (see the module docstring for what each step buys).
 
@@ -455,10 +455,14 @@ def fast_loader(
     is resized (`decoder="nvjpeg"` asks for it; an image it cannot read is decoded on the CPU with a
     warning naming the file; batches are then made by threads, `num_workers=0`). Each measured choice
     is logged at INFO on "torchspeed.data.*"; `progress` (True: stderr, or a callable taking a
-    message) reports the measuring as it goes. Distributed: each rank reads a disjoint shard of each
-    epoch's shuffle, sharded by `num_replicas`/`rank` when given, else by the initialised process group,
-    else by the WORLD_SIZE/RANK environment variables (torchrun's, so a loader built before
-    `init_process_group` shards too). As DistributedSampler does, an uneven split is padded by
+    message) reports the measuring as it goes. What was measured (the decoder, the counts) is
+    remembered on this machine for the same data (a store's or folder's files, a Dataset's class and
+    length), batch, crop, device and candidates: the next call, in this process or the next, decides
+    at once and logs "fast_loader: remembered from <date> (<figure>)"; `refresh=True` measures again
+    (see `torchspeed.remembered`; a measurement taken on a busy machine is not kept). Distributed:
+    each rank reads a disjoint shard of each epoch's shuffle, sharded by `num_replicas`/`rank` when
+    given, else by the initialised process group, else by the WORLD_SIZE/RANK environment variables
+    (torchrun's, so a loader built before `init_process_group` shards too). As DistributedSampler does, an uneven split is padded by
     wrapping around to the first samples, so every rank runs the same number of steps. Inside, the
     keywords travel as one `LoaderOptions`.
     """
@@ -467,7 +471,7 @@ def fast_loader(
         num_workers=num_workers, seed=seed, drop_last=drop_last, decoder=decoder, in_memory=in_memory,
         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory, scale=scale,
         num_replicas=num_replicas, rank=rank, tune_seconds=tune_seconds,
-        multiprocessing_context=multiprocessing_context, threads=threads, progress=progress)
+        multiprocessing_context=multiprocessing_context, threads=threads, progress=progress, refresh=refresh)
     return _build_loader(data, batch_size, options)
 
 
@@ -531,7 +535,7 @@ def _with_decoder(source: Any, options: LoaderOptions) -> tuple[LoaderOptions, l
         if samples:
             gpu_allowed = not (isinstance(num_workers, int) and num_workers > 0)  # worker processes decode on the CPU
             decoder, decoder_table = _measured_decoder(source, samples, options.progress,
-                                                       options.device if gpu_allowed else None)
+                                                       options.device if gpu_allowed else None, options.refresh)
         else:
             decoder = "simplejpeg"  # nothing to decode (raw pixels or decoded arrays): any name will do
         if hasattr(source, "close"):
@@ -577,7 +581,9 @@ def _loader_factory(augmented: AugmentedDataset, sampler: EpochBatchSampler, opt
                         pin_memory=pin_memory, worker_init_fn=_worker_init if num_workers else None,
                         prefetch_factor=prefetch_factor if num_workers else None,
                         persistent_workers=persistent_workers and num_workers > 0,
-                        multiprocessing_context=options.multiprocessing_context if num_workers else None)
+                        # an explicit context: the default one would fix the user's start method for good
+                        multiprocessing_context=(options.multiprocessing_context or default_mp_context())
+                        if num_workers else None)
         prefetcher = DevicePrefetcher(dl, options.device, options.mean, options.std, channels_last=options.channels_last,
                                       dtype=options.dtype, layout=augmented.layout)
         return FastLoader(augmented, sampler, dl, prefetcher, decoder_table=decoder_table, threads=threads)
@@ -586,23 +592,27 @@ def _loader_factory(augmented: AugmentedDataset, sampler: EpochBatchSampler, opt
 
 
 def _tuned(source: Any, batch_size: int, options: LoaderOptions, build: Callable[..., FastLoader]) -> TuneResult:
-    """The counts (and prefetch_factor, persistent_workers when not given) measured, once per process
-    for the same data and options."""
-    key = (type(source).__name__, getattr(source, "path", getattr(source, "root", id(source))), len(source),
-           batch_size, options.crop, options.train, str(options.device), options.channels_last, options.decoder,
-           options.prefetch_factor, options.persistent_workers, options.pin_memory, str(options.threads),
-           str(options.num_workers))
-    if key not in _TUNED:
+    """The counts (and prefetch_factor, persistent_workers when not given) measured, or remembered from
+    an earlier measurement of the same data, batch, crop, decoder, device and candidates on this machine."""
+    worker_counts, thread_counts = candidate_counts(options.num_workers, options.threads)
+    prefetch = [options.prefetch_factor] if options.prefetch_factor else [2, 4]
+    persistent = [options.persistent_workers] if options.persistent_workers is not None else [True]
+    parts = {"entry": "fast_loader", "data": source_identity(source), "batch_size": batch_size, "crop": options.crop,
+             "train": options.train, "scale": list(options.scale), "device": options.device.type,
+             "channels_last": options.channels_last, "dtype": str(options.dtype), "normalised": options.mean is not None,
+             "decoder": options.decoder, "in_memory": options.in_memory, "world": world(options.num_replicas, options.rank)[0],
+             "cores": usable_cores(), "num_workers": worker_counts, "threads": thread_counts,
+             "prefetch_factor": prefetch, "persistent_workers": persistent, "pin_memory": [bool(options.pin_memory)]}
+    settings = recall_settings("fast_loader", parts, options.refresh, options.progress)
+    if settings is None:
         settings = measure_settings(
-            build, num_workers=options.num_workers, threads=options.threads,
-            prefetch_factor=[options.prefetch_factor] if options.prefetch_factor else [2, 4],
-            persistent_workers=[options.persistent_workers] if options.persistent_workers is not None else [True],
-            pin_memory=[bool(options.pin_memory)], tune_seconds=options.tune_seconds, device=options.device,
-            progress=options.progress)
+            build, num_workers=worker_counts, threads=thread_counts, prefetch_factor=prefetch,
+            persistent_workers=persistent, pin_memory=[bool(options.pin_memory)], tune_seconds=options.tune_seconds,
+            device=options.device, progress=options.progress)
         log.info("fast_loader: %s (%.0f img/s), tuned in %.1f s on %d images (%d settings timed)",
                  settings.describe(), settings.throughput, settings.tuning_s, len(source), len(settings.table))
-        _TUNED[key] = settings
-    return _TUNED[key]
+        remember_settings("fast_loader", parts, settings)
+    return settings
 
 
 def tune_loader(
@@ -621,6 +631,7 @@ def tune_loader(
     train: bool = True,
     progress: bool | Callable[[str], None] = False,
     patience: int = 2,
+    refresh: bool = False,
 ) -> TuneResult:
     """Measure loader throughput over settings; return the fastest with the whole table (`TuneResult`).
 
@@ -640,7 +651,13 @@ def tune_loader(
     processes, and the best of each then run again, interleaved, three passes each (rows marked
     `final`); an integer fixes the threads used at num_workers=0. The result is logged at INFO on
     "torchspeed.data.loader"; `progress` (True: stderr, or a callable taking a message) reports each
-    configuration timed.
+    configuration timed. Before timing it waits (at most `tune.QUIET_WAIT_S`) for other processes to
+    leave the cores; `others_cores` and `busy_warning` say when they did not.
+
+    The result is remembered on this machine for the same data (a path's files, a Dataset's class and
+    length), batch, crop, device and candidates: the next call returns it at once, with `remembered`
+    set ("remembered from <date> (<figure>)"), unless `refresh=True`. A loader factory has no identity
+    to remember it by and is measured every time; a measurement taken on a busy machine is not kept.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -648,35 +665,69 @@ def tune_loader(
         raise ValueError(f"tune_seconds must be positive, got {tune_seconds!r}")
     dev = resolve_device(device)
     num_workers = as_counts(num_workers, "num_workers", 0)
-    build, threads = _timed_factory(dataset, batch_size, threads, collate_fn, crop, train, dev)
+    timed = _timed_factory(dataset, batch_size, num_workers, threads, collate_fn, crop, train, dev, progress, refresh)
     pins = [False, True] if (pin_memory == "auto" and dev.type == "cuda") else [bool(pin_memory) and pin_memory != "auto"]
-    settings = measure_settings(build, num_workers=num_workers, threads=threads, prefetch_factor=prefetch_factor,
-                                persistent_workers=persistent_workers, pin_memory=pins, tune_seconds=tune_seconds, device=dev,
-                                progress=progress, patience=patience)
-    log.info("tune_loader: %s (%.0f items/s), %d settings timed in %.1f s", settings.describe(), settings.throughput,
-             len(settings.table), settings.tuning_s)
+    worker_counts, thread_counts = candidate_counts(
+        timed.num_workers, None if timed.threads is None else as_counts(timed.threads, "threads", 1))
+    parts = None if timed.identity is None else {
+        "entry": "tune_loader", "data": timed.identity, "batch_size": batch_size, "crop": crop, "train": train,
+        "device": dev.type, "cores": usable_cores(), "num_workers": worker_counts, "threads": thread_counts,
+        "prefetch_factor": [int(p) for p in prefetch_factor], "persistent_workers": [bool(p) for p in persistent_workers],
+        "pin_memory": pins, "patience": patience}
+    settings = None if parts is None else recall_settings("tune_loader", parts, refresh, progress)
+    if settings is None:
+        settings = measure_settings(timed.build, num_workers=worker_counts, threads=thread_counts,
+                                    prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                                    pin_memory=pins, tune_seconds=tune_seconds, device=dev, progress=progress,
+                                    patience=patience)
+        log.info("tune_loader: %s (%.0f items/s), %d settings timed in %.1f s", settings.describe(),
+                 settings.throughput, len(settings.table), settings.tuning_s)
+        if parts is not None:
+            remember_settings("tune_loader", parts, settings)
     return settings
 
 
-def _timed_factory(dataset: Any, batch_size: int, threads: str | int | Sequence[int] | None,
-                   collate_fn: Callable | None, crop: int, train: bool,
-                   device: torch.device) -> tuple[Callable[..., Any], str | int | Sequence[int] | None]:
+@dataclass
+class _Timed:
+    """What tune_loader times: the factory, the worker counts and threads it searches, and the data's
+    identity for remembering the result (None: a factory, measured every time)."""
+
+    build: Callable[..., Any]
+    num_workers: str | int | list[int]
+    threads: str | int | Sequence[int] | None
+    identity: dict[str, Any] | None
+
+
+def _timed_factory(dataset: Any, batch_size: int, num_workers: str | int | list[int],
+                   threads: str | int | Sequence[int] | None, collate_fn: Callable | None, crop: int, train: bool,
+                   device: torch.device, progress: Any, refresh: bool) -> _Timed:
     """What tune_loader times, and the threads it searches: the torchspeed pipeline for a path or a
-    Dataset of images (threads "auto" unless given), the factory given, or a plain DataLoader (no threads)."""
+    Dataset of images (its decoder chosen once, as fast_loader chooses it; threads "auto" unless
+    given), the factory given, or a plain DataLoader (no threads)."""
     name = None
     if is_dataset_spec(dataset):  # built once, not once per setting timed
         name, dataset = dataset.strip(), spec_for_tuning(dataset)
         if not isinstance(dataset, DatasetSource):
             threads = None  # a plain DataLoader has worker processes only
     if isinstance(dataset, (str, os.PathLike, DatasetSource)):
+        source = as_source(dataset)
+        identity = source_identity(source)
+        options, _ = _with_decoder(source, LoaderOptions(train=train, crop=crop, device=device, num_workers=num_workers,
+                                                         progress=progress, refresh=refresh))
+        data = source if isinstance(source, DatasetSource) else dataset
 
         def build(num_workers: int, prefetch_factor: int | None, persistent_workers: bool, pin_memory: bool,
                   threads: int = 1) -> FastLoader:
-            return fast_loader(dataset, batch_size, train=train, crop=crop, device=device, num_workers=num_workers,
+            return fast_loader(data, batch_size, train=train, crop=crop, device=device, num_workers=num_workers,
                                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                               pin_memory=pin_memory, threads=threads)
+                               pin_memory=pin_memory, threads=threads, decoder=options.decoder)
 
-        return build, "auto" if threads is None else threads  # the torchspeed pipeline: its threads are searched too
+        # the torchspeed pipeline: its threads are searched too
+        return _Timed(build, options.num_workers, "auto" if threads is None else threads,
+                      {**identity, "decoder": options.decoder})
     if callable(dataset) and not hasattr(dataset, "__getitem__"):
-        return dataset, threads
-    return dataloader_factory(dataset, batch_size, collate_fn, name=name), threads
+        return _Timed(dataset, num_workers, threads, None)
+    identity = {"dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}", "spec": name,
+                "n": len(dataset) if hasattr(dataset, "__len__") else None,
+                "collate_fn": None if collate_fn is None else getattr(collate_fn, "__qualname__", type(collate_fn).__name__)}
+    return _Timed(dataloader_factory(dataset, batch_size, collate_fn, name=name), num_workers, threads, identity)

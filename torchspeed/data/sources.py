@@ -3,6 +3,7 @@
 samples for calibration and evaluation)."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from torchspeed.images import IMAGE_EXTENSIONS, check_image_size, open_image, qu
 log = logging.getLogger(__name__)
 
 __all__ = ["FolderSource", "DatasetSource", "Subset", "as_source", "sample_name", "train_val_split", "evenly_spread",
-           "is_dataset_spec", "dataset_from_spec", "spec_for_tuning"]
+           "is_dataset_spec", "dataset_from_spec", "spec_for_tuning", "source_identity"]
 
 
 class FolderSource:
@@ -124,7 +125,7 @@ class Subset:
     def __init__(self, source: Any, indices: Sequence[int]):
         self.source, self.indices = source, list(indices)
         self.classes = list(getattr(source, "classes", []))
-        # names the subset in errors and in the per-process caches of measured choices (a Dataset's by identity)
+        # names the subset in errors (a Dataset's by identity)
         whole = getattr(source, "root", getattr(source, "path", None)) or f"{getattr(source, 'spec', None) or 'data'}" \
             f"@{id(source):x}"
         self.root = f"{whole}#{len(self.indices)}"
@@ -140,6 +141,39 @@ class Subset:
 
     def __getitem__(self, i: int) -> Any:
         return self.source[self.indices[i]]
+
+
+def source_identity(source: Any) -> dict[str, Any]:
+    """What a remembered loader decision knows the data by (plain JSON), cheap to compute on every call:
+    a store's path, count and its files' sizes and times; a folder's path, count, classes, its
+    directories' latest change and the size and time of up to 64 files spread over it (a file added,
+    removed or rewritten there changes it); a Dataset's class, spec and length; a subset's whole and
+    indices."""
+    if isinstance(source, Subset):
+        digest = hashlib.sha256(np.asarray(source.indices, dtype=np.int64).tobytes()).hexdigest()[:16]
+        return {"subset_of": source_identity(source.source), "n": len(source), "indices": digest}
+    if isinstance(source, PackedDataset):
+        files = sorted(os.listdir(source.path))
+        return {"store": source.path, "n": len(source),
+                "files": [[f, *_size_and_time(os.path.join(source.path, f))] for f in files]}
+    if isinstance(source, FolderSource):
+        dirs = [source.root] + [os.path.join(source.root, c) for c in source.classes]
+        step = max(1, len(source.samples) // 64)
+        spread = [_size_and_time(path) for path, _ in source.samples[::step]]
+        return {"folder": source.root, "n": len(source), "classes": len(source.classes),
+                "changed": max(_size_and_time(d)[1] for d in dirs),
+                "files": hashlib.sha256(repr(spread).encode()).hexdigest()[:16]}
+    inner = source.dataset if isinstance(source, DatasetSource) else source
+    return {"dataset": f"{type(inner).__module__}.{type(inner).__qualname__}", "n": len(source),
+            "spec": getattr(source, "spec", None)}
+
+
+def _size_and_time(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return -1, -1
+    return st.st_size, st.st_mtime_ns
 
 
 def sample_name(source: Any, index: int) -> str:

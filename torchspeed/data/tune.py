@@ -14,23 +14,26 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import torchspeed.measure as measure
+from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
 from torchspeed.measure import time_iterable
-from torchspeed.runtime import usable_cores
+from torchspeed.runtime import default_mp_context, usable_cores
 
-__all__ = ["TuneResult", "LoaderRow", "measure_settings", "dataloader_factory", "as_counts", "shutdown_workers",
-           "worker_error"]
+__all__ = ["TuneResult", "LoaderRow", "measure_settings", "dataloader_factory", "as_counts", "candidate_counts",
+           "recall_settings", "remember_settings", "shutdown_workers", "worker_error", "QUIET_WAIT_S"]
 
 log = logging.getLogger(__name__)
+
+QUIET_WAIT_S = 2.0  # at most this long waiting for other processes to leave the cores before timing
 
 
 def as_counts(value: Any, name: str, minimum: int) -> str | int | list[int]:
@@ -59,6 +62,59 @@ def as_counts(value: Any, name: str, minimum: int) -> str | int | list[int]:
 
 def _candidates(value: str | int | list[int], auto: Iterable[int]) -> list[int]:
     return list(auto) if value == "auto" else [value] if isinstance(value, int) else list(value)
+
+
+def candidate_counts(num_workers: str | int | list[int],
+                     threads: str | int | list[int] | None) -> tuple[list[int], int | list[int] | None]:
+    """The worker counts and threads counts a search walks (`as_counts` values), "auto" resolved on this
+    machine's usable cores (0..cores+1 workers, 1..cores+1 threads); threads None or one count stays as is."""
+    cores = usable_cores()
+    workers = _candidates(num_workers, range(0, cores + 2))
+    if threads is None or isinstance(threads, int):
+        return workers, threads
+    return workers, _candidates(threads, range(1, cores + 2))
+
+
+def recall_settings(what: str, parts: Mapping[str, Any], refresh: bool = False,
+                    progress: bool | Callable[[str], Any] = False) -> TuneResult | None:
+    """The settings remembered for `parts` (see `remember_settings`) instead of measuring, logged as
+    "<what>: remembered from <date> (<figure>)"; None when `refresh`, never measured, damaged, or no
+    longer possible with the candidates in `parts` (its "num_workers", "threads", "prefetch_factor",
+    "persistent_workers", "pin_memory" lists: then it is measured again)."""
+    memory = None if refresh else remembered.recall("loader", parts)
+    if memory is None:
+        return None
+    try:
+        result = TuneResult.from_dict(memory.decision)
+    except (TypeError, KeyError, ValueError):
+        return None
+    threads = parts.get("threads")
+    threads = [threads] if isinstance(threads, int) else threads
+    possible = (result.num_workers in parts.get("num_workers", ()) and result.table
+                and (result.num_workers > 0 or threads is None or result.threads in threads)
+                and (result.num_workers == 0 or result.prefetch_factor in parts.get("prefetch_factor", ()))
+                and (result.num_workers == 0 or result.persistent_workers in parts.get("persistent_workers", ()))
+                and result.pin_memory in parts.get("pin_memory", ()))
+    if not possible:
+        log.info("%s: the remembered settings (%s) are not among the candidates now; measuring again", what,
+                 result.describe())
+        return None
+    result.remembered, result.tuning_s, result.others_cores, result.waited_s = memory.describe(), 0.0, None, 0.0
+    log.info("%s: %s", what, result.remembered)
+    progress_fn(progress)(f"{what}: {result.describe()}, {result.remembered}")
+    return result
+
+
+def remember_settings(what: str, parts: Mapping[str, Any], result: TuneResult) -> None:
+    """Keep a measured `result` for `parts` (what the speed depends on: the data, the batch, the
+    candidates, the device; kind "loader" of `torchspeed.remembered`), unless the machine was busy
+    while it was measured: a choice made on noise is measured again next time rather than trusted."""
+    if result.busy_warning:
+        log.debug("%s: not remembered (the machine was busy while it was measured)", what)
+        return
+    decision = result.to_dict()
+    decision.pop("busy_warning")
+    remembered.remember("loader", parts, decision, result.figure())
 
 
 @dataclass
@@ -90,6 +146,8 @@ class TuneResult:
     threads: int = 1  # fast_loader's batch-making threads when num_workers is 0
     tuning_s: float = 0.0  # how long the measurement took
     others_cores: float | None = None  # cores other processes used while it measured (None: not measured)
+    waited_s: float = 0.0  # how long it waited for other processes to leave the cores before timing
+    remembered: str | None = None  # "remembered from <date> (<figure>)" when recalled instead of measured
 
     @property
     def busy_warning(self) -> str | None:
@@ -97,9 +155,15 @@ class TuneResult:
         return measure.busy_warning(self.others_cores)
 
     def __str__(self) -> str:
-        lines = [f"loader: {self.describe()} ({self.throughput:.0f} items/s, {len(self.table)} settings timed in "
-                 f"{self.tuning_s:.1f} s)"]
+        how = self.remembered or f"{len(self.table)} settings timed in {self.tuning_s:.1f} s"
+        lines = [f"loader: {self.describe()} ({self.throughput:.0f} items/s, {how})"]
         return "\n".join(lines + ([f"note: {self.busy_warning}"] if self.busy_warning else []))
+
+    def figure(self) -> str:
+        """The decision in a few words, as remembered: '2 threads, 5,478 img/s' or '3 worker processes, ...'."""
+        who = (f"{self.threads} thread{'s' * (self.threads != 1)}" if self.num_workers == 0 else
+               f"{self.num_workers} worker process{'es' * (self.num_workers != 1)}")
+        return f"{who}, {self.throughput:,.0f} img/s"
 
     @property
     def best(self) -> LoaderRow | None:
@@ -125,7 +189,15 @@ class TuneResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["table"] = [r.to_dict() for r in self.table]
+        d["busy_warning"] = self.busy_warning
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TuneResult:
+        """The result `to_dict` wrote (a remembered decision); TypeError/KeyError on anything else."""
+        kept = {f.name: d[f.name] for f in fields(cls) if f.name in d and f.name != "busy_warning"}
+        kept["table"] = [LoaderRow(**r) for r in d.get("table", [])]
+        return cls(**kept)
 
 
 @contextmanager
@@ -258,7 +330,8 @@ def dataloader_factory(dataset: Any, batch_size: int, collate_fn: Callable | Non
                     pin_memory: bool) -> DataLoader:
         return _OneLineErrors(named, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=num_workers,
                               collate_fn=collate, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-                              persistent_workers=persistent_workers)
+                              persistent_workers=persistent_workers,
+                              multiprocessing_context=default_mp_context() if num_workers else None)
 
     return build_plain
 
@@ -381,7 +454,8 @@ def measure_settings(
     at num_workers=0; None: the factory takes no threads. `prefetch_factor`, `persistent_workers` and
     `pin_memory` are the candidate values of each (the first is used while the counts are walked);
     the others of the first two are then tried at the best worker count, and pin_memory's last. Each
-    configuration runs two passes of `tune_seconds` after a warm-up.
+    configuration runs two passes of `tune_seconds` after a warm-up, once other processes have left
+    the cores (waiting at most `QUIET_WAIT_S`; `others_cores` says when they did not).
     """
     t_start = time.perf_counter()
     worker_counts = as_counts(num_workers, "num_workers", 0)
@@ -389,13 +463,14 @@ def measure_settings(
     first = (prefetch_factor[0] if prefetch_factor else 2, persistent_workers[0] if persistent_workers else True,
              (list(pin_memory) or [False])[0])
     search = _Search(build, thread_counts is not None, first, tune_seconds, device, progress, patience)
+    quiet = measure.wait_for_quiet_machine(max_s=QUIET_WAIT_S, window_s=0.25) if QUIET_WAIT_S > 0 else None
     others = measure.OthersLoad()
     rate, best = _best_counts(search, worker_counts, thread_counts)
     rate, best = _best_options(search, rate, best, prefetch_factor[1:], persistent_workers[1:], list(pin_memory)[1:])
     result = TuneResult(num_workers=best.num_workers, prefetch_factor=best.prefetch_factor,
                         persistent_workers=best.persistent_workers, pin_memory=best.pin_memory, throughput=rate,
                         table=search.table, threads=best.threads, tuning_s=time.perf_counter() - t_start,
-                        others_cores=others.cores())
+                        others_cores=others.cores(), waited_s=quiet.waited_s if quiet else 0.0)
     if result.busy_warning:
         log.warning("loader settings: %s", result.busy_warning)
     return result
@@ -405,11 +480,9 @@ def _best_counts(search: _Search, num_workers: str | int | list[int],
                  threads: str | int | list[int] | None) -> tuple[float, _Setting]:
     """The walk over worker counts, or (threads given as candidates) threads in this process first, then
     worker processes, and the faster of the two winners in an interleaved final round."""
-    cores = usable_cores()
-    worker_counts = _candidates(num_workers, range(0, cores + 2))
-    if threads is None or isinstance(threads, int):
-        return search.walk([search.setting(w, threads or 1) for w in worker_counts])
-    thread_counts = _candidates(threads, range(1, cores + 2))
+    worker_counts, thread_counts = candidate_counts(num_workers, threads)
+    if thread_counts is None or isinstance(thread_counts, int):
+        return search.walk([search.setting(w, thread_counts or 1) for w in worker_counts])
     processes = [w for w in worker_counts if w > 0]
     in_process = search.walk([search.setting(0, t) for t in thread_counts]) if 0 in worker_counts else None
     in_workers = search.walk([search.setting(w, 1) for w in processes]) if processes else None

@@ -84,6 +84,7 @@ class OptimizeResult:
     unavailable: dict[str, str]
     _workdir: Any = field(default=None, repr=False)  # keeps exported files alive while the result lives
     others_cores: float | None = None  # most cores other processes used while one batch size was timed
+    remembered: str | None = None  # "remembered from <date> (<figure>)": the winner recalled, checked again, not timed
 
     @property
     def busy_warning(self) -> str | None:
@@ -117,6 +118,7 @@ class OptimizeResult:
             "best": best.name if best else None, "objective": self.objective,
             "batch_sizes": list(self.batch_sizes), "baseline_metric": self.baseline_metric,
             "threads": self.threads, "unavailable": self.unavailable, "others_cores": self.others_cores,
+            "busy_warning": self.busy_warning, "remembered": self.remembered,
             "candidates": [r.to_dict() for r in self.table],
         }
 
@@ -157,3 +159,7 @@ class OptimizeResult:
             console.print("skipped: " + "; ".join(skipped), highlight=False)
         if self.busy_warning:
             console.print(f"note: {self.busy_warning}", highlight=False)
+        if self.remembered:
+            console.print(f"note: {self.remembered}: only the winner was built and checked again (its accuracy "
+                          "too), its timings are the remembered ones; refresh=True / --refresh measures again",
+                          highlight=False)

@@ -14,13 +14,22 @@ turn:
 - judging (`judge`): with `eval_fn`, lossy variants are scored on held-out data against the fp32
   model and rejected when the metric drops by more than `max_metric_drop`;
 - timing (`time_variants`): torchspeed.measure, interleaved, at every batch size, with the same
-  explicit thread count for every runtime; torch's own thread count is restored afterwards.
+  explicit thread count for every runtime, after waiting (at most `QUIET_WAIT_S`) for other processes
+  to leave the cores; torch's own thread count is restored afterwards.
+The winner is remembered on this machine (`torchspeed.remembered`, kind "optimize"), keyed by the
+model's structure (or the .onnx file's bytes), the input shapes, the options and the runtimes here.
+The next search for the same key builds only the baseline and the remembered winner, verifies and
+judges the winner again (a remembered variant is never trusted unchecked), takes both rows' timings
+from memory and says so (`OptimizeResult.remembered`); a winner that no longer builds or passes is
+searched for again. A search timed on a busy machine is not remembered.
 Every variant built logs one INFO line on `torchspeed.infer.search` (its p50 at each batch size, its
 metric drop, passed or why not), and the choice logs one more.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
+import importlib.metadata
 import logging
 import math
 import os
@@ -32,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
 from torchspeed.atomic import scratch_dir
 from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
@@ -46,6 +56,8 @@ from torchspeed.runtime import PRECISIONS, cache_dir, usable_cores
 __all__ = ["optimize", "SearchConfig", "build_variant", "verify", "judge", "time_variants", "exact_tolerance"]
 
 log = logging.getLogger(__name__)
+
+QUIET_WAIT_S = 5.0  # at most this long waiting for other processes to leave the cores before timing
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,7 @@ def optimize(
     spec: ModelSpec | None = None,
     measure: bool = True,
     progress: bool | Callable[[str], Any] = False,
+    refresh: bool = False,
 ) -> OptimizeResult:
     """Build, verify, judge and time every inference variant of `model`; return the table and the best.
 
@@ -158,6 +171,9 @@ def optimize(
     judged as lossy. `spec`: how to rebuild the model, for saving a torch variant of a model not made
     by `torchspeed.models.create`. `measure=False` verifies only (no timing, so no `.best`).
     `progress`: True prints each step to stderr; a callable receives each step's message.
+    The winner is remembered on this machine: the next call with the same model structure, inputs and
+    options builds only it (and the baseline), checks its output error and `eval_fn` again, and takes
+    the timings from memory (`result.remembered` says so); `refresh=True` searches and times again.
     The other keywords are the fields of `SearchConfig`.
     """
     say = progress_fn(progress)
@@ -172,7 +188,8 @@ def optimize(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
-        return _search(subject, example_input, calib_data, eval_fn, extra_candidates, spec, facts, config, say)
+        return _search(subject, example_input, calib_data, eval_fn, extra_candidates, spec, facts, config, say,
+                       refresh)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -232,8 +249,9 @@ def _model_facts(subject: nn.Module | OnnxGraph, calib_data: Iterable[Any] | Non
 def _search(subject: nn.Module | OnnxGraph, example_input: Any, calib_data: Iterable[Any] | None,
             eval_fn: Callable[[Callable[[Any], Any]], float] | None,
             extra_candidates: dict[str, Callable[[Any], Any]] | None, spec: ModelSpec | None, facts: ModelFacts,
-            config: SearchConfig, say: Callable[[str], Any]) -> OptimizeResult:
-    """`optimize` once its arguments are checked and torch's thread count is set: the steps in turn."""
+            config: SearchConfig, say: Callable[[str], Any], refresh: bool = False) -> OptimizeResult:
+    """`optimize` once its arguments are checked and torch's thread count is set: the steps in turn (or
+    the remembered winner checked again, see `_recalled`)."""
     graph = subject if isinstance(subject, OnnxGraph) else None
     model = None if graph else _model_on(subject, config.device)
     if graph is None and spec is None:
@@ -255,10 +273,21 @@ def _search(subject: nn.Module | OnnxGraph, example_input: Any, calib_data: Iter
                        config.max_calib_samples, config.device, config.batch_format)
     variants = candidates(config.device, graph is not None, extra_candidates,
                           model if graph is None else graph.path, config.batch_format)
+    parts = _decision_parts(subject, example, calib_data, eval_fn, extra_candidates, machine, config) \
+        if config.measure else None
+    memory = None if parts is None or refresh else remembered.recall("optimize", parts)
+    if memory is not None:
+        result = _recalled(memory, variants, ctx, verify_x, ref, machine, facts, config, eval_fn, say, workdir)
+        if result is not None:
+            _log_rows(result)
+            return result
     table = _build_and_verify(variants, ctx, verify_x, ref, machine, facts, config, eval_fn is not None, say)
     baseline_metric = judge(table, eval_fn, config.max_metric_drop, say) if eval_fn is not None else None
     others_cores = None
     if config.measure:
+        from torchspeed.measure import wait_for_quiet_machine
+
+        wait_for_quiet_machine(max_s=QUIET_WAIT_S, window_s=0.25)
         others_cores = time_variants([r for r in table if r.runner is not None], example, config.batch_sizes, gen,
                                      config.repeats, config.min_time_s, say,
                                      device=config.device if config.device.type == "cuda" else None)
@@ -267,7 +296,89 @@ def _search(subject: nn.Module | OnnxGraph, example_input: Any, calib_data: Iter
     result = OptimizeResult(table, config.batch_sizes, config.objective, baseline_metric, config.threads, unavailable,
                             workdir, others_cores=others_cores)
     _log_rows(result)
+    if parts is not None:
+        _remember(parts, result)
     return result
+
+
+def _decision_parts(subject: nn.Module | OnnxGraph, example: Any, calib_data: Iterable[Any] | None,
+                    eval_fn: Any, extra_candidates: dict[str, Any] | None, machine: Machine,
+                    config: SearchConfig) -> dict[str, Any]:
+    """What the winner depends on, as the key it is remembered by: the model's structure (or the .onnx
+    file's bytes), the input shapes, every option of the search, and the runtimes usable here with
+    their versions."""
+    if isinstance(subject, OnnxGraph):
+        with open(subject.path, "rb") as f:
+            model = "onnx:" + hashlib.sha256(f.read()).hexdigest()[:24]
+    else:
+        model = remembered.model_fingerprint(subject)
+    runtimes = sorted(name for name, why in machine.runtimes.items() if why is None)
+    versions = {}
+    for package in ("onnxruntime", "onnxruntime-gpu", "openvino", "nncf"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"model": model, "inputs": remembered.shapes_of(example), "batch_sizes": list(config.batch_sizes),
+            "objective": config.objective, "runtimes": sorted(config.runtimes or ["auto"]),
+            "precisions": sorted(config.precisions or ["auto"]), "max_metric_drop": config.max_metric_drop,
+            "max_output_error": config.max_output_error, "exact_tol": config.exact_tol,
+            "calibration": config.calibration if calib_data is not None else None,
+            "max_calib_samples": config.max_calib_samples, "judged": eval_fn is not None,
+            "exporter": config.exporter, "threads": config.threads, "device": str(config.device),
+            "batch_format": repr(config.batch_format), "extra": sorted(extra_candidates or {}),
+            "usable_runtimes": runtimes, "versions": versions}
+
+
+def _recalled(memory: remembered.Memory, variants: list[Variant], ctx: BuildContext, verify_x: Any, ref: Any,
+              machine: Machine, facts: ModelFacts, config: SearchConfig, eval_fn: Any, say: Callable[[str], Any],
+              workdir: Any) -> OptimizeResult | None:
+    """The remembered winner and the baseline built and checked again (output error, and `eval_fn`
+    against the baseline's metric: never trusted unchecked), their timings taken from memory. None
+    when the winner is no longer a candidate, fails to build or fails a check: then the search runs."""
+    name = memory.decision.get("winner")
+    chosen = [v for v in variants if v.baseline or v.name == name]
+    if not any(v.name == name for v in chosen):
+        log.info("optimize: the remembered winner %r is not a candidate now; searching again", name)
+        return None
+    say(f"{name}: {memory.describe()}; building it and checking it again")
+    table = _build_and_verify(chosen, ctx, verify_x, ref, machine, facts, config, eval_fn is not None, say)
+    baseline_metric = judge(table, eval_fn, config.max_metric_drop, say) if eval_fn is not None else None
+    winner = next(r for r in table if r.name == name)
+    if not winner.passed:
+        log.info("optimize: the remembered winner %s %s now (%s); searching again", name, winner.status,
+                 winner.reason)
+        say(f"{name} {winner.status} now ({winner.reason}); searching again")
+        return None
+    try:
+        for r in table:
+            r.latency_ms = {int(b): {k: float(v) for k, v in t.items()}
+                            for b, t in memory.decision["latency_ms"][r.name].items()}
+            r.extra["remembered"] = memory.describe()
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None  # a damaged entry: measured again
+    if any(not r.latency_ms.get(b) for r in table for b in config.batch_sizes):
+        return None
+    unavailable = {n: why for n, why in machine.runtimes.items() if why}
+    log.info("optimize: %s", memory.describe())
+    return OptimizeResult(table, config.batch_sizes, config.objective, baseline_metric, config.threads, unavailable,
+                          workdir, remembered=memory.describe())
+
+
+def _remember(parts: dict[str, Any], result: OptimizeResult) -> None:
+    """Keep the winner's identity and the timings of it and the baseline, unless nothing won or the
+    machine was busy while they were timed (a choice made on noise is searched for again next time)."""
+    best, base = result.best, result.table[0]
+    if best is None:
+        return
+    if result.busy_warning:
+        log.debug("optimize: not remembered (the machine was busy while the variants were timed)")
+        return
+    b = result.batch_sizes[0] if result.objective == "latency" else max(result.batch_sizes)
+    figure = f"{best.name}, {best.p50_ms(b):.3g} ms at batch {b}, {base.p50_ms(b) / best.p50_ms(b):.2f}x {base.name}"
+    remembered.remember("optimize", parts, {
+        "winner": best.name, "runtime": best.runtime, "precision": best.precision,
+        "latency_ms": {r.name: {str(k): v for k, v in r.latency_ms.items()} for r in (base, best)}}, figure)
 
 
 def _model_on(model: nn.Module, device: torch.device) -> nn.Module:
