@@ -55,14 +55,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune-loader", help="time the data loader over num_workers/threads/prefetch/persistent and pick "
                                            "the fastest",
                        description="Time the data loader over num_workers/threads/prefetch/persistent and pick the "
-                                   "fastest. DATA is an ImageFolder directory, a packed store, or your own Dataset as "
+                                   "fastest. DATA is an ImageFolder directory, a packed store, WebDataset tar shards "
+                                   "(a brace pattern such as 'train-{000000..000127}.tar' or a directory of .tar files), "
+                                   "a Hugging Face dataset folder (save_to_disk) with an Image column, a LitData "
+                                   "optimized directory, or your own Dataset as "
                                    "a factory: package.module:factory (installed or on PYTHONPATH) or path/file.py:factory, "
                                    "a function or class called with no arguments that returns a map-style Dataset of "
                                    "(image, label) or dicts with an image and a label. Images (PIL or uint8) go "
                                    "through the torchspeed pipeline; samples that are already tensors (your own "
                                    "transforms) are timed as a plain DataLoader.")
-    p.add_argument("data", metavar="DATA", help="ImageFolder directory, packed store, or Dataset factory "
-                                                "package.module:factory / path/file.py:factory")
+    p.add_argument("data", metavar="DATA", help="ImageFolder directory, packed store, tar shards (quote a brace "
+                                                "pattern), Hugging Face dataset folder, LitData directory, or Dataset "
+                                                "factory package.module:factory / path/file.py:factory")
     p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="batch size (default 64)")
     p.add_argument("--crop", type=positive_int, default=224, metavar="N", help="training crop size (default 224)")
     p.add_argument("--num-workers", type=counts(0), default="auto", metavar="auto|N,M,...",

@@ -1,4 +1,5 @@
-"""Data: demo images, the packed store, fast decoding, loaders that keep the model fed."""
+"""Data: demo images, the packed store, data where users keep it (tar shards, Hugging Face datasets,
+LitData), fast decoding, loaders that keep the model fed."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name load
     from torchspeed.data.demo import demo_folder, make_photo_folder
     from torchspeed.data.loader import FastLoader, LoaderOptions, fast_loader, tune_loader
     from torchspeed.data.packer import PackResult, pack
+    from torchspeed.data.shards import TarShards
     from torchspeed.data.prefetch import DevicePrefetcher, normalize_batch
     from torchspeed.data.sources import evenly_spread, train_val_split
     from torchspeed.data.store import PackedDataset
@@ -23,6 +25,7 @@ _EXPORTS = {
     "pack": "packer",
     "PackResult": "packer",
     "PackedDataset": "store",
+    "TarShards": "shards",
     "fast_loader": "loader",
     "LoaderOptions": "loader",
     "FastLoader": "loader",

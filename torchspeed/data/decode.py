@@ -23,7 +23,7 @@ import numpy as np
 
 from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
-from torchspeed.images import image_size_error, rgb_image
+from torchspeed.images import check_image_size, image_size_error, open_image, rgb_image
 from torchspeed.measure import compare
 from torchspeed.runtime import process_as_found
 
@@ -44,7 +44,7 @@ class Record(NamedTuple):
 
 __all__ = ["Record", "Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder",
            "measure_decoders", "choose_decoder", "decode_record", "to_hwc_uint8", "integer_label", "UnsupportedSample",
-           "jpeg_size", "jpeg_info", "check_jpeg_size", "decode_jpeg_batch_cuda", "psnr"]
+           "jpeg_size", "jpeg_info", "check_jpeg_size", "encoded_record", "decode_jpeg_batch_cuda", "psnr"]
 
 
 def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
@@ -368,6 +368,20 @@ def decode_record(rec: Record, decoder: str | Decoder = "simplejpeg", min_h: int
         dec = get_decoder(decoder) if isinstance(decoder, str) else decoder
         return dec.decode(rec.payload, min_h, min_w)
     return rec.payload
+
+
+def encoded_record(data: Any, label: int, name: str) -> Record:
+    """An encoded image file's bytes as a record: a JPEG stays encoded (its size read from the header and
+    checked against the pixel limit before anything is decoded), other formats (PNG, ...) are decoded
+    here by PIL. `name` (a path, or a member of a shard) names the image in errors."""
+    if data[:2] == b"\xff\xd8":
+        h, w, components = jpeg_info(data)
+        check_image_size(w, h, name)
+        if components in (1, 3):  # grey or YCbCr: libjpeg decodes it to RGB (CMYK goes through PIL)
+            return Record("jpeg", data, h, w, label)
+    with open_image(bytes(data), name) as im:
+        img = to_hwc_uint8(im)
+    return Record("array", img, img.shape[0], img.shape[1], label)
 
 
 class UnsupportedSample(ValueError):

@@ -30,9 +30,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
 from torchspeed.data.decode import GPU_DECODERS, choose_decoder, dct_factor, decode_jpeg_batch_cuda, get_decoder
+from torchspeed.data.hfdatasets import is_hf_dataset
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
+from torchspeed.data.shards import looks_like_shards
 from torchspeed.data.sources import (DatasetSource, as_source, is_dataset_spec, sample_name, source_identity,
                                      spec_for_tuning)
+from torchspeed.data.store import PackedDataset
 from torchspeed.data.threads import ThreadedBatches
 from torchspeed.data.tune import (TuneResult, as_counts, candidate_counts, dataloader_factory, measure_settings,
                                   recall_settings, remember_settings, worker_error)
@@ -49,10 +52,11 @@ class AugmentedDataset(Dataset):
     """What the DataLoader's workers run: keys (epoch, index) -> a whole uint8 NHWC batch + labels."""
 
     def __init__(self, source: Any, transform: Any, decoder: str, seed: int, layout: str = "NCHW",
-                 device: Any = None):
+                 device: Any = None, on_error: str = "fail"):
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
         self.source, self.transform, self.decoder, self.seed, self.layout = source, transform, decoder, seed, layout
+        self.on_error = on_error  # "skip": a sample that cannot be read or decoded is left out of its batch
         self.size = transform.size
         self.device = device  # where a GPU decoder (nvjpeg) decodes and crops: the batch is made there
 
@@ -89,9 +93,19 @@ class AugmentedDataset(Dataset):
         return (n, 3, s, s) if self.layout == "NCHW" else (n, s, s, 3)
 
     def render_batch(self, keys: Sequence[tuple[int, int]], images: np.ndarray) -> torch.Tensor:
-        """Fill `images` (uint8, `batch_shape(len(keys))`) sample by sample; return the int64 labels."""
-        return torch.tensor([self._render(epoch, index, images[j]) for j, (epoch, index) in enumerate(keys)],
-                            dtype=torch.int64)
+        """Fill `images` (uint8, `batch_shape(len(keys))`) sample by sample; return the int64 labels. With
+        on_error="skip" a bad sample is left out (a warning names it): the first len(labels) images are
+        the batch."""
+        if self.on_error != "skip":
+            return torch.tensor([self._render(epoch, index, images[j]) for j, (epoch, index) in enumerate(keys)],
+                                dtype=torch.int64)
+        labels: list[int] = []
+        for epoch, index in keys:
+            try:
+                labels.append(self._render(epoch, index, images[len(labels)]))
+            except ValueError as e:  # the message names the sample (its file, record, or shard and key)
+                log.warning("left out of the batch: %s", e)
+        return torch.tensor(labels, dtype=torch.int64)
 
     def device_batch(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch made on `self.device` by a GPU decoder: the JPEGs of the batch decoded together
@@ -122,7 +136,8 @@ class AugmentedDataset(Dataset):
             images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(math.prod(shape))).view(shape)
         else:
             images = torch.empty(shape, dtype=torch.uint8)
-        return images, self.render_batch(keys, images.numpy())
+        labels = self.render_batch(keys, images.numpy())
+        return (images if len(labels) == len(keys) else images[:len(labels)]), labels
 
 
 def _batch_identity(batch: Any) -> Any:
@@ -154,10 +169,15 @@ class EpochBatchSampler:
     """
 
     def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
-                 num_replicas: int | None = 1, rank: int | None = 0):
+                 num_replicas: int | None = 1, rank: int | None = 0,
+                 order: Callable[[int, int, bool], Sequence[int]] | None = None):
         self.n, self.batch_size, self.shuffle, self.drop_last, self.seed = n, batch_size, shuffle, drop_last, seed
+        self.order = order  # a source's own epoch order (tar shards: shard order + local shuffle), or None
         self._num_replicas, self._rank = num_replicas, rank
         self.epoch, self.start = 0, 0
+        # for one pass: this rank's samples of an epoch that another number of ranks began, read from
+        # batch `start` on (set by the Trainer when it resumes such an epoch)
+        self.rest: list[int] | None = None
         world(num_replicas, rank)  # a bad explicit value or environment fails now, naming it
 
     @property
@@ -170,6 +190,10 @@ class EpochBatchSampler:
 
     def _indices(self) -> list[int]:
         replicas, rank = world(self._num_replicas, self._rank)
+        if self.order is not None:  # the source's order, padded as DistributedSampler pads, in contiguous
+            per = self.per_replica()  # blocks: each rank reads mostly its own shards
+            idx = np.resize(np.asarray(self.order(self.epoch, self.seed, self.shuffle), dtype=np.int64), per * replicas)
+            return idx[rank * per:(rank + 1) * per].tolist()
         s = DistributedSampler(range(self.n), num_replicas=replicas, rank=rank,  # type: ignore[arg-type]
                                shuffle=self.shuffle, seed=self.seed, drop_last=False)
         s.set_epoch(self.epoch)
@@ -183,7 +207,9 @@ class EpochBatchSampler:
         return m // self.batch_size if self.drop_last else math.ceil(m / self.batch_size)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        idx = self._indices()
+        idx, rest, self.rest = self._indices(), self.rest, None
+        if rest is not None:
+            idx = idx[:self.start * self.batch_size] + rest
         for b in range(self.start, len(self)):
             yield [(self.epoch, i) for i in idx[b * self.batch_size:(b + 1) * self.batch_size]]
 
@@ -229,7 +255,8 @@ class FastLoader:
                 local.images = np.empty(augmented.batch_shape(self.batch_sampler.batch_size), np.uint8)
                 local.outputs = BufferPool(capacity=2 * ThreadedBatches.AHEAD + 2)
             images = local.images[:len(keys)]
-            batch = (torch.from_numpy(images), augmented.render_batch(keys, images))
+            labels = augmented.render_batch(keys, images)
+            batch = (torch.from_numpy(images[:len(labels)]), labels)
             # the result never aliases `images`, which is free again for the next batch
             return prefetcher.convert(batch, out=prefetcher.output_buffer(local.outputs, batch))
 
@@ -237,7 +264,8 @@ class FastLoader:
 
     @property
     def dataset(self) -> Any:
-        """The underlying dataset (PackedDataset, FolderSource or your Dataset's wrapper): `.classes`."""
+        """The underlying record source (PackedDataset, FolderSource, TarShards, ArrowImages or your Dataset's
+        wrapper): `len` and `.classes`."""
         return self._augmented.source
 
     @property
@@ -404,6 +432,9 @@ class LoaderOptions:
     threads: int | str | Sequence[int] = "auto"
     progress: bool | Callable[[str], None] = False
     refresh: bool = False
+    image_column: str | None = None
+    label_column: str | None = None
+    on_error: str = "fail"
 
     def keywords(self) -> dict[str, Any]:
         """The fields as fast_loader's keyword arguments."""
@@ -437,11 +468,22 @@ def fast_loader(
     threads: int | str | Sequence[int] = "auto",
     progress: bool | Callable[[str], None] = False,
     refresh: bool = False,
+    image_column: str | None = None,
+    label_column: str | None = None,
+    on_error: str = "fail",
 ) -> FastLoader:
     """The whole fast input pipeline in one call (see the module docstring for what each step buys).
 
-    `data`: a packed store, an ImageFolder path, a Dataset factory spec (`package.module:factory` or
-    `path/file.py:factory`, called with no arguments), or a map-style Dataset. `train=True`:
+    `data`: a packed store, an ImageFolder path, WebDataset tar shards (a brace pattern such as
+    "train-{000000..000127}.tar", a list of .tar paths or a directory of them), a Hugging Face
+    `datasets.Dataset` or `save_to_disk` folder with an Image column, a LitData optimized directory
+    (data/litformat.py says which layouts), a Dataset factory spec (`package.module:factory` or
+    `path/file.py:factory`, called with no arguments), or a map-style Dataset. The shards' and
+    datasets' encoded image bytes go to the decoder as a store's do (no PIL, no unpacking);
+    `image_column`/`label_column` name the image and label members or columns when the detected ones
+    are not right. `on_error="skip"` leaves a sample that cannot be read or decoded out of its batch
+    (the batch is that much smaller; a warning names its file, record, or shard and key) instead of
+    raising ("fail"). `train=True`:
     RandomResizedCrop(crop, scale) + horizontal flip, shuffled, drop_last; `train=False`: resize to
     crop/0.875 + centre crop, in order, every sample kept. `num_workers=0` makes the batches in
     `threads` threads of this process (the decoders release the GIL; no shared memory, no pickling),
@@ -463,7 +505,9 @@ def fast_loader(
     each rank reads a disjoint shard of each epoch's shuffle, sharded by `num_replicas`/`rank` when
     given, else by the initialised process group, else by the WORLD_SIZE/RANK environment variables
     (torchrun's, so a loader built before `init_process_group` shards too). As DistributedSampler does, an uneven split is padded by
-    wrapping around to the first samples, so every rank runs the same number of steps. Inside, the
+    wrapping around to the first samples, so every rank runs the same number of steps; tar shards are
+    split in contiguous blocks of their epoch order (data/shards.py: shard order + a local shuffle of
+    `TarShards.shuffle_buffer` places), so each rank reads mostly its own shards. Inside, the
     keywords travel as one `LoaderOptions`.
     """
     options = LoaderOptions(
@@ -471,7 +515,8 @@ def fast_loader(
         num_workers=num_workers, seed=seed, drop_last=drop_last, decoder=decoder, in_memory=in_memory,
         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory, scale=scale,
         num_replicas=num_replicas, rank=rank, tune_seconds=tune_seconds,
-        multiprocessing_context=multiprocessing_context, threads=threads, progress=progress, refresh=refresh)
+        multiprocessing_context=multiprocessing_context, threads=threads, progress=progress, refresh=refresh,
+        image_column=image_column, label_column=label_column, on_error=on_error)
     return _build_loader(data, batch_size, options)
 
 
@@ -479,7 +524,8 @@ def _build_loader(data: Any, batch_size: int, options: LoaderOptions) -> FastLoa
     """fast_loader's stages: check the arguments, open the source, settle the device and the decoder,
     plan the batches, then build the loader with the counts given or measured."""
     options = _with_counts(batch_size, options)
-    source = as_source(data, in_memory=options.in_memory)
+    source = as_source(data, in_memory=options.in_memory, image_column=options.image_column,
+                       label_column=options.label_column, on_error=options.on_error)
     if len(source) == 0:
         raise ValueError("the dataset is empty")
     options = _with_device(options)
@@ -503,6 +549,8 @@ def _with_counts(batch_size: int, options: LoaderOptions) -> LoaderOptions:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not isinstance(options.crop, int) or options.crop < 1:
         raise ValueError(f"crop must be a positive integer, got {options.crop!r}")
+    if options.on_error not in ("fail", "skip"):
+        raise ValueError(f"on_error must be 'fail' or 'skip', got {options.on_error!r}")
     return replace(options, num_workers=as_counts(options.num_workers, "num_workers", 0),
                    threads=as_counts(options.threads, "threads", 1))
 
@@ -560,10 +608,12 @@ def _dataset_and_sampler(source: Any, batch_size: int,
     transform = RandomResizedCropFlip(options.crop, scale=options.scale) if options.train else ResizeCenterCrop(options.crop)
     # channels_last output: NHWC uint8 is already its memory order; else NCHW (see normalize_batch)
     augmented = AugmentedDataset(source, transform, options.decoder, options.seed,
-                                 layout="NHWC" if options.channels_last else "NCHW", device=options.device)
+                                 layout="NHWC" if options.channels_last else "NCHW", device=options.device,
+                                 on_error=options.on_error)
     drop_last = options.train if options.drop_last is None else options.drop_last
     sampler = EpochBatchSampler(len(source), batch_size, shuffle=options.train, drop_last=drop_last, seed=options.seed,
-                                num_replicas=options.num_replicas, rank=options.rank)
+                                num_replicas=options.num_replicas, rank=options.rank,
+                                order=getattr(source, "epoch_order", None))
     if len(sampler) == 0:
         raise ValueError(f"batch_size {batch_size} is larger than this rank's {sampler.per_replica()} samples "
                          f"with drop_last=True; use a smaller batch or drop_last=False")
@@ -709,12 +759,15 @@ def _timed_factory(dataset: Any, batch_size: int, num_workers: str | int | list[
         name, dataset = dataset.strip(), spec_for_tuning(dataset)
         if not isinstance(dataset, DatasetSource):
             threads = None  # a plain DataLoader has worker processes only
-    if isinstance(dataset, (str, os.PathLike, DatasetSource)):
+    if is_hf_dataset(dataset) or looks_like_shards(dataset):  # read as records, like a path: not a plain DataLoader
+        dataset = as_source(dataset)
+    if isinstance(dataset, (str, os.PathLike, DatasetSource)) or hasattr(dataset, "record"):
         source = as_source(dataset)
         identity = source_identity(source)
         options, _ = _with_decoder(source, LoaderOptions(train=train, crop=crop, device=device, num_workers=num_workers,
                                                          progress=progress, refresh=refresh))
-        data = source if isinstance(source, DatasetSource) else dataset
+        # a store is opened by each loader timed (its LMDB handle per process); other sources are opened once
+        data = dataset if isinstance(source, PackedDataset) else source
 
         def build(num_workers: int, prefetch_factor: int | None, persistent_workers: bool, pin_memory: bool,
                   threads: int = 1) -> FastLoader:

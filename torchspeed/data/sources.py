@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from torchspeed.data.decode import UnsupportedSample, decode_record, integer_label, jpeg_info, to_hwc_uint8
+from torchspeed.data.decode import UnsupportedSample, decode_record, encoded_record, integer_label, to_hwc_uint8
 from torchspeed.data.store import PackedDataset, Record, is_store, looks_damaged
-from torchspeed.images import IMAGE_EXTENSIONS, check_image_size, open_image, quoted, read_image_file, scan_folder
+from torchspeed.images import IMAGE_EXTENSIONS, quoted, read_image_file, scan_folder
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +38,7 @@ class FolderSource:
         path, label = self.samples[index]
         try:
             data = read_image_file(path)  # a FIFO put there since the scan is refused, not waited on
-            if data[:2] == b"\xff\xd8":
-                h, w, components = jpeg_info(data)
-                check_image_size(w, h, path)
-                if components in (1, 3):  # grey or YCbCr: libjpeg decodes it to RGB (CMYK goes through PIL)
-                    return Record("jpeg", data, h, w, label)
-            with open_image(data, path) as im:
-                img = to_hwc_uint8(im)
-            return Record("array", img, img.shape[0], img.shape[1], label)
+            return encoded_record(data, label, path)
         except Exception as e:  # corrupt, truncated, not an image, a bomb: one error naming the file
             raise ValueError(self._error(index, e)) from None
 
@@ -163,6 +156,8 @@ def source_identity(source: Any) -> dict[str, Any]:
         return {"folder": source.root, "n": len(source), "classes": len(source.classes),
                 "changed": max(_size_and_time(d)[1] for d in dirs),
                 "files": hashlib.sha256(repr(spread).encode()).hexdigest()[:16]}
+    if callable(getattr(source, "identity", None)):  # tar shards, Arrow columns: they know their files
+        return source.identity()
     inner = source.dataset if isinstance(source, DatasetSource) else source
     return {"dataset": f"{type(inner).__module__}.{type(inner).__qualname__}", "n": len(source),
             "spec": getattr(source, "spec", None)}
@@ -229,25 +224,46 @@ def spec_for_tuning(spec: str) -> Any:
     return source
 
 
-def as_source(data: Any, in_memory: bool = False) -> Any:
-    """A store path -> PackedDataset, a folder path -> FolderSource, a Dataset factory spec
-    (`package.module:factory`, `path/file.py:factory`) -> a DatasetSource over what it returns, a
-    Dataset -> itself (when it has records) or a DatasetSource."""
+def as_source(data: Any, in_memory: bool = False, image_column: str | None = None, label_column: str | None = None,
+              on_error: str = "fail") -> Any:
+    """The record source `data` names: a store path -> PackedDataset; WebDataset tar shards (a brace
+    pattern, a list of .tar paths, a directory of them) -> TarShards; a Hugging Face `datasets.Dataset`
+    or `save_to_disk` folder, or a LitData optimized directory -> ArrowImages; a Dataset factory spec
+    (`package.module:factory`, `path/file.py:factory`) -> a DatasetSource over what it returns; an
+    ImageFolder path -> FolderSource; a Dataset -> itself (when it has records) or a DatasetSource.
+    `image_column` / `label_column` name the image and label of the shards' members or the columns;
+    `on_error` is what a shard sample without an image or label does ("fail" or "skip")."""
+    from torchspeed.data.hfdatasets import hf_images, is_hf_dataset, is_hf_folder
+    from torchspeed.data.litformat import is_litdata_dir, litdata_images
+    from torchspeed.data.shards import TarShards, looks_like_shards
+
+    columns = {"image_column": image_column, "label_column": label_column}
+    if looks_like_shards(data):
+        return TarShards(data, on_error=on_error, **columns)
     if isinstance(data, (str, os.PathLike)):
         path = os.fspath(data)
         if is_store(path) or looks_damaged(path):  # a broken store says so (not "no class sub-directories")
             return PackedDataset(path, in_memory=in_memory)
+        if is_hf_folder(path):
+            return hf_images(path, **columns)
+        if is_litdata_dir(path):
+            return litdata_images(path, **columns)
         if is_dataset_spec(path):
             return DatasetSource(dataset_from_spec(path), spec=path.strip())
         if not os.path.exists(path):
-            raise FileNotFoundError(f"no data at {path!r}: give an ImageFolder directory, a packed store or a "
-                                    "Dataset factory (package.module:factory or path/file.py:factory)")
+            raise FileNotFoundError(f"no data at {path!r}: give an ImageFolder directory, a packed store, WebDataset "
+                                    "tar shards (a .tar pattern, list or directory), a Hugging Face dataset folder, "
+                                    "a LitData directory or a Dataset factory (package.module:factory or "
+                                    "path/file.py:factory)")
         return FolderSource(path)
+    if is_hf_dataset(data):
+        return hf_images(data, **columns)
     if hasattr(data, "record") and hasattr(data, "__len__"):
         return data
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         return DatasetSource(data)
-    raise ValueError(f"data must be an ImageFolder path, a store path or a map-style Dataset, got {type(data).__name__}")
+    raise ValueError(f"data must be an ImageFolder path, a store path, tar shards, a Hugging Face dataset or a "
+                     f"map-style Dataset, got {type(data).__name__}")
 
 
 def train_val_split(data: Any, val_fraction: float = 0.1, seed: int = 0) -> tuple[Any, Any]:

@@ -8,7 +8,10 @@ interleaved (round-robin) so that background load hits them alike; a pass lasts 
 budget leaves for it (0.5-5 s; `torchspeed.bench.budget`). Peers (DALI's CPU pipeline, LitData) run on
 the same photos resized offline, at their best thread/worker count; every row is set against the
 decode-only ceiling. The quick report leaves out the raw-pixel, full-size and folder variants and
-the resized torchvision loader; the full report adds scale rows (4k and 50k photos).
+the resized torchvision loader; the full report adds scale rows (4k and 50k photos) and the formats users
+already keep their photos in: the same resized photos as WebDataset tar shards and as a Hugging Face dataset,
+read by torchspeed's pipeline and by each format's own usual loader (webdataset's pipeline; `datasets`'
+with_transform + DataLoader) at its best worker count.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from torchspeed.bench.rows import ContenderRow, Row, to_json
 TITLE = "Data loading: images/s into the model (64 x RandomResizedCrop 128 + flip, float32 NCHW normalised)"
 
 BATCH, CROP, SHORT_SIDE = 64, 128, 160
+SHARDS = 64  # WebDataset shards of the photos: more than the workers any machine here runs
 
 
 def _subset_folder(src: str, n: int) -> str:
@@ -167,6 +171,141 @@ def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], a
         skipped(peers.skipped_row("litdata", _why(e), "img/s", ceiling="decode"))
 
 
+def _format_copies(resized: str) -> tuple[str, str]:
+    """The resized photos as WebDataset shards (64 tars, KEY.jpg + KEY.cls, in the folder's order) and as a
+    Hugging Face dataset folder (`save_to_disk`, an Image column of the same JPEG bytes + a ClassLabel),
+    each built once (cached): the same JPEG files the peers read, in each format as its own tools write it."""
+    import io
+    import tarfile
+
+    from torchspeed.atomic import build_directory
+    from torchspeed.images import scan_folder
+    from torchspeed.runtime import cache_dir
+
+    classes, samples = scan_folder(resized)
+    base = os.path.join(cache_dir("bench-data"), os.path.basename(resized))
+
+    def shards(tmp: str) -> None:
+        per = -(-len(samples) // SHARDS)
+        for s in range(0, len(samples), per):
+            with tarfile.open(os.path.join(tmp, f"train-{s // per:06d}.tar"), "w") as tar:
+                for i in range(s, min(s + per, len(samples))):
+                    path, label = samples[i]
+                    with open(path, "rb") as f:
+                        image = f.read()
+                    for ext, data in (("jpg", image), ("cls", str(label).encode())):
+                        info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+
+    def hf(tmp: str) -> None:
+        datasets = _peer_module("datasets", "datasets")
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+        ds = datasets.Dataset.from_dict({"image": [p for p, _ in samples], "label": [y for _, y in samples]},
+                                        features=features)
+        os.rmdir(tmp)
+        ds.save_to_disk(tmp)  # embeds each file's bytes in the Arrow column
+
+    return build_directory(f"{base}-wds", shards), build_directory(f"{base}-hf", hf)
+
+
+def _peer_module(name: str, module: str) -> Any:
+    import importlib
+
+    from torchspeed.bench.peers import PeerMissing
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise PeerMissing(f"{name} not installed ({type(e).__name__}: {e}); pip install {name} "
+                          "(or: pip install 'torchspeed[peers]')") from None
+
+
+class _Transform:
+    """PIL image -> the baseline's torchvision transforms (picklable for worker processes)."""
+
+    def __init__(self) -> None:
+        from torchvision import transforms as T
+
+        from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
+
+        self.tf = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(),
+                             T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+    def __call__(self, im: Any) -> Any:
+        return self.tf(im.convert("RGB"))
+
+    def hf_batch(self, batch: dict[str, list]) -> dict[str, list]:
+        """datasets' `with_transform`: the batch's images transformed, labels kept."""
+        return {"pixel_values": [self(im) for im in batch["image"]], "label": batch["label"]}
+
+
+def _hf_collate(rows: list[dict[str, Any]]) -> tuple[Any, Any]:
+    import torch
+
+    return torch.stack([r["pixel_values"] for r in rows]), torch.tensor([r["label"] for r in rows], dtype=torch.int64)
+
+
+def _webdataset_loader(shards: str, workers: int) -> Any:
+    """webdataset's usual pipeline: shard shuffle, a 1000-sample buffer, PIL decode, the torchvision
+    transforms per sample, batched by a DataLoader (shards split across workers by webdataset)."""
+    from torch.utils.data import DataLoader
+
+    wds = _peer_module("webdataset", "webdataset")
+    tf = _Transform()
+    dataset = (wds.WebDataset(shards, shardshuffle=100, empty_check=False).shuffle(1000).decode("pil")
+               .to_tuple("jpg", "cls").map_tuple(tf, int))
+    return DataLoader(dataset, batch_size=BATCH, num_workers=workers, drop_last=True, persistent_workers=workers > 0)
+
+
+def _hf_loader(folder: str, workers: int) -> Any:
+    """`datasets`' usual pipeline: load_from_disk, with_transform (PIL decode + the torchvision
+    transforms), a shuffled DataLoader."""
+    from torch.utils.data import DataLoader
+
+    datasets = _peer_module("datasets", "datasets")
+    ds = datasets.load_from_disk(folder).with_transform(_Transform().hf_batch)
+    return DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers, drop_last=True,
+                      collate_fn=_hf_collate, persistent_workers=workers > 0)
+
+
+def _formats(resized: str, common: dict[str, Any], cores: int, tune_s: float, say: Callable[[str], Any],
+             add: Callable[..., None], skipped: Callable[[Any], None]) -> None:
+    """Data where users keep it (full report): torchspeed's pipeline on WebDataset shards and on a Hugging
+    Face dataset of the resized photos, each beside that format's own usual loader at its best worker count."""
+    from torchspeed.bench import peers
+    from torchspeed.data import fast_loader
+
+    say("WebDataset shards and a Hugging Face dataset of the resized photos (cached)")
+    try:
+        shard_dir, hf_dir = _format_copies(resized)
+    except Exception as e:  # noqa: BLE001 - without the copies, each row says why
+        for name in ("torchspeed_on_webdataset", "webdataset", "torchspeed_on_hf_dataset", "hf_datasets"):
+            skipped(peers.skipped_row(name, _why(e), "img/s", ceiling="decode"))
+        return
+    count = len([f for f in os.listdir(shard_dir) if f.endswith(".tar")])
+    pattern = os.path.join(shard_dir, f"train-{{000000..{count - 1:06d}}}.tar")  # the brace pattern both read
+    add("torchspeed_on_webdataset", fast_loader(pattern, BATCH, **common),
+        f"the same pipeline on the resized photos as {count} WebDataset tar shards (read as they are: tar index, "
+        "shard order + 1000-place local shuffle)")
+    add("torchspeed_on_hf_dataset", fast_loader(hf_dir, BATCH, **common),
+        "the same pipeline on the resized photos as a Hugging Face dataset folder (save_to_disk; the Arrow "
+        "column of JPEG bytes read as it is)")
+    for name, make, what in (
+            ("webdataset", lambda n: _webdataset_loader(pattern, n),
+             "webdataset's pipeline on the same shards: WebDataset(shardshuffle) .shuffle(1000) .decode('pil') + "
+             "the torchvision transforms, DataLoader"),
+            ("hf_datasets", lambda n: _hf_loader(hf_dir, n),
+             "datasets' load_from_disk + with_transform (PIL + the torchvision transforms) + a shuffled DataLoader "
+             "on the same dataset")):
+        try:
+            best, loader, rates = _best(f"{name} num_workers", make, list(range(cores + 1)), tune_s, say)
+            add(name, loader, f"{what}, num_workers={best}, the fastest in a short trial of "
+                f"{', '.join(str(n) for n in rates)}", peer=True)
+        except Exception as e:  # noqa: BLE001 - a peer that is missing or fails is a row with the reason
+            skipped(peers.skipped_row(name, _why(e), "img/s", ceiling="decode"))
+
+
 def _why(e: BaseException) -> str:
     from torchspeed.bench.peers import PeerMissing
 
@@ -237,6 +376,9 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
         suite.add_torchspeed()
         _peers(suite.resized, suite.cores, suite.tune_s, suite.say, suite.add, suite.skipped_rows.append,
                full=not quick)
+        if not quick:
+            _formats(suite.resized, suite.common, suite.cores, suite.tune_s, suite.say, suite.add,
+                     suite.skipped_rows.append)
         suite.rows_of_rounds(suite.time_rounds())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -346,9 +488,10 @@ class _DataSuite:
         self.add("torchspeed", ts_loader,
                  f"packed LMDB (short side {SHORT_SIDE}, JPEG) + {self.decoder} + uint8 crop into the batch in {where} "
                  f"(settings measured)")
+        self.common = common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, threads=threads,
+                                    decoder=self.decoder)
         if self.quick:
             return
-        common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, threads=threads, decoder=self.decoder)
         raw_mib = os.path.getsize(os.path.join(self.raw_store, "data.mdb")) / 2**20
         self.add("torchspeed_raw", fast_loader(self.raw_store, BATCH, **common),
                  f"the same pipeline on a raw-pixel store (no decoding at all; {raw_mib:.0f} MiB)", ceiling=None)
@@ -423,6 +566,9 @@ class _DataSuite:
         for peer in ("dali_cpu", "dali_gpu", "litdata"):
             if median.get(peer):
                 results[f"ratio_vs_{peer}"] = ts / median[peer]
+        for ours, theirs in (("torchspeed_on_webdataset", "webdataset"), ("torchspeed_on_hf_dataset", "hf_datasets")):
+            if median.get(ours) and median.get(theirs):  # each format against its own usual loader
+                results[f"ratio_{ours}_vs_{theirs}"] = median[ours] / median[theirs]
 
     def scale_rows(self, sizes: tuple[int, ...]) -> None:
         """torchspeed's loader on larger copies of the photos: pack time, img/s, peak RSS, store size."""

@@ -1,0 +1,152 @@
+"""Images kept as encoded bytes in Arrow columns, read as records without going through Python objects.
+
+Hugging Face `datasets` (an `Image` column: a struct of `bytes` and `path`) and LitData's chunks (a
+binary column in each chunk's Arrow footer) keep each image's file bytes in an Arrow binary array: one
+buffer of offsets and one of data, memory-mapped from the files. Reading them as numpy views once makes
+a sample's bytes one slice (no pyarrow call, no copy, no PIL) handed to the loader's measured decoder;
+the labels are one integer column read once, so the count and the labels are known up front.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from torchspeed.data.decode import Record, encoded_record
+
+__all__ = ["ArrowImages", "pyarrow_module", "binary_views", "file_identity", "label_values"]
+
+
+def pyarrow_module() -> Any:
+    try:
+        import pyarrow
+    except ImportError:
+        raise ImportError("reading Hugging Face datasets and LitData chunks needs pyarrow: pip install "
+                          "'torchspeed[hf]'") from None
+    return pyarrow
+
+
+def binary_views(column: Any) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None, list | None]]:
+    """Per chunk of an Arrow column of images: (offsets, data, nulls, paths) as numpy views of its
+    buffers. The column is binary, or a struct with a binary `bytes` field (and a `path` field, read for
+    the rows whose bytes are null: images kept as files beside the dataset)."""
+    pa = pyarrow_module()
+    chunks = column.chunks if hasattr(column, "chunks") else [column]
+    out = []
+    for chunk in chunks:
+        paths = None
+        if pa.types.is_struct(chunk.type):
+            names = [chunk.type.field(i).name for i in range(chunk.type.num_fields)]
+            if "bytes" not in names:
+                raise ValueError(f"the image column is a struct of {names}, with no 'bytes' field")
+            fields = dict(zip(names, chunk.flatten()))  # flatten() applies the struct's own offset
+            binary = fields["bytes"]
+            if "path" in fields and binary.null_count:
+                paths = fields["path"].to_pylist()
+        else:
+            binary = chunk
+        if not (pa.types.is_binary(binary.type) or pa.types.is_large_binary(binary.type)):
+            raise ValueError(f"the image column holds {binary.type}, not encoded image bytes (binary)")
+        width = np.int64 if pa.types.is_large_binary(binary.type) else np.int32
+        buffers = binary.buffers()
+        offsets = np.frombuffer(buffers[1], dtype=width)[binary.offset:binary.offset + len(binary) + 1]
+        data = np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None else np.empty(0, np.uint8)
+        nulls = binary.is_null().to_numpy(zero_copy_only=False) if binary.null_count else None
+        out.append((offsets, data, nulls, paths))
+    return out
+
+
+class ArrowImages:
+    """A record source over Arrow columns: encoded image bytes and integer labels, one row per sample.
+
+    `load()` returns (image column, label values, row map or None): it is called again in each process
+    that unpickles the source (a spawned worker), so the memory-mapped files are opened there rather than
+    copied through a pipe. `where` names the data in errors; `identity` is what remembered loader
+    decisions know it by; `row_name(i)` names row i (a key, an original row number).
+    """
+
+    def __init__(self, load: Callable[[], tuple[Any, Sequence[int], Sequence[int] | None]], classes: Sequence[str],
+                 where: str, identity: dict[str, Any], row_name: Callable[[int], str] | None = None):
+        self._load, self.where, self._identity, self._row_name = load, where, identity, row_name
+        self._open()
+        self.classes = list(classes) or [str(c) for c in range(max(self.targets, default=-1) + 1)]
+
+    def _open(self) -> None:
+        column, labels, rows = self._load()
+        self._views = binary_views(column)
+        sizes = [len(o) - 1 for o, _, _, _ in self._views]
+        self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._rows = None if rows is None else np.asarray(rows, dtype=np.int64)  # sample -> table row
+        self.targets = [int(y) for y in labels] if self._rows is None else [int(labels[r]) for r in self._rows]
+        if any(y is None for y in self.targets):
+            raise ValueError(f"{self.where} has rows without a label")
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def identity(self) -> dict[str, Any]:
+        return dict(self._identity)
+
+    def _row(self, index: int) -> int:
+        return int(self._rows[index]) if self._rows is not None else index
+
+    def name(self, index: int) -> str:
+        """What sample `index` is, for error messages: its row (and key, where the format has one)."""
+        row = self._row(index)
+        return f"{self._row_name(row) if self._row_name else f'row {row}'} of {self.where}"
+
+    def record(self, index: int) -> Record:
+        """The row's image bytes (a view into the memory-mapped file) and label; a JPEG stays encoded."""
+        row = self._row(index)
+        chunk = int(np.searchsorted(self._starts, row, side="right")) - 1
+        offsets, data, nulls, paths = self._views[chunk]
+        local = row - int(self._starts[chunk])
+        try:
+            if nulls is not None and nulls[local]:
+                path = paths[local] if paths is not None else None
+                if not path:
+                    raise ValueError("its image is missing (null)")
+                with open(path, "rb") as f:
+                    payload: Any = f.read()
+            else:
+                payload = memoryview(data[int(offsets[local]):int(offsets[local + 1])])
+            return encoded_record(payload, self.targets[index], self.name(index))
+        except Exception as e:
+            raise ValueError(f"cannot read {self.name(index)}: {type(e).__name__}: {e}") from None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_views"]  # numpy views of memory-mapped Arrow buffers: reopened in the new process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def __repr__(self) -> str:
+        return f"ArrowImages({self.where}, {len(self)} samples, {len(self.classes)} classes)"
+
+
+def file_identity(paths: Sequence[str]) -> str:
+    """Files known by path, size and modification time (a rewritten file changes it), as a short hash."""
+    import hashlib
+
+    stats = []
+    for p in paths:
+        st = os.stat(p)
+        stats.append((os.path.abspath(p), st.st_size, st.st_mtime_ns))
+    return hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
+
+
+def label_values(table: Any, column: str, where: str) -> list[int]:
+    """An integer label column as Python ints, checked: a clear error for names or floats."""
+    pa = pyarrow_module()
+    col = table.column(column)
+    if not pa.types.is_integer(col.type):
+        raise ValueError(f"the label column {column!r} of {where} holds {col.type}, not integer class indices; "
+                         "name the right one with label_column=")
+    if col.null_count:
+        raise ValueError(f"the label column {column!r} of {where} has {col.null_count} empty rows")
+    return col.to_numpy().tolist()

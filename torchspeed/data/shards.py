@@ -1,0 +1,366 @@
+"""WebDataset tar shards read as records, without unpacking them and without webdataset's pipeline.
+
+A shard set is a brace pattern (`train-{000000..000127}.tar`), a list of .tar paths or a directory of
+them, each tar holding samples as consecutive members named `KEY.EXT` (`000123.jpg` + `000123.cls`),
+as webdataset's TarWriter writes them. Opening the set reads each shard's tar headers once (not the
+images: a seek per member) into an index of (shard, offset, size, label) per sample, so the count is
+known up front and any sample is one `pread` of its bytes; the label files (`.cls`: an integer;
+`.json`: an object with an integer "label" or "cls") are read then too. The index of each shard is
+kept in torchspeed's cache (`tar-index/`, plain JSON) while the shard's size and time are unchanged:
+the first open of a large set costs about 0.1 ms per sample, the next ones a read of that JSON. The JPEG bytes go to the
+loader's measured decoder like a store's records; other image types (PNG, ...) are decoded by PIL.
+
+Shuffling keeps reads close to sequential, as webdataset's shard shuffle and sample buffer do, but
+deterministically, so a resumed epoch is the same epoch: each epoch's order is the shards in a seeded
+random order, their samples in file order, then each sample moved by a seeded random offset of at most
+`shuffle_buffer` places (a jittered sort). Quality: two samples more than `shuffle_buffer` places
+apart in that stream never swap, so a batch draws from about `1 + shuffle_buffer / samples_per_shard`
+neighbouring shards; the shard order itself is a full permutation. The loader splits that order across
+ranks in contiguous blocks (each rank reads mostly its own shards) and into batches for the workers, so
+every sample is read once per epoch (the store's padding rule for a count that does not divide).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import tarfile
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from torchspeed.data.decode import Record, encoded_record
+from torchspeed.images import quoted
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TarShards", "expand_braces", "shard_paths", "looks_like_shards"]
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
+LABEL_EXTS = ("cls", "json")
+SHUFFLE_BUFFER = 1000
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """A shell-style brace pattern expanded, as webdataset (braceexpand) reads shard lists:
+    `a-{000..003}.tar` (zero-padded ranges keep their width), `{train,val}-{0..1}.tar`."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    body, head, tail = m.group(1), pattern[:m.start()], pattern[m.end():]
+    rng = re.fullmatch(r"(-?\d+)\.\.(-?\d+)", body)
+    if rng:
+        lo, hi = rng.group(1), rng.group(2)
+        width = len(lo) if lo.startswith("0") and len(lo) > 1 else 0
+        step = 1 if int(hi) >= int(lo) else -1
+        parts = [str(v).zfill(width) for v in range(int(lo), int(hi) + step, step)]
+    else:
+        parts = body.split(",")
+    return [out for part in parts for out in expand_braces(head + part + tail)]
+
+
+def looks_like_shards(data: Any) -> bool:
+    """Whether `data` names tar shards: a pattern or path ending in .tar, a list of them, or a directory
+    holding .tar files and no sub-directories (an ImageFolder has class sub-directories)."""
+    if isinstance(data, (list, tuple)):
+        return bool(data) and all(isinstance(p, (str, os.PathLike)) and os.fspath(p).endswith(".tar") for p in data)
+    if not isinstance(data, (str, os.PathLike)):
+        return False
+    path = os.fspath(data)
+    if path.endswith(".tar"):
+        return True
+    if os.path.isdir(path):
+        entries = list(os.scandir(path))
+        return any(e.name.endswith(".tar") and e.is_file() for e in entries) and not any(e.is_dir() for e in entries)
+    return False
+
+
+def shard_paths(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """The shard files `data` names (pattern, list or directory), absolute, each checked to exist."""
+    if isinstance(data, (list, tuple)):
+        paths = [os.fspath(p) for p in data]
+    else:
+        path = os.fspath(data)
+        if os.path.isdir(path):
+            paths = sorted(glob.glob(os.path.join(glob.escape(path), "*.tar")))
+        else:
+            paths = expand_braces(path)
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise FileNotFoundError(f"no tar shard at {quoted(missing[0])}{more} (of {len(paths)} named by {data!r}); "
+                                "give a brace pattern such as 'train-{000000..000127}.tar', a list of .tar files or "
+                                "a directory of them")
+    if not paths:
+        raise ValueError(f"{data!r} names no tar shards")
+    return [os.path.abspath(p) for p in paths]
+
+
+def _split_key(name: str) -> tuple[str, str]:
+    """webdataset's key/extension split: the extension starts at the first dot of the file name."""
+    directory, base = os.path.split(name)
+    if "." not in base:
+        return name, ""
+    stem, ext = base.split(".", 1)
+    return (os.path.join(directory, stem) if directory else stem), ext.lower()
+
+
+def _label_of(raw: bytes, ext: str) -> int:
+    text = raw.decode("utf-8").strip()
+    if ext == "json":
+        obj = json.loads(text)
+        value = next((obj[k] for k in ("label", "cls", "class") if isinstance(obj, dict) and k in obj), obj)
+    else:
+        value = text
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.lstrip("-").isdigit())):
+        raise ValueError(f"its label is {value!r}, not an integer class index")
+    return int(value)
+
+
+class _ShardIndex:
+    """One shard's samples: keys, member offsets and sizes of the image, labels (or None: no label)."""
+
+    def __init__(self, keys: list[str], offsets: list[int], sizes: list[int], labels: list[int],
+                 problems: list[tuple[str, str]]):
+        self.keys, self.offsets, self.sizes, self.labels, self.problems = keys, offsets, sizes, labels, problems
+
+
+# One index per (shard, size, mtime, member names) in this process: tune_loader and the train/val loaders
+# open the same shards again and must not read every header again (nor parse the cached JSON).
+_INDEX_CACHE: dict[tuple[str, int, int, str, str], _ShardIndex] = {}
+_INDEX_LOCK = threading.Lock()
+
+
+def _index_shard(path: str, image_ext: str | None, label_ext: str | None) -> _ShardIndex:
+    """The shard's index: from this process's memory, else from torchspeed's cache (a JSON per shard, valid
+    while the shard's size and time are unchanged), else read from its tar headers (then cached)."""
+    st = os.stat(path)
+    cache_key = (path, st.st_size, st.st_mtime_ns, image_ext or "", label_ext or "")
+    with _INDEX_LOCK:
+        hit = _INDEX_CACHE.get(cache_key)
+    if hit is None:
+        hit = _stored_index(cache_key)
+    if hit is None:
+        hit = _read_index(path, image_ext, label_ext)
+        _store_index(cache_key, hit)
+    with _INDEX_LOCK:
+        _INDEX_CACHE[cache_key] = hit
+    return hit
+
+
+def _index_file(cache_key: tuple[str, int, int, str, str]) -> str:
+    from torchspeed.runtime import cache_dir
+
+    name = hashlib.sha256(repr((cache_key[0], cache_key[3], cache_key[4])).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir("tar-index"), f"{name}.json")
+
+
+def _stored_index(cache_key: tuple[str, int, int, str, str]) -> _ShardIndex | None:
+    """The index cached for this shard as it is now (same path, size, time and member names), or None."""
+    try:
+        with open(_index_file(cache_key), encoding="utf-8") as f:
+            doc = json.load(f)
+        if doc.get("version") != 1 or tuple(doc["shard"]) != cache_key:
+            return None
+        index = _ShardIndex(doc["keys"], doc["offsets"], doc["sizes"], doc["labels"],
+                            [tuple(p) for p in doc["problems"]])
+        columns = (index.keys, index.offsets, index.sizes, index.labels)
+        if len({len(c) for c in columns}) != 1 or not all(type(v) is int for c in columns[1:] for v in c):
+            return None  # damaged: read the headers again
+        return index
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store_index(cache_key: tuple[str, int, int, str, str], index: _ShardIndex) -> None:
+    from torchspeed.atomic import atomic_write
+
+    doc = {"version": 1, "shard": list(cache_key), "keys": index.keys, "offsets": index.offsets,
+           "sizes": index.sizes, "labels": index.labels, "problems": [list(p) for p in index.problems]}
+    try:
+        with atomic_write(_index_file(cache_key), "w") as f:
+            json.dump(doc, f)
+    except OSError as e:  # a read-only cache costs the next open a re-read, nothing else
+        log.debug("tar index of %s not cached: %s", cache_key[0], e)
+
+
+def _read_index(path: str, image_ext: str | None, label_ext: str | None) -> _ShardIndex:
+    """One pass over the shard's tar headers (a seek per member); the label members are read."""
+    keys: list[str] = []
+    offsets: list[int] = []
+    sizes: list[int] = []
+    labels: list[int] = []
+    problems: list[tuple[str, str]] = []
+    images = (image_ext,) if image_ext else IMAGE_EXTS
+    label_exts = (label_ext,) if label_ext else LABEL_EXTS
+    try:
+        with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            current: str | None = None
+            found: dict[str, tuple[int, int]] = {}
+
+            def close_sample() -> None:
+                if current is None:
+                    return
+                image = next((found[e] for e in images if e in found), None)
+                label_at = next(((e, found[e]) for e in label_exts if e in found), None)
+                if image is None:
+                    problems.append((current, f"has no image ({', '.join('.' + e for e in images)}); its members: "
+                                              f"{', '.join(sorted('.' + e for e in found))}"))
+                    return
+                if label_at is None:
+                    problems.append((current, f"has no label ({', '.join('.' + e for e in label_exts)})"))
+                    return
+                ext, (off, size) = label_at
+                f.seek(off)
+                try:
+                    label = _label_of(f.read(size), ext)
+                except (ValueError, UnicodeDecodeError) as e:
+                    problems.append((current, f"has an unreadable .{ext} label ({e})"))
+                    return
+                keys.append(current)
+                offsets.append(image[0])
+                sizes.append(image[1])
+                labels.append(label)
+
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, ext = _split_key(member.name)
+                if key != current:
+                    close_sample()
+                    current, found = key, {}
+                found[ext] = (member.offset_data, member.size)
+            close_sample()
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise ValueError(f"cannot read tar shard {quoted(path)}: {type(e).__name__}: {e}; is it a (complete) tar "
+                         "file?") from None
+    return _ShardIndex(keys, offsets, sizes, labels, problems)
+
+
+class TarShards:
+    """WebDataset tar shards as a record source (see the module docstring): `len`, `classes`, `targets`,
+    `record(i)`, `name(i)` (shard and key), and `epoch_order`, the shard-order shuffle the loader uses.
+
+    `image_column` / `label_column`: the member extensions of the image and the label (default: the
+    first of jpg, jpeg, png, webp, ppm, bmp; cls, json). A sample without either, or with an unreadable
+    label, is refused naming its shard and key (`on_error="fail"`) or left out with a warning ("skip").
+    """
+
+    def __init__(self, data: str | os.PathLike | Sequence[str | os.PathLike], image_column: str | None = None,
+                 label_column: str | None = None, on_error: str = "fail", shuffle_buffer: int = SHUFFLE_BUFFER):
+        if on_error not in ("fail", "skip"):
+            raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
+        if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be a non-negative integer, got {shuffle_buffer!r}")
+        self.paths = shard_paths(data)
+        self.root = os.fspath(data) if not isinstance(data, (list, tuple)) else os.path.dirname(self.paths[0])
+        self.shuffle_buffer = shuffle_buffer
+        image_ext = image_column.lstrip(".").lower() if image_column else None
+        label_ext = label_column.lstrip(".").lower() if label_column else None
+        indexes = [_index_shard(p, image_ext, label_ext) for p in self.paths]
+        problems = [(p, key, why) for p, ix in zip(self.paths, indexes) for key, why in ix.problems]
+        if problems:
+            path, key, why = problems[0]
+            more = f" ({len(problems) - 1} more such samples)" if len(problems) > 1 else ""
+            if on_error == "fail":
+                raise ValueError(f"sample {key!r} of shard {quoted(path)} {why}{more}; fix the shard, name the "
+                                 "members with image_column=/label_column=, or pass on_error='skip' to leave such "
+                                 "samples out")
+            for path, key, why in problems:
+                log.warning("left out sample %r of shard %s: it %s", key, quoted(path), why)
+        counts = [len(ix.keys) for ix in indexes]
+        self.shard_sizes = counts
+        self.shard_of = np.repeat(np.arange(len(indexes), dtype=np.int32), counts)
+        self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # first sample of each shard
+        self.offsets = np.asarray([o for ix in indexes for o in ix.offsets], dtype=np.int64)
+        self.sizes = np.asarray([s for ix in indexes for s in ix.sizes], dtype=np.int64)
+        self.targets = [y for ix in indexes for y in ix.labels]
+        self.keys = [k for ix in indexes for k in ix.keys]
+        if self.targets and min(self.targets) < 0:
+            i = int(np.argmin(self.targets))
+            raise ValueError(f"{self.name(i)} has label {self.targets[i]}: labels must be class indices from 0")
+        self.classes = [str(c) for c in range(max(self.targets) + 1)] if self.targets else []
+        self._fds: dict[tuple[int, int], int] = {}  # (pid, shard) -> file descriptor, opened on first read
+        self._fd_lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def name(self, index: int) -> str:
+        """What sample `index` is, for error messages: its key in its shard."""
+        return f"sample {self.keys[index]!r} of shard {quoted(self.paths[int(self.shard_of[index])])}"
+
+    def identity(self) -> dict[str, Any]:
+        """What a remembered loader decision knows these shards by: their paths, sizes and times."""
+        stats = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in self.paths]
+        return {"tar_shards": len(self.paths), "n": len(self),
+                "files": hashlib.sha256(repr(stats).encode()).hexdigest()[:16]}
+
+    def _fd(self, shard: int) -> int:
+        key = (os.getpid(), shard)  # a descriptor inherited through fork shares its offset: pread needs none
+        fd = self._fds.get(key)
+        if fd is None:
+            with self._fd_lock:
+                fd = self._fds.get(key)
+                if fd is None:
+                    fd = self._fds[key] = os.open(self.paths[shard], os.O_RDONLY)
+        return fd
+
+    def record(self, index: int) -> Record:
+        """The sample's image bytes (one pread) and label; a JPEG stays encoded."""
+        shard = int(self.shard_of[index])
+        size = int(self.sizes[index])
+        try:
+            data = os.pread(self._fd(shard), size, int(self.offsets[index]))
+            if len(data) != size:
+                raise ValueError(f"the shard is shorter than its tar header says ({len(data)} of {size} bytes read)")
+            return encoded_record(data, self.targets[index], f"{self.paths[shard]}:{self.keys[index]}")
+        except Exception as e:
+            raise ValueError(f"cannot read {self.name(index)}: {type(e).__name__}: {e}") from None
+
+    def epoch_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+        """The samples of epoch `epoch` in reading order: shards in a seeded random order, each sample then
+        moved by at most `shuffle_buffer` places (module docstring); in file order when not shuffling."""
+        n = len(self)
+        if not shuffle:
+            return np.arange(n, dtype=np.int64)
+        rng = np.random.default_rng([seed, epoch])
+        shards = rng.permutation(len(self.paths))
+        stream = np.concatenate([np.arange(self.first[s], self.first[s + 1]) for s in shards]).astype(np.int64)
+        jitter = rng.uniform(0, self.shuffle_buffer + 1, size=n) if self.shuffle_buffer else np.zeros(n)
+        return stream[np.argsort(np.arange(n) + jitter, kind="stable")]
+
+    def close(self) -> None:
+        """Close this process's shard files (they reopen on the next read)."""
+        with self._fd_lock:
+            for key in [k for k in self._fds if k[0] == os.getpid()]:
+                try:
+                    os.close(self._fds.pop(key))
+                except OSError:
+                    pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fds"] = {}  # each process opens its own descriptors
+        del state["_fd_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fd_lock = threading.Lock()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"TarShards({len(self.paths)} shards, {len(self)} samples, {len(self.classes)} classes)"
