@@ -19,7 +19,7 @@ def test_missing_peer_library_names_the_extra(no_peer_libraries):
         peers.DaliLoader("/nowhere", 64, 128, 2, (0.5,) * 3, (0.5,) * 3)
     with pytest.raises(peers.PeerMissing, match=r"litdata not installed"):
         peers.litdata_loader("/nowhere", 64, 128, 0, (0.5,) * 3, (0.5,) * 3)
-    with pytest.raises(peers.PeerMissing, match=r"openvino not installed .*torchspeed\[infer\]"):
+    with pytest.raises(peers.PeerMissing, match=r"openvino not installed .*torchspeed\[openvino\]"):
         peers.openvino_latency("/nowhere/model.onnx")
     with pytest.raises(peers.PeerMissing, match=r"onnxruntime not installed"):
         peers.onnxruntime_defaults("/nowhere/model.onnx")

@@ -62,10 +62,14 @@ def test_train_suite_runs_every_stage_on_a_tiny_model(small_demo, monkeypatch):
     assert rows["+ tuned loader"]["what"].startswith("not run: --quick")
     assert rows["torchspeed auto"]["headline"] is True and rows["torchspeed auto"]["median"] > 0
     assert all(r["unit"] == "samples/s" and r["flops_per_item"] > 0 for r in rows.values())
-    assert result["ratio"] == pytest.approx(result["torchspeed_samples_s"] / result["plain_samples_s"])
+    assert result["ratio"] == pytest.approx(rows["torchspeed auto"]["cumulative"])
     assert result["compile"] == {"tried": False, "reason": "not tried: quick mode budget"}
     assert "accelerate" in result and "early_stopping" in result and result["limits"][0]["goal"]
     assert "start" in result["phase_s"] and said[-1] == "done"
+    assert isinstance(result["trainer_overhead_pct"], float) and result["trainer_overhead"]["repeats"] == 3  # quick too
+    choice = result["loader_choice"]  # the fast pipeline's loader, chosen with the training step in the loop
+    assert choice["table"] and choice["setting"] in rows["+ fast data pipeline"]["what"]
+    assert all(r.get("others_cores", 0) >= 0 for r in rows.values()), [r.get("others_cores") for r in rows.values()]
 
 
 @pytest.mark.slow

@@ -54,3 +54,77 @@ def test_bad_input_is_refused_before_any_data_is_read(small_photo_folder, tmp_pa
                        ({"epochs": 0}, "epochs must be a positive integer")):
         with pytest.raises(ValueError, match=match):
             ClassifierOptions(**{"epochs": 1, **bad})
+
+
+def test_the_loader_is_chosen_with_the_training_step_in_the_loop(photo_folder, tmp_path, monkeypatch, caplog):
+    """With num_workers and threads on auto, the training loader's setting is timed feeding real steps
+    (here two candidates); the model and optimizer start training as they were; the choice is remembered,
+    and refresh measures again."""
+    import logging
+
+    import torchspeed.recipes as recipes
+
+    monkeypatch.setattr(recipes, "step_candidates", lambda w, t: [(0, 1), (0, 2)])
+    opts = dict(crop=32, batch_size=4, precision="fp32", channels_last=False, compile=False, epochs=1)
+    model = tiny_convnet(classes=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run = prepare_classifier(photo_folder, model, ClassifierOptions(out=tmp_path / "a", **opts), progress=False)
+    choice = run.loader_choice
+    assert [r.setting for r in choice.table] == ["num_workers=0, threads=1", "num_workers=0, threads=2"]
+    assert all(r.step_s > 0 and len(r.rounds_s) == 2 for r in choice.table) and choice.remembered is None
+    assert sum(r.decision == "chosen" for r in choice.table) == 1
+    assert (run.train_loader.num_workers, run.train_loader.threads) == (choice.num_workers, choice.threads)
+    after = run.trainer.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the trial steps left no trace
+    assert not run.trainer.optimizer.state  # no momentum left by the trials
+    with caplog.at_level(logging.INFO, logger="torchspeed"):
+        again = prepare_classifier(photo_folder, tiny_convnet(classes=3), ClassifierOptions(out=tmp_path / "b", **opts),
+                                   progress=False)
+    assert again.loader_choice.remembered.startswith("remembered from ") and not again.loader_choice.table
+    assert (again.loader_choice.num_workers, again.loader_choice.threads) == (choice.num_workers, choice.threads)
+    assert any("loader with the step in the loop: remembered from" in r.getMessage() for r in caplog.records)
+    fresh = prepare_classifier(photo_folder, tiny_convnet(classes=3),
+                               ClassifierOptions(out=tmp_path / "c", refresh=True, **opts), progress=False)
+    assert fresh.loader_choice.remembered is None and len(fresh.loader_choice.table) == 2
+    assert fresh.trainer.options.refresh is True and not run.trainer.options.refresh  # accelerate measures again
+    result = fresh.fit()
+    assert result.to_dict()["loader"]["setting"] == fresh.loader_choice.setting
+
+
+def test_a_more_parallel_loader_is_kept_only_when_its_steps_are_faster_beyond_the_margin():
+    """Fake loaders: the step waits for the data as long as its loader says; every pass is closed after
+    its round (no loader runs while another is timed)."""
+    import time
+
+    from torchspeed.recipes import choose_loader_with_step, step_candidates, time_fed_steps
+
+    assert step_candidates(0, 3) == [(0, 1), (0, 3)] and step_candidates(0, 1) == [(0, 1)]
+    assert step_candidates(4, 1) == [(0, 1), (1, 1), (2, 1), (4, 1)]
+    open_passes = []
+
+    class Loader:
+        def __init__(self, wait_s):
+            self.wait_s = wait_s
+
+        def __iter__(self):
+            open_passes.append(self)
+            try:
+                while True:
+                    yield self.wait_s
+            finally:
+                open_passes.remove(self)
+
+    def step(wait_s):
+        assert len(open_passes) == 1  # the contender timed is the only loader running
+        time.sleep(wait_s)
+
+    times, _ = time_fed_steps({"a": (Loader(0.001), step), "b": (Loader(0.02), step)}, steps=2, rounds=3)
+    assert [len(v) for v in times.values()] == [3, 3] and min(times["b"]) > max(times["a"])
+    speeds = {(0, 1): 0.03, (0, 2): 0.005, (0, 4): 0.0049}  # 4 threads: not faster beyond the margin
+    loader, result = choose_loader_with_step(lambda w, t: Loader(speeds[(w, t)]), step, list(speeds), rounds=2,
+                                             margin=0.2)
+    assert (result.num_workers, result.threads) == (0, 2) and loader.wait_s == 0.005
+    decisions = [r.decision for r in result.table]
+    assert decisions[0].endswith("x the chosen step time") and decisions[1] == "chosen"
+    assert decisions[2].startswith("within 20% of a less parallel setting")
+    assert not open_passes

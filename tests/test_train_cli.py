@@ -87,3 +87,20 @@ def test_train_on_a_dataset_factory(tmp_path, monkeypatch, capsys):
                  *FAST]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "ts_cli_shapes:no_such_factory" in err and "Traceback" not in err
+
+
+def test_refresh_reaches_the_recipe(folder, tmp_path, monkeypatch):
+    """--refresh measures again: it is the recipe's `refresh`, which goes to fast_loader and accelerate."""
+    import torchspeed.recipes
+
+    seen = {}
+
+    def capture(data, model, options, progress):
+        seen["options"] = options
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(torchspeed.recipes, "prepare_classifier", capture)
+    assert main(["train", "--data", str(folder), "--epochs", "1", "--out", str(tmp_path / "o"), "--refresh", *FAST]) == 2
+    assert seen["options"].refresh is True
+    assert main(["train", "--data", str(folder), "--epochs", "1", "--out", str(tmp_path / "o"), *FAST]) == 2
+    assert seen["options"].refresh is False

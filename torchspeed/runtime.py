@@ -354,7 +354,7 @@ def process_as_found(env: Mapping[str, str] | None = None) -> Iterator[None]:
 
 def import_as_found(name: str, env: Mapping[str, str] | None = None) -> Any:
     """`importlib.import_module(name)`, its first import inside `process_as_found(env)`."""
-    if name in sys.modules:
+    if sys.modules.get(name) is not None:  # None: an import blocked on purpose, which must raise ImportError
         return sys.modules[name]
     with process_as_found(env):
         return importlib.import_module(name)

@@ -231,10 +231,12 @@ def _int8_openvino(n: int, conv: bool = False) -> Callable[[], Any]:
     """A MatMul (or, `conv`, a 1x1 convolution, the kernel quantized CNNs run) between FakeQuantize'd
     operands: OpenVINO's low-precision pass runs it as an int8 GEMM."""
     import numpy as np
-    import openvino as ov
-    import openvino.opset13 as ops
 
+    from torchspeed.infer.runners import import_openvino
     from torchspeed.runtime import usable_cores
+
+    ov = import_openvino()  # no telemetry sent
+    import openvino.opset13 as ops
 
     rng = np.random.default_rng(0)
     shape = [1, n, 32, max(1, n // 32)] if conv else [n, n]

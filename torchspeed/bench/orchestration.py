@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 
 from torchspeed.atomic import write_json
-from torchspeed.measure import OthersLoad
+from torchspeed.measure import OthersLoad, wait_for_quiet_machine
 from torchspeed.bench import suites
 from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, annotate, ceiling_cell
 from torchspeed.bench.budget import seconds_for
@@ -34,6 +34,7 @@ from torchspeed.bench.rows import rows_of
 from torchspeed.tables import print_table
 
 RESULTS = "results.json"
+QUIET_WAIT_S = 5.0  # before each suite, the most it waits for other processes to leave the cores
 _MARK = "\x1etorchspeed-bench-progress:"  # a progress line on the child's stdout
 
 
@@ -95,6 +96,8 @@ def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str,
     """One suite (or the ceilings) under a live status line: (its JSON, with its seconds and budget, and its
     title). `step` is "[i/n]"; `left_after` the budget of the suites still to come, for the time-left estimate."""
     title = getattr(module, "TITLE", name)
+    with console.status(f"{step} {name}: waiting for a quiet machine (a few seconds at most)"):
+        quiet = wait_for_quiet_machine(max_s=QUIET_WAIT_S)  # the previous suite's processes, or others, leave the cores
     t0 = time.perf_counter()
     load = OthersLoad()  # other processes' use of the cores while the suite (and its process) runs
     with console.status(f"{step} {name}: starting") as status:
@@ -114,6 +117,8 @@ def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str,
     result["budget_s"] = budget_s
     others = load.cores()
     result["others_cores"] = round(others, 2) if others is not None else None
+    result["quiet_wait"] = {"waited_s": round(quiet.waited_s, 1),
+                            "others_cores": round(quiet.others_cores, 2) if quiet.others_cores is not None else None}
     return result, title
 
 

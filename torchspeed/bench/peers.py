@@ -21,7 +21,7 @@ from torchspeed.bench.rows import Row
 
 INSTALL = {"dali": "pip install nvidia-dali-cuda120 (or: pip install 'torchspeed[peers]')",
            "litdata": "pip install litdata (or: pip install 'torchspeed[peers]')",
-           "openvino": "pip install openvino (or: pip install 'torchspeed[infer]')",
+           "openvino": "pip install openvino (or: pip install 'torchspeed[openvino]')",
            "onnxruntime": "pip install onnxruntime (or: pip install 'torchspeed[infer]')"}
 
 
@@ -33,6 +33,10 @@ def _require(name: str, module: str) -> Any:
     import importlib
 
     try:
+        if module in ("openvino", "nncf"):  # imported with no telemetry sent
+            from torchspeed.infer.runners import import_openvino
+
+            return import_openvino(module)
         return importlib.import_module(module)
     except ImportError as e:
         raise PeerMissing(f"{name} not installed ({e.__class__.__name__}: {e}); {INSTALL[name]}") from None

@@ -100,7 +100,7 @@ def _with_note(table: str, cells: list[str]) -> str:
 
 def _median(row: Row) -> str:
     """The median column: a speed (an accuracy row leaves it empty; its figure is in the accuracy column)."""
-    if row.is_accuracy:
+    if row.is_accuracy or not row.measured:
         return ""
     return f"{format_number(row.median)} {row.unit}".strip()
 
@@ -112,6 +112,17 @@ def _accuracy(row: Row) -> str:
         return drop
     spread = f" ({_spread(row)})" if _spread(row) else ""
     return f"{row.unit} {format_number(row.median)}{spread}" + (f"; {drop}" if drop else "")
+
+
+def _what(row: Row) -> str:
+    """The row's "what this is", with what re-measuring it against the row above found, or the load
+    other processes put on the machine while it was timed."""
+    if row.vs_above:
+        return f"{row.what}. **Slower than the row above at first:** {row.vs_above}"
+    warning = busy_warning(row.others_cores)
+    if warning:
+        return f"{row.what}. **Busy:** other processes used {row.others_cores:.1f} cores while this row was timed"
+    return row.what
 
 
 def suite_table(result: dict[str, Any]) -> str:
@@ -128,7 +139,7 @@ def suite_table(result: dict[str, Any]) -> str:
             f"{r.cumulative:.2f}x" if isinstance(r.cumulative, (int, float)) else "",
             _accuracy(r),
             *((cell,) if with_ceiling else ()),
-            r.what,
+            _what(r),
         )
         for r, cell in zip(table, cells)
     ]
@@ -384,7 +395,8 @@ def _suite_section(name: str, result: dict[str, Any], out: str) -> list[str]:
     for img in images:
         parts += ["", f"![{name}]({img})"]
     figures = {k: v for k, v in result.items()
-               if k not in ("rows", "notes", "traceback", "limits", "others_cores") and not isinstance(v, (dict, list))}
+               if k not in ("rows", "notes", "traceback", "limits", "others_cores") and not isinstance(v, (dict, list))
+               and v is not None}
     if figures:
         parts += ["", "Figures: " + ", ".join(f"`{k}` = {format_number(v)}" for k, v in figures.items())]
     for note in result.get("notes", []):

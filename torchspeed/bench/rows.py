@@ -49,6 +49,9 @@ class Row:
     gflops: float | None = None           # GFLOPs of one call (the design suite's equal-FLOPs check)
     p90: float | None = None              # 90th percentile latency (ms rows of the infer suite)
     output_error: float | None = None     # relative L2 error of the output against fp32
+    others_cores: float | None = None     # cores other processes used while the row was timed
+    vs_above: str | None = None           # a row slower than the row above: what timing both again found
+    remeasured: dict[str, Any] | None = None  # that re-measure's figures (interleaved, and steps on a batch in memory)
     achieved: float | None = None         # set by the orchestrator: the rate in the ceiling's unit
     pct_of_ceiling: float | None = None   # set by the orchestrator: 100 x achieved / ceiling
 

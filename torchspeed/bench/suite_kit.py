@@ -45,8 +45,13 @@ class Windows:
     def rate_row(self, technique: str, fn: Callable[[], Any], what: str, *, items: float, unit: str,
                  device: Any = None, part: str = "rows", **columns: Any) -> Row:
         """`fn` timed in its share of the budget (`budget.time_in_window`), as a row of `unit`/s."""
+        from torchspeed.measure import OthersLoad
+
         window = self.budget.share(self.to_come())
         self.say(f"timing {technique} ({window:.0f} s window)")
+        load = OthersLoad()
         t = time_in_window(fn, window, name=technique, items=items, unit=unit, device=device)
         self.parts[part] -= 1
-        return Row.rate(technique, t, what, f"{unit}/s", **columns)
+        others = load.cores()
+        return Row.rate(technique, t, what, f"{unit}/s", others_cores=round(others, 2) if others is not None else None,
+                        **columns)

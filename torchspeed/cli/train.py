@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run in --out even if an earlier run wrote there (its checkpoints are deleted, "
                         "its files replaced; never a file torchspeed did not write)")
+    p.add_argument("--refresh", action="store_true",
+                   help="measure every auto setting again (loader, precision, layout, compile) instead of recalling "
+                        "what an earlier run on this machine measured for the same model and data")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json_option(p)
     p.set_defaults(func=run)
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         patience=args.patience, precision=args.precision, channels_last=args.channels_last, compile=args.compile,
         strategy=args.strategy, num_workers=args.num_workers, threads=args.threads, max_steps=args.max_steps,
         seed=args.seed, out=args.out, resume=args.resume, overwrite=args.overwrite,
-        model_kwargs=parse_kwargs(args.model_kwargs), weights=args.weights)
+        model_kwargs=parse_kwargs(args.model_kwargs), weights=args.weights, refresh=args.refresh)
     training = prepare_classifier(args.data, args.model, options, progress=not args.no_progress)
     if training.is_main:
         console.print(training.description)
@@ -84,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     if training.is_main:
         console.print(str(result.report))
+        if result.loader is not None:
+            console.print(f"loader (chosen with the training step in the loop): {result.loader.describe()}")
         if result.early_stopping["reason"]:
             console.print(f"early stopping: {result.early_stopping['reason']}")
         if args.json:

@@ -183,7 +183,7 @@ def _optimized(name: str, model: Any, demo: Any, calib: list[Any], calib_small: 
     spec = ModelSpec("torchvision", "resnet18", {"num_classes": 10}) if demo is not None else None
     example = torch.randn(1, 3, SIZE, SIZE)
     res = optimize(model, example, calib_data=calib, max_metric_drop=MAX_METRIC_DROP, runtimes=runtimes,
-                   batch_sizes=(1, 8), repeats=3 if quick else 7, spec=spec,
+                   batch_sizes=(1, 8), repeats=3 if quick else 7, spec=spec, refresh=True,  # every variant timed
                    progress=lambda s: say(f"{name} at 224: {s}"))
     if demo is not None:
         s_ = demo.input_size

@@ -7,11 +7,14 @@ costs, excluded), as many calls as fit the row's share of the suite's time budge
 `torchspeed.bench.budget`), timed by torchspeed.measure. Rows carry the FLOPs per sample (counted by
 torch.utils.flop_counter) so the orchestrator can set them against the fp32 GEMM ceiling, and one step of the
 chosen layout is profiled per op to show where the time goes. A precision this CPU only emulates (its
-GEMM ceiling below fp32's) is not run. The full report also measures the tuned torchvision loader,
-channels_last and torch.compile rows, the Trainer's overhead against a hand-written loop with the same
-settings (same in-memory batches, interleaved) and evaluation under inference_mode against autograd left
-on (time and peak memory); both measure the epochs early stopping saves on a task whose validation loss
-plateaus.
+GEMM ceiling below fp32's) is not run. The fast pipeline's loader setting is chosen with the training
+step in the loop (`recipes.choose_loader_with_step`: the loader's threads share the cores with the
+step, so the setting fastest alone can make the step slower). A row slower than the row above is timed
+again, interleaved with it, and on a batch in memory, and says what that found (`Row.vs_above`). The
+full report also measures the tuned torchvision loader, channels_last and torch.compile rows and
+evaluation under inference_mode against autograd left on (time and peak memory); both measure the
+Trainer's overhead against a hand-written loop with the same settings (same in-memory batches,
+interleaved) and the epochs early stopping saves on a task whose validation loss plateaus.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ TITLE = "Training: ResNet-18 samples/s (10 classes, 128x128, batch 64; rows cumu
 
 BATCH, CROP, SHORT_SIDE, CLASSES = 64, 128, 160, 10
 EXPECTED_STEPS = 1250  # a realistic run (20 epochs of the 4000 demo photos): what compile must repay
+SLOWER = 0.03  # a row this much slower than the row above is timed again, interleaved with it
 
 
 def _subset(n_images: int, quick: bool) -> list[int]:
@@ -79,6 +83,13 @@ class _Stream:
     def __init__(self, loader: Iterable[Any]):
         self.loader, self.it = loader, None
 
+    def close(self) -> None:
+        """End the pass under way (its threads stop); the next batch starts a new one."""
+        close = getattr(self.it, "close", None)
+        if close is not None:
+            close()
+        self.it = None
+
     def next(self) -> Any:
         if self.it is None:
             self.it = iter(self.loader)
@@ -109,8 +120,8 @@ class _Chunk:
         return self.k
 
 
-def _hand_loop(model: Any, opt: Any, source: Callable[[], Any], k: int, precision: str, channels_last: bool) -> Callable[[], None]:
-    """A hand-written training loop: k steps per call (what a user writes without torchspeed)."""
+def _hand_step(model: Any, opt: Any, precision: str, channels_last: bool, device: Any = None) -> Callable[[Any], None]:
+    """One step of a hand-written training loop on a batch (moved to `device` first when given)."""
     import torch
     import torch.nn.functional as F
 
@@ -118,21 +129,55 @@ def _hand_loop(model: Any, opt: Any, source: Callable[[], Any], k: int, precisio
 
     model.train()
 
+    def step(batch: Any) -> None:
+        x, y = batch
+        if device is not None:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        if precision != "fp32":
+            with torch.autocast(x.device.type, dtype=precision_dtype(precision)):
+                loss = F.cross_entropy(model(x), y)
+        else:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+    return step
+
+
+def _hand_loop(step: Callable[[Any], None], source: Callable[[], Any], k: int) -> Callable[[], None]:
+    """A hand-written training loop: k steps per call (what a user writes without torchspeed)."""
     def chunk() -> None:
         for _ in range(k):
-            x, y = source()
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            if precision != "fp32":
-                with torch.autocast(x.device.type, dtype=precision_dtype(precision)):
-                    loss = F.cross_entropy(model(x), y)
-            else:
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss.item()
+            step(source())
     return chunk
+
+
+class _Repeat:
+    """The same batch, endlessly: a step timed on a batch in memory (no loader in the loop)."""
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+    def __iter__(self) -> Any:
+        while True:
+            yield self.batch
+
+
+class _OnDevice(list):
+    """Batches already on the device, for the Trainer (one step per batch)."""
+
+    yields_device_batches = True
+
+
+class _Feed:
+    """What a row timed: its batches (a stream over its loader) and its step; kept so a row found slower
+    than the row above can be timed again, interleaved with it."""
+
+    def __init__(self, stream: _Stream, step: Callable[[Any], None]):
+        self.stream, self.step = stream, step
 
 
 def _autograd_held_bytes(model: Any, x: Any, ctx: Callable[[], Any]) -> int:
@@ -334,8 +379,8 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
     suite.auto_row()
     suite.profile_step()
     suite.close_fast_stream()
+    suite.trainer_overhead()
     if not quick:
-        suite.trainer_overhead()
         suite.eval_rows()
     suite.say("early stopping on a plateauing task")
     suite.results["early_stopping"] = _early_stopping(quick)
@@ -360,6 +405,19 @@ def _mixed_precision(device: Any, items: dict[str, Any], fp32_ceiling: float | N
                f"({mixed_ceiling / fp32_ceiling:.2g}x: emulated), so a {mixed} step would take about "
                f"{fp32_ceiling / mixed_ceiling:.0f}x longer")
     return mixed, emulated, why
+
+
+def speedups(rows: list[Row], plain: float) -> None:
+    """Each samples/s row's speed-up over plain PyTorch (`ratio`, `cumulative`): its figure over plain's,
+    except for a row re-measured interleaved with the row above, which takes the row above's speed-up
+    times the ratio the two had timed under the same load (not a figure over one timed apart)."""
+    above = None
+    for r in rows:
+        if r.unit == "samples/s" and r.median is not None:
+            r.ratio = r.cumulative = r.median / plain
+            if r.remeasured and above is not None:
+                r.ratio = r.cumulative = above.cumulative * r.remeasured["ratio_to_above"]
+            above = r
 
 
 def _cycling(items: list[Any]) -> Callable[[], Any]:
@@ -406,6 +464,8 @@ class _TrainSuite:
         self.overhead: float | None = None
         self.fast: Any = None
         self.chunks: Any = None
+        self.fed: list[tuple[Row, _Feed]] = []  # the rows measured, in order, with what each timed
+        self.threads = 1
 
     # ---------------------------------------------------------------- shared pieces
 
@@ -417,12 +477,6 @@ class _TrainSuite:
         if channels_last:
             m = m.to(memory_format=torch.channels_last)
         return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-
-    def to_device(self, stream: _Stream) -> Callable[[], Any]:
-        def get() -> Any:
-            x, y = stream.next()
-            return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return get
 
     def plain_loader(self, num_workers: int, **kw: Any) -> Any:
         from torch.utils.data import DataLoader
@@ -436,12 +490,70 @@ class _TrainSuite:
         return {"headline": name == "torchspeed auto", "ceiling": PRECISION_CEILING.get(precision, "fp32"),
                 "flops_per_item": self.flops}
 
-    def measure(self, name: str, chunk: Callable[[], None], what: str, precision: str = "fp32") -> float:
-        """`chunk` (k steps) timed in its window of the budget, as a samples/s row; returns samples/s."""
+    def measure(self, name: str, feed: _Feed, what: str, precision: str = "fp32",
+                chunk: Callable[[], None] | None = None) -> float:
+        """k steps of `feed` (or `chunk`, when the row runs its steps its own way) timed in its window of the
+        budget, as a samples/s row; a row slower than the row above is timed again interleaved with it
+        (`recheck`). Returns the row's samples/s."""
+        chunk = chunk or _hand_loop(feed.step, feed.stream.next, self.k)
         row = self.windows.rate_row(name, chunk, what, items=self.k * BATCH, unit="samples", device=self.device,
                                     **self._columns(name, precision))
+        above = self.fed[-1] if self.fed else None
         self.rows.append(row)
+        self.fed.append((row, feed))
+        if above is not None and row.median < above[0].median * (1 - SLOWER):
+            self.recheck(row, feed, *above)
         return float(row.median)
+
+    def recheck(self, row: Row, feed: _Feed, above: Row, above_feed: _Feed) -> None:
+        """A row slower than the row above, timed again interleaved with it (fresh passes of each loader,
+        `recipes.time_fed_steps`), and each step timed on a batch in memory too; the row takes the
+        interleaved figure, and `vs_above` says what the re-measure found: not slower after all, or
+        slower because the machine was busy, because the step itself is slower, or because of its data."""
+        import statistics
+
+        from torchspeed.measure import busy_warning, wait_for_quiet_machine
+        from torchspeed.recipes import time_fed_steps
+
+        self.say(f"{row.technique}: slower than {above.technique}; timing both again, interleaved")
+        for f in (feed, above_feed):
+            f.stream.close()  # a pass of each loader at a time: the re-measure starts fresh ones
+        quiet = wait_for_quiet_machine(max_s=3.0)
+        steps, rounds = 2, 3  # single steps vary too much on a loaded machine to name a cause
+        fed, others = time_fed_steps({"above": (above_feed.stream.loader, above_feed.step),
+                                      "this": (feed.stream.loader, feed.step)}, steps=steps, rounds=rounds,
+                                     device=self.device)
+        batches = {k: next(iter(f.stream.loader)) for k, f in (("above", above_feed), ("this", feed))}
+        alone, _ = time_fed_steps({"above": (_Repeat(batches["above"]), above_feed.step),
+                                   "this": (_Repeat(batches["this"]), feed.step)}, steps=steps, rounds=rounds,
+                                  device=self.device)
+        med = {k: statistics.median(v) for k, v in fed.items()}
+        solo = {k: statistics.median(v) for k, v in alone.items()}
+        first, rate = row.median, BATCH / med["this"]
+        rates = [BATCH / t for t in fed["this"]]
+        row.median, row.min, row.max, row.calls = rate, min(rates), max(rates), len(rates)
+        row.others_cores = others
+        row.remeasured = {"first_samples_s": first, "samples_s": rate, "above_samples_s": BATCH / med["above"],
+                          "step_alone_s": solo["this"], "above_step_alone_s": solo["above"],
+                          "ratio_to_above": med["above"] / med["this"], "others_cores": others,
+                          "waited_for_quiet_s": round(quiet.waited_s, 1)}
+        found = (f"first timed at {first:.1f} samples/s; re-measured interleaved with {above.technique}: "
+                 f"{rate:.1f} vs {BATCH / med['above']:.1f} samples/s ({med['above'] / med['this']:.2f}x, the "
+                 "ratio its speed-up columns take)")
+        data = {k: max(0.0, med[k] - solo[k]) for k in med}
+        if med["this"] <= med["above"] * (1 + SLOWER):
+            row.vs_above = f"{found}: not slower (the first window was noise)"
+        elif solo["this"] > solo["above"] * (1 + SLOWER):
+            row.vs_above = (f"{found}; the step itself is slower: {solo['this']:.3g} vs {solo['above']:.3g} s on a "
+                            "batch in memory")
+        else:
+            row.vs_above = (f"{found}; the step alone is as fast ({solo['this']:.3g} vs {solo['above']:.3g} s on a "
+                            f"batch in memory), so the difference is the data: waiting for batches adds "
+                            f"{data['this']:.3g} s per step vs {data['above']:.3g} s above")
+        if busy_warning(others) and not row.vs_above.endswith("was noise)"):
+            row.vs_above += (f"; other processes used {others:.1f} cores meanwhile, so the machine may be the cause: "
+                             "re-run on a quiet machine")
+        self.results.setdefault("rechecks", {})[row.technique] = dict(row.remeasured, why=row.vs_above)
 
     def not_run(self, name: str, why: str, precision: str = "fp32") -> None:
         self.rows.append(Row.not_run(name, why, "samples/s", **self._columns(name, precision)))
@@ -468,7 +580,7 @@ class _TrainSuite:
                             device=str(self.device), flops_per_sample=self.flops, budget_s=self.budget.seconds)
         # the measurements still to come, for sharing the budget (each about one window)
         self.windows = Windows(self.budget, self.say, rows=3 + (0 if self.quick else 3) + (0 if self.emulated else 1),
-                               setup=2.0, profile=1.0)
+                               setup=2.0, profile=1.0, loader=0.5, overhead=0.5 if self.quick else 1.0)
 
     def loader_rows(self) -> None:
         """1. plain PyTorch; 2. + the torchvision loader tuned by tune_loader (the full report only)."""
@@ -476,8 +588,8 @@ class _TrainSuite:
         from torchspeed.runtime import usable_cores
 
         m, o = self.fresh()
-        self.plain = self.measure("plain PyTorch", _hand_loop(m, o, self.to_device(_Stream(self.plain_loader(0))),
-                                                              self.k, "fp32", False),
+        self.plain = self.measure("plain PyTorch", _Feed(_Stream(self.plain_loader(0)), _hand_step(m, o, "fp32", False,
+                                                                                                 self.device)),
                                   "fp32, NCHW, torchvision ImageFolder + PIL transforms, num_workers=0, hand-written loop")
         if self.quick:
             self.not_run("+ tuned loader", "--quick (the full report measures it)")
@@ -485,25 +597,52 @@ class _TrainSuite:
         self.say("tuning the torchvision DataLoader (num_workers, prefetch; measured)")
         s = tune_loader(_torchvision_dataset(self.folder, self.indices), BATCH,
                         num_workers=list(range(usable_cores() + 1)), tune_seconds=1.0, device=self.device,
-                        prefetch_factor=(2,), persistent_workers=(True,))
+                        prefetch_factor=(2,), persistent_workers=(True,), refresh=True)
         m, o = self.fresh()
-        tuned = self.to_device(_Stream(self.plain_loader(s.num_workers, pin_memory=s.pin_memory)))
-        self.measure("+ tuned loader", _hand_loop(m, o, tuned, self.k, "fp32", False),
+        tuned = _Stream(self.plain_loader(s.num_workers, pin_memory=s.pin_memory))
+        self.measure("+ tuned loader", _Feed(tuned, _hand_step(m, o, "fp32", False, self.device)),
                      f"the same with num_workers={s.num_workers} (measured best), persistent workers")
 
     def pipeline_rows(self) -> None:
         """3. + the fast data pipeline; 4. + mixed precision, unless this machine only emulates it."""
         from torchspeed.data import fast_loader
 
+        from torchspeed.recipes import choose_loader_with_step, step_candidates
+
         self.say("fast_loader: choosing decoder and num_workers (measured)")
-        self.fast_nchw = fast_loader(self.store, BATCH, crop=CROP, device=self.device, channels_last=False,
-                                     num_workers="auto", tune_seconds=0.3 if self.quick else 0.8)
-        self.workers = self.fast_nchw.settings.num_workers if self.fast_nchw.settings else 0
+        alone = fast_loader(self.store, BATCH, crop=CROP, device=self.device, channels_last=False,
+                            num_workers="auto", tune_seconds=0.3 if self.quick else 0.8, refresh=True)
+        alone_setting = (alone.num_workers, alone.threads)
+        m, o = self.fresh()
+        step = _hand_step(m, o, "fp32", False)
+
+        def make(num_workers: int, threads: int) -> Any:
+            return fast_loader(self.store, BATCH, crop=CROP, device=self.device, channels_last=False,
+                               num_workers=num_workers, threads=threads)
+
+        # the loader's threads share the cores with the step: its setting is chosen with the step in the loop
+        self.fast_nchw, choice = choose_loader_with_step(make, step, step_candidates(*alone_setting),
+                                                         steps=1 if self.quick else 2, rounds=2 if self.quick else 3,
+                                                         device=self.device, built={alone_setting: alone},
+                                                         progress=self.say)
+        self.results["loader_choice"] = dict(choice.to_dict(), alone=list(alone_setting))
+        self.workers, self.threads = choice.num_workers, choice.threads
+        self.windows.finish("loader")
         m, o = self.fresh()
         self.fast_stream = _Stream(self.fast_nchw)
-        self.measure("+ fast data pipeline", _hand_loop(m, o, self.fast_stream.next, self.k, "fp32", False),
-                     f"fast_loader on a store packed at short side {SHORT_SIDE} ({self.fast_nchw.decoder}, "
-                     f"{self.workers} workers, normalised batches on the device)")
+        if len(choice.table) < 2:
+            chosen = f"{choice.setting}, measured fastest alone (no less parallel setting to try)"
+        elif (choice.num_workers, choice.threads) == alone_setting:
+            chosen = (f"{choice.setting}, fastest alone and with the training step in the loop ({len(choice.table)} "
+                      "settings timed)")
+        else:
+            alone_text = ", ".join(f"{k}={v}" for k, v in zip(("num_workers", "threads"), alone_setting)
+                                   if k == "num_workers" or alone_setting[0] == 0)
+            chosen = (f"{choice.setting} chosen with the training step in the loop ({len(choice.table)} settings "
+                      f"timed; alone the loader was fastest at {alone_text})")
+        self.measure("+ fast data pipeline", _Feed(self.fast_stream, _hand_step(m, o, "fp32", False)),
+                     f"fast_loader on a store packed at short side {SHORT_SIDE} ({self.fast_nchw.decoder}, {chosen}; "
+                     "normalised batches on the device)")
         self.hand_prec = "fp32"
         mixed = self.mixed
         if self.emulated:
@@ -511,7 +650,7 @@ class _TrainSuite:
             self.results["mixed_precision"] = {"tried": False, "reason": self.emulated_why}
             return
         m, o = self.fresh()
-        self.measure(f"+ {mixed} autocast", _hand_loop(m, o, self.fast_stream.next, self.k, mixed, False),
+        self.measure(f"+ {mixed} autocast", _Feed(self.fast_stream, _hand_step(m, o, mixed, False)),
                      f"torch.autocast({mixed}), fp32 weights", mixed)
         self.hand_prec = mixed
 
@@ -521,7 +660,7 @@ class _TrainSuite:
         from torchspeed.data import fast_loader
 
         self.fast = fast_loader(self.store, BATCH, crop=CROP, device=self.device, channels_last=True,
-                                num_workers=self.workers)
+                                num_workers=self.workers, threads=self.threads)
         self.cl = self.best = self.plain
         self.best_compile = False
         if self.quick:
@@ -531,8 +670,8 @@ class _TrainSuite:
             self.results["compile"] = {"tried": False, "reason": "not tried: quick mode budget"}
             return
         m, o = self.fresh(channels_last=True)
-        self.cl = self.best = self.measure("+ channels_last", _hand_loop(m, o, _Stream(self.fast).next, self.k,
-                                                                         self.hand_prec, True),
+        self.cl = self.best = self.measure("+ channels_last", _Feed(_Stream(self.fast), _hand_step(m, o, self.hand_prec,
+                                                                                                   True)),
                                            "model and batches in channels_last (NHWC) memory format", self.hand_prec)
         self.compile_row()
 
@@ -543,12 +682,12 @@ class _TrainSuite:
         import torch
 
         m, o = self.fresh(channels_last=True)
-        chunk = _hand_loop(torch.compile(m), o, _Stream(self.fast).next, self.k, self.hand_prec, True)
+        feed = _Feed(_Stream(self.fast), _hand_step(torch.compile(m), o, self.hand_prec, True))
         self.say("compiling ResNet-18 (torch.compile; measured)")
         t0 = time.perf_counter()
-        chunk()
+        _hand_loop(feed.step, feed.stream.next, self.k)()
         compile_s = time.perf_counter() - t0
-        c = self.measure("+ torch.compile", chunk, "torch.compile(model) (default mode)", self.hand_prec)
+        c = self.measure("+ torch.compile", feed, "torch.compile(model) (default mode)", self.hand_prec)
         compile_s = max(0.0, compile_s - self.k * BATCH / c)
         kept = c > self.cl * 1.05 and (1 / self.cl - 1 / c) * BATCH * EXPECTED_STEPS > compile_s
         self.rows[-1].what += f"; compile {compile_s:.0f} s; {'kept' if kept else 'not kept'} for the rows below"
@@ -556,6 +695,7 @@ class _TrainSuite:
         if kept:
             self.best, self.best_compile = c, True
         torch._dynamo.reset()
+        self.fed.pop()  # its compiled step is gone: the row below is set against channels_last's
 
     def auto_row(self) -> None:
         """7. torchspeed auto: the Trainer with every setting on "auto" (measured on this model and data)."""
@@ -566,7 +706,7 @@ class _TrainSuite:
         from torchspeed.train import Trainer
 
         m, o = self.fresh()
-        akw: dict[str, Any] = {"expected_steps": EXPECTED_STEPS}
+        akw: dict[str, Any] = {"expected_steps": EXPECTED_STEPS, "refresh": True}  # a benchmark measures, never recalls
         if self.quick:
             akw["untried"] = {"compile": "quick mode budget"}
             # two timed steps per option, interleaved (one alone let a 4% noise decide NCHW over NHWC under load,
@@ -575,6 +715,9 @@ class _TrainSuite:
         self.trainer = trainer = Trainer(m, o, torch.nn.functional.cross_entropy, progress=False,
                                          accelerate_kwargs=akw)
         self.chunks = chunks = _Chunk(_Stream(self.fast), self.k)
+
+        def trainer_step(batch: Any) -> None:
+            trainer.fit(_OnDevice([batch]), epochs=10**9, max_steps=trainer.global_step + 1)
 
         def trainer_chunk() -> None:
             trainer.fit(chunks, epochs=10**9, max_steps=trainer.global_step + self.k)
@@ -586,10 +729,10 @@ class _TrainSuite:
         self.windows.finish("setup")
         rep = self.rep = trainer.report
         self.auto_prec = rep.precision
-        self.auto = self.measure("torchspeed auto", trainer_chunk,
+        self.auto = self.measure("torchspeed auto", _Feed(chunks.stream, trainer_step),
                                  f"Trainer, everything on auto: chose {rep.precision}, channels_last={rep.channels_last}, "
                                  f"compile={rep.compile}, {rep.optimizer} optimizer (setup "
-                                 f"{self.results['accelerate_setup_s']:.0f} s)", self.auto_prec)
+                                 f"{self.results['accelerate_setup_s']:.0f} s)", self.auto_prec, chunk=trainer_chunk)
         self.results["accelerate"] = rep.to_dict()
         self.batches = [chunks.stream.next() for _ in range(2 if self.quick else 8)]
 
@@ -614,21 +757,24 @@ class _TrainSuite:
         self.windows.finish("profile")
 
     def close_fast_stream(self) -> None:
-        """The channels_last loader and the stream over it go (their threads and buffers)."""
+        """Every row's loader pass ends (their threads and buffers go) before the in-memory measurements."""
+        for _, feed in self.fed:
+            feed.stream.close()
+        self.fed.clear()
         self.fast = self.chunks = None
 
     def trainer_overhead(self) -> None:
         """The Trainer against a hand-written loop: same settings, same in-memory batches, interleaved."""
         import torch
 
-        from torchspeed.measure import compare
+        from torchspeed.measure import busy_warning, compare
         from torchspeed.train import Trainer
 
         self.say("Trainer overhead vs a hand-written loop (interleaved)")
         batches, prec = self.batches, self.auto_prec
         mh, _ = self.fresh(channels_last=True)
         oh = torch.optim.SGD(mh.parameters(), lr=0.05, momentum=0.9, fused=True)
-        hand = _hand_loop(mh, oh, _cycling(batches), len(batches), prec, True)
+        hand = _hand_loop(_hand_step(mh, oh, prec, True), _cycling(batches), len(batches))
         mt, ot = self.fresh(channels_last=True)
         tr2 = Trainer(mt, ot, torch.nn.functional.cross_entropy, precision=prec, channels_last=True,
                       compile=False, strategy=None, progress=False)
@@ -636,14 +782,18 @@ class _TrainSuite:
         def trainer_list() -> None:
             tr2.fit(batches, epochs=10**9, max_steps=tr2.global_step + len(batches))
 
-        cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=self.repeats,
+        repeats = 3 if self.quick else self.repeats
+        cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=repeats,
                       cooldown_s=0.1, device=self.device, items=len(batches) * BATCH)
+        self.windows.finish("overhead")
         self.overhead = 100 * (cmp["Trainer"].median_s / cmp["hand-written loop"].median_s - 1)
         self.results["trainer_overhead"] = {"hand_s": cmp["hand-written loop"].median_s,
                                             "trainer_s": cmp["Trainer"].median_s, "steps": len(batches),
-                                            "precision": prec}
+                                            "repeats": repeats, "precision": prec,
+                                            "others_cores": cmp.others_cores}
+        busy = busy_warning(cmp.others_cores)
         self.notes.append(f"Trainer overhead {self.overhead:+.1f}% vs a hand-written loop (same settings and batches, "
-                          "interleaved)")
+                          f"interleaved: {repeats} calls of {len(batches)} steps each)" + (f"; {busy}" if busy else ""))
 
     def eval_rows(self) -> None:
         """Evaluation under inference_mode against autograd left on (article 001's torch.no_grad claim):
@@ -681,10 +831,9 @@ class _TrainSuite:
     def finish(self) -> dict[str, Any]:
         """Ratios to the plain row, the headline figures, the notes and the goal against the ceiling."""
         plain, auto, results = self.plain, self.auto, self.results
-        for r in self.rows:
-            if r.unit == "samples/s" and r.median is not None:
-                r.ratio = r.cumulative = r.median / plain
-        results.update(rows=to_json(self.rows), plain_samples_s=plain, torchspeed_samples_s=auto, ratio=auto / plain,
+        speedups(self.rows, plain)
+        ratio = next(r.cumulative for r in self.rows if r.technique == "torchspeed auto")
+        results.update(rows=to_json(self.rows), plain_samples_s=plain, torchspeed_samples_s=auto, ratio=ratio,
                        best_hand_samples_s=self.best, best_hand_uses_compile=self.best_compile,
                        trainer_overhead_pct=self.overhead)
         self.say("done")
@@ -692,7 +841,7 @@ class _TrainSuite:
         results["seconds_used"] = round(self.budget.elapsed(), 1)
         es = results["early_stopping"]
         notes = self.notes
-        notes.insert(0, f"ratio {auto / plain:.2f}x (torchspeed auto vs plain); each row timed in a window of the "
+        notes.insert(0, f"ratio {ratio:.2f}x (torchspeed auto vs plain); each row timed in a window of the "
                         f"suite's {self.budget.seconds:.0f} s budget (calls of {self.k} step(s) of {BATCH}, as many as "
                         "fit, at least 2)")
         notes.append(f"early stopping: stopped at epoch {es['stopped_at_epoch']} of {es['budget_epochs']} "
