@@ -452,7 +452,7 @@ class _DataSuite:
 
         self.say(f"tuning torchvision num_workers on {os.path.basename(folder)}")
         s = tune_loader(_torchvision(folder), BATCH, num_workers=list(range(self.cores + 1)), tune_seconds=self.tune_s,
-                        device="cpu", prefetch_factor=(2,), persistent_workers=(True,))
+                        device="cpu", prefetch_factor=(2,), persistent_workers=(True,), refresh=True)
         return s.num_workers
 
     def add_baselines(self) -> None:
@@ -479,7 +479,7 @@ class _DataSuite:
         self.say("torchspeed: choosing decoder and num_workers (measured)")
         self.settled = wait_until_quiet()  # the tuned torchvision workers finish their prefetch before the tuning windows
         ts_loader = fast_loader(self.store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
-                                tune_seconds=self.tune_s)
+                                tune_seconds=self.tune_s, refresh=True)  # a benchmark measures, never recalls
         self.settings, self.decoder, self.decoder_table = ts_loader.settings, ts_loader.decoder, ts_loader.decoder_table
         self.w, self.threads = self.settings.num_workers, self.settings.threads
         w, threads = self.w, self.threads
