@@ -29,7 +29,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
-from torchspeed.data.decode import GPU_DECODERS, choose_decoder, dct_factor, decode_jpeg_batch_cuda, get_decoder
+from torchspeed.data.decode import (GPU_DECODERS, choose_decoder, dct_factor, decode_jpeg_batch_cuda,
+                                     decoding_stream, get_decoder)
 from torchspeed.data.hfdatasets import is_hf_dataset
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.shards import looks_like_shards
@@ -117,14 +118,15 @@ class AugmentedDataset(Dataset):
         def name(i: int) -> str:  # built only for an image nvjpeg cannot read (the fallback's warning)
             return sample_name(self.source, keys[jpegs[i]][1])
 
-        decoded = dict(zip(jpegs, decode_jpeg_batch_cuda([records[j].payload for j in jpegs], self.device, names=name)
-                                  if jpegs else []))
-        images = torch.empty(self.batch_shape(len(keys)), dtype=torch.uint8, device=self.device)
-        for j, ((epoch, index), rec) in enumerate(zip(keys, records)):
-            img = decoded[j] if j in decoded else torch.from_numpy(
-                np.require(rec.payload, np.uint8, ["C", "W"])).permute(2, 0, 1).to(self.device)  # raw: read-only
-            box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
-            render_tensor(img, box, images[j], chw=self.layout == "NCHW")
+        with decoding_stream(self.device):  # this thread's own stream, finished before the batch is handed on
+            decoded = dict(zip(jpegs, decode_jpeg_batch_cuda([records[j].payload for j in jpegs], self.device,
+                                                             names=name) if jpegs else []))
+            images = torch.empty(self.batch_shape(len(keys)), dtype=torch.uint8, device=self.device)
+            for j, ((epoch, index), rec) in enumerate(zip(keys, records)):
+                img = decoded[j] if j in decoded else torch.from_numpy(
+                    np.require(rec.payload, np.uint8, ["C", "W"])).permute(2, 0, 1).to(self.device)  # raw: read-only
+                box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
+                render_tensor(img, box, images[j], chw=self.layout == "NCHW")
         return images, torch.tensor([rec.label for rec in records], dtype=torch.int64)
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -527,8 +527,10 @@ def claim(directory: str | os.PathLike, run_id: str, overwrite: bool = False, re
             log.warning("overwrite: deleted the checkpoints of %s in %s", f"run {current}" if current else
                         "an earlier run", directory)
         if current != run_id:
+            job = os.environ.get("TORCHELASTIC_RUN_ID")  # torchrun's job, for whoever reads the directory
             write_json(os.path.join(directory, RUN_FILE),
-                       {"format": RUN_FORMAT, "run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                       {"format": RUN_FORMAT, "run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        **({"torchrun_job": job} if job else {})})
     except BaseException:
         lock.release()
         raise

@@ -365,6 +365,9 @@ class Trainer:
         self._epoch_finished = False
         self._loader: Any = None
         self._resume_state: dict[str, Any] | None = None  # the loaded checkpoint's state, this rank's generators
+        # an epoch continued by another number of ranks than began it: its order, what was read, where
+        # this world's count of batches starts, the loader of this rank's part (see _continue_elsewhere)
+        self._rest: dict[str, Any] | None = None
         self._classes: int | None = None  # the classes the training data names, when it does
         self._outputs_checked = False  # the model's class outputs checked against the labels (first batch)
 
@@ -529,12 +532,53 @@ class Trainer:
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "history": self.history,
             "world_size": self.dist.world_size,
+            # how this epoch's samples are ordered and how many of them were read: another number of
+            # ranks continues the epoch from it (None at an epoch's end, or for an order it cannot map)
+            "order": None if self._epoch_finished else self._order_now(),
             "run_id": self.run_id,
         }
         if include_model:
             state["model"] = self.module.state_dict()
             state["optimizer"] = self.optimizer.state_dict()
         return state
+
+    def _order_now(self) -> dict[str, Any] | None:
+        """This epoch's order (`distributed.sampler_order`) with the samples of it read so far."""
+        if self._rest is not None:
+            r = self._rest
+            read = self.dist.world_size * (self.batches_done - r["first"]) * r["batch_size"]
+            return {**r["order"], "consumed": r["consumed"] + read, "remapped": True}
+        order = distributed.sampler_order(self._loader)
+        if order is None:
+            return None
+        return {**order, "consumed": order["world_size"] * self.batches_done * order["batch_size"]}
+
+    def _continue_elsewhere(self, loader: Any, n_batches: int | None) -> None:
+        """A checkpoint written mid-epoch by another number of ranks (or during such an epoch): this
+        rank reads its part of the samples nobody had read (`distributed.remaining_share`), through
+        the loader's settings, and the epoch's batch count is this world's (its first batches counted
+        as done). Its last batch may be smaller, drop_last or not: no remaining sample is left out."""
+        from torch.utils.data import DataLoader
+
+        order, path = self._rest["order"], self._rest["path"]
+        takes_rest = hasattr(getattr(loader, "sampler", None), "rest") and hasattr(loader, "load_state_dict")
+        if not (takes_rest or isinstance(loader, DataLoader) and loader.batch_size) or n_batches is None:
+            raise ValueError(
+                f"checkpoint {path!r} was written by {order['world_size']} processes mid-epoch; continuing that "
+                f"epoch with {self.dist.world_size} maps the samples left to the ranks through a torch DataLoader "
+                f"or a FastLoader, and this loader is a {type(loader).__name__}: resume with {order['world_size']} "
+                "processes, or from an epoch-end checkpoint")
+        share = distributed.remaining_share(order, order["consumed"], self.dist.world_size, self.dist.rank)
+        b = loader.batch_size
+        left = -(-len(share) // b)  # a last, smaller batch rather than samples left out (even under drop_last)
+        self.batches_done = max(0, n_batches - left)
+        self._rest = {"order": order, "consumed": order["consumed"], "first": self.batches_done, "batch_size": b,
+                      "share": share, "left": left}
+        if not takes_rest:  # a DataLoader: one with its settings reads this rank's part
+            self._rest["loader"] = distributed.with_sampler(loader, share, drop_last=False)
+        log.info("continuing epoch %d (begun by %d process(es)) with %d: %d of its samples read, %d batch(es) left "
+                 "on each rank", self.epoch + 1, order["world_size"], self.dist.world_size,
+                 min(order["consumed"], order["n"]), left)
 
     def save_checkpoint(self, directory: str | os.PathLike) -> str:
         """Write a full checkpoint into `directory` (rank 0; every rank under FSDP). Returns its path.
@@ -639,14 +683,20 @@ class Trainer:
         if not state.get("rng_ranks") and "rng" not in state:
             raise ValueError(f"checkpoint {path!r} holds no RNG state, so training cannot continue exactly from it "
                              "(written by another version of torchspeed?); start a new run")
-        if state.get("world_size", 1) != self.dist.world_size and state.get("epoch_start") is not None:
-            raise ValueError(f"checkpoint {path!r} was written by {state['world_size']} processes mid-epoch; resume "
-                             f"it with the same number ({self.dist.world_size} now), or from an epoch-end checkpoint")
-        if self.acc.report.strategy == "fsdp":
+        order = state.get("order")
+        self._rest = None
+        if state.get("epoch_start") is not None and (state.get("world_size", 1) != self.dist.world_size
+                                                     or (order or {}).get("remapped")):
+            if order is None:
+                raise ValueError(f"checkpoint {path!r} was written by {state['world_size']} processes mid-epoch, "
+                                 "by a loader whose order cannot be mapped to another number of processes (a "
+                                 "DistributedSampler's can: a DataLoader under torchrun); resume it with the same "
+                                 f"number ({self.dist.world_size} now), or from an epoch-end checkpoint")
+            self._rest = {"order": order, "path": path}
+        if self.acc.report.strategy == "fsdp" or "model" not in state:
+            # sharded: DCP reshards for this world (any number of ranks, FSDP or not, or one process)
             ckpt.load_sharded(path, self.module, self.optimizer)
         else:
-            if "model" not in state:
-                raise ValueError(f"{path!r} is a sharded (FSDP) checkpoint; resume it with strategy='fsdp'")
             try:
                 self.module.load_state_dict(state["model"])
             except RuntimeError as e:
@@ -671,6 +721,19 @@ class Trainer:
         """This epoch's batches; on a mid-epoch resume, continue with the next unseen batch."""
         skip = self.batches_done if resume else 0
         gen = _generator_of(loader)
+        if resume and self._rest is not None:  # another number of ranks: this rank's part of what is left
+            self._set_epoch(loader, epoch)
+            set_rng_state(resume["rng"])
+            self._epoch_start = {"rng": rng_state(), "generator": gen.get_state() if gen is not None else None}
+            if "loader" in self._rest:
+                return iter(self._rest["loader"])
+            if not self._rest["left"]:
+                return iter(())
+            # a loader that reads a given part itself (a FastLoader: its sampler's `rest`, from batch `first` on)
+            loader.load_state_dict({**loader.state_dict(), "epoch": self._rest["order"]["epoch"],
+                                    "batches_done": self._rest["first"]})
+            loader.sampler.rest = self._rest["share"]
+            return iter(loader)
         if resume:
             if resume.get("loader") is not None and hasattr(loader, "load_state_dict"):
                 loader.load_state_dict(resume["loader"])  # a FastLoader knows its own position
@@ -732,10 +795,13 @@ class Trainer:
         of the run in the Checkpoint callback's directory; FileNotFoundError when that directory holds
         none of its run: a resume never silently becomes a new run), or "auto" ("last" when the
         directory holds a checkpoint of its run, else a new run, logged at INFO: one script that
-        starts or continues). A directory or "last" skips a
+        starts or continues, as every attempt torchrun restarts runs it). A directory or "last" skips a
         checkpoint that fails its check (bit flip, torn write) with a warning naming it and loads the
         one before; CheckpointError when none passes. A checkpoint path given explicitly is loaded or
-        refused (CheckpointError naming it), never replaced. Another run's checkpoint in the directory
+        refused (CheckpointError naming it), never replaced. Another number of ranks than wrote the
+        checkpoint may resume it: DDP's state is whole, FSDP's is resharded, and an epoch begun by the
+        other world is continued with each unread sample read once (for a DataLoader under torchrun or
+        a FastLoader; docs/train.md says what cannot be exact). Another run's checkpoint in the directory
         is never loaded or overwritten: one under a step this run would write refuses the run first.
 
         Without `resume` this is a new run (unless this Trainer has run before): a Checkpoint
@@ -764,7 +830,10 @@ class Trainer:
         except FileNotFoundError as e:
             log.info("%s", e)
             return None
-        log.info("resume='auto': continuing the run in %s from its newest checkpoint", dirs[0])
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        log.info("resume='auto': continuing the run in %s (run %s) from its newest checkpoint%s", dirs[0],
+                 ckpt.read_run(dirs[0]), f" (torchrun restart {restart} of job {os.environ.get('TORCHELASTIC_RUN_ID')})"
+                 if restart and restart != "0" else "")
         return "last"
 
     def _fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int,
@@ -797,8 +866,9 @@ class Trainer:
         checkpoint `resume` names loaded, another run's checkpoints in the way refused.
         Returns (the loader, its batches per epoch or None, the state to resume from or None)."""
         self.dist = distributed.env()
+        new_id = resume is None and self.run_id is None
         if resume is None:  # a new run, or this Trainer's own run going on: the directory is checked now
-            if self.run_id is None:
+            if new_id:
                 self.run_id = ckpt.new_run_id()
             self._claim(resuming=False)
         elif os.fspath(resume) == "last":
@@ -811,10 +881,16 @@ class Trainer:
         self._classes = class_count(train_loader)
         self._outputs_checked = False
         self._prepare(loader, max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None))
+        if new_id and self.dist.distributed:  # one run id on every rank: rank 0's, which claimed the directory
+            hi, lo = distributed.broadcast_ints([int(self.run_id[:8], 16), int(self.run_id[8:], 16)])
+            self.run_id = f"{hi:08x}{lo:08x}"
         planned = -(-n_batches // self.grad_accum_steps) * epochs if n_batches else None  # optimizer steps
         self._resume_state = None
+        self._rest = None
         if resume is not None:
             self._resume(resume)
+            if self._rest is not None:
+                self._continue_elsewhere(loader, n_batches)
             if self.run_id is None:
                 self.run_id = ckpt.new_run_id()
             self._claim(resuming=True)
@@ -929,6 +1005,7 @@ class Trainer:
         self.epoch += 1
         self.batches_done = 0
         self._epoch_finished = False
+        self._rest = None
         return row
 
     def _end_run(self, run: _Span, last: dict[str, Any], bar: _Progress) -> dict[str, Any]:
