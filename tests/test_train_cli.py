@@ -31,6 +31,16 @@ def test_train_then_resume(folder, tmp_path, capsys):
     assert len((out / "metrics.csv").read_text().strip().splitlines()) == 1 + 3
 
 
+def test_resume_auto_starts_the_run_then_continues_it(folder, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(folder), "--epochs", "1", "--out", str(out), "--resume", "auto", *FAST]) == 0
+    assert json.loads((out / "summary.json").read_text())["step"] == 22 // 8  # nothing to continue: a new run
+    assert main(["train", "--data", str(folder), "--epochs", "2", "--out", str(out), "--resume", "auto", *FAST]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["epochs"] == 2 and s["step"] == 2 * (22 // 8)  # continued: one more epoch
+    assert len((out / "metrics.csv").read_text().strip().splitlines()) == 1 + 2
+
+
 def test_bad_inputs_are_one_line(tmp_path, folder, capsys):
     assert main(["train", "--data", str(tmp_path / "missing"), "--model", "resnet18", "--epochs", "1"]) == 2
     err = capsys.readouterr().err

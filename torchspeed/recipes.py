@@ -63,8 +63,10 @@ class ClassifierOptions:
     `batch_size` is per process; `lr` the peak learning rate (None: 0.1 x batch x processes / 256);
     `patience` counts validations; `num_workers`/`threads` as fast_loader takes them (validation uses
     the number given, else the main process); `model_kwargs`/`weights` apply to a model given by spec;
-    `resume` continues the run in `out`, `overwrite` starts a new one there (replacing what an earlier run
-    wrote: its checkpoints, weights, summary and metrics; never a file torchspeed did not write)."""
+    `resume` continues the run in `out` (True or "last": refused when it holds no checkpoint of its run;
+    "auto": continued when it does, else a new run: what a job restarted by torchrun or a scheduler
+    wants), `overwrite` starts a new one there (replacing what an earlier run wrote: its checkpoints,
+    weights, summary and metrics; never a file torchspeed did not write)."""
 
     epochs: int
     batch_size: int = 64
@@ -81,7 +83,7 @@ class ClassifierOptions:
     max_steps: int | None = None
     seed: int = 0
     out: str | os.PathLike = "torchspeed-train"
-    resume: bool = False
+    resume: bool | str = False
     overwrite: bool = False
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
     weights: str | None = None
@@ -92,6 +94,8 @@ class ClassifierOptions:
             raise ValueError(f"epochs must be a positive integer, got {self.epochs!r}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.resume not in (False, True, "last", "auto"):
+            raise ValueError(f"resume must be False, True, 'last' or 'auto', got {self.resume!r}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out and --overwrite deletes it: give one of them")
         self.accelerate_options()  # precision, channels_last, compile and strategy are checked there
@@ -170,7 +174,7 @@ class ClassifierRun:
         o = self.options
         try:
             metrics = self.trainer.fit(self.train_loader, self.val_loader, epochs=o.epochs, max_steps=o.max_steps,
-                                       resume="last" if o.resume else None)
+                                       resume=("auto" if o.resume == "auto" else "last") if o.resume else None)
         finally:  # however the run ends, OUT's marker lists what it wrote there
             self._record(CHECKPOINTS, "metrics.csv")
         stopper = self.early_stopping
@@ -261,7 +265,7 @@ def train_classifier(
     max_steps: int | None = None,
     seed: int = 0,
     out: str | os.PathLike = "torchspeed-train",
-    resume: bool = False,
+    resume: bool | str = False,
     overwrite: bool = False,
     model_kwargs: Mapping[str, Any] | None = None,
     weights: str | None = None,
@@ -287,7 +291,7 @@ def train_classifier(
     return run.fit()
 
 
-def _claim_out(out: str, resume: bool, overwrite: bool) -> tuple[OutputDir | None, str]:
+def _claim_out(out: str, resume: bool | str, overwrite: bool) -> tuple[OutputDir | None, str]:
     """Before any data is read: `out` is new or torchspeed's (a user's file there is never replaced) and
     writable; a new run does not land on an earlier one; a resume has a checkpoint of its run to go on
     from. Rank 0 claims `out`, the other ranks only check. Returns (`out` claimed, its checkpoint directory)."""
@@ -295,7 +299,9 @@ def _claim_out(out: str, resume: bool, overwrite: bool) -> tuple[OutputDir | Non
     main = distributed.env().is_main
     if main:
         _adopt(out, ckdir)
-    if resume:
+    if resume == "auto":
+        pass  # the Trainer continues the run in `out` when it holds a checkpoint of it, else starts one
+    elif resume:
         if not os.path.isdir(out):
             raise FileNotFoundError(f"--resume: --out {out!r} does not exist, so there is no run to continue (a "
                                     "mistyped path?): check it, or drop --resume to start a new run there")

@@ -50,9 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="output directory, new or one torchspeed wrote (a folder holding other files is refused): "
                         "model.pt (the trained weights, for --weights), checkpoints/, metrics.csv, summary.json "
                         "(default ./torchspeed-train)")
-    p.add_argument("--resume", action="store_true",
+    p.add_argument("--resume", nargs="?", const="last", choices=("last", "auto"), default=False,
                    help="continue the run in --out from its newest checkpoint that passes its check (refused when "
-                        "--out holds no checkpoint of its run)")
+                        "--out holds no checkpoint of its run); --resume auto: continue it when there is one, else "
+                        "start it (for jobs that torchrun --max-restarts or a scheduler restarts)")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run in --out even if an earlier run wrote there (its checkpoints are deleted, "
                         "its files replaced; never a file torchspeed did not write)")
