@@ -28,8 +28,21 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# The CUDA suite. It fails (one line naming why) where no CUDA device can run a kernel, instead of passing
+# with every test skipped; it prints the driver, CUDA, cuDNN, ONNX Runtime and TensorRT versions it runs on.
+# ONNX Runtime's GPU build (pinned in constraints-gpu.txt for the CUDA of the pinned torch) replaces the
+# CPU one in .venv (both install the same module; `make clean` goes back); TensorRT is optional:
+# `$(PY) -m pip install -c constraints-gpu.txt tensorrt-cu13` adds the TensorRT rows.
+GPU_STAMP := $(VENV)/.installed-gpu-stamp
+$(GPU_STAMP): $(STAMP) constraints-gpu.txt
+	$(PY) -m pip uninstall --quiet --disable-pip-version-check -y onnxruntime
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints-gpu.txt onnxruntime-gpu
+	touch $(GPU_STAMP)
+
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu
+	@$(PY) tests/gpu_suite.py
+	@$(MAKE) --no-print-directory $(GPU_STAMP)
+	$(PY) -X faulthandler -m pytest -q -m gpu
 
 # The built wheel installed with every extra ([all]) into a fresh environment that already has torch:
 # torch must stay, and doctor, optimize (torch + ONNX Runtime) and fast_loader must run there.

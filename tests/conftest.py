@@ -49,3 +49,43 @@ def photo_store(photo_folder, tmp_path_factory):
     dst = tmp_path_factory.mktemp("stores") / "photos.store"
     pack(photo_folder, dst, short_side=64, progress=False)
     return str(dst)
+
+
+@pytest.fixture(autouse=True)
+def _torch_flags_restored():
+    """cudnn.deterministic / benchmark, TF32 and the matmul precision a test sets are put back after it:
+    a flag left set changes what the next tests measure (tests/gpu_suite.py)."""
+    from gpu_suite import torch_flags
+
+    with torch_flags():
+        yield
+
+
+def pytest_report_header(config):
+    """The GPU suite names what it ran on: GPU, driver, CUDA, cuDNN, ONNX Runtime and TensorRT."""
+    if _selects_gpu_tests(config):
+        from gpu_suite import usable_cuda_problem, versions
+
+        return versions() if usable_cuda_problem() is None else None
+    return None
+
+
+def _selects_gpu_tests(config) -> bool:
+    """Whether the -m expression selects tests marked gpu (`make test-gpu` runs `-m gpu`)."""
+    from _pytest.mark.expression import Expression
+
+    expr = config.getoption("markexpr") or ""
+    return not expr or Expression.compile(expr).evaluate(lambda name, **kw: name == "gpu")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """A GPU suite run without a usable CUDA device fails, naming why, instead of passing with every
+    test skipped (a green run that tested nothing)."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    from gpu_suite import usable_cuda_problem
+
+    problem = usable_cuda_problem()
+    if problem:
+        pytest.exit(f"the GPU suite cannot run: {problem}", returncode=3)

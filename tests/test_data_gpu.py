@@ -1,9 +1,12 @@
 """The data area on a CUDA device: prefetcher stream safety, nvjpeg against simplejpeg (`make test-gpu`).
 
 The prefetcher converts batch k+1 on a side stream while the main stream still works on batch k.
-The main stream is stalled on purpose (torch.cuda._sleep) and the allocator kept busy: a missing
-wait_stream or record_stream then shows as wrong checksums, and a hidden host sync raises under
-torch.cuda.set_sync_debug_mode("error") (set after the first batch, whose constants are copied once).
+Each stream is stalled on purpose in turn (torch.cuda._sleep): the main stream, with the allocator
+kept busy, so a missing record_stream shows as wrong checksums; the side stream, so a main stream that
+does not wait for it (a missing wait_stream) reads a batch still being written. A hidden host sync
+raises under torch.cuda.set_sync_debug_mode("error") (set after the first batch, whose constants are
+copied once). nvjpeg falling back to the CPU decoder is an error here unless the test expects it: a
+test where every image fell back would otherwise pass without nvjpeg having decoded anything.
 """
 import io
 import warnings
@@ -16,7 +19,8 @@ from torchspeed.data import DevicePrefetcher, fast_loader, normalize_batch
 from torchspeed.data.decode import decode_jpeg_batch_cuda, get_decoder, measure_decoders, psnr
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu,  # without a usable CUDA device the GPU suite fails (conftest.py), never skips
+              pytest.mark.filterwarnings("error:nvjpeg could not decode:RuntimeWarning")]
 
 STALL = 50_000_000  # cycles of torch.cuda._sleep: tens of milliseconds, far longer than one conversion
 
@@ -58,6 +62,27 @@ def test_prefetcher_is_stream_safe_with_a_stalled_main_stream(pressure):
     sums, labels = _consume(DevicePrefetcher(batches, "cuda"), pressure)
     assert sums == pytest.approx(_expected(batches), rel=1e-5)
     assert all(torch.equal(a, y) for a, (_, y) in zip(labels, batches))
+
+
+class SideStalled(DevicePrefetcher):
+    """Each conversion starts with a stall queued on the side stream (convert runs under it): the batch
+    is written long after the host has moved on, so only the main stream's wait_stream makes it safe."""
+
+    def convert(self, batch, out=None):
+        torch.cuda._sleep(STALL)
+        return super().convert(batch, out)
+
+
+def test_prefetcher_main_stream_waits_for_a_stalled_side_stream():
+    batches = _batches()
+    stalled = SideStalled(batches, "cuda")
+    sums, labels = [], []
+    for x, y in stalled:  # no stall on the main stream: it would read the batch before the side stream wrote it
+        sums.append(x.double().sum())
+        labels.append(y.clone())
+    torch.cuda.synchronize()
+    assert [float(v) for v in sums] == pytest.approx(_expected(batches), rel=1e-5)
+    assert all(torch.equal(a.cpu(), y) for a, (_, y) in zip(labels, batches))
 
 
 def test_prefetcher_takes_batches_made_on_the_gpu_without_pinning_and_waits_for_them():
@@ -106,7 +131,7 @@ def test_nvjpeg_matches_simplejpeg_and_survives_a_bad_image():
     with pytest.raises(ValueError, match="img4.jpg"):
         decode_jpeg_batch_cuda(buffers, names=names)
     buffers[4] = bad
-    with warnings.catch_warnings(record=True):
+    with warnings.catch_warnings(record=True) as caught:  # recorded and counted, not swallowed
         warnings.simplefilter("always")
         try:
             out = decode_jpeg_batch_cuda(buffers, names=names)
@@ -114,12 +139,41 @@ def test_nvjpeg_matches_simplejpeg_and_survives_a_bad_image():
             assert "img4.jpg" in str(e)
             out = decode_jpeg_batch_cuda(good, names=names[:4] + names[5:])
             buffers = good
+    fell_back = [str(w.message) for w in caught if "nvjpeg could not decode" in str(w.message)]
+    # the truncated image never reaches nvjpeg (no EOI marker); every good one is decoded on the GPU
+    assert all("img4.jpg" in m for m in fell_back) and len(fell_back) <= 1, fell_back
     ref = get_decoder("simplejpeg")
     for img, b in zip(out, buffers):
         if b is bad:
             continue
         assert img.is_cuda and img.dtype == torch.uint8
         assert psnr(img.permute(1, 2, 0).cpu().numpy(), ref.decode(b)) > 30
+
+
+def test_nvjpeg_decodes_on_a_stream_of_its_own_thread():
+    """fast_loader's decoding threads work on streams of their own (not the default stream the training
+    step uses), and hand over a batch whose GPU work is finished."""
+    import threading
+
+    from torchspeed.data.decode import decoding_stream
+
+    seen = {}
+
+    def work(name):
+        with decoding_stream("cuda"):
+            seen[name] = stream = torch.cuda.current_stream()
+            torch.cuda._sleep(STALL)  # GPU work still queued when the block ends
+            decode_jpeg_batch_cuda(_photo_jpegs(2))
+        seen[name + " ready"] = stream.query()  # finished on exit: nothing left for the consumer to wait on
+
+    threads = [threading.Thread(target=work, args=(f"t{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    default = torch.cuda.default_stream()
+    assert seen["t0"] != default and seen["t1"] != default and seen["t0"] != seen["t1"]
+    assert seen["t0 ready"] and seen["t1 ready"]
 
 
 def test_nvjpeg_competes_on_cuda_and_the_loader_makes_batches_with_it(photo_store):

@@ -4,6 +4,7 @@ nvjpeg itself needs CUDA (tests/test_data_gpu.py); here torchvision's batched de
 CPU in its place (`decode._nvjpeg` monkeypatched), failing a whole batch for one image as nvjpeg does.
 """
 import io
+import time
 
 import numpy as np
 import pytest
@@ -156,3 +157,112 @@ def test_names_are_built_only_for_an_image_that_falls_back(photo_store, fake_nvj
     gpu = AugmentedDataset(source, ResizeCenterCrop(16), "nvjpeg", seed=0, device="cpu")
     with pytest.warns(RuntimeWarning, match=r"nvjpeg could not decode record 3 of store"):
         gpu.__getitems__([(0, 1), (0, 3)])
+
+
+def test_a_truncated_jpeg_never_reaches_nvjpeg(fake_nvjpeg):
+    """nvjpeg may decode a file that stops early into garbage where libjpeg reports it: such data (no EOI
+    marker after its last scan) goes to the CPU decoders, as the CPU pipeline would read it."""
+    calls, _ = fake_nvjpeg
+    good = _jpeg(0)
+    truncated = good[: len(good) * 2 // 3]
+    assert decode.jpeg_is_complete(good) and not decode.jpeg_is_complete(truncated)
+    assert decode.jpeg_is_complete(good + b"\x00" * 16)  # bytes after the end marker do not matter
+    # simplejpeg and PIL refuse this one: named as unreadable (a CPU decoder that reads it warns instead)
+    with pytest.raises(ValueError, match=r"cannot decode cut\.jpg: neither nvjpeg nor the CPU decoders"):
+        decode.decode_jpeg_batch_cuda([good, truncated], "cpu", names=["ok.jpg", "cut.jpg"])
+    assert calls == [1]  # only the complete image went to nvjpeg
+
+
+@pytest.fixture
+def host_timing(monkeypatch):
+    """measure_decoders' timing without the CUDA synchronisation (no device here)."""
+    real = decode.compare
+    monkeypatch.setattr(decode, "compare", lambda contenders, **kw: real(contenders, **{**kw, "device": None}))
+
+
+def test_measuring_nvjpeg_never_times_the_cpu_fallback(fake_nvjpeg, host_timing):
+    calls, rejected = fake_nvjpeg
+    buffers = [_jpeg(0), _jpeg(1)]
+    rejected.add(buffers[1])
+    with pytest.raises(ValueError, match="nvjpeg could not decode image 1 of the batch"):
+        decode.decode_jpeg_batch_cuda(buffers, "cpu", fallback=None)
+    dec = decode.NvjpegDecoder("cpu")
+    with pytest.raises(ValueError, match="nvjpeg could not decode"):
+        dec.decode_batch(buffers)  # what measure_decoders times: nvjpeg alone
+    rows = decode.measure_decoders(buffers, decoders="simplejpeg,nvjpeg", repeats=1, device="cuda")
+    nv = {r["decoder"]: r for r in rows}["nvjpeg"]
+    assert nv["us_per_image"] is None and "nvjpeg could not decode" in nv["error"]  # not a candidate
+
+
+def test_cpu_decoders_race_nvjpeg_on_the_loaders_threads(fake_nvjpeg, host_timing, monkeypatch):
+    """Like with like: when nvjpeg competes, the CPU decoders decode on as many threads as the loader
+    would give them, not on one."""
+    import threading
+
+    threads_seen = set()
+    sj = decode.get_decoder("simplejpeg")
+    real = sj._decode
+
+    def counted(buf, min_h, min_w):
+        threads_seen.add(threading.get_ident())
+        time.sleep(0.002)  # long enough for the pool's threads to overlap
+        return real(buf, min_h, min_w)
+
+    monkeypatch.setattr(sj, "_decode", counted)
+    samples = [_jpeg(i) for i in range(8)]
+    rows = decode.measure_decoders(samples, decoders="simplejpeg,nvjpeg", repeats=1, device="cuda", cpu_threads=3)
+    by = {r["decoder"]: r for r in rows}
+    assert by["simplejpeg"]["threads"] == 3 and by["nvjpeg"]["threads"] is None
+    assert len(threads_seen - {threading.get_ident()}) > 1  # timed on the pool (the reference decode is here)
+    threads_seen.clear()
+    rows = decode.measure_decoders(samples, decoders="simplejpeg", repeats=1)  # no GPU in the race: one thread
+    assert rows[0]["threads"] == 1 and threads_seen == {threading.get_ident()}
+
+
+def test_each_decoding_thread_has_a_stream_of_its_own_finished_on_exit(monkeypatch):
+    """decoding_stream, with torch's CUDA stream API faked: per thread and device a stream that is not
+    the default one, made current for the block and waited for at its end."""
+    import contextlib
+    import threading
+
+    log, stacks = [], {}
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+            log.append(("new", threading.get_ident()))
+
+        def synchronize(self):
+            log.append(("synchronize", self))
+
+    @contextlib.contextmanager
+    def on(stream):
+        current = stacks.setdefault(threading.get_ident(), [])  # torch's current stream is per thread
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    got = {}
+
+    def work(name):
+        for _ in range(2):
+            with decode.decoding_stream("cuda") as s:
+                assert stacks[threading.get_ident()] == [s]
+                got.setdefault(name, []).append(s)
+                waited = log.count(("synchronize", s))
+            assert log.count(("synchronize", s)) == waited + 1  # waited for at the end of the block, not before
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0][0] is got[0][1] and got[1][0] is got[1][1] and got[0][0] is not got[1][0]
+    assert sum(1 for e in log if e[0] == "new") == 2 and sum(1 for e in log if e[0] == "synchronize") == 4
+    with decode.decoding_stream("cpu") as s:  # no CUDA: the block runs as it is
+        assert s is None and not any(stacks.values())

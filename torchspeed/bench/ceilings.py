@@ -11,8 +11,10 @@ Measured (all cores, the torch thread count the suites use):
 - `decode_per_core` / `decode`: JPEG decodes per second of photos at the store's size (short side
   160) by the fastest CPU decoder on one thread, and that times the cores (the decode-only ceiling
   of a data loader on this machine);
-- on a GPU also `gpu_fp16` / `gpu_bf16` (tensor-core GEMM TFLOP/s), `h2d` (pinned host-to-device
-  GB/s) and `nvjpeg` (batched GPU decodes per second).
+- on a GPU also `gpu_fp32`, `gpu_tf32`, `gpu_fp16`, `gpu_bf16` (GEMM GFLOP/s, tensor cores for the
+  last three), `gpu_mem_bw` (device memory GB/s of a large copy), `h2d` (pinned host-to-device GB/s)
+  and `nvjpeg` (batched GPU decodes per second, nvjpeg alone). A row measured on a GPU is judged
+  against these (`GPU_CEILING`), never against the CPU's: one without a GPU ceiling says so.
 
 A ceiling is an upper bound, so a new measurement on the same machine keeps the best of it and the
 cached one; the cache key is the machine's description (CPU, cores, ISA, GPUs, torch), stored with it
@@ -36,6 +38,10 @@ SHORT_SIDE = 160        # the stores' image size (bench data and train suites)
 DECODE_SAMPLES = 128
 # which ceiling a row's precision is judged against
 PRECISION_CEILING = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16", "int8": "int8"}
+# a row measured on a GPU: the GPU ceiling in place of the CPU one it names (fp32 math may use TF32's
+# tensor cores, its fastest route; fp16 rows name bf16, the same tensor-core rate)
+GPU_CEILING = {"fp32": "gpu_tf32", "bf16": "gpu_bf16", "fp16": "gpu_fp16", "decode": "nvjpeg", "mem_bw": "gpu_mem_bw"}
+NO_GPU_CEILING = "no GPU ceiling measured"
 
 
 def cache_path(machine: dict[str, Any]) -> str:
@@ -312,19 +318,33 @@ def decode_rate(samples: list[bytes], budget_s: float = 2.0) -> dict[str, Any]:
 
 
 def gpu_ceilings() -> dict[str, dict[str, Any]]:
-    """Tensor-core GEMM, pinned host-to-device copy and nvjpeg batch decode on the first CUDA device."""
+    """GEMM per precision (fp32 IEEE, TF32, fp16, bf16), device memory bandwidth, pinned host-to-device
+    copy and nvjpeg batch decode on the current CUDA device, each timed synchronised on the device."""
     import torch
 
     from torchspeed.measure import time_callable
 
     out: dict[str, dict[str, Any]] = {}
-    dev = torch.device("cuda")
-    for name, dtype in (("gpu_fp16", torch.float16), ("gpu_bf16", torch.bfloat16)):
-        n = 8192
-        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-        t = time_callable(lambda: torch.mm(a, b), warmup=3, repeats=10, device=dev)
-        out[name] = {"value": 2 * n**3 / t.median_s / 1e12, "unit": "TFLOP/s", "route": "torch.mm",
-                     "what": f"torch.mm {name[4:]} {n}^2 on {torch.cuda.get_device_name(dev)}"}
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gpu = torch.cuda.get_device_name(dev)
+    saved = torch.get_float32_matmul_precision()
+    try:
+        for name, dtype, precision in (("gpu_fp32", torch.float32, "highest"), ("gpu_tf32", torch.float32, "high"),
+                                       ("gpu_fp16", torch.float16, None), ("gpu_bf16", torch.bfloat16, None)):
+            if precision:
+                torch.set_float32_matmul_precision(precision)
+            n = 8192
+            a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+            t = time_callable(lambda: torch.mm(a, b), warmup=3, repeats=10, device=dev)
+            out[name] = {"value": 2 * n**3 / t.median_s / 1e9, "unit": "GFLOP/s", "route": "torch.mm",
+                         "what": f"torch.mm {name[4:]} {n}^2 on {gpu}"}
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    src = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = time_callable(lambda: dst.copy_(src), warmup=3, repeats=10, device=dev)
+    out["gpu_mem_bw"] = {"value": 2 * src.numel() / t.median_s / 1e9, "unit": "GB/s", "route": "copy",
+                         "what": f"512 MiB device-to-device copy on {gpu} (bytes read + written)"}
     host = torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()
     t = time_callable(lambda: host.to(dev, non_blocking=True), warmup=2, repeats=10, device=dev)
     out["h2d"] = {"value": host.numel() / t.median_s / 1e9, "unit": "GB/s", "route": "pinned copy",
@@ -333,7 +353,8 @@ def gpu_ceilings() -> dict[str, dict[str, Any]]:
         from torchspeed.data.decode import decode_jpeg_batch_cuda
 
         samples = decode_samples(64)
-        t = time_callable(lambda: decode_jpeg_batch_cuda(samples, dev), warmup=2, repeats=10, device=dev)
+        t = time_callable(lambda: decode_jpeg_batch_cuda(samples, dev, fallback=None), warmup=2, repeats=10,
+                          device=dev)
         out["nvjpeg"] = {"value": len(samples) / t.median_s, "unit": "img/s", "route": "nvjpeg",
                          "what": f"batched nvjpeg decode of {len(samples)} photos at short side {SHORT_SIDE}"}
     except Exception as e:  # noqa: BLE001
@@ -434,13 +455,32 @@ def pct_of_ceiling(row: Row, ceilings: dict[str, Any] | None) -> float | None:
     return 100.0 * value / item["value"]
 
 
+def suite_device(result: dict[str, Any]) -> str:
+    """The device a suite's rows ran on: its `device`, or the one `accelerate` reported; "cpu" when unsaid."""
+    accelerate = result.get("accelerate")
+    device = result.get("device") or (accelerate.get("device") if isinstance(accelerate, dict) else None)
+    return str(device or "cpu")
+
+
+def gpu_ceiling(ceiling: str) -> str:
+    """The GPU ceiling a row measured on a GPU is judged against, in place of the CPU `ceiling` it names
+    ("gpu_<name>" where the GPU has none, which is never measured: the row then says so)."""
+    return ceiling if ceiling in GPU_CEILING.values() else GPU_CEILING.get(ceiling, f"gpu_{ceiling}")
+
+
 def annotate(results: dict[str, Any], ceilings: dict[str, Any] | None) -> None:
-    """Give every row (in the suites' JSON) that names a ceiling its `achieved` and `pct_of_ceiling`, in place."""
+    """Give every row (in the suites' JSON) that names a ceiling its `achieved` and `pct_of_ceiling`, in place.
+
+    Rows of a suite that ran on a GPU (`suite_device`; a row's own `device` wins) are judged against the
+    GPU ceilings: a GPU step against the CPU's GEMM would read far above 100%."""
     for name, result in results.items():
         if not isinstance(result, dict) or name == "ceilings":
             continue
+        device = suite_device(result)
         for d in result.get("rows", []) or []:
             if isinstance(d, dict) and d.get("ceiling"):
+                if str(d.get("device") or device).startswith("cuda"):
+                    d["ceiling"] = gpu_ceiling(d["ceiling"])
                 row = Row.from_dict(d)
                 d["achieved"] = achieved(row)
                 d["pct_of_ceiling"] = pct_of_ceiling(row, ceilings)
@@ -452,7 +492,8 @@ ABOVE_CEILING_NOTE = ("* above 100%: a ceiling is the fastest route timed on its
 
 def ceiling_unit(ceiling: str | None) -> str:
     """The unit a ceiling is measured in."""
-    return {"decode": "img/s", "int8": "GOP/s"}.get(ceiling or "", "GFLOP/s")
+    return {"decode": "img/s", "nvjpeg": "img/s", "int8": "GOP/s", "gpu_int8": "GOP/s", "mem_bw": "GB/s",
+            "gpu_mem_bw": "GB/s", "h2d": "GB/s"}.get(ceiling or "", "GFLOP/s")
 
 
 def ceiling_cell(row: Row) -> str:
@@ -462,7 +503,7 @@ def ceiling_cell(row: Row) -> str:
 
     p, got = row.pct_of_ceiling, row.achieved
     if not isinstance(p, (int, float)) or not isinstance(got, (int, float)) or p <= 0:
-        return ""
+        return f"{row.ceiling}: {NO_GPU_CEILING}" if str(row.ceiling or "").startswith("gpu_") else ""
     star = "*" if p > 100 else ""
     return (f"{row.ceiling}: {format_number(got)} of {format_number(100 * got / p)} {ceiling_unit(row.ceiling)} "
             f"({p:.0f}%{star})")

@@ -9,13 +9,17 @@ same pixels (decoders differ in IDCT and chroma upsampling, hence in the last bi
 Decoders: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), OpenCV, PIL,
 torchvision.io on the CPU, PyTurboJPEG where its system library loads, and nvjpeg
 (`decode_jpeg(device="cuda")`, batched) where CUDA exists: a candidate only for a loader on a CUDA
-device, timed decoding a whole batch there; one image it cannot read is decoded on the CPU instead
-(see `decode_jpeg_batch_cuda`).
+device, timed decoding a whole batch there against the CPU decoders on as many threads as the loader
+would give them; one image it cannot read (or whose data ends before its EOI marker) is decoded on the
+CPU instead (see `decode_jpeg_batch_cuda`). Decoding threads work on CUDA streams of their own
+(`decoding_stream`), not on the default stream the training step uses.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -44,7 +48,8 @@ class Record(NamedTuple):
 
 __all__ = ["Record", "Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder",
            "measure_decoders", "choose_decoder", "decode_record", "to_hwc_uint8", "integer_label", "UnsupportedSample",
-           "jpeg_size", "jpeg_info", "check_jpeg_size", "encoded_record", "decode_jpeg_batch_cuda", "psnr"]
+           "jpeg_size", "jpeg_info", "check_jpeg_size", "encoded_record", "decode_jpeg_batch_cuda", "psnr",
+           "jpeg_is_complete", "decoding_stream"]
 
 
 def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
@@ -181,7 +186,9 @@ class NvjpegDecoder(Decoder):
         self.device = device
 
     def decode_batch(self, buffers: Sequence[Any], names: Sequence[str] | Callable[[int], str] | None = None) -> list[Any]:
-        return decode_jpeg_batch_cuda(buffers, self.device, names=names)
+        """The batch decoded by nvjpeg alone: an image it cannot read is an error, not a CPU decode, so a
+        timing of nvjpeg never times the CPU decoders instead."""
+        return decode_jpeg_batch_cuda(buffers, self.device, names=names, fallback=None)
 
     def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:  # full size: no DCT scaling
         return self.decode_batch([buf])[0].permute(1, 2, 0).cpu().numpy()
@@ -231,15 +238,17 @@ def available_decoders() -> dict[str, str | None]:
 
 def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | None = None, min_size: int = 0,
                      repeats: int = 7, progress: bool | Callable[[str], None] = False,
-                     device: Any = None) -> list[dict[str, Any]]:
+                     device: Any = None, cpu_threads: int | None = None) -> list[dict[str, Any]]:
     """Time each decoder decoding `samples` (JPEG bytes): median of `repeats`, per image.
 
     `decoders`: a list or a comma string (default: every available one; the GPU decoder nvjpeg only
     when `device` is a CUDA device, timed decoding the samples as one batch on it, the way
     `fast_loader` uses it). The decoders run interleaved (measure.compare), so background load hits
     them alike. Each row also gives the PSNR against the accurate simplejpeg (or PIL) decode, so a
-    faster but less exact decoder is visible as such (100 dB: identical pixels). `progress`: True
-    (stderr) or a callable taking a message.
+    faster but less exact decoder is visible as such (100 dB: identical pixels), and the `threads`
+    the CPU decoders ran on: `cpu_threads` (default 1; when nvjpeg competes, this machine's usable
+    cores, as a loader's threads or workers would decode: the whole GPU against one core is not a fair
+    race). `progress`: True (stderr) or a callable taking a message.
     """
     if not samples:
         raise ValueError("measure_decoders needs at least one JPEG sample")
@@ -251,36 +260,51 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
         device, on_gpu = "cuda", True
     reference_name = "simplejpeg" if "simplejpeg" in names else "pil"
     reference = [get_decoder(reference_name).decode(b, min_size, min_size) for b in samples]
+    if cpu_threads is None:
+        from torchspeed.runtime import usable_cores
+
+        cpu_threads = usable_cores() if any(n in GPU_DECODERS for n in names) else 1
+    threads = max(1, min(int(cpu_threads), len(samples)))
     rows: dict[str, dict[str, Any]] = {}
     contenders = {}
-    for name in names:
-        dec = get_decoder(name)
-        if getattr(dec, "batched", False):
-            def run(dec: Any = dec) -> list[Any]:
-                return dec.decode_batch(samples)
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if threads > 1:
+            from concurrent.futures import ThreadPoolExecutor
 
-            def to_host(images: list[Any]) -> list[np.ndarray]:
-                return [t.permute(1, 2, 0).cpu().numpy() for t in images]
-        else:
-            def run(dec: Any = dec) -> list[Any]:
-                return [dec.decode(b, min_size, min_size) for b in samples]
+            pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="torchspeed-decode"))
+        for name in names:
+            dec = get_decoder(name)
+            batched = getattr(dec, "batched", False)
+            if batched:
+                def run(dec: Any = dec) -> list[Any]:
+                    return dec.decode_batch(samples)
 
-            def to_host(images: list[Any]) -> list[np.ndarray]:
-                return images
-        try:
-            out = to_host(run())  # also a check that it reads them
-        except Exception as e:  # a decoder that cannot read these files is simply not a candidate
-            rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
-            continue
-        psnrs = [psnr(a, r) for a, r in zip(out, reference) if a.shape == r.shape]
-        rows[name] = {"decoder": name, "us_per_image": None,
-                      "psnr_db": float(np.mean(psnrs)) if len(psnrs) == len(out) else None}
-        contenders[name] = run
-    if contenders:
-        say(f"timing JPEG decoders {', '.join(contenders)} on {len(samples)} images, interleaved")
-        timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0, device=device if on_gpu else None)
-        for t in timed.timings:
-            rows[t.name]["us_per_image"] = t.median_s / len(samples) * 1e6
+                def to_host(images: list[Any]) -> list[np.ndarray]:
+                    return [t.permute(1, 2, 0).cpu().numpy() for t in images]
+            else:
+                def run(dec: Any = dec) -> list[Any]:
+                    if pool is not None:  # libjpeg-turbo, PIL and OpenCV decode without the GIL
+                        return list(pool.map(lambda b: dec.decode(b, min_size, min_size), samples))
+                    return [dec.decode(b, min_size, min_size) for b in samples]
+
+                def to_host(images: list[Any]) -> list[np.ndarray]:
+                    return images
+            try:
+                out = to_host(run())  # also a check that it reads them
+            except Exception as e:  # a decoder that cannot read these files is simply not a candidate
+                rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
+                continue
+            psnrs = [psnr(a, r) for a, r in zip(out, reference) if a.shape == r.shape]
+            rows[name] = {"decoder": name, "us_per_image": None, "threads": None if batched else threads,
+                          "psnr_db": float(np.mean(psnrs)) if len(psnrs) == len(out) else None}
+            contenders[name] = run
+        if contenders:
+            say(f"timing JPEG decoders {', '.join(contenders)} on {len(samples)} images, interleaved"
+                + (f" (CPU decoders on {threads} threads)" if threads > 1 else ""))
+            timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0, device=device if on_gpu else None)
+            for t in timed.timings:
+                rows[t.name]["us_per_image"] = t.median_s / len(samples) * 1e6
     return [rows[n] for n in names]
 
 
@@ -465,19 +489,67 @@ def _nvjpeg(data: list[Any], device: Any) -> list[Any]:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
+def jpeg_is_complete(buf: Any) -> bool:
+    """Whether JPEG data ends its last scan with the EOI marker (FF D9): what a truncated file lacks.
+
+    Why: libjpeg (the CPU decoders) reports a file that stops early, but nvjpeg may decode one to
+    garbage without an error, so the GPU path checks before decoding. In entropy-coded data an FF byte
+    is always followed by 00 or a restart marker, so an FF D9 after the last start-of-scan (FF DA) can
+    only be the end marker; an EOI earlier in the file (an EXIF thumbnail's) does not count, trailing
+    bytes after the end marker do not matter."""
+    data = buf if isinstance(buf, (bytes, bytearray)) else bytes(buf)
+    sos = data.rfind(b"\xff\xda")
+    return sos >= 0 and data.rfind(b"\xff\xd9") > sos
+
+
+_STREAMS = threading.local()
+
+
+@contextlib.contextmanager
+def decoding_stream(device: Any) -> Any:
+    """Run the block's CUDA work (nvjpeg, the crops and resizes) on this thread's own stream, and wait for
+    it at the end: the batch handed on is finished.
+
+    Why: a helper thread's current stream is the default stream, which the training step uses too;
+    decoding there serialises with the step's kernels. On a stream of its own (one per thread and
+    device) it overlaps them, and since the thread waits for its own stream before handing the batch
+    over (it blocks only itself), the consumer needs no event to wait on. torchvision's nvjpeg decoder
+    makes the current stream wait for its own internal stream, so the decoded images are ordered on
+    this one. On a non-CUDA device the block runs as it is."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield None
+        return
+    streams = getattr(_STREAMS, "by_device", None)
+    if streams is None:
+        streams = _STREAMS.by_device = {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = streams.get(index)
+    if stream is None:
+        stream = streams[index] = torch.cuda.Stream(torch.device("cuda", index))
+    with torch.cuda.stream(stream):
+        yield stream
+    stream.synchronize()
+
+
 def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
                            names: Sequence[str] | Callable[[int], str] | None = None,
-                           fallback: str = "simplejpeg") -> list[Any]:
+                           fallback: str | None = "simplejpeg") -> list[Any]:
     """Decode many JPEGs at once on the GPU with nvjpeg (torchvision.io.decode_jpeg, batched).
 
-    Returns RGB CHW uint8 tensors on `device`, one per buffer, in order. nvjpeg fails a whole batch
-    for one image it cannot read, so one bad file does not cost the batch: the images nvjpeg cannot
-    decode (or whose header is not a baseline/progressive grey or YCbCr JPEG) are decoded on the CPU
-    (`fallback`, then PIL, which also reads CMYK and mislabelled PNGs) and copied to the device, with
-    a RuntimeWarning naming each one (`names[i]`, e.g. its file; or `names(i)`, called only for such an
-    image, so that a batch without one builds no names). Only an image that no decoder can
-    read raises a ValueError naming it. For pipelines that move decoding off a starved CPU onto the
-    GPU (`fast_loader(decoder="nvjpeg")`); needs CUDA.
+    Returns RGB CHW uint8 tensors on `device`, one per buffer, in order, made on the current stream
+    (`decoding_stream` gives a decoding thread one of its own). nvjpeg fails a whole batch for one
+    image it cannot read, so one bad file does not cost the batch: the images nvjpeg cannot decode (or
+    whose header is not a baseline/progressive grey or YCbCr JPEG, or whose data stops before its EOI
+    marker, which nvjpeg may turn into garbage) are decoded on the CPU (`fallback`, then PIL, which
+    also reads CMYK and mislabelled PNGs) and copied to the device, with a RuntimeWarning naming each
+    one (`names[i]`, e.g. its file; or `names(i)`, called only for such an image, so that a batch
+    without one builds no names). Only an image that no decoder can read raises a ValueError naming
+    it; with `fallback=None` (measuring nvjpeg alone) any image nvjpeg does not decode does. For
+    pipelines that move decoding off a starved CPU onto the GPU (`fast_loader(decoder="nvjpeg")`);
+    needs CUDA.
     """
     import torch
 
@@ -501,7 +573,7 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
         why = image_size_error(w, h)
         if why:
             raise ValueError(f"{name_of(i)}: the JPEG {why}")
-        if components in (1, 3):
+        if components in (1, 3) and jpeg_is_complete(buf):
             gpu.append(i)
     data = {i: torch.frombuffer(bytearray(buffers[i]), dtype=torch.uint8) for i in gpu}
     try:
@@ -514,6 +586,9 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
             except Exception:
                 pass
     for i in [i for i, img in enumerate(out) if img is None]:
+        if fallback is None:
+            raise ValueError(f"nvjpeg could not decode {name_of(i)} (not a complete baseline or progressive "
+                             "grey/YCbCr JPEG, or data nvjpeg refuses)")
         out[i] = _decode_on_cpu(buffers[i], name_of(i), fallback).to(device)
     return out
 

@@ -176,6 +176,10 @@ class DevicePrefetcher:
             raise ValueError(f"mean and std must have the same length, got {len(mean)} and {len(std)}")
         self.loader = loader
         self.device = resolve_device(device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            # indexed here, in the caller's thread: under torchrun each rank set its GPU for this thread,
+            # and a bare "cuda" in another thread (or a later one) would mean GPU 0 on every rank
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.mean, self.std = (tuple(mean), tuple(std)) if mean is not None else (None, None)
         self.channels_last, self.dtype, self.layout = channels_last, dtype, layout
         self.depth = max(1, depth)
@@ -215,9 +219,10 @@ class DevicePrefetcher:
                 batch = batch.pin_memory()
             made_on_device = device_tensors(batch)
             if made_on_device:
-                # a batch already on the GPU (nvjpeg, a GPU augmentation) may still be in the making on
-                # the stream that queued it: this thread's current stream or, for decoding threads, the
-                # default one; the side stream waits for both before it reads the batch
+                # a batch already on the GPU (a GPU augmentation, a user's own decoder) may still be in
+                # the making on the stream that queued it: this thread's current stream or, for another
+                # thread, the default one; the side stream waits for both before it reads the batch
+                # (fast_loader's nvjpeg threads hand over finished batches: data.decode.decoding_stream)
                 queued_on = torch.cuda.current_stream(self.device)
                 stream.wait_stream(queued_on)
                 if queued_on != torch.cuda.default_stream(self.device):

@@ -31,8 +31,10 @@ undo); `Recorder.install()` applies it and `Recorder.uninstall()` puts every ori
 - settings: autocast in training forwards, GradScaler, cudnn.benchmark, torch.compile,
   DataParallel / DDP, forwards in eval mode with autograd on, no_grad forwards in train mode.
 
-On CUDA, phase boundaries synchronise (so queued GPU work is charged to the phase that queued it),
-which removes some overlap: the cost of attributing time.
+On CUDA, each phase change records a CUDA event on the loop's current stream (no host sync: the
+loop keeps its overlap of host and device) and each step boundary synchronises once; a step's phases
+are then read on the GPU's timeline (`timeline_phases`), so queued GPU work is charged to the phase
+that queued it, and a phase the GPU ran ahead of costs what the GPU spent in it.
 """
 from __future__ import annotations
 
@@ -94,6 +96,8 @@ class Recorder:
         self._last_loader: int | None = None
         self._loss_checks_left = 2
         self._cuda_seen = False
+        self._marks: list[tuple[Any, str | None]] | None = None  # CUDA: (event, phase running from it) this step
+        self._marks_whole = False  # the marks cover the whole step window (not only since CUDA was first seen)
         self.loaders: dict[int, dict[str, Any]] = {}
         self.s: dict[str, Any] = {
             "autocast": False, "autocast_precision": None, "grad_scaler": False, "compiled": False,
@@ -146,9 +150,25 @@ class Recorder:
     def _enter(self, phase: str) -> None:
         self.in_loop = True
         self.clock.enter(phase)
+        self._mark()
 
     def _exit(self) -> None:
         self.clock.exit()
+        self._mark()
+
+    def _unwind(self, depth: int) -> None:
+        """Close the phases an exception left open, down to `depth`."""
+        self.clock.unwind(depth)
+        self._mark()
+
+    def _mark(self) -> None:
+        """Once CUDA is seen: an event on the current stream where the running phase changes (no sync)."""
+        if self._marks is not None:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((event, self.clock.current))
 
     @property
     def step_source(self) -> str:
@@ -179,10 +199,20 @@ class Recorder:
     def _segment_end(self, kind: str) -> None:
         """A backward call or an optimizer step ended: close the segment; count a step if `kind` is
         what ends steps in this script."""
+        marks = self._marks
+        if marks is not None:
+            import torch
+
+            self._mark()  # the step's end on the GPU's timeline
+            torch.cuda.synchronize()  # the one host sync of the step: every mark is reached now
         res = self.clock.boundary()
+        if marks is not None:
+            whole, self._marks, self._marks_whole = self._marks_whole, marks[-1:], True
         if res is None:
             return
         wall, phases = res
+        if marks is not None and whole:
+            phases = timeline_phases(marks, lambda a, b: a.elapsed_time(b) / 1e3, wall)
         self.segments.append({"wall": wall, "phases": phases, "samples": self._samples, "end": kind})
         self._samples = 0
         if kind == "optimizer":
@@ -259,10 +289,9 @@ class Recorder:
 
     def _cuda_on(self) -> None:
         if not self._cuda_seen:
-            import torch
-
             self._cuda_seen = True
-            self.clock.sync = torch.cuda.synchronize
+            self._marks, self._marks_whole = [], False  # this step window began before: timed on the host
+            self._mark()
 
     def _has_bn_dropout(self, module: Any) -> bool:
         key = id(module)
@@ -359,6 +388,26 @@ class Recorder:
 # hook registry), the wrapper that records into the Recorder's phase clock, and its undo. Wrappers
 # pass straight through to the original when recording is off (`rec.enabled`: off in loader
 # workers, in other threads than the loop's, and after the script ends).
+
+def timeline_phases(marks: list[tuple[Any, str | None]], seconds_between: Callable[[Any, Any], float],
+                    wall: float) -> dict[str, float]:
+    """A step's seconds per phase on the device's timeline: between consecutive marks (each a point
+    where the running phase changed, with the phase running from it; None: no phase), the time goes to
+    that phase; `other` is the rest of `wall`. Shares are kept and scaled to `wall` should the device's
+    clock read a little longer than the host's."""
+    from torchspeed.doctor.phases import EXTRA_PHASES, PHASES
+
+    out = dict.fromkeys(PHASES[:-1] + EXTRA_PHASES, 0.0)
+    for (a, phase), (b, _) in zip(marks, marks[1:]):
+        if phase is not None:
+            out[phase] = out.get(phase, 0.0) + max(0.0, seconds_between(a, b))
+    busy = sum(out.values())
+    if busy > wall > 0:
+        out = {k: v * wall / busy for k, v in out.items()}
+        busy = wall
+    out["other"] = max(0.0, wall - busy)
+    return out
+
 
 def _resolve(path: str) -> Any:
     """The object at "package.module" or "package.module:Class[.Attr]"."""
@@ -569,7 +618,7 @@ def _backward(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
         try:
             out = orig(*a, **k)
         finally:
-            rec.clock.unwind(depth)
+            rec._unwind(depth)
         rec._segment_end("backward")
         return out
     return backward

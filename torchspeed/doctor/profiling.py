@@ -147,15 +147,15 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
     t = _measure(step, batches, warmup, steps, mem)
     phases = {**t.phases, "other": max(0.0, t.wall - sum(t.phases.values()))}
     gpu_busy = None
+    t.step_ms.sort()
     if step.cuda:  # the events' spans include idle gaps: the busy share comes from kernel intervals
-        share = _gpu_busy_share(step, batches.next)
+        share = _gpu_busy_share(step, batches.next, t.step_ms[len(t.step_ms) // 2] / 1e3)
         gpu_busy = share * t.wall if share is not None else t.gpu_busy
     v, evidence = verdict(phases, t.wall, gpu_busy)
     settings = _loop_settings(step, loader, warmup + steps, batches.epochs, t.first_batch)
     from torchspeed.doctor.rules import loop_findings
 
     facts = {"device": dev.type, "steps": steps, "wall_s": t.wall, "phases": phases, "settings": settings, "verdict": v}
-    t.step_ms.sort()
     return ProfileResult(
         steps=steps, wall_s=t.wall, phases=phases,
         per_step_ms={"median": t.step_ms[len(t.step_ms) // 2], "min": t.step_ms[0], "max": t.step_ms[-1]},
@@ -249,15 +249,19 @@ def _loop_settings(step: _Step, loader: Iterable[Any], batches: int, epochs: int
     return settings
 
 
-def _gpu_busy_share(step: _Step, next_batch: Callable[[], Any]) -> float | None:
-    """The share of one more training step during which the GPU ran a kernel or a copy: the union of
-    their intervals (torch.profiler) over the step's wall time. None if the profiler gives no device events."""
+def _gpu_busy_share(step: _Step, next_batch: Callable[[], Any], step_s: float) -> float | None:
+    """The share of a training step during which the GPU ran a kernel or a copy: the union of their
+    intervals in one more step run under torch.profiler, over `step_s` (the median measured step,
+    timed without the profiler). None if the profiler gives no device events.
+
+    Why not that step's own wall time: starting the profiler (CUPTI) takes far longer than a step, and
+    its per-op bookkeeping slows the host side, so a wall taken around it would count both and push the
+    verdict towards "overhead-bound"; kernel durations are the GPU's and do not change under it."""
     from torchspeed.doctor.phases import busy_time
 
     batch = next_batch()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize(step.dev)
-    t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
         x, y = _split(batch, step.given)
         out = step.fmt.logits_of(step.fmt.forward(step.model, to_device(x, step.dev)))
@@ -266,10 +270,9 @@ def _gpu_busy_share(step: _Step, next_batch: Callable[[], Any]) -> float | None:
         step.optimizer.step()
         step.optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize(step.dev)
-    wall = time.perf_counter() - t0
     spans = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA]
-    return min(1.0, busy_time(spans) / wall) if spans and wall > 0 else None
+    return min(1.0, busy_time(spans) / step_s) if spans and step_s > 0 else None
 
 
 def _slice(y: Any) -> Any:

@@ -33,6 +33,7 @@ from torchspeed.runtime import import_as_found, process_as_found, usable_cores
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "RUNTIMES", "available_runtimes",
            "build_torch_module", "module_device", "ort_providers", "provider_label", "ort_cuda_problem",
+           "tensorrt_problem", "tensorrt_profile", "ordered_with",
            "check_ort_cuda", "feed_names", "read_manifest", "artifact_dir", "recover_artifact",
            "import_openvino", "MANIFEST", "FORMAT", "RUNTIME_KEY", "ARTIFACT_FILES"]
 
@@ -93,15 +94,40 @@ def available_runtimes() -> dict[str, str | None]:
     else:
         gpu = out["onnxruntime"] or ort_cuda_problem()
     out["onnxruntime-cuda"] = gpu
-    if gpu is None:
-        import onnxruntime as ort
-
-        has = "TensorrtExecutionProvider" in ort.get_available_providers()
-        out["tensorrt"] = None if has else ("onnxruntime-gpu has no TensorRT execution provider here: install TensorRT "
-                                            "for its CUDA (pip install tensorrt) and put its libraries on the library path")
-    else:
-        out["tensorrt"] = gpu
+    out["tensorrt"] = gpu if gpu is not None else tensorrt_problem()
     return out
+
+
+TRT_INSTALL = ("install TensorRT for onnxruntime-gpu's CUDA (pip install -c constraints-gpu.txt tensorrt-cu13 from "
+               "a torchspeed clone) or put its libnvinfer on the library path")
+
+
+def tensorrt_problem() -> str | None:
+    """None when ONNX Runtime's TensorRT provider loads here, else why not.
+
+    Why: `get_available_providers()` lists the providers onnxruntime-gpu was built with, not those
+    whose libraries load; without libnvinfer a TensorRT session silently runs on CUDA instead. So the
+    provider's own library is loaded (the dynamic loader then needs libnvinfer and the ONNX parser of
+    the TensorRT version it was linked with), after `import tensorrt`, which puts the pip-installed
+    TensorRT's libraries in the process where it is installed."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return f"onnxruntime is not installed: {GPU_INSTALL}"
+    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+        return f"onnxruntime {ort.__version__} here has no TensorRT execution provider (onnxruntime-gpu has one)"
+    import ctypes
+    import glob
+
+    with contextlib.suppress(Exception):  # optional: its libraries loaded into the process if installed
+        import_as_found("tensorrt")
+    libs = glob.glob(os.path.join(os.path.dirname(ort.__file__), "capi", "libonnxruntime_providers_tensorrt.*"))
+    for lib in libs:
+        try:
+            ctypes.CDLL(lib)
+        except OSError as e:
+            return f"ONNX Runtime's TensorRT provider does not load ({_first_line(e)}): {TRT_INSTALL}"
+    return None
 
 
 class Runner:
@@ -343,19 +369,26 @@ def check_ort_cuda(**versions: str | None) -> None:
 
 
 def ort_providers(kind: str = "cpu", precision: str = "fp32", device_id: int = 0, cache_dir: str | None = None,
-                  stream: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+                  stream: int | None = None, profile: dict[str, str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     """ONNX Runtime's provider list with options for `kind` ('cpu', 'cuda' or 'tensorrt').
 
-    TensorRT: fp16 kernels allowed for an fp16 row (`trt_fp16_enable`), and built engines (plus
-    TensorRT's timing cache) kept in `cache_dir` (default: torchspeed's cache, `tensorrt/`), so a
-    session on the same model, GPU and TensorRT version loads its engine instead of rebuilding it
-    (minutes). CUDA and TensorRT run on `stream` (torch's current stream) when given, so work queued by
-    torch before a run is ordered before it. Each GPU provider is followed by its fallbacks; which one
-    really runs is read back from the session (`provider_label`).
+    TensorRT: fp16 kernels allowed for an fp16 row (`trt_fp16_enable`), one engine for a range of
+    batch sizes (`profile`, see `tensorrt_profile`; without one TensorRT builds an engine again for
+    each new input shape), and built engines (plus TensorRT's timing cache) kept in `cache_dir`
+    (default: torchspeed's cache, `tensorrt/`), so a session on the same model, GPU and TensorRT
+    version loads its engine instead of rebuilding it (minutes). CUDA and TensorRT run on `stream` (a
+    CUDA stream's handle) when given. It must not be 0, the legacy default stream torch's default
+    `current_stream()` has: ONNX Runtime reads 0 as "no stream" and runs on a stream of its own that
+    nothing orders with torch's work; `OrtRunner` gives it a stream of its own and orders it with the
+    caller's (`ordered_with`). Each GPU provider is followed by its fallbacks; which one really runs is
+    read back from the session (`provider_label`).
     """
     cpu = ("CPUExecutionProvider", {})
     if kind == "cpu":
         return [cpu]
+    if stream == 0:
+        raise ValueError("stream 0 is the legacy default CUDA stream, which ONNX Runtime takes for none: give the "
+                         "handle of a torch.cuda.Stream() (its .cuda_stream)")
     on_stream = {"has_user_compute_stream": True, "user_compute_stream": str(stream)} if stream else {}
     cuda = ("CUDAExecutionProvider", {"device_id": device_id, **on_stream})
     if kind == "cuda":
@@ -366,9 +399,49 @@ def ort_providers(kind: str = "cpu", precision: str = "fp32", device_id: int = 0
         cache = os.fspath(cache_dir) if cache_dir else default_cache("tensorrt")
         trt = {"device_id": device_id, "trt_fp16_enable": precision == "fp16", "trt_engine_cache_enable": True,
                "trt_engine_cache_path": cache, "trt_timing_cache_enable": True, "trt_timing_cache_path": cache,
-               **on_stream}
+               **(profile or {}), **on_stream}
         return [("TensorrtExecutionProvider", trt), cuda, cpu]
     raise ValueError(f"ONNX Runtime provider kind must be 'cpu', 'cuda' or 'tensorrt', got {kind!r}")
+
+
+def tensorrt_profile(inputs: list[tuple[str, list[Any]]], batch_sizes: tuple[int, ...] | list[int] = (1, 8),
+                     max_batch: int = 64) -> dict[str, str]:
+    """TensorRT's optimisation profile for the batch range, as ONNX Runtime's provider options: one
+    engine serves every batch from 1 to max(`max_batch`, the largest of `batch_sizes`), tuned for the
+    largest of `batch_sizes`. `inputs`: (name, dims) of the model's inputs, the batch first (a dynamic
+    dimension is a name or None). {} when a dimension other than the batch is dynamic (no single
+    range to give) or the batch is fixed (one shape, one engine anyway)."""
+    if not inputs or not batch_sizes:
+        return {}
+    rest = [dims[1:] for _, dims in inputs]
+    if any(not isinstance(d, int) or d <= 0 for r in rest for d in r):
+        return {}
+    if all(dims and isinstance(dims[0], int) and dims[0] > 0 for _, dims in inputs):
+        return {}
+    opt, top = max(batch_sizes), max(max_batch, max(batch_sizes))
+
+    def shapes(batch: int) -> str:
+        return ",".join(f"{name}:{'x'.join(str(d) for d in [batch, *r])}" for (name, _), r in zip(inputs, rest))
+
+    return {"trt_profile_min_shapes": shapes(1), "trt_profile_opt_shapes": shapes(opt),
+            "trt_profile_max_shapes": shapes(top)}
+
+
+@contextlib.contextmanager
+def ordered_with(own: Any, current: Any) -> Any:
+    """Run the block's work (an ONNX Runtime run on stream `own`) after what the caller queued on
+    `current`, and the caller's later work after it: two event waits on the device, no host sync.
+    Why: the inputs torch prepared on `current` may still be in the making when ONNX Runtime starts
+    on its own stream, and torch must not read the outputs (nor reuse the inputs' memory) before it
+    ends. `own` None (a CPU run): nothing to order."""
+    if own is None or own == current:
+        yield
+        return
+    own.wait_stream(current)
+    try:
+        yield
+    finally:
+        current.wait_stream(own)
 
 
 def provider_label(requested: list[str], active: list[str]) -> tuple[str, str | None]:
@@ -413,7 +486,11 @@ class OrtRunner(Runner):
     own list of provider names / (name, options) pairs. The row's `runtime` names the provider that
     really runs (`session.get_providers()`), and `fallback` says so when it is not the one asked for.
     On a GPU, inputs and outputs stay on the device (IO binding: torch tensors handed to ONNX Runtime
-    by pointer, outputs returned through DLPack), not copied through host numpy.
+    by pointer; the output written into a torch tensor bound by pointer once its shape for these
+    inputs is known, the first run's through DLPack), not copied through host numpy. ONNX Runtime
+    runs on a CUDA stream of the runner's own, ordered with the caller's current stream at each call
+    (`ordered_with`). TensorRT gets an optimisation profile for `batch_sizes` (`tensorrt_profile`):
+    one engine for the batch range, not one per batch size.
     """
 
     runtime = "onnxruntime"
@@ -421,7 +498,7 @@ class OrtRunner(Runner):
 
     def __init__(self, path: str, precision: str = "fp32", threads: int | None = None,
                  providers: str | list[Any] | None = None, *, device: str | torch.device | None = None,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, batch_sizes: tuple[int, ...] | list[int] = (1, 8)):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -430,10 +507,14 @@ class OrtRunner(Runner):
         self.threads = threads or usable_cores()
         device = torch.device(device) if device is not None else None
         device_id = device.index or 0 if device is not None and device.type == "cuda" else 0
+        self.stream: Any = None  # ONNX Runtime's compute stream: alive as long as the session
         if providers is None or isinstance(providers, str):
             kind = providers or ("cuda" if device is not None and device.type == "cuda" else "cpu")
-            stream = torch.cuda.current_stream(device_id).cuda_stream if kind != "cpu" and torch.cuda.is_available() else None
-            requested: list[Any] = ort_providers(kind, precision, device_id, cache_dir, stream)
+            if kind != "cpu" and torch.cuda.is_available():
+                self.stream = torch.cuda.Stream(torch.device("cuda", device_id))
+            profile = tensorrt_profile(_onnx_inputs(path), batch_sizes) if kind == "tensorrt" else None
+            requested: list[Any] = ort_providers(kind, precision, device_id, cache_dir,
+                                                 self.stream.cuda_stream if self.stream is not None else None, profile)
         else:
             requested = list(providers)
         names = [p[0] if isinstance(p, (tuple, list)) else p for p in requested]
@@ -458,6 +539,8 @@ class OrtRunner(Runner):
         self.input_names = [n for n, _ in self.inputs]
         self.input_name = self.input_names[0]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.output_type = _ORT_NUMPY.get(getattr(self.session.get_outputs()[0], "type", ""), np.float32)
+        self._output_shapes: dict[tuple, tuple[int, ...]] = {}  # input shapes -> the first output's shape
         self.files = (path,)
 
     def __call__(self, x: Any) -> torch.Tensor:
@@ -469,9 +552,10 @@ class OrtRunner(Runner):
         return torch.from_numpy(self.session.run(self.output_names[:1], arrays)[0])
 
     def run_bound(self, feed: dict[str, Any]) -> torch.Tensor:
-        """IO binding (used on a GPU): inputs bound by pointer (torch tensors on the runner's device),
-        the first output allocated by ONNX Runtime there and handed to torch through DLPack, so nothing
-        is copied through host numpy."""
+        """IO binding (used on a GPU): inputs bound by pointer (torch tensors on the runner's device), the
+        first output written into a torch tensor bound by pointer once its shape for these input shapes is
+        known (the first run's allocated by ONNX Runtime and handed over through DLPack, or copied once
+        where this onnxruntime has no DLPack), so nothing is copied through host numpy."""
         binding = self.session.io_binding()
         types = dict(self.inputs)
         kind, index = self.device.type, self.device.index or 0
@@ -480,12 +564,26 @@ class OrtRunner(Runner):
             t = _as_tensor(value).to(self.device, _TORCH_OF[types[name]]).contiguous()
             keep.append(t)  # alive until the run is done
             binding.bind_input(name, kind, index, types[name], tuple(t.shape), t.data_ptr())
-        binding.bind_output(self.output_names[0], kind, index)
-        self.session.run_with_iobinding(binding)
-        out = binding.get_outputs()[0]
-        if hasattr(out, "__dlpack__"):
-            return torch.from_dlpack(out)
-        return torch.from_numpy(out.numpy()).to(self.device)  # an older onnxruntime without DLPack: one copy
+        key = tuple(tuple(t.shape) for t in keep)
+        shape = self._output_shapes.get(key)
+        out = None
+        if shape is not None:
+            out = torch.empty(shape, dtype=_TORCH_OF[self.output_type], device=self.device)
+            binding.bind_output(self.output_names[0], kind, index, self.output_type, shape, out.data_ptr())
+        else:
+            binding.bind_output(self.output_names[0], kind, index)
+        current = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        with ordered_with(self.stream, current):
+            self.session.run_with_iobinding(binding)
+        if out is not None:
+            return out
+        value = binding.get_outputs()[0]
+        if hasattr(value, "__dlpack__"):
+            out = torch.from_dlpack(value)
+        else:
+            out = torch.from_numpy(value.numpy()).to(self.device)  # an older onnxruntime: this first run only
+        self._output_shapes[key] = tuple(out.shape)
+        return out
 
     def size_bytes(self) -> int:
         from torchspeed.infer.export import onnx_data_files
@@ -602,6 +700,16 @@ class OpenVINORunner(Runner):
 
 def _is_float(v: Any) -> bool:
     return v.is_floating_point() if isinstance(v, torch.Tensor) else np.issubdtype(np.asarray(v).dtype, np.floating)
+
+
+def _onnx_inputs(path: str) -> list[tuple[str, list[Any]]]:
+    """(name, dims) of an ONNX file's inputs ([] when it cannot be read here: no profile then)."""
+    try:
+        from torchspeed.infer.export import read_onnx
+
+        return [(name, list(dims)) for name, dims, _ in read_onnx(path).inputs]
+    except (ImportError, ValueError, OSError):
+        return []
 
 
 def _first_line(e: BaseException) -> str:
