@@ -142,3 +142,13 @@ def test_cli_unknown_precision_names_the_choices_exit_2(capsys):
     code = main(["select", "--candidates", "resnet18", "--input-shape", "1,3,32,32", "--precision", "int8"])
     err = capsys.readouterr().err
     assert code == 2 and "'fp32', 'bf16', 'fp16', got 'int8'" in err and "Traceback" not in err
+
+
+def test_select_waits_for_a_quiet_machine_before_timing(monkeypatch):
+    from torchspeed import measure
+    from torchspeed.compress import selection
+
+    calls = []
+    monkeypatch.setattr(selection, "wait_for_quiet_machine", lambda **kw: calls.append(kw) or measure.Quiet(0.0, 0.0))
+    selection.select_backbone({"a": torch.nn.Conv2d(3, 4, 3)}, input_shape=(1, 3, 16, 16), repeats=1, warmup=0)
+    assert len(calls) == 1 and calls[0]["max_s"] <= 5

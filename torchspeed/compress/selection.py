@@ -18,7 +18,7 @@ from torch import nn
 from torchspeed.args import as_list, progress_fn
 from torchspeed.batches import random_input
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
-from torchspeed.measure import Timing, busy_warning, compare
+from torchspeed.measure import Timing, busy_warning, compare, wait_for_quiet_machine
 from torchspeed.models import HOW_TO_NAME, create
 from torchspeed.runtime import FLOAT_PRECISIONS, default_precision, resolve_device
 from torchspeed.tables import print_table
@@ -173,6 +173,7 @@ def select_backbone(
         for p in precisions:
             contenders[f"{label}|{p}"] = inference_fn(model, x, p)
     say(f"timing {len(contenders)} variants, interleaved")
+    wait_for_quiet_machine(max_s=3.0)  # other processes leave the cores first; a busy run is still named
     comparison = compare(contenders, warmup=warmup, repeats=repeats, items=batch, unit="samples",
                          device=dev, cooldown_s=0.05)
     ranked = sorted((_row(label, sizes[label], {p: comparison[f"{label}|{p}"] for p in precisions}, batch, budget_ms)
