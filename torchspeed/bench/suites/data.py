@@ -204,7 +204,13 @@ def _format_copies(resized: str) -> tuple[str, str]:
         ds = datasets.Dataset.from_dict({"image": [p for p, _ in samples], "label": [y for _, y in samples]},
                                         features=features)
         os.rmdir(tmp)
-        ds.save_to_disk(tmp)  # embeds each file's bytes in the Arrow column
+        was_off = datasets.are_progress_bars_disabled()
+        datasets.disable_progress_bars()  # its per-save bar would land in the report's console output
+        try:
+            ds.save_to_disk(tmp)  # embeds each file's bytes in the Arrow column
+        finally:
+            if not was_off:
+                datasets.enable_progress_bars()
 
     return build_directory(f"{base}-wds", shards), build_directory(f"{base}-hf", hf)
 
