@@ -107,3 +107,13 @@ def test_to_device_moves_every_tensor_and_sets_the_layout_of_images():
     assert type(moved) is Pair and moved.x[0].is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(moved.x[0], x) and moved.y["y"] is y
     assert to_device(moved.x[0], "cpu", channels_last=False).is_contiguous()
+
+
+def test_random_input_names_a_shape_with_a_dimension_below_one():
+    import pytest
+
+    from torchspeed.batches import random_input
+
+    with pytest.raises(ValueError, match=r"--input-shape 1,0,8,8: every dimension must be >= 1"):
+        random_input((1, 0, 8, 8), name="--input-shape")
+    assert random_input((2, 3)).shape == (2, 3)

@@ -173,6 +173,18 @@ def test_litdata_layouts_it_cannot_read_are_refused_with_the_reason(small_photo_
         as_source(folder)
 
 
+def test_a_later_litdata_chunk_without_its_table_is_named(small_photo_folder, tmp_path):
+    folder = write_litdata(small_photo_folder, tmp_path / "lit", chunk_size=3)
+    with open(os.path.join(folder, "index.json")) as f:
+        last = json.load(f)["chunks"][-1]["filename"]
+    path = os.path.join(folder, last)
+    with open(path, "r+b") as f:  # the footer's magic gone: the first chunk still reads, the last does not
+        f.truncate(os.path.getsize(path) - 8)
+    with pytest.raises(ValueError, match=rf"chunk {last!r} holds no Arrow table"):
+        source = as_source(folder)
+        source.targets
+
+
 def test_a_tar_shards_source_with_its_own_shuffle_buffer_and_a_train_val_split(small_photo_folder, tmp_path):
     from torchspeed.data import TarShards, train_val_split
 

@@ -191,9 +191,11 @@ def random_input(shape: tuple[int, ...], device: str | torch.device = "cpu", *,
     there is refused in one line naming `name`, before allocating: the allocation would fail with a
     traceback, or the kernel would kill the process."""
     device = torch.device(device)
+    text = ",".join(map(str, shape))
+    if not shape or any(d < 1 for d in shape):
+        raise ValueError(f"{name} {text}: every dimension must be >= 1 (e.g. 1,3,224,224)")
     needed = math.prod(shape) * 4
     free = free_memory(device)
-    text = ",".join(map(str, shape))
     if free is not None and needed > free:
         raise ValueError(f"{name} {text}: the input alone needs {needed / 2**30:,.1f} GiB and {device} has "
                          f"{free / 2**30:,.1f} GiB free: give a smaller shape")

@@ -392,7 +392,9 @@ def _loader_with_step(data: str, train: Any, train_src: Any, trainer: Trainer, o
     o = options
     acc = trainer.prepare(train, o.max_steps or max(1, len(train) * o.epochs))
     alone = (train.num_workers, train.threads)
-    candidates = step_candidates(*alone)
+    # timing needs steps + 1 batches per pass (choose_loader_with_step's default 2 steps): a shorter epoch keeps
+    # the setting measured alone
+    candidates = step_candidates(*alone) if len(train) > 3 else [alone]
 
     def make(num_workers: int, threads: int) -> Any:
         return fast_loader(train_src, o.batch_size, train=True, crop=o.crop, device=device, num_workers=num_workers,

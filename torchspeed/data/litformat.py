@@ -62,8 +62,16 @@ class _Chunks:
 
     def __call__(self) -> tuple[Any, list[int], None]:
         pa = pyarrow_module()
-        tables = [_footer_table(os.path.join(self.folder, f)) for f in self.files]
-        table = pa.concat_tables([t.select([self.image, self.label]) for t in tables])
+        tables = []
+        for name in self.files:  # every chunk checked, not only the first one the columns were read from
+            t = _footer_table(os.path.join(self.folder, name))
+            missing = [c for c in (self.image, self.label) if t is not None and c not in t.column_names]
+            if t is None or missing:
+                why = "no Arrow table of the items" if t is None else f"no field {', '.join(map(repr, missing))}"
+                raise ValueError(f"{self.where}: its chunk {name!r} holds {why} (written by another litdata "
+                                 "version or run?): optimize the data again, or read it with litdata")
+            tables.append(t.select([self.image, self.label]))
+        table = pa.concat_tables(tables)
         return table.column(self.image), label_values(table, self.label, self.where), None
 
 

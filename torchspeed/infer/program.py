@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
+import operator
 import os
 import re
 import warnings
@@ -208,9 +210,6 @@ def _operator_ok(target: str) -> bool:
         return True
     if parts[:2] == ["torch", "ops"] and len(parts) == 4 and parts[2] == "higher_order":
         return True
-    import math
-    import operator
-
     module = {"_operator": operator, "math": math}.get(parts[0])
     if module is not None and len(parts) == 2:
         return not parts[1].startswith("_") and callable(getattr(module, parts[1], None))

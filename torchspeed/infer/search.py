@@ -45,7 +45,7 @@ from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
 from torchspeed.atomic import scratch_dir
 from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
-from torchspeed.infer.export import OnnxGraph, grow_batch, onnx_example, read_onnx
+from torchspeed.infer.export import OnnxGraph, grow_batch, onnx_data_files, onnx_example, read_onnx
 from torchspeed.infer.precision import as_fp32, output_error
 from torchspeed.infer.result import OptimizeResult, VariantRow
 from torchspeed.infer.runners import RUNTIMES, module_device
@@ -307,9 +307,12 @@ def _decision_parts(subject: nn.Module | OnnxGraph, example: Any, calib_data: It
     """What the winner depends on, as the key it is remembered by: the model's structure (or the .onnx
     file's bytes), the input shapes, every option of the search, and the runtimes usable here with
     their versions."""
-    if isinstance(subject, OnnxGraph):
-        with open(subject.path, "rb") as f:
-            model = "onnx:" + hashlib.sha256(f.read()).hexdigest()[:24]
+    if isinstance(subject, OnnxGraph):  # the graph and its external weights, read in chunks
+        digest = hashlib.sha256()
+        for path in (subject.path, *onnx_data_files(subject.path)):
+            with open(path, "rb") as f:
+                digest.update(hashlib.file_digest(f, "sha256").digest())
+        model = "onnx:" + digest.hexdigest()[:24]
     else:
         model = remembered.model_fingerprint(subject)
     runtimes = sorted(name for name, why in machine.runtimes.items() if why is None)

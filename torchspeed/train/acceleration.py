@@ -652,9 +652,9 @@ def _choose_compile(model: nn.Module, timer: _StepTimer | None, compile: bool | 
         return None
     if base_step is None:
         base_step, _ = timer.measure(timer.step_fn(model, report.precision, report.channels_last))
-    steps = expected_steps or 0
+    steps = expected_steps
     rows.append(TrialRow("compile", "False", base_step))
-    if steps and steps * base_step < min_compile_cost_s:
+    if steps * base_step < min_compile_cost_s:
         rows[-1].decision = "kept"
         rows.append(TrialRow("compile", "True", decision=(
             f"not tried: expected run ~{steps * base_step:.0f} s is too short to repay a compile "
@@ -1002,11 +1002,9 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
                     say(f"accelerate: waited {quiet.waited_s:.1f} s for other processes to leave the cores")
                 compiled = _choose_step_settings(model, timer, options, report, dev, untried, say)
             report.others_cores = timer.others_cores
-            if report.busy_warning:
-                log.warning("accelerate: %s", report.busy_warning)
             if report.busy_warning:  # a choice made on noise is not kept for the next runs
-                log.info("accelerate: not remembered (measured on a busy machine)")
-            elif distributed.env().is_main:
+                log.warning("accelerate: %s (not remembered)", report.busy_warning)
+            elif denv.is_main:
                 _remember(parts, report, width)
     else:
         _choose_step_settings(model, None, options, report, dev, untried, say)
