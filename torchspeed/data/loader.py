@@ -238,6 +238,7 @@ class FastLoader:
         self.epoch = 0
         self.batches_done = 0  # batches of this epoch yielded so far (what state_dict reports)
         self._resume_at = 0  # where the next pass starts: set by load_state_dict, used once
+        self._build: Callable[..., FastLoader] | None = None  # set by fast_loader (see with_counts)
 
     def _threaded(self, threads: int) -> Any:
         """No worker processes: `threads` threads of this process make the batches (see data/threads.py).
@@ -304,6 +305,25 @@ class FastLoader:
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
+
+    def with_counts(self, num_workers: int, threads: int = 1) -> FastLoader:
+        """This loader (same data, crop, decoder, order, epoch and position) with its batches made by
+        `num_workers` worker processes, or at 0 by `threads` threads of this process.
+
+        Why: the counts `fast_loader` measures are the fastest for the loader alone; a training step
+        needs cores too, and whoever knows the step (`train.choose_loader_with_step`) times the less
+        parallel settings with it. The two loaders share their sampler: use one of them at a time."""
+        if not isinstance(num_workers, int) or num_workers < 0 or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"with_counts needs num_workers >= 0 and threads >= 1, got {num_workers!r}, {threads!r}")
+        build = self._build
+        if build is None:
+            raise ValueError("this FastLoader was not built by fast_loader(); it cannot be rebuilt with other counts")
+        dl = self.dataloader
+        other = build(num_workers, dl.prefetch_factor or 2, dl.persistent_workers if dl.num_workers else True,
+                      dl.pin_memory, threads)
+        other.settings, other.decoder_table = self.settings, self.decoder_table
+        other.epoch, other.batches_done, other._resume_at = self.epoch, self.batches_done, self._resume_at
+        return other
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` (its shuffle and augmentation); keeps a loaded resume point if it is the current one."""
@@ -638,7 +658,9 @@ def _loader_factory(augmented: AugmentedDataset, sampler: EpochBatchSampler, opt
                         if num_workers else None)
         prefetcher = DevicePrefetcher(dl, options.device, options.mean, options.std, channels_last=options.channels_last,
                                       dtype=options.dtype, layout=augmented.layout)
-        return FastLoader(augmented, sampler, dl, prefetcher, decoder_table=decoder_table, threads=threads)
+        loader = FastLoader(augmented, sampler, dl, prefetcher, decoder_table=decoder_table, threads=threads)
+        loader._build = build  # with_counts rebuilds the same pipeline with other counts
+        return loader
 
     return build
 
