@@ -34,7 +34,7 @@ def suite(monkeypatch):
     monkeypatch.setattr(train, "BATCH", 1)
     monkeypatch.setattr("torchspeed.measure.wait_for_quiet_machine",
                         lambda max_s=10.0, **k: type("Q", (), {"waited_s": 0.0, "others_cores": 0.0, "busy": False})())
-    monkeypatch.setattr("torchspeed.recipes.OthersLoad", lambda: type("L", (), {"cores": lambda self: load["cores"]})())
+    monkeypatch.setattr("torchspeed.train.loader_choice.OthersLoad", lambda: type("L", (), {"cores": lambda self: load["cores"]})())
     s = train._TrainSuite(quick=True, progress=False, budget_s=6.0)
     s.windows = Windows(Budget(6.0), s.say, rows=6)
     s.flops = 1.0

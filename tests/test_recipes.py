@@ -62,9 +62,14 @@ def test_the_loader_is_chosen_with_the_training_step_in_the_loop(photo_folder, t
     and refresh measures again."""
     import logging
 
-    import torchspeed.recipes as recipes
+    import torchspeed.train.loader_choice as loader_choice
 
-    monkeypatch.setattr(recipes, "step_candidates", lambda w, t: [(0, 1), (0, 2)])
+    monkeypatch.setattr(loader_choice, "step_candidates", lambda w, t: [(0, 1), (0, 2)])
+    monkeypatch.setattr(loader_choice.LoaderStepResult, "busy_warning", property(lambda self: None))  # quiet
+    monkeypatch.setattr(loader_choice, "wait_for_quiet_machine", lambda **k: None)
+    from torchspeed.data.tune import TuneResult  # the loader's own tuning kept too: the same setting alone next run
+
+    monkeypatch.setattr(TuneResult, "busy_warning", property(lambda self: None))
     opts = dict(crop=32, batch_size=4, precision="fp32", channels_last=False, compile=False, epochs=1)
     model = tiny_convnet(classes=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -89,6 +94,7 @@ def test_the_loader_is_chosen_with_the_training_step_in_the_loop(photo_folder, t
     assert fresh.trainer.options.refresh is True and not run.trainer.options.refresh  # accelerate measures again
     result = fresh.fit()
     assert result.to_dict()["loader"]["setting"] == fresh.loader_choice.setting
+    assert [c["setting"] for c in result.to_dict()["accelerate"]["candidates"]].count("loader") == 2
 
 
 def test_a_more_parallel_loader_is_kept_only_when_its_steps_are_faster_beyond_the_margin():
@@ -96,7 +102,7 @@ def test_a_more_parallel_loader_is_kept_only_when_its_steps_are_faster_beyond_th
     its round (no loader runs while another is timed)."""
     import time
 
-    from torchspeed.recipes import choose_loader_with_step, step_candidates, time_fed_steps
+    from torchspeed.train.loader_choice import choose_loader_with_step, step_candidates, time_fed_steps
 
     assert step_candidates(0, 3) == [(0, 1), (0, 3)] and step_candidates(0, 1) == [(0, 1)]
     assert step_candidates(4, 1) == [(0, 1), (1, 1), (2, 1), (4, 1)]

@@ -18,11 +18,8 @@ in one call. A recipe stands on data and train together, so it sits a layer abov
 """
 from __future__ import annotations
 
-import copy
-import logging
 import math
 import os
-import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,22 +30,17 @@ from torch import nn
 from torchspeed.args import progress_fn
 from torchspeed.atomic import atomic_write, write_json
 from torchspeed.data import fast_loader, train_val_split
-from torchspeed.data.tune import shutdown_workers
-from torchspeed.measure import OthersLoad, busy_warning, wait_for_quiet_machine
 from torchspeed.models import build, is_factory_spec, load_weights
 from torchspeed.outputs import MARKER, OutputDir, claim_output_dir, is_temporary
-from torchspeed.remembered import model_fingerprint, recall, remember
-from torchspeed.runtime import resolve_device, rng_state, seed_everything, set_rng_state, usable_cores
+from torchspeed.runtime import resolve_device, seed_everything
 from torchspeed.train import distributed
 from torchspeed.train.acceleration import AccelerateOptions, AccelerateResult
 from torchspeed.train.callbacks import Checkpoint, EarlyStopping
 from torchspeed.train.checkpoint import RUN_FILE, holds_run, read_run, resumable
+from torchspeed.train.loader_choice import LoaderStepResult
 from torchspeed.train.trainer import Trainer
 
-__all__ = ["ClassifierOptions", "ClassifierResult", "ClassifierRun", "LoaderStepResult", "LoaderStepRow",
-           "choose_loader_with_step", "prepare_classifier", "step_candidates", "time_fed_steps", "train_classifier"]
-
-log = logging.getLogger(__name__)
+__all__ = ["ClassifierOptions", "ClassifierResult", "ClassifierRun", "prepare_classifier", "train_classifier"]
 
 Counts = int | str | list[int]  # "auto", a number, or counts to measure (fast_loader's num_workers / threads)
 
@@ -206,11 +198,12 @@ def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options:
     """Everything before the first training step, in an order that keeps a mistake cheap: the data is
     named, `options.out` checked before the process group and any data, then the split, the classes,
     the model (a bad name fails before the loaders are made), the loaders and the Trainer.
-    With `num_workers` and `threads` both "auto" (one process), accelerate() then runs and the training
-    loader's setting is chosen with the training step in the loop (`choose_loader_with_step`: the
-    setting fast_loader measured fastest alone and the less parallel ones below it, each feeding a few
-    real steps, interleaved; the model, optimizer and RNG are put back as they were), so the loader's
-    threads do not compete with the step's for the cores; the choice is remembered like accelerate's.
+    With the loader's counts on "auto", accelerate() then runs and the training loader's setting is
+    chosen with the training step in the loop (`Trainer.choose_loader`: the setting fast_loader
+    measured fastest alone and the less parallel ones below it, each feeding a few real steps,
+    interleaved; the model, optimizer and RNG are put back as they were; under torchrun rank 0's
+    choice is every rank's), so the loader's threads do not compete with the step's for the cores;
+    the choice is remembered like accelerate's.
     `progress` is the Trainer's (True: a progress bar and a summary table)."""
     data = os.fspath(data)
     if not os.path.exists(data) and not is_factory_spec(data.strip()):
@@ -231,13 +224,8 @@ def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options:
     stopper = EarlyStopping("val_loss", patience=options.patience)
     checkpoints = Checkpoint(ckdir, keep_last=2, overwrite=options.overwrite)
     trainer = _trainer(net, lr, len(train), len(classes), options, [stopper, checkpoints], progress)
-    choice = None
-    if options.num_workers == "auto" and options.threads == "auto":
-        if denv.world_size > 1:
-            log.info("loader: under torchrun each rank's loader keeps the setting it measured alone (%s)",
-                     _setting_of(train))
-        else:
-            train, choice = _loader_with_step(data, train, train_src, trainer, options, device, progress)
+    train = trainer.choose_loader(train, options.max_steps or max(1, len(train) * options.epochs))
+    choice = trainer.loader_choice
     return ClassifierRun(
         options=options, data=os.path.abspath(data) if os.path.exists(data) else data,
         model_name=model if isinstance(model, str) else type(model).__name__, classes=classes,
@@ -373,74 +361,6 @@ def _loaders(train_src: Any, val_src: Any, device: torch.device, options: Classi
     return train, val
 
 
-def _setting_of(loader: Any) -> str:
-    workers = getattr(loader, "num_workers", 0)
-    return f"num_workers={workers}" + (f", threads={getattr(loader, 'threads', 1)}" if workers == 0 else "")
-
-
-def _possible(setting: Any) -> bool:
-    """Whether a remembered (num_workers, threads) can still run here (no more than the cores allow)."""
-    return (isinstance(setting, list) and len(setting) == 2 and all(isinstance(v, int) for v in setting)
-            and 0 <= setting[0] <= usable_cores() + 1 and 1 <= setting[1] <= usable_cores() + 1)
-
-
-def _loader_with_step(data: str, train: Any, train_src: Any, trainer: Trainer, options: ClassifierOptions,
-                      device: torch.device, progress: bool | Callable[[str], Any]) -> tuple[Any, LoaderStepResult]:
-    """The training loader re-chosen with the training step in the loop (accelerate() runs first, so the
-    step timed is the one training will run); recalled when this machine measured it for the same model,
-    data and settings, unless `options.refresh`. Training starts from the state it had before."""
-    o = options
-    acc = trainer.prepare(train, o.max_steps or max(1, len(train) * o.epochs))
-    alone = (train.num_workers, train.threads)
-    # timing needs steps + 1 batches per pass (choose_loader_with_step's default 2 steps): a shorter epoch keeps
-    # the setting measured alone
-    candidates = step_candidates(*alone) if len(train) > 3 else [alone]
-
-    def make(num_workers: int, threads: int) -> Any:
-        return fast_loader(train_src, o.batch_size, train=True, crop=o.crop, device=device, num_workers=num_workers,
-                           threads=threads, seed=o.seed)
-
-    parts = {"model": model_fingerprint(acc.module), "data": os.path.abspath(data) if os.path.exists(data) else data,
-             "samples": len(train_src), "batch_size": o.batch_size, "crop": o.crop, "decoder": train.decoder,
-             "precision": acc.precision, "channels_last": acc.channels_last,
-             "compile": bool(acc.report.compile), "device": device.type}
-    memory = None if o.refresh or len(candidates) == 1 else recall("loader_step", parts)
-    if memory is not None and _possible(memory.decision.get("setting")):
-        chosen = tuple(memory.decision["setting"])
-        log.info("loader with the step in the loop: %s", memory.describe())
-        if chosen == alone:
-            return train, LoaderStepResult(*chosen, remembered=memory.describe())
-        shutdown_workers(train)
-        return make(*chosen), LoaderStepResult(*chosen, remembered=memory.describe())
-    model, optimizer, scaler = acc.model, trainer.optimizer, acc.scaler
-    loss_fn = trainer.loss_fn
-
-    def step(batch: Any) -> None:
-        x, y = batch
-        with acc.autocast():
-            loss = loss_fn(model(acc.prepare_input(x)), y)
-        acc.backward(loss)
-        acc.step(optimizer)
-
-    saved = (copy.deepcopy(acc.module.state_dict()), copy.deepcopy(optimizer.state_dict()),
-             scaler.state_dict() if scaler is not None else None, rng_state())
-    model.train()
-    try:
-        loader, result = choose_loader_with_step(make, step, candidates, device=device, built={alone: train},
-                                                 progress=progress)
-    finally:
-        acc.module.load_state_dict(saved[0])
-        optimizer.load_state_dict(saved[1])
-        if scaler is not None:
-            scaler.load_state_dict(saved[2])
-        set_rng_state(saved[3])
-    if len(candidates) > 1:
-        best = next(r for r in result.table if (r.num_workers, r.threads) == (result.num_workers, result.threads))
-        remember("loader_step", parts, {"setting": [result.num_workers, result.threads]},
-                 f"{result.setting}, {best.step_s:.3g} s/step")
-    return loader, result
-
-
 class _ClassLoss(nn.CrossEntropyLoss):
     """The recipe's label-smoothed cross-entropy, which first checks that the model gives one output
     per class: with more, training would go on against classes that do not exist; with fewer, it
@@ -477,161 +397,3 @@ def _full_state_dict(module: nn.Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-# ---------------------------------------------------------------- the loader chosen with the step in the loop
-
-@dataclass
-class LoaderStepRow:
-    """One loader setting timed feeding real training steps: seconds per step (median of the rounds)."""
-
-    num_workers: int
-    threads: int
-    step_s: float | None           # median seconds per training step fed by this loader (None: remembered)
-    rounds_s: list[float] = field(default_factory=list)  # seconds per step in each interleaved round
-    decision: str = ""
-
-    @property
-    def setting(self) -> str:
-        return f"num_workers={self.num_workers}" + (f", threads={self.threads}" if self.num_workers == 0 else "")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"num_workers": self.num_workers, "threads": self.threads, "setting": self.setting,
-                "step_s": self.step_s, "rounds_s": self.rounds_s, "decision": self.decision}
-
-
-@dataclass
-class LoaderStepResult:
-    """The loader setting chosen with the training step in the loop, and every candidate's step time.
-
-    A loader tuned alone takes every core it can; beside a training step that needs the same cores,
-    fewer loader threads can make the step faster. `remembered` holds the "remembered from ..." line
-    when the choice was recalled instead of measured."""
-
-    num_workers: int
-    threads: int
-    table: list[LoaderStepRow] = field(default_factory=list)
-    others_cores: float | None = None  # cores other processes used while the candidates were timed
-    remembered: str | None = None
-
-    @property
-    def busy_warning(self) -> str | None:
-        return busy_warning(self.others_cores)
-
-    @property
-    def setting(self) -> str:
-        return f"num_workers={self.num_workers}" + (f", threads={self.threads}" if self.num_workers == 0 else "")
-
-    def describe(self) -> str:
-        """'num_workers=0, threads=1 (0.412 s/step with the step in the loop; 2 settings timed)'."""
-        if self.remembered:
-            return f"{self.setting} ({self.remembered})"
-        best = next((r for r in self.table if (r.num_workers, r.threads) == (self.num_workers, self.threads)), None)
-        figure = f"{best.step_s:.3g} s/step with the step in the loop; " if best and best.step_s else ""
-        return f"{self.setting} ({figure}{len(self.table)} setting(s) timed)"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"num_workers": self.num_workers, "threads": self.threads, "setting": self.setting,
-                "table": [r.to_dict() for r in self.table], "others_cores": self.others_cores,
-                "remembered": self.remembered}
-
-
-def step_candidates(num_workers: int, threads: int) -> list[tuple[int, int]]:
-    """The loader settings worth timing with the step in the loop, least parallel first: from the setting
-    that measured fastest alone (`num_workers`, `threads`) down to one thread of this process, halving
-    (more parallelism than the loader alone can use only takes cores from the step)."""
-    def ladder(n: int) -> list[int]:
-        out = {n}
-        while n > 1:
-            n //= 2
-            out.add(n)
-        return sorted(out)
-
-    if num_workers == 0:
-        return [(0, t) for t in ladder(max(1, threads))]
-    return [(0, 1)] + [(w, 1) for w in ladder(num_workers)]
-
-
-def time_fed_steps(contenders: Mapping[str, tuple[Any, Callable[[Any], Any]]], *, steps: int = 2, rounds: int = 2,
-                   device: Any = None) -> tuple[dict[str, list[float]], float | None]:
-    """Seconds per training step of each contender, a (loader, step) pair, timed interleaved.
-
-    Each round runs every contender in turn (the order rotated round by round) on a fresh pass of its
-    loader: its first batch is taken untimed (the pipeline starting), then `steps` steps are timed, each
-    followed by taking the loader's next batch (the wait for data the step did not hide); the pass is then closed, so a paused loader's threads or workers
-    never run while another contender is timed (a loader left running would fill its queue on the next
-    contender's cores and start its own next round with batches made for free). Returns the seconds
-    per step of each contender in each round, and the cores other processes used meanwhile."""
-    import time
-
-    from torchspeed.runtime import synchronize
-
-    names = list(contenders)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    others = OthersLoad()
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            loader, step = contenders[name]
-            it = iter(loader)
-            try:
-                batch = next(it)
-                if device is not None:
-                    synchronize(device)
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step(batch)
-                    batch = next(it)  # the batch after each step: what the loader made while it ran
-                if device is not None:
-                    synchronize(device)
-                times[name].append((time.perf_counter() - t0) / steps)
-            finally:
-                close = getattr(it, "close", None)
-                if close is not None:
-                    close()
-                del it
-    return times, others.cores()
-
-
-def choose_loader_with_step(make_loader: Callable[[int, int], Any], step: Callable[[Any], Any],
-                            candidates: list[tuple[int, int]], *, steps: int = 2, rounds: int = 2,
-                            margin: float = 0.03, device: Any = None, built: Mapping[tuple[int, int], Any] | None = None,
-                            progress: bool | Callable[[str], Any] = False) -> tuple[Any, LoaderStepResult]:
-    """The loader setting under which `step(batch)` (one real training step) runs fastest, timed with
-    `time_fed_steps` (candidates interleaved, each `rounds` x `steps` steps).
-
-    `candidates`: (num_workers, threads) pairs, least parallel first (`step_candidates`); a more
-    parallel one is kept only when its steps are faster by more than `margin`, so noise never buys
-    threads that compete with the step. `make_loader(num_workers, threads)` builds a candidate unless
-    `built` has it. Returns (the chosen loader, the result); the other loaders' workers are stopped."""
-    say = progress_fn(progress)
-    built = built or {}
-    loaders = {c: built[c] if c in built else make_loader(*c) for c in candidates}
-    rows = [LoaderStepRow(w, t, None) for w, t in candidates]
-    if len(candidates) == 1:
-        rows[0].decision = "chosen (the only candidate)"
-        return loaders[candidates[0]], LoaderStepResult(*candidates[0], table=rows)
-    wait_for_quiet_machine(max_s=3.0)
-    say(f"choosing the loader with the training step in the loop ({len(candidates)} settings, "
-        f"{rounds} x {steps} steps each, interleaved)")
-    times, others = time_fed_steps({r.setting: (loaders[c], step) for r, c in zip(rows, candidates)},
-                                   steps=steps, rounds=rounds, device=device)
-    for r in rows:
-        r.rounds_s = times[r.setting]
-        r.step_s = float(statistics.median(r.rounds_s))
-    best = rows[0]
-    for r in rows[1:]:
-        if r.step_s < best.step_s * (1 - margin):
-            best = r
-    for r in rows:
-        r.decision = ("chosen" if r is best else
-                      f"{r.step_s / best.step_s:.2f}x the chosen step time" if r.step_s >= best.step_s else
-                      f"within {100 * margin:.0f}% of a less parallel setting: not worth its cores")
-    for c, loader in loaders.items():
-        if c != (best.num_workers, best.threads):
-            shutdown_workers(loader)
-    result = LoaderStepResult(best.num_workers, best.threads, table=rows, others_cores=others)
-    log.info("loader with the step in the loop: %s; %s", result.describe(),
-             "; ".join(f"{r.setting} {r.step_s:.3g} s/step" for r in rows))
-    if result.busy_warning:
-        log.warning("loader with the step in the loop: %s", result.busy_warning)
-    return loaders[(best.num_workers, best.threads)], result

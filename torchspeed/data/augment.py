@@ -15,7 +15,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Box", "RandomResizedCropFlip", "ResizeCenterCrop", "SampleRandom", "sample_rng", "render", "render_tensor"]
+from torchspeed.data.decode import dct_factor
+
+__all__ = ["Box", "RandomResizedCropFlip", "ResizeCenterCrop", "SampleRandom", "sample_rng", "needed_size", "render",
+           "render_tensor"]
 
 
 class Box(NamedTuple):
@@ -116,14 +119,26 @@ class ResizeCenterCrop:
         return Box((height - side) // 2, (width - side) // 2, side, side, False)
 
 
+def needed_size(height: int, width: int, box: Box, size: int) -> tuple[int, int]:
+    """(min_h, min_w) for a decoder: the smallest DCT-scaled image (libjpeg-turbo's 1/2, 1/4, 1/8; powers of
+    two only, see `decode.dct_factor`) on which `box` still covers `size` x `size` output pixels; (0, 0)
+    for full size. libjpeg-turbo's 7/8..3/8 scaled IDCTs have no SIMD code: a 7/8 decode measured 1.7x the
+    time of a full one (docs/data.md)."""
+    s = dct_factor(height, width, math.ceil(height * size / box.height), math.ceil(width * size / box.width))
+    return (-(-height // s), -(-width // s)) if s > 1 else (0, 0)
+
+
 def render(img: np.ndarray, box: Box, out: np.ndarray, tmp: np.ndarray | None = None, scale_h: float = 1.0,
-           scale_w: float = 1.0, chw: bool = True) -> None:
+           scale_w: float = 1.0, chw: bool = True, origin: tuple[int, int] = (0, 0),
+           full: tuple[int, int] | None = None) -> None:
     """Resize `img`'s box region to the output size, flip it if asked, and write it into `out`.
 
     `out` is a slot of the uint8 batch: CHW if `chw` (for an NCHW batch: the transposition costs ~8 us here,
     per sample in cache, versus a strided pass over the whole float batch later) or HWC (for a
-    channels_last batch, written directly, `chw=False`). `tmp` is an HWC scratch buffer of the output size. `scale_h`, `scale_w` map stored coordinates to `img` when it was decoded
-    smaller (DCT scaling).
+    channels_last batch, written directly, `chw=False`). `tmp` is an HWC scratch buffer of the output size.
+    `scale_h`, `scale_w` map stored coordinates to the decoded image when it was decoded smaller (DCT
+    scaling); when only part of it was decoded (a decoder's `decode_region`), `img` is that part, its
+    first pixel at `origin` of the whole decoded image, whose size is `full`.
     """
     import cv2
 
@@ -132,9 +147,11 @@ def render(img: np.ndarray, box: Box, out: np.ndarray, tmp: np.ndarray | None = 
         tmp = out
     elif tmp is None:
         tmp = np.empty((oh, ow, c), np.uint8)
+    fh, fw = full or img.shape[:2]
     t, l = int(box.top * scale_h), int(box.left * scale_w)
-    h = max(1, min(img.shape[0] - t, int(round(box.height * scale_h))))
-    w = max(1, min(img.shape[1] - l, int(round(box.width * scale_w))))
+    h = max(1, min(fh - t, int(round(box.height * scale_h))))
+    w = max(1, min(fw - l, int(round(box.width * scale_w))))
+    t, l = t - origin[0], l - origin[1]
     region = img[t:t + h, l:l + w]
     if (h, w) == (oh, ow):
         tmp[...] = region

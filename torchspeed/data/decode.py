@@ -6,8 +6,9 @@ image of at least (min_h, min_w), libjpeg skips the high-frequency coefficients 
 once, in the parent process, and passed to the workers by name, so every worker decodes to the
 same pixels (decoders differ in IDCT and chroma upsampling, hence in the last bit).
 
-Decoders: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), OpenCV, PIL,
-torchvision.io on the CPU, PyTurboJPEG where its system library loads, and nvjpeg
+Decoders: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), turbojpeg (libjpeg-turbo 3 through
+data/libturbojpeg.py: the pixels of simplejpeg-fast, and `decode_region` decodes only the columns a crop
+needs), OpenCV, PIL, torchvision.io on the CPU, and nvjpeg
 (`decode_jpeg(device="cuda")`, batched) where CUDA exists: a candidate only for a loader on a CUDA
 device, timed decoding a whole batch there against the CPU decoders on as many threads as the loader
 would give them; one image it cannot read (or whose data ends before its EOI marker) is decoded on the
@@ -28,6 +29,7 @@ import numpy as np
 from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
 from torchspeed.images import check_image_size, image_size_error, open_image, rgb_image
+from torchspeed.data.libturbojpeg import TurboJpeg, dct_factor
 from torchspeed.measure import compare
 from torchspeed.runtime import process_as_found
 
@@ -52,17 +54,6 @@ __all__ = ["Record", "Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "avail
            "jpeg_is_complete", "decoding_stream"]
 
 
-def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
-    """Largest libjpeg scale denominator (8, 4, 2, 1) that keeps the image >= (min_h, min_w).
-
-    Powers of two only: libjpeg-turbo has SIMD code for the 1/2, 1/4 and 1/8 IDCTs, not for
-    7/8..3/8, and a 7/8 decode measured 1.7x the time of a full one (docs/data.md)."""
-    for s in (8, 4, 2):
-        if -(-h // s) >= min_h and -(-w // s) >= min_w:
-            return s
-    return 1
-
-
 class Decoder:
     """A named JPEG decoder: `decode(buf, min_h, min_w) -> RGB HWC uint8` (min sizes 0 = full size).
 
@@ -77,6 +68,14 @@ class Decoder:
 
     def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
         raise NotImplementedError
+
+    def decode_region(self, buf: Any, min_h: int, min_w: int,
+                      region: tuple[int, int, int, int]) -> tuple[np.ndarray, int, int, int, int]:
+        """(pixels, row0, col0, full_height, full_width): pixels covering `region` = (top, left, height,
+        width) in stored pixels, of the image decoded as `decode(buf, min_h, min_w)` would decode it
+        (full_height x full_width), starting at its row0, col0. Here: the whole image."""
+        img = self.decode(buf, min_h, min_w)
+        return img, 0, 0, img.shape[0], img.shape[1]
 
     def __repr__(self) -> str:
         return f"<Decoder {self.name}>"
@@ -155,19 +154,20 @@ class TorchvisionDecoder(Decoder):
 
 
 class TurboJpegDecoder(Decoder):
+    """libjpeg-turbo through its TurboJPEG 3 API (data/libturbojpeg.py): fast DCT and upsampling as
+    simplejpeg-fast, one handle per thread, and `decode_region`, which decodes only the columns a crop needs."""
+
     name = "turbojpeg"
 
     def __init__(self) -> None:
-        from turbojpeg import TJPF_RGB, TurboJPEG  # raises where libturbojpeg is absent
+        self._tj = TurboJpeg()
 
-        self._tj, self._fmt = TurboJPEG(), TJPF_RGB
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
+        return self._tj.decode(buf, min_h, min_w, check=_size_error)[0]
 
-    def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
-        s = 1
-        if min_h > 0 or min_w > 0:
-            h, w = jpeg_size(buf)
-            s = dct_factor(h, w, min_h, min_w)
-        return self._tj.decode(bytes(buf), pixel_format=self._fmt, scaling_factor=(1, s))
+    def decode_region(self, buf: Any, min_h: int, min_w: int,
+                      region: tuple[int, int, int, int]) -> tuple[np.ndarray, int, int, int, int]:
+        return self._tj.decode(buf, min_h, min_w, region, check=_size_error)
 
 
 class NvjpegDecoder(Decoder):
@@ -217,7 +217,8 @@ def get_decoder(name: str) -> Decoder:
             with process_as_found():  # importing cv2 changes LD_LIBRARY_PATH; torchvision.io, torch's inductor env
                 _INSTANCES[name] = DECODERS[name]()
         except (ImportError, OSError, RuntimeError) as e:
-            hint = {"turbojpeg": "pip install PyTurboJPEG and the libturbojpeg system library",
+            hint = {"turbojpeg": "pip install 'torchspeed[data]' (its turbojpeg wheel bundles libjpeg-turbo 3), "
+                                 "or install libturbojpeg 3 from your system's packages",
                     "nvjpeg": "use a CPU decoder, or a machine with CUDA and torch/torchvision built for it"}.get(
                 name, "pip install 'torchspeed[data]'")
             raise ImportError(f"decoder {name!r} is not available here ({e}); {hint}") from None
@@ -238,8 +239,13 @@ def available_decoders() -> dict[str, str | None]:
 
 def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | None = None, min_size: int = 0,
                      repeats: int = 7, progress: bool | Callable[[str], None] = False,
-                     device: Any = None, cpu_threads: int | None = None) -> list[dict[str, Any]]:
+                     device: Any = None, cpu_threads: int | None = None,
+                     regions: Sequence[tuple[int, int, tuple[int, int, int, int]]] | None = None) -> list[dict[str, Any]]:
     """Time each decoder decoding `samples` (JPEG bytes): median of `repeats`, per image.
+
+    `regions`: per sample, (min_h, min_w, (top, left, height, width)): what a loader's crop needs from it;
+    each CPU decoder is then timed doing what the loader would ask of it (`Decoder.decode_region`: a
+    decoder that crops decodes only that part, the others the whole image at that DCT scale).
 
     `decoders`: a list or a comma string (default: every available one; the GPU decoder nvjpeg only
     when `device` is a CUDA device, timed decoding the samples as one batch on it, the way
@@ -280,18 +286,31 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
                 def run(dec: Any = dec) -> list[Any]:
                     return dec.decode_batch(samples)
 
+                whole = run
+
                 def to_host(images: list[Any]) -> list[np.ndarray]:
                     return [t.permute(1, 2, 0).cpu().numpy() for t in images]
             else:
-                def run(dec: Any = dec) -> list[Any]:
-                    if pool is not None:  # libjpeg-turbo, PIL and OpenCV decode without the GIL
-                        return list(pool.map(lambda b: dec.decode(b, min_size, min_size), samples))
+                def whole(dec: Any = dec) -> list[Any]:
                     return [dec.decode(b, min_size, min_size) for b in samples]
+
+                def one(b: Any, i: int, dec: Any = dec) -> Any:
+                    if regions is None:
+                        return dec.decode(b, min_size, min_size)
+                    min_h, min_w, region = regions[i]
+                    return dec.decode_region(b, min_h, min_w, region)
+
+                def run(one: Any = one) -> list[Any]:
+                    if pool is not None:  # libjpeg-turbo, PIL and OpenCV decode without the GIL
+                        return list(pool.map(one, samples, range(len(samples))))
+                    return [one(b, i) for i, b in enumerate(samples)]
 
                 def to_host(images: list[Any]) -> list[np.ndarray]:
                     return images
             try:
-                out = to_host(run())  # also a check that it reads them
+                out = to_host(whole())  # also a check that it reads them (and the pixels for the PSNR)
+                if regions is not None and not batched:
+                    run()
             except Exception as e:  # a decoder that cannot read these files is simply not a candidate
                 rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
                 continue
@@ -310,23 +329,25 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
 
 def choose_decoder(samples: Sequence[Any], parts: Mapping[str, Any] | None = None, min_size: int = 0,
                    progress: bool | Callable[[str], None] = False, device: Any = None,
-                   refresh: bool = False) -> tuple[str, list[dict[str, Any]]]:
+                   refresh: bool = False,
+                   regions: Sequence[tuple[int, int, tuple[int, int, int, int]]] | None = None) -> tuple[str, list[dict[str, Any]]]:
     """The fastest available decoder on `samples` (logged at INFO), with the measurement's table.
 
     With `parts` (what identifies the data, JSON-able) the choice is remembered on this machine
     (`torchspeed.remembered`, kind "decoder", keyed also by the decoders available and the device): the
     next call recalls it, logged as "decoder: remembered from <date> (<figure>)", unless `refresh`.
-    With a CUDA `device`, nvjpeg competes too (see `measure_decoders`)."""
+    With a CUDA `device`, nvjpeg competes too; `regions`: what a loader's crops need of each sample (see
+    `measure_decoders`)."""
     on_gpu = device is not None and str(device).startswith("cuda")
     names = [n for n, why in available_decoders().items() if why is None and (on_gpu or n not in GPU_DECODERS)]
-    key = None if parts is None else {**parts, "decoders": names, "min_size": min_size,
+    key = None if parts is None else {**parts, "decoders": names, "min_size": min_size, "regions": regions is not None,
                                       "device": str(device) if on_gpu else "cpu"}
     memory = None if key is None or refresh else remembered.recall("decoder", key)
     if memory is not None and memory.decision.get("decoder") in names:
         log.info("decoder: %s", memory.describe())
         progress_fn(progress)(f"decoder: {memory.decision['decoder']}, {memory.describe()}")
         return str(memory.decision["decoder"]), list(memory.decision.get("table", []))
-    table = measure_decoders(samples, min_size=min_size, progress=progress, device=device)
+    table = measure_decoders(samples, min_size=min_size, progress=progress, device=device, regions=regions)
     timed = [r for r in table if r["us_per_image"] is not None]
     if not timed:
         raise ValueError("no JPEG decoder could read the sample images: " + "; ".join(r.get("error", "") for r in table))
@@ -371,6 +392,10 @@ def jpeg_info(buf: Any) -> tuple[int, int, int]:
             return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8], data[i + 9]
         i += 2 + length
     raise ValueError("JPEG data has no frame header (truncated or corrupt)")
+
+
+def _size_error(height: int, width: int) -> str | None:
+    return image_size_error(width, height)
 
 
 def check_jpeg_size(buf: Any) -> None:

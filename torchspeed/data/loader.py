@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
-from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, render, render_tensor, sample_rng
-from torchspeed.data.decode import (GPU_DECODERS, choose_decoder, dct_factor, decode_jpeg_batch_cuda,
+from torchspeed.data.augment import (RandomResizedCropFlip, ResizeCenterCrop, needed_size, render, render_tensor,
+                                     sample_rng)
+from torchspeed.data.decode import (GPU_DECODERS, choose_decoder, decode_jpeg_batch_cuda,
                                      decoding_stream, get_decoder)
 from torchspeed.data.hfdatasets import is_hf_dataset
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
@@ -68,19 +69,17 @@ class AugmentedDataset(Dataset):
         rec = self.source.record(index)
         box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
         if rec.kind == "jpeg":
-            # ask the decoder for just enough pixels (the box must still cover the output size), at a
-            # power-of-two scale only: libjpeg-turbo's 7/8..3/8 scaled IDCTs have no SIMD code, and
-            # decoding at 7/8 measured 1.7x the time of a full decode (docs/data.md)
             h, w = rec.height, rec.width
-            s = dct_factor(h, w, math.ceil(h * self.size / box.height), math.ceil(w * self.size / box.width))
-            min_h, min_w = (-(-h // s), -(-w // s)) if s > 1 else (0, 0)
-            try:
-                img = get_decoder(self.decoder).decode(rec.payload, min_h, min_w)
+            min_h, min_w = needed_size(h, w, box, self.size)  # just enough pixels: a DCT-scaled decode
+            try:  # a decoder that crops decodes only the part the box needs (its origin and the full size with it)
+                img, r0, c0, fh, fw = get_decoder(self.decoder).decode_region(
+                    rec.payload, min_h, min_w, (box.top, box.left, box.height, box.width))
             except Exception as e:  # truncated or corrupt JPEG data: the error names the file (or record)
                 raise ValueError(f"cannot decode {sample_name(self.source, index)}: {type(e).__name__}: {e}") from None
+            render(img, box, out, None, fh / h, fw / w, chw=self.layout == "NCHW", origin=(r0, c0), full=(fh, fw))
         else:
             img = rec.payload
-        render(img, box, out, None, img.shape[0] / rec.height, img.shape[1] / rec.width, chw=self.layout == "NCHW")
+            render(img, box, out, None, img.shape[0] / rec.height, img.shape[1] / rec.width, chw=self.layout == "NCHW")
         return rec.label
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
@@ -306,6 +305,15 @@ class FastLoader:
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
+    def identity(self) -> dict[str, Any]:
+        """What this loader's batches depend on, JSON-able: the data (its files' sizes and times, or a
+        Dataset's class and length), batch, crop, augmentation, decoder and device: the key under which a
+        choice measured with it (e.g. `train.choose_counts`) is remembered."""
+        aug = self._augmented
+        return {"data": source_identity(aug.source), "batch_size": self.batch_size, "crop": aug.size,
+                "transform": repr(aug.transform), "layout": aug.layout, "decoder": aug.decoder,
+                "device": str(self.device), "drop_last": self.drop_last}
+
     def with_counts(self, num_workers: int, threads: int = 1) -> FastLoader:
         """This loader (same data, crop, decoder, order, epoch and position) with its batches made by
         `num_workers` worker processes, or at 0 by `threads` threads of this process.
@@ -382,13 +390,21 @@ def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, bytes]]:
     return out
 
 
-def _measured_decoder(source: Any, samples: list[tuple[int, bytes]], progress: Any,
-                      device: torch.device | None = None, refresh: bool = False) -> tuple[str, list]:
-    """choose_decoder on the samples (nvjpeg competing for a CUDA `device`), remembered for this data
-    (see `source_identity`); when they cannot be decoded, the error names the sample that fails."""
+def _measured_decoder(source: Any, samples: list[tuple[int, bytes]], options: LoaderOptions,
+                      device: torch.device | None = None) -> tuple[str, list]:
+    """choose_decoder on the samples, each decoder asked for what the loader's crops need of them (the
+    first epoch's boxes; nvjpeg competing for a CUDA `device`), remembered for this data (see
+    `source_identity`) and crop; when they cannot be decoded, the error names the sample that fails."""
+    transform = _transform(options)
+    regions = []
+    for index, data in samples:
+        rec = source.record(index)
+        box = transform.box(rec.height, rec.width, sample_rng(options.seed, 0, index))
+        regions.append((*needed_size(rec.height, rec.width, box, options.crop), (box.top, box.left, box.height, box.width)))
+    parts = {"data": source_identity(source), "crop": options.crop, "train": options.train, "scale": list(options.scale)}
     try:
-        return choose_decoder([b for _, b in samples], parts={"data": source_identity(source)}, progress=progress,
-                              device=device, refresh=refresh)
+        return choose_decoder([b for _, b in samples], parts=parts, progress=options.progress, device=device,
+                              refresh=options.refresh, regions=regions)
     except Exception as e:
         for index, data in samples:
             try:
@@ -604,8 +620,7 @@ def _with_decoder(source: Any, options: LoaderOptions) -> tuple[LoaderOptions, l
         samples = _jpeg_samples(source)
         if samples:
             gpu_allowed = not (isinstance(num_workers, int) and num_workers > 0)  # worker processes decode on the CPU
-            decoder, decoder_table = _measured_decoder(source, samples, options.progress,
-                                                       options.device if gpu_allowed else None, options.refresh)
+            decoder, decoder_table = _measured_decoder(source, samples, options, options.device if gpu_allowed else None)
         else:
             decoder = "simplejpeg"  # nothing to decode (raw pixels or decoded arrays): any name will do
         if hasattr(source, "close"):
@@ -624,10 +639,14 @@ def _with_decoder(source: Any, options: LoaderOptions) -> tuple[LoaderOptions, l
     return replace(options, decoder=decoder, num_workers=num_workers), decoder_table
 
 
+def _transform(options: LoaderOptions) -> RandomResizedCropFlip | ResizeCenterCrop:
+    return RandomResizedCropFlip(options.crop, scale=options.scale) if options.train else ResizeCenterCrop(options.crop)
+
+
 def _dataset_and_sampler(source: Any, batch_size: int,
                          options: LoaderOptions) -> tuple[AugmentedDataset, EpochBatchSampler]:
     """What makes each sample (the augmentation, the decoder, the uint8 layout) and the batches of indices."""
-    transform = RandomResizedCropFlip(options.crop, scale=options.scale) if options.train else ResizeCenterCrop(options.crop)
+    transform = _transform(options)
     # channels_last output: NHWC uint8 is already its memory order; else NCHW (see normalize_batch)
     augmented = AugmentedDataset(source, transform, options.decoder, options.seed,
                                  layout="NHWC" if options.channels_last else "NCHW", device=options.device,

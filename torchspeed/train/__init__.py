@@ -17,6 +17,12 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on 
     )
     from torchspeed.train.callbacks import Callback, Checkpoint, EarlyStopping
     from torchspeed.train.checkpoint import CheckpointError, last_checkpoint, load_file
+    from torchspeed.train.loader_choice import (
+        LoaderStepResult,
+        LoaderStepRow,
+        choose_loader_with_step,
+        step_candidates,
+    )
     from torchspeed.train.trainer import Trainer
 
 # public name -> module that defines it; modules load on first use
@@ -33,6 +39,10 @@ _EXPORTS = {
     "last_checkpoint": "checkpoint",
     "load_file": "checkpoint",
     "CheckpointError": "checkpoint",
+    "LoaderStepResult": "loader_choice",
+    "LoaderStepRow": "loader_choice",
+    "choose_loader_with_step": "loader_choice",
+    "step_candidates": "loader_choice",
 }
 __all__ = list(_EXPORTS)
 

@@ -23,7 +23,9 @@ The settings are one `AccelerateOptions` value, checked once when it is made (`a
 from its keywords; the Trainer holds one). `accelerate` runs four steps in order, one function each:
 the precision and memory-format trials (`_choose_precision_and_layout`), the compile trial
 (`_choose_compile`), the distributed wrapper (`_wrap_for_strategy`) and the optimizer implementation
-(`_choose_optimizer_implementation`).
+(`_choose_optimizer_implementation`); then a loader whose counts were measured alone (a FastLoader on
+"auto") has them chosen again with real training steps of the prepared model in the loop
+(`_loader_with_step`, see `loader_choice`).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ from torchspeed.runtime import (
     synchronize,
 )
 from torchspeed.train import distributed
+from torchspeed.train.loader_choice import LoaderStepResult, alone_counts, choose_counts
 from torchspeed.train.wrapping import (
     AcceleratedModel,
     DeviceLoader,
@@ -63,7 +66,7 @@ from torchspeed.train.wrapping import (
 
 __all__ = ["accelerate", "accelerate_with", "AccelerateOptions", "Accelerated", "AccelerateResult", "TrialRow",
            "apply_cudnn_benchmark", "apply_tf32", "autocast_for", "check_class_outputs", "forget_prepared",
-           "AcceleratedModel", "DeviceLoader"]
+           "release_step_guard", "step_parts", "training_step", "AcceleratedModel", "DeviceLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +155,7 @@ class AccelerateResult:
     cudnn_benchmark: bool | None = None   # cuDNN autotuning (CUDA); None: not applicable here
     candidates: list[TrialRow] = field(default_factory=list)
     others_cores: float | None = None     # most cores other processes used during a trial (None: not measured)
+    loader: LoaderStepResult | None = None  # the loader's counts chosen with the step in the loop (FastLoader)
 
     @property
     def busy_warning(self) -> str | None:
@@ -163,7 +167,19 @@ class AccelerateResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["candidates"] = [c.to_dict() for c in self.candidates]
+        d["loader"] = self.loader.to_dict() if self.loader is not None else None
         return d
+
+    def record_loader(self, choice: LoaderStepResult) -> None:
+        """Keep the loader's counts chosen with the step in the loop: `loader`, and one "loader" row
+        per setting timed (or the remembered one), as the other settings are reported."""
+        self.loader = choice
+        if choice.remembered:
+            self.candidates.append(TrialRow("loader", choice.setting, decision=choice.remembered))
+            return
+        for r in choice.table:
+            decision = "kept" if r.decision.startswith("chosen") else f"rejected: {r.decision}"
+            self.candidates.append(TrialRow("loader", r.setting, r.step_s, decision=decision))
 
     def rows(self) -> list[tuple[Any, ...]]:
         return [(c.setting, c.value, None if c.step_s is None else c.step_s * 1e3, c.one_off_s, c.decision)
@@ -323,7 +339,8 @@ class Accelerated:
 
 # fp16: gradients scaled by the GradScaler must be stepped through Accelerated.step (unscaled, checked for inf)
 _STEPPING: set[int] = set()  # ids of the optimizers inside Accelerated.step now
-_GUARDED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers carrying the refusing hook
+# optimizers carrying the refusing hook -> its handle (removed when the preparation is let go)
+_GUARDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 _BACKWARD_SCALED: weakref.WeakSet[Any] = weakref.WeakSet()  # scalers with an acc.backward since their last step
 
 
@@ -338,8 +355,19 @@ def _guard_scaled_steps(optimizer: torch.optim.Optimizer) -> None:
     """Under fp16: a step pre-hook refusing any step not made through Accelerated.step, before a weight
     changes (a plain step would apply scaled, unchecked gradients: silently wrong)."""
     if optimizer not in _GUARDED:
-        optimizer.register_step_pre_hook(_refuse_plain_step)
-        _GUARDED.add(optimizer)
+        _GUARDED[optimizer] = optimizer.register_step_pre_hook(_refuse_plain_step)
+
+
+def release_step_guard(optimizer: torch.optim.Optimizer | None) -> None:
+    """Remove the fp16 hook that refuses a plain `optimizer.step()`: once the preparation is forgotten or
+    let go, the optimizer is the user's again (a later fp32 loop, or another preparation, steps it)."""
+    handle = _GUARDED.pop(optimizer, None) if optimizer is not None else None
+    if handle is not None:
+        handle.remove()
+
+
+def _release_guard_of(optimizer_ref: weakref.ref[torch.optim.Optimizer]) -> None:
+    release_step_guard(optimizer_ref())
 
 
 @dataclass
@@ -947,6 +975,12 @@ def accelerate(
     <date> (<figure>)"); `refresh=True` measures again. `progress`: True prints one line per trial
     on stderr, a callable receives them; by default nothing is printed (INFO log lines as always).
 
+    A loader whose worker/thread counts were measured alone (`fast_loader(..., num_workers="auto")`)
+    gets them chosen again with real training steps (forward, loss, backward, optimizer step) of the
+    prepared model in the loop, the setting measured alone against less parallel ones, so the
+    loader's threads do not slow the step down (`report.loader`, "loader" rows; remembered; the
+    model, optimizer and RNG put back exactly). Counts given explicitly are used as given.
+
     The model returned can be given to `Trainer` as it is (or the `Accelerated` itself): the
     Trainer then uses these choices and does not measure again.
     """
@@ -1024,9 +1058,67 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
     front = AcceleratedModel(model, wrapped, dev, report.precision, report.channels_last)
     _PREPARED[front] = _Prepared(report, dev, scaler, weakref.ref(model),
                                  weakref.ref(optimizer) if optimizer is not None else None, fmt)
-    return Accelerated(model=front, optimizer=optimizer, report=report, device=dev, module=model, scaler=scaler,
-                       batch_format=fmt,
-                       loader=DeviceLoader(loader, dev, report.channels_last) if loader is not None else None)
+    if scaler is not None and optimizer is not None:  # the model let go: the optimizer steps plainly again
+        weakref.finalize(front, _release_guard_of, weakref.ref(optimizer))
+    acc = Accelerated(model=front, optimizer=optimizer, report=report, device=dev, module=model, scaler=scaler,
+                      batch_format=fmt)
+    if loader is not None:
+        loader = _loader_with_step(acc, loader, loss_fn, example_batch, options.refresh, progress)
+        acc.loader = DeviceLoader(loader, dev, report.channels_last)
+    return acc
+
+
+def training_step(acc: Accelerated, loss_fn: Callable[..., torch.Tensor] | None) -> Callable[[Any], None]:
+    """One real training step of the prepared model on a batch, as a plain loop runs it: forward under
+    the chosen precision, `loss_fn` (cross-entropy for class logits when None, as the trials), backward
+    and optimizer step through `acc` (the GradScaler under fp16)."""
+    fmt = acc.batch_format or BatchFormat()
+    loss = loss_fn or _default_loss
+    needs_inputs = getattr(loss, "needs_inputs", False)
+
+    def step(batch: Any) -> None:
+        x, y = fmt.split(batch)
+        y = to_device(y, acc.device)
+        with acc.autocast():
+            out = fmt.logits_of(fmt.forward(acc.model, x))
+            value = loss(out, y, x) if needs_inputs else loss(out, y)
+        acc.backward(value)
+        acc.step(acc.optimizer)
+    return step
+
+
+def step_parts(acc: Accelerated, loss_fn: Any, batch: Any) -> dict[str, Any]:
+    """What the time of a prepared training step depends on besides the machine (the key of the loader
+    choice made with it): the model's structure, the batch's shapes, the choices accelerate() made,
+    the optimizer, the loss, the world size."""
+    inputs, targets = (acc.batch_format or BatchFormat()).split(batch)
+    r = acc.report
+    opt = acc.optimizer
+    return {"model": remembered.model_fingerprint(acc.module), "inputs": remembered.shapes_of(inputs),
+            "targets": remembered.shapes_of(targets), "device": acc.device.type,
+            "world_size": distributed.env().world_size, "precision": r.precision, "channels_last": r.channels_last,
+            "compile": r.compile, "strategy": r.strategy, "tf32": r.tf32, "cudnn_benchmark": r.cudnn_benchmark,
+            "optimizer": None if opt is None else f"{type(opt).__qualname__} ({r.optimizer})",
+            "loss_fn": _qualified_name(loss_fn)}
+
+
+def _loader_with_step(acc: Accelerated, loader: Any, loss_fn: Any, batch: Any, refresh: bool,
+                      progress: bool | Callable[[str], Any]) -> Any:
+    """A loader whose counts were measured alone (a FastLoader on "auto"), re-chosen with real training
+    steps of the prepared model in the loop (`loader_choice.choose_counts`); any other loader as it is."""
+    if alone_counts(loader) is None:
+        return loader
+    if acc.optimizer is None:
+        log.info("accelerate: the loader keeps the counts it measured alone (no optimizer was given, so no "
+                 "training step can be timed with it)")
+        return loader
+    if batch is None:
+        batch = example_batch_of(loader)
+    chosen, result = choose_counts(loader, training_step(acc, loss_fn), step_parts(acc, loss_fn, batch),
+                                   model=acc.model, optimizer=acc.optimizer, scaler=acc.scaler, device=acc.device,
+                                   refresh=refresh, progress=progress)
+    acc.report.record_loader(result)
+    return chosen
 
 
 def _qualified_name(fn: Any) -> str | None:
@@ -1158,6 +1250,10 @@ def _say_rows(rows: list[TrialRow], start: int, say: Callable[[str], Any]) -> No
 
 
 def forget_prepared(model: nn.Module) -> None:
-    """Stop treating `model` as one accelerate() returned. The Trainer calls it on its own preparation,
-    so a later Trainer given the same model prepares it afresh with its own settings."""
-    _PREPARED.pop(model, None)
+    """Stop treating `model` as one accelerate() returned, and under fp16 let its optimizer step plainly
+    again (the refusing hook removed; `Accelerated.step` puts it back while that preparation steps).
+    The Trainer calls it on its own preparation, so a later Trainer given the same model prepares it
+    afresh with its own settings."""
+    rec = _PREPARED.pop(model, None)
+    if rec is not None and rec.scaler is not None and rec.optimizer is not None:
+        release_step_guard(rec.optimizer())

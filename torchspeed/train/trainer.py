@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,8 +41,11 @@ from torchspeed.train.acceleration import (
     autocast_for,
     check_class_outputs,
     forget_prepared,
+    release_step_guard,
+    step_parts,
 )
 from torchspeed.train.callbacks import Callback, Checkpoint
+from torchspeed.train.loader_choice import LoaderStepResult, alone_counts, choose_counts
 from torchspeed.train.wrapping import class_count, example_batch_of
 
 __all__ = ["Trainer"]
@@ -370,6 +374,11 @@ class Trainer:
         self._rest: dict[str, Any] | None = None
         self._classes: int | None = None  # the classes the training data names, when it does
         self._outputs_checked = False  # the model's class outputs checked against the labels (first batch)
+        self._own_preparation = False  # accelerate() run by this Trainer (not a prepared model given to it)
+        # the training loader's counts chosen with the step in the loop (see choose_loader): the result,
+        # and (the loader given, the loader trained with)
+        self.loader_choice: LoaderStepResult | None = None
+        self._chosen: tuple[weakref.ref[Any], Any] | None = None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -406,14 +415,58 @@ class Trainer:
         example = example_batch_of(loader) if measured else None
         self.acc = accelerate_with(options, self._raw_model, self.optimizer, example_batch=example,
                                    loss_fn=self.loss_fn, batch_format=self.batch_format, classes=self._classes,
-                                   progress=self.progress if self.is_main and callable(self.progress) else False)
+                                   progress=self._say_progress())
         forget_prepared(self.acc.model)
+        self._own_preparation = True
         self.dist = distributed.env()
+
+    def _say_progress(self) -> bool | Callable[[str], Any]:
+        """progress= for what the Trainer measures before training: lines to a callable on rank 0 only."""
+        return self.progress if self.is_main and callable(self.progress) else False
 
     def prepare(self, loader: Iterable[Any], expected_steps: int | None = None) -> Accelerated:
         """Run accelerate() now (fit does it on first use): measure the "auto" settings on one batch."""
         self._prepare(self._shard(loader), expected_steps)
         return self.acc
+
+    def choose_loader(self, loader: Iterable[Any], expected_steps: int | None = None) -> Any:
+        """accelerate() (as `prepare`), then a FastLoader's counts chosen with this Trainer's training
+        step in the loop (fit does it before its first epoch): the loader to train with (`loader_choice`
+        says what was timed). Counts measured alone can take cores the step needs; counts the user fixed
+        are kept, as is any other loader. Remembered like accelerate()'s choices."""
+        loader = self._shard(loader)
+        self._prepare(loader, expected_steps)
+        return self._with_chosen_counts(loader)
+
+    def _with_chosen_counts(self, loader: Any) -> Any:
+        """The loader with its counts chosen with the step in the loop, once per loader given (the
+        model, optimizer and RNG as they were; the choice recorded on `report` and `loader_choice`)."""
+        if self._chosen is not None and (loader is self._chosen[0]() or loader is self._chosen[1]):
+            return self._chosen[1]
+        if alone_counts(loader) is None:
+            return loader
+        example = example_batch_of(loader)
+        previous, self._loader = self._loader, loader  # how _split reads the batches
+
+        def step(batch: Any) -> None:
+            x, y = self._split(batch)
+            with self.acc.autocast():
+                loss = self._loss(self._forward(self.model, x), y, x)
+            self.acc.backward(loss)
+            self.acc.step(self.optimizer, max_grad_norm=self.max_grad_norm)
+
+        parts = {**step_parts(self.acc, self.loss_fn, example), "loop": "Trainer",
+                 "max_grad_norm": self.max_grad_norm is not None}
+        try:
+            chosen, result = choose_counts(loader, step, parts, model=self.model, optimizer=self.optimizer,
+                                           scaler=self.acc.scaler, device=self.device, refresh=self.options.refresh,
+                                           progress=self._say_progress())
+        finally:
+            self._loader = previous
+        self.acc.report.record_loader(result)
+        self.loader_choice = result
+        self._chosen = (weakref.ref(loader), chosen)
+        return chosen
 
     def _shard(self, loader: Any) -> Any:
         return distributed.shard_loader(loader, self.dist) if self.dist.distributed else loader
@@ -818,6 +871,8 @@ class Trainer:
             return self._fit(train_loader, val_loader, epochs, max_steps, resume)
         finally:
             self._release()
+            if self._own_preparation and self.acc is not None and self.acc.scaler is not None:
+                release_step_guard(self.optimizer)  # fp16: the optimizer steps plainly again after the run
 
     def _auto_resume(self) -> str | None:
         """resume='auto': "last" when the Checkpoint directory holds a checkpoint of its run, else None
@@ -881,6 +936,7 @@ class Trainer:
         self._classes = class_count(train_loader)
         self._outputs_checked = False
         self._prepare(loader, max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None))
+        loader = self._with_chosen_counts(loader)  # before the first epoch: counts measured alone, with the step
         if new_id and self.dist.distributed:  # one run id on every rank: rank 0's, which claimed the directory
             hi, lo = distributed.broadcast_ints([int(self.run_id[:8], 16), int(self.run_id[8:], 16)])
             self.run_id = f"{hi:08x}{lo:08x}"

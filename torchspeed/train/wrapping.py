@@ -70,7 +70,13 @@ class AcceleratedModel(nn.Module):
     """The user's model, run at the precision and memory format accelerate() chose (see the module's
     docstring). `module` is the user's model; `wrapped` what runs the forward (the user's model, or
     its DDP / FSDP / torch.compile wrapper). Attribute reads and writes the wrapper does not have go
-    to the user's model (`model.fc`, `model.fc = nn.Linear(...)`)."""
+    to the user's model (`model.fc`, `model.fc = nn.Linear(...)`). A model that is a container
+    (nn.Sequential, ModuleList, ModuleDict: it has len() and iteration) keeps them: `len(model)`,
+    `for layer in model` and `model[i]` are the user's model's."""
+
+    def __new__(cls, module: nn.Module | None = None, *args: Any, **kwargs: Any) -> AcceleratedModel:
+        container = cls is AcceleratedModel and hasattr(type(module), "__len__") and hasattr(type(module), "__iter__")
+        return super().__new__(_AcceleratedContainer if container else cls)
 
     def __init__(self, module: nn.Module, wrapped: nn.Module, device: torch.device, precision: str,
                  channels_last: bool):
@@ -133,6 +139,17 @@ class AcceleratedModel(nn.Module):
     def __repr__(self) -> str:
         return (f"AcceleratedModel(precision={self.precision}, channels_last={self.channels_last}, "
                 f"device={self.device}):\n{self._original_module!r}")
+
+
+class _AcceleratedContainer(AcceleratedModel):
+    """An AcceleratedModel of a container model: len() and iteration are the user's model's (defined only
+    here, so any other model stays without len() and is never taken for an iterable)."""
+
+    def __len__(self) -> int:
+        return len(self._original_module)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._original_module)
 
 
 class DeviceLoader:

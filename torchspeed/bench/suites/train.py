@@ -8,7 +8,7 @@ costs, excluded), as many calls as fit the row's share of the suite's time budge
 torch.utils.flop_counter) so the orchestrator can set them against the fp32 GEMM ceiling, and one step of the
 chosen layout is profiled per op to show where the time goes. A precision this CPU only emulates (its
 GEMM ceiling below fp32's) is not run. The fast pipeline's loader setting is chosen with the training
-step in the loop (`recipes.choose_loader_with_step`: the loader's threads share the cores with the
+step in the loop (`train.loader_choice.choose_loader_with_step`: the loader's threads share the cores with the
 step, so the setting fastest alone can make the step slower). A row slower than the row above is timed
 again, interleaved with it, and on a batch in memory, and says what that found (`Row.vs_above`). The
 full report also measures the tuned torchvision loader, channels_last and torch.compile rows and
@@ -507,13 +507,13 @@ class _TrainSuite:
 
     def recheck(self, row: Row, feed: _Feed, above: Row, above_feed: _Feed) -> None:
         """A row slower than the row above, timed again interleaved with it (fresh passes of each loader,
-        `recipes.time_fed_steps`), and each step timed on a batch in memory too; the row takes the
+        `train.loader_choice.time_fed_steps`), and each step timed on a batch in memory too; the row takes the
         interleaved figure, and `vs_above` says what the re-measure found: not slower after all, or
         slower because the machine was busy, because the step itself is slower, or because of its data."""
         import statistics
 
         from torchspeed.measure import busy_warning, wait_for_quiet_machine
-        from torchspeed.recipes import time_fed_steps
+        from torchspeed.train.loader_choice import time_fed_steps
 
         self.say(f"{row.technique}: slower than {above.technique}; timing both again, interleaved")
         for f in (feed, above_feed):
@@ -607,7 +607,7 @@ class _TrainSuite:
         """3. + the fast data pipeline; 4. + mixed precision, unless this machine only emulates it."""
         from torchspeed.data import fast_loader
 
-        from torchspeed.recipes import choose_loader_with_step, step_candidates
+        from torchspeed.train.loader_choice import choose_loader_with_step, step_candidates
 
         self.say("fast_loader: choosing decoder and num_workers (measured)")
         alone = fast_loader(self.store, BATCH, crop=CROP, device=self.device, channels_last=False,

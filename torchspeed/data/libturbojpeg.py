@@ -1,0 +1,159 @@
+"""libjpeg-turbo's TurboJPEG 3 API through ctypes: DCT-scaled decoding of just the columns a crop needs.
+
+Why: a random-resized crop keeps on average about half of the image, and libjpeg-turbo can leave out
+the columns outside it (`tj3SetCroppingRegion`): they are entropy-decoded but skip the inverse DCT,
+upsampling and colour conversion. simplejpeg, OpenCV and PIL do not expose it, and the Python bindings
+on PyPI either open a handle per image or offer no cropping, so this module calls the library itself:
+one decompressor per thread (fast DCT and fast upsampling, the pixels of simplejpeg-fast), and ctypes
+releases the GIL for the whole decode. Rows are not cropped: skipping or stopping rows with fast
+(merged) upsampling reads uninitialised memory in the bundled libjpeg-turbo 3.0 beta (wrong pixels,
+spurious warnings, crashes under a thread stress test), where cropping columns alone decodes exactly
+the pixels of a whole decode (tests/test_region_decode.py checks both).
+
+The library: the one bundled with the `turbojpeg` wheel (pybind11 bindings of libjpeg-turbo 3, in
+`torchspeed[data]` where it has wheels), else a system libturbojpeg with the version-3 API. Output sizes
+are computed from the header as libjpeg-turbo computes them, and every buffer is allocated by numpy at
+that size before the library writes into it.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import importlib.util
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TurboJpeg", "library_path", "dct_factor"]
+
+_INIT_DECOMPRESS = 1
+_PARAM_SUBSAMP, _PARAM_WIDTH, _PARAM_HEIGHT, _PARAM_FASTUPSAMPLE, _PARAM_FASTDCT = 4, 5, 6, 9, 10
+_PF_RGB = 0
+_MCU_WIDTH = (8, 16, 16, 8, 8, 32, 8)  # by TJSAMP: 444, 422, 420, GRAY, 440, 411, 441
+
+
+def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
+    """Largest libjpeg scale denominator (8, 4, 2, 1) that keeps the image >= (min_h, min_w).
+
+    Powers of two only: libjpeg-turbo has SIMD code for the 1/2, 1/4 and 1/8 IDCTs, not for
+    7/8..3/8, and a 7/8 decode measured 1.7x the time of a full one (docs/data.md)."""
+    for s in (8, 4, 2):
+        if -(-h // s) >= min_h and -(-w // s) >= min_w:
+            return s
+    return 1
+
+
+class _Region(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_int), ("y", ctypes.c_int), ("w", ctypes.c_int), ("h", ctypes.c_int)]
+
+
+class _Scale(ctypes.Structure):
+    _fields_ = [("num", ctypes.c_int), ("denom", ctypes.c_int)]
+
+
+_WHOLE = _Region(0, 0, 0, 0)
+
+
+def library_path() -> str:
+    """Where libturbojpeg (TurboJPEG 3 API) is: the `turbojpeg` wheel's bundled copy, else the system's."""
+    spec = importlib.util.find_spec("turbojpeg")
+    if spec is not None and spec.origin:  # the module itself is not imported: only its bundled library is used
+        found = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "turbojpeg.libs", "libturbojpeg*")))
+        if found:
+            return found[0]
+    system = ctypes.util.find_library("turbojpeg")
+    if system:
+        return system
+    raise ImportError("libturbojpeg not found")
+
+
+def _load(path: str) -> Any:
+    lib = ctypes.CDLL(path)
+    if not hasattr(lib, "tj3Init"):
+        raise ImportError(f"{path} is libturbojpeg 2 (the TurboJPEG 3 API, libjpeg-turbo >= 3.0, is needed)")
+    vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    sigs = {"tj3Init": ([i], vp), "tj3Destroy": ([vp], None), "tj3Set": ([vp, i, i], i), "tj3Get": ([vp, i], i),
+            "tj3DecompressHeader": ([vp, vp, sz], i), "tj3SetScalingFactor": ([vp, _Scale], i),
+            "tj3SetCroppingRegion": ([vp, _Region], i), "tj3GetErrorStr": ([vp], ctypes.c_char_p),
+            "tj3Decompress8": ([vp, vp, sz, vp, i, i], i)}
+    for name, (args, res) in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
+class _Handle:
+    """One thread's decompressor (fast DCT and upsampling on, as simplejpeg-fast), destroyed with it."""
+
+    def __init__(self, lib: Any):
+        self.lib, self.ptr = lib, lib.tj3Init(_INIT_DECOMPRESS)
+        if not self.ptr:
+            raise MemoryError("libturbojpeg could not create a decompressor")
+        lib.tj3Set(self.ptr, _PARAM_FASTUPSAMPLE, 1)
+        lib.tj3Set(self.ptr, _PARAM_FASTDCT, 1)
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None):
+            self.lib.tj3Destroy(self.ptr)
+            self.ptr = None
+
+
+class TurboJpeg:
+    """`decode(buf, min_h, min_w, region)`: RGB HWC uint8 pixels of a JPEG, DCT-scaled, whole or the columns
+    covering a region; one decompressor per thread."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or library_path()
+        self._lib = _load(self.path)
+        self._local = threading.local()
+
+    def _handle(self) -> Any:
+        h = getattr(self._local, "handle", None)
+        if h is None:
+            h = self._local.handle = _Handle(self._lib)
+        return h.ptr
+
+    def _fail(self, handle: Any, what: str) -> None:
+        msg = self._lib.tj3GetErrorStr(handle)
+        raise ValueError(f"libturbojpeg could not {what}: {(msg or b'unknown error').decode(errors='replace')}")
+
+    def decode(self, buf: Any, min_h: int = 0, min_w: int = 0, region: tuple[int, int, int, int] | None = None,
+               check: Callable[[int, int], str | None] | None = None) -> tuple[np.ndarray, int, int, int, int]:
+        """(pixels, row0, col0, full_height, full_width): the JPEG decoded at the smallest power-of-two DCT
+        scale that keeps it >= (min_h, min_w) (`dct_factor`), whole (full_height x full_width) or,
+        with `region` = (top, left, height, width) in stored pixels, only the columns that cover the region
+        scaled (one pixel of margin each side, widened left to the iMCU column boundary libjpeg-turbo crops
+        at; all rows, so row0 is 0); its first column is col0 of the whole. `check(height, width)` returns
+        why the stored size is refused (checked before anything is decoded). A warning from the library
+        (data ending before its EOI marker, say) is an error."""
+        lib, handle = self._lib, self._handle()
+        src = np.frombuffer(buf, np.uint8)  # no copy: the library reads the caller's bytes
+        if lib.tj3DecompressHeader(handle, src.ctypes.data, src.size) != 0:
+            self._fail(handle, "read the JPEG header")
+        width, height = lib.tj3Get(handle, _PARAM_WIDTH), lib.tj3Get(handle, _PARAM_HEIGHT)
+        why = check(height, width) if check is not None else None
+        if why:
+            raise ValueError(f"the JPEG {why}")
+        scale = dct_factor(height, width, min_h, min_w) if (min_h > 0 or min_w > 0) else 1
+        lib.tj3SetCroppingRegion(handle, _WHOLE)  # the last image's region, checked against the new scale, could fail
+        if lib.tj3SetScalingFactor(handle, _Scale(1, scale)) != 0:
+            self._fail(handle, f"decode at 1/{scale} scale")
+        fh, fw = -(-height // scale), -(-width // scale)  # TJSCALED: ceil(size / scale)
+        x0, w = 0, fw
+        if region is not None:  # the columns the region needs, one pixel of margin each side (see the docstring)
+            _, left, _, rw = region
+            subsamp = lib.tj3Get(handle, _PARAM_SUBSAMP)
+            mcu = -(-_MCU_WIDTH[subsamp] // scale) if 0 <= subsamp < len(_MCU_WIDTH) else fw
+            x0 = min(fw - 1, max(0, left * fw // width - 1)) // mcu * mcu
+            w = min(fw, -(-(left + rw) * fw // width) + 1) - x0
+        crop = _WHOLE if w == fw else _Region(x0, 0, w, fh)
+        if lib.tj3SetCroppingRegion(handle, crop) != 0:
+            self._fail(handle, f"crop columns {x0}..{x0 + w - 1}")
+        out = np.empty((fh, w, 3), np.uint8)
+        if lib.tj3Decompress8(handle, src.ctypes.data, src.size, out.ctypes.data, w * 3, _PF_RGB) != 0:
+            self._fail(handle, "decode the JPEG data")
+        return out, 0, x0, fh, fw
