@@ -561,7 +561,7 @@ def decoding_stream(device: Any) -> Any:
 
 def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
                            names: Sequence[str] | Callable[[int], str] | None = None,
-                           fallback: str | None = "simplejpeg") -> list[Any]:
+                           fallback: str | None = "simplejpeg", skip_bad: bool = False) -> list[Any]:
     """Decode many JPEGs at once on the GPU with nvjpeg (torchvision.io.decode_jpeg, batched).
 
     Returns RGB CHW uint8 tensors on `device`, one per buffer, in order, made on the current stream
@@ -572,7 +572,8 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
     also reads CMYK and mislabelled PNGs) and copied to the device, with a RuntimeWarning naming each
     one (`names[i]`, e.g. its file; or `names(i)`, called only for such an image, so that a batch
     without one builds no names). Only an image that no decoder can read raises a ValueError naming
-    it; with `fallback=None` (measuring nvjpeg alone) any image nvjpeg does not decode does. For
+    it (with `skip_bad`, its place in the result is None and a warning names it); with `fallback=None`
+    (measuring nvjpeg alone) any image nvjpeg does not decode does. For
     pipelines that move decoding off a starved CPU onto the GPU (`fast_loader(decoder="nvjpeg")`);
     needs CUDA.
     """
@@ -596,6 +597,10 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
         except ValueError:
             continue  # not JPEG data, or no frame header: the CPU decoders say what it is
         why = image_size_error(w, h)
+        if why and skip_bad:
+            log.warning("left out of the batch: %s: the JPEG %s", name_of(i), why)
+            out[i] = False  # refused: neither nvjpeg nor a CPU decoder may read it
+            continue
         if why:
             raise ValueError(f"{name_of(i)}: the JPEG {why}")
         if components in (1, 3) and jpeg_is_complete(buf):
@@ -610,12 +615,17 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
                 out[i] = _nvjpeg([data[i]], device)[0]
             except Exception:
                 pass
-    for i in [i for i, img in enumerate(out) if img is None]:
+    for i in [i for i, img in enumerate(out) if img is None]:  # (False: refused above)
         if fallback is None:
             raise ValueError(f"nvjpeg could not decode {name_of(i)} (not a complete baseline or progressive "
                              "grey/YCbCr JPEG, or data nvjpeg refuses)")
-        out[i] = _decode_on_cpu(buffers[i], name_of(i), fallback).to(device)
-    return out
+        try:
+            out[i] = _decode_on_cpu(buffers[i], name_of(i), fallback).to(device)
+        except ValueError as e:  # no decoder reads it: named
+            if not skip_bad:
+                raise
+            log.warning("left out of the batch: %s", e)
+    return [img if img is not False else None for img in out]
 
 
 def _decode_on_cpu(buf: Any, name: str, fallback: str) -> Any:

@@ -55,7 +55,7 @@ class _Scale(ctypes.Structure):
     _fields_ = [("num", ctypes.c_int), ("denom", ctypes.c_int)]
 
 
-_WHOLE = _Region(0, 0, 0, 0)
+_WHOLE = _Region(0, 0, 0, 0)  # TJUNCROPPED
 
 
 def library_path() -> str:
@@ -87,9 +87,12 @@ def _load(path: str) -> Any:
 
 
 class _Handle:
-    """One thread's decompressor (fast DCT and upsampling on, as simplejpeg-fast), destroyed with it."""
+    """One thread's decompressor (fast DCT and upsampling on, as simplejpeg-fast), destroyed with it. Its
+    scaling factor and cropping region persist from one image to the next: they are set only when they
+    change (each ctypes call costs about a microsecond, a tenth of a small image's decode)."""
 
     def __init__(self, lib: Any):
+        self.scale, self.crop = 1, (0, 0, 0, 0)
         self.lib, self.ptr = lib, lib.tj3Init(_INIT_DECOMPRESS)
         if not self.ptr:
             raise MemoryError("libturbojpeg could not create a decompressor")
@@ -111,11 +114,11 @@ class TurboJpeg:
         self._lib = _load(self.path)
         self._local = threading.local()
 
-    def _handle(self) -> Any:
+    def _handle(self) -> _Handle:
         h = getattr(self._local, "handle", None)
         if h is None:
             h = self._local.handle = _Handle(self._lib)
-        return h.ptr
+        return h
 
     def _fail(self, handle: Any, what: str) -> None:
         msg = self._lib.tj3GetErrorStr(handle)
@@ -130,7 +133,8 @@ class TurboJpeg:
         at; all rows, so row0 is 0); its first column is col0 of the whole. `check(height, width)` returns
         why the stored size is refused (checked before anything is decoded). A warning from the library
         (data ending before its EOI marker, say) is an error."""
-        lib, handle = self._lib, self._handle()
+        lib, state = self._lib, self._handle()
+        handle = state.ptr
         src = np.frombuffer(buf, np.uint8)  # no copy: the library reads the caller's bytes
         if lib.tj3DecompressHeader(handle, src.ctypes.data, src.size) != 0:
             self._fail(handle, "read the JPEG header")
@@ -139,9 +143,13 @@ class TurboJpeg:
         if why:
             raise ValueError(f"the JPEG {why}")
         scale = dct_factor(height, width, min_h, min_w) if (min_h > 0 or min_w > 0) else 1
-        lib.tj3SetCroppingRegion(handle, _WHOLE)  # the last image's region, checked against the new scale, could fail
-        if lib.tj3SetScalingFactor(handle, _Scale(1, scale)) != 0:
-            self._fail(handle, f"decode at 1/{scale} scale")
+        if scale != state.scale:
+            if state.crop != (0, 0, 0, 0):  # the last image's region, checked against the new scale, could fail
+                lib.tj3SetCroppingRegion(handle, _WHOLE)
+                state.crop = (0, 0, 0, 0)
+            if lib.tj3SetScalingFactor(handle, _Scale(1, scale)) != 0:
+                self._fail(handle, f"decode at 1/{scale} scale")
+            state.scale = scale
         fh, fw = -(-height // scale), -(-width // scale)  # TJSCALED: ceil(size / scale)
         x0, w = 0, fw
         if region is not None:  # the columns the region needs, one pixel of margin each side (see the docstring)
@@ -150,9 +158,12 @@ class TurboJpeg:
             mcu = -(-_MCU_WIDTH[subsamp] // scale) if 0 <= subsamp < len(_MCU_WIDTH) else fw
             x0 = min(fw - 1, max(0, left * fw // width - 1)) // mcu * mcu
             w = min(fw, -(-(left + rw) * fw // width) + 1) - x0
-        crop = _WHOLE if w == fw else _Region(x0, 0, w, fh)
-        if lib.tj3SetCroppingRegion(handle, crop) != 0:
-            self._fail(handle, f"crop columns {x0}..{x0 + w - 1}")
+        crop = (0, 0, 0, 0) if w == fw else (x0, 0, w, fh)
+        if crop != state.crop:
+            state.crop = (-1, 0, 0, 0)  # unknown until the library accepts it
+            if lib.tj3SetCroppingRegion(handle, _Region(*crop)) != 0:
+                self._fail(handle, f"crop columns {x0}..{x0 + w - 1}")
+            state.crop = crop
         out = np.empty((fh, w, 3), np.uint8)
         if lib.tj3Decompress8(handle, src.ctypes.data, src.size, out.ctypes.data, w * 3, _PF_RGB) != 0:
             self._fail(handle, "decode the JPEG data")

@@ -111,7 +111,16 @@ class AugmentedDataset(Dataset):
         """The batch made on `self.device` by a GPU decoder: the JPEGs of the batch decoded together
         (nvjpeg; an image it cannot read is decoded on the CPU, with a warning naming it), each box
         cropped and resized there (`render_tensor`); labels stay on the host (the prefetcher moves them)."""
-        records = [self.source.record(index) for _, index in keys]
+        records, readable = [], []
+        for key in keys:
+            try:
+                records.append(self.source.record(key[1]))
+                readable.append(key)
+            except ValueError as e:  # the message names the sample (its file, record, or shard and key)
+                if self.on_error != "skip":
+                    raise
+                log.warning("left out of the batch: %s", e)
+        keys = readable
         jpegs = [j for j, rec in enumerate(records) if rec.kind == "jpeg"]
 
         def name(i: int) -> str:  # built only for an image nvjpeg cannot read (the fallback's warning)
@@ -119,14 +128,17 @@ class AugmentedDataset(Dataset):
 
         with decoding_stream(self.device):  # this thread's own stream, finished before the batch is handed on
             decoded = dict(zip(jpegs, decode_jpeg_batch_cuda([records[j].payload for j in jpegs], self.device,
-                                                             names=name) if jpegs else []))
-            images = torch.empty(self.batch_shape(len(keys)), dtype=torch.uint8, device=self.device)
-            for j, ((epoch, index), rec) in enumerate(zip(keys, records)):
+                                                             names=name, skip_bad=self.on_error == "skip")
+                               if jpegs else []))
+            kept = [j for j in range(len(keys)) if decoded.get(j, True) is not None]  # skip: None = left out
+            images = torch.empty(self.batch_shape(len(kept)), dtype=torch.uint8, device=self.device)
+            for slot, j in enumerate(kept):
+                (epoch, index), rec = keys[j], records[j]
                 img = decoded[j] if j in decoded else torch.from_numpy(
                     np.require(rec.payload, np.uint8, ["C", "W"])).permute(2, 0, 1).to(self.device)  # raw: read-only
                 box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
-                render_tensor(img, box, images[j], chw=self.layout == "NCHW")
-        return images, torch.tensor([rec.label for rec in records], dtype=torch.int64)
+                render_tensor(img, box, images[slot], chw=self.layout == "NCHW")
+        return images, torch.tensor([records[j].label for j in kept], dtype=torch.int64)
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The collated batch: uint8 NCHW (or NHWC) images filled in place sample by sample, int64 labels."""
@@ -362,6 +374,9 @@ class FastLoader:
         try:
             for batch in self._batches:
                 self.batches_done += 1
+                if len(batch[1]) == 0:  # on_error="skip" left out every sample: nothing to train on
+                    log.warning("a whole batch was left out (every sample of it could not be read)")
+                    continue
                 yield batch
         except ValueError as e:  # a bad sample in a worker process: its one-line message, not the worker's traceback
             one_line = worker_error(e)
