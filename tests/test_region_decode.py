@@ -180,3 +180,21 @@ def test_missing_library_names_the_install(monkeypatch):
     monkeypatch.setattr(decode_mod, "_INSTANCES", {})
     with pytest.raises(ImportError, match=r"decoder 'turbojpeg' is not available.*torchspeed\[data\]"):
         get_decoder("turbojpeg")
+
+
+def test_a_decoder_choice_timed_on_a_busy_machine_is_not_remembered(monkeypatch):
+    from torchspeed.data.decode import choose_decoder
+
+    samples = [_jpeg(64, 48, 2, seed=s) for s in range(3)]
+    measured = []
+    real = decode_mod.measure_decoders
+    monkeypatch.setattr(decode_mod, "measure_decoders", lambda *a, **k: measured.append(1) or real(*a, **k))
+    monkeypatch.setattr(decode_mod, "busy_warning", lambda others_cores: "the machine was busy: a test says so")
+    _, table = choose_decoder(samples, parts={"data": "busy-test"})
+    assert all(r.get("busy_warning") for r in table if r["us_per_image"] is not None)
+    choose_decoder(samples, parts={"data": "busy-test"})
+    assert len(measured) == 2  # not remembered: measured again
+    monkeypatch.setattr(decode_mod, "busy_warning", lambda others_cores: None)
+    choose_decoder(samples, parts={"data": "busy-test"})
+    choose_decoder(samples, parts={"data": "busy-test"})
+    assert len(measured) == 3  # the quiet choice is remembered

@@ -91,6 +91,8 @@ def remember(kind: str, parts: Mapping[str, Any], decision: Mapping[str, Any], f
 def forget(kind: str | None = None) -> int:
     """Remove the remembered decisions (of one `kind`, or all); how many files were removed."""
     root = cache_dir("decisions")
+    if kind is not None and (not kind or os.sep in kind or kind in (".", "..")):
+        raise ValueError(f"not a kind of remembered decision: {kind!r}")
     kinds = [kind] if kind else sorted(os.listdir(root))
     removed = 0
     for k in kinds:

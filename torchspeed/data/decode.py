@@ -30,7 +30,7 @@ from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
 from torchspeed.images import check_image_size, image_size_error, open_image, rgb_image
 from torchspeed.data.libturbojpeg import TurboJpeg, dct_factor
-from torchspeed.measure import compare
+from torchspeed.measure import busy_warning, compare
 from torchspeed.runtime import process_as_found
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,8 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
     faster but less exact decoder is visible as such (100 dB: identical pixels), and the `threads`
     the CPU decoders ran on: `cpu_threads` (default 1; when nvjpeg competes, this machine's usable
     cores, as a loader's threads or workers would decode: the whole GPU against one core is not a fair
-    race). `progress`: True (stderr) or a callable taking a message.
+    race). Rows timed while other processes took the cores carry a `busy_warning` (and `choose_decoder`
+    then does not remember its choice). `progress`: True (stderr) or a callable taking a message.
     """
     if not samples:
         raise ValueError("measure_decoders needs at least one JPEG sample")
@@ -322,8 +323,11 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
             say(f"timing JPEG decoders {', '.join(contenders)} on {len(samples)} images, interleaved"
                 + (f" (CPU decoders on {threads} threads)" if threads > 1 else ""))
             timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0, device=device if on_gpu else None)
+            busy = busy_warning(timed.others_cores)
             for t in timed.timings:
                 rows[t.name]["us_per_image"] = t.median_s / len(samples) * 1e6
+                if busy:
+                    rows[t.name]["busy_warning"] = busy
     return [rows[n] for n in names]
 
 
@@ -356,7 +360,7 @@ def choose_decoder(samples: Sequence[Any], parts: Mapping[str, Any] | None = Non
     others = ", ".join(f"{r['decoder']} {r['us_per_image']:.0f}" for r in timed if r is not chosen)
     log.info("decoder: %s (%.0f us/image; %s) measured on %d JPEGs", best, chosen["us_per_image"],
              others or "no other decoder", len(samples))
-    if key is not None:
+    if key is not None and not chosen.get("busy_warning"):  # a choice made on a busy machine is not kept
         remembered.remember("decoder", key, {"decoder": best, "table": table},
                             f"{best}, {chosen['us_per_image']:.0f} us/image")
     return best, table
