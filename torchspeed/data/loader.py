@@ -65,14 +65,13 @@ class AugmentedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def _render(self, epoch: int, index: int, out: np.ndarray) -> int:
-        rec = self.source.record(index)
-        box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
+    def _render(self, index: int, rec: Any, box: Any, out: np.ndarray) -> int:
+        """Sample `index` (its record `rec`, its crop `box`) decoded, cropped and resized into `out`; its label."""
         if rec.kind == "jpeg":
             h, w = rec.height, rec.width
             min_h, min_w = needed_size(h, w, box, self.size)  # just enough pixels: a DCT-scaled decode
             try:  # a decoder that crops decodes only the part the box needs (its origin and the full size with it)
-                img, r0, c0, fh, fw = get_decoder(self.decoder).decode_region(
+                img, r0, c0, fh, fw = self._decoder.decode_region(
                     rec.payload, min_h, min_w, (box.top, box.left, box.height, box.width))
             except Exception as e:  # truncated or corrupt JPEG data: the error names the file (or record)
                 raise ValueError(f"cannot decode {sample_name(self.source, index)}: {type(e).__name__}: {e}") from None
@@ -82,28 +81,46 @@ class AugmentedDataset(Dataset):
             render(img, box, out, None, img.shape[0] / rec.height, img.shape[1] / rec.width, chw=self.layout == "NCHW")
         return rec.label
 
+    @property
+    def _decoder(self) -> Any:
+        return get_decoder(self.decoder)
+
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         epoch, index = key
         shape = (3, self.size, self.size) if self.layout == "NCHW" else (self.size, self.size, 3)
         out = np.empty(shape, np.uint8)
-        return torch.from_numpy(out), self._render(epoch, index, out)
+        rec = self.source.record(index)
+        box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
+        return torch.from_numpy(out), self._render(index, rec, box, out)
 
     def batch_shape(self, n: int) -> tuple[int, int, int, int]:
         s = self.size
         return (n, 3, s, s) if self.layout == "NCHW" else (n, s, s, 3)
 
     def render_batch(self, keys: Sequence[tuple[int, int]], images: np.ndarray) -> torch.Tensor:
-        """Fill `images` (uint8, `batch_shape(len(keys))`) sample by sample; return the int64 labels. With
+        """Fill `images` (uint8, `batch_shape(len(keys))`) sample by sample; return the int64 labels. The
+        records are read first and the batch's crop boxes drawn together (`transform.boxes`). With
         on_error="skip" a bad sample is left out (a warning names it): the first len(labels) images are
         the batch."""
-        if self.on_error != "skip":
-            return torch.tensor([self._render(epoch, index, images[j]) for j, (epoch, index) in enumerate(keys)],
-                                dtype=torch.int64)
-        labels: list[int] = []
-        for epoch, index in keys:
+        skip = self.on_error == "skip"
+        records, kept = [], []
+        for key in keys:
             try:
-                labels.append(self._render(epoch, index, images[len(labels)]))
+                records.append(self.source.record(key[1]))
+                kept.append(key)
             except ValueError as e:  # the message names the sample (its file, record, or shard and key)
+                if not skip:
+                    raise
+                log.warning("left out of the batch: %s", e)
+        boxes = self.transform.boxes([r.height for r in records], [r.width for r in records], self.seed,
+                                     [k[0] for k in kept], [k[1] for k in kept])
+        labels: list[int] = []
+        for (_, index), rec, box in zip(kept, records, boxes):
+            try:
+                labels.append(self._render(index, rec, box, images[len(labels)]))
+            except ValueError as e:
+                if not skip:
+                    raise
                 log.warning("left out of the batch: %s", e)
         return torch.tensor(labels, dtype=torch.int64)
 
