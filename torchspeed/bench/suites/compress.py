@@ -120,7 +120,7 @@ def _batched_speedup(original: nn.Module, pruned: nn.Module, x: torch.Tensor, re
     c = compare({"original": inference_fn(original, x), "pruned": inference_fn(pruned, x)}, repeats=repeats,
                 warmup=2, items=len(x), unit="img")
     return {"batch": len(x), "original_ms": c["original"].median_s * 1e3, "pruned_ms": c["pruned"].median_s * 1e3,
-            "speedup": c.speedup("pruned")}
+            "speedup": c.speedup("pruned"), "others_cores": c.others_cores}
 
 
 def _prune_part(demo: Any, quick: bool, say: Callable[[str], Any]) -> dict[str, Any]:
@@ -227,7 +227,7 @@ def _rows(p: dict[str, Any], kd: dict[str, Any], speedup: float, drop: float) ->
                  f"{r['params_after'] / 1e6:.1f}M, MACs {r['macs_before'] / 1e9:.2f}G -> {r['macs_after'] / 1e9:.2f}G; "
                  f"{p['acc_pruned_no_finetune']:.3f} top-1 before fine-tuning"),
         Row(technique=f"  same, batch {p['batched']['batch']}", median=p["batched"]["pruned_ms"], unit="ms",
-            ratio=p["batched"]["speedup"], metric_drop=drop,
+            ratio=p["batched"]["speedup"], metric_drop=drop, others_cores=p["batched"].get("others_cores"),
             what=f"a whole batch, fp32: {p['batched']['original_ms']:.1f} ms unpruned"),
         Row(technique="half-width student, labels only", median=statistics.median(alone), min=min(alone),
             max=max(alone), unit="top-1", metric_drop=kd["teacher_acc"] - statistics.mean(alone),

@@ -410,6 +410,7 @@ class _DataSuite:
         self.skipped_rows: list[Row] = []
         self.contenders: dict[str, tuple[Any, str, dict[str, Any]]] = {}
         self.cpu_us: list[float] = []  # torchspeed's CPU microseconds per image, per pass
+        self.others: dict[str, float] = {}  # per contender: the most cores other processes took during one pass
         self.settled = 0.0             # seconds waited for quiet before the timed passes
 
     def prepare_photos(self) -> None:
@@ -511,7 +512,7 @@ class _DataSuite:
         r+1), so a change in background load spreads over all contenders instead of favouring whichever ran
         at a quiet moment. The passes share what is left of the budget (the full report keeps some for the
         scale rows)."""
-        from torchspeed.measure import process_tree_cpu_seconds, time_iterable, wait_until_quiet
+        from torchspeed.measure import OthersLoad, process_tree_cpu_seconds, time_iterable, wait_until_quiet
 
         left = self.budget.left() * (1.0 if self.quick else 0.6)
         self.pass_s = pass_s = min(5.0, max(0.5, left / (3 * len(self.contenders) * 1.3)))
@@ -520,9 +521,11 @@ class _DataSuite:
             for name, (loader, _, _) in self.contenders.items():
                 self.say(f"round {r + 1}/3: {name} ({pass_s:.1f} s pass)")
                 self.settled += wait_until_quiet()  # the previous contender's background prefetch is not this one's time
-                cpu0 = process_tree_cpu_seconds()
+                cpu0, load = process_tree_cpu_seconds(), OthersLoad()
                 t = time_iterable(lambda: loader, name=name, warmup_items=1, passes=1, min_pass_s=pass_s, unit="img")
-                cpu1 = process_tree_cpu_seconds()
+                cpu1, others = process_tree_cpu_seconds(), load.cores()
+                if others is not None:  # the row says the most other processes took during one of its passes
+                    self.others[name] = max(others, self.others.get(name, 0.0))
                 if name == "torchspeed" and cpu0 is not None and cpu1 is not None:
                     # CPU time the loader's threads/workers used, warm-up item included (a small overestimate)
                     self.cpu_us.append(1e6 * (cpu1 - cpu0) / max(1.0, sum(t.items) + 1))
@@ -535,8 +538,10 @@ class _DataSuite:
         for name, (loader, what, columns) in self.contenders.items():
             _close(loader)
             columns = {"headline": name == "torchspeed", "ceiling": "decode", **columns}
+            others = self.others.get(name)
             self.rows.append(ContenderRow(technique=name, median=rates[name][1], min=rates[name][0],
-                                          max=rates[name][-1], unit="img/s", what=what, **columns))
+                                          max=rates[name][-1], unit="img/s", what=what,
+                                          others_cores=None if others is None else round(others, 2), **columns))
         self.contenders.clear()
         self.rows.extend(self.skipped_rows)
         self.median = {r.technique: r.median for r in self.rows}

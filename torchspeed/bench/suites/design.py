@@ -139,7 +139,7 @@ def _experiment_rows(torch: Any, name: str, exp: dict[str, Any], batch: int, hw:
     reference = flops[list(exp["models"])[0]]
     rows = [Row.in_ms(k, cmp[k], f"reference; paper: {exp['paper']}" if i == 0 else
                       f"same FLOPs ({flops[k] / 1e9:.2f} G) as the reference ({reference / 1e9:.2f} G)",
-                      ratio=cmp.speedup(k), gflops=flops[k] / 1e9)
+                      ratio=cmp.speedup(k), gflops=flops[k] / 1e9, others_cores=cmp.others_cores)
             for i, k in enumerate(exp["models"])]
     if name == "g4":  # the summary's row: what dropping element-wise ops buys here
         rows[-1].headline = True

@@ -121,7 +121,8 @@ def _hand_set_peers(name: str, model: Any, res: Any, size: int, flops: float, re
                 rows.append(Row.in_ms(f"{name} b{b}: peer {t.name}", t,
                                       what[t.name].replace("<precision>", prec) + f"; {t.median_s * 1e3 / chosen_ms:.2f}x "
                                       f"the chosen variant's time in the same interleaved run ({chosen_ms:.2f} ms)",
-                                      peer=True, batch=b, flops_per_item=flops, ceiling=_ceiling_of(prec)))
+                                      peer=True, batch=b, flops_per_item=flops, ceiling=_ceiling_of(prec),
+                                      others_cores=c.others_cores))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows, comparisons
@@ -218,13 +219,14 @@ def _variant_rows(name: str, res: Any, b: int, flops: float) -> list[Row]:
         status = "" if c.passed else f" [{c.status}: {c.reason}]"
         rows.append(LatencyRow.of(technique, lat, what + status, ratio=base / lat["p50_ms"], metric_drop=c.metric_drop,
                                   output_error=c.rel_l2_error, batch=b, flops_per_item=flops,
-                                  ceiling=_ceiling_of(c.precision)))
+                                  ceiling=_ceiling_of(c.precision), others_cores=getattr(res, "others_cores", None)))
     best = res.fastest_at(b)
     if best is not None:
         rows.append(LatencyRow.of(f"{name} b{b}: torchspeed best", best.latency_ms[b], f"= {best.name}",
                                   ratio=base / best.p50_ms(b), metric_drop=best.metric_drop,
                                   output_error=best.rel_l2_error, batch=b, flops_per_item=flops,
-                                  ceiling=_ceiling_of(best.precision), headline=(name, b) == ("resnet18", 8)))
+                                  ceiling=_ceiling_of(best.precision), headline=(name, b) == ("resnet18", 8),
+                                  others_cores=getattr(res, "others_cores", None)))
     return rows
 
 
