@@ -1,7 +1,7 @@
 """Where a sample's time goes in fast_loader: CPU time per image of each step, one thread (docs/data.md).
 
     python docs/examples/data_time_breakdown.py [STORE] [--crop 128] [--batch 64] [--images 1024]
-                                                 [--decoder simplejpeg-fast]
+                                                 [--decoder turbojpeg]
 
 STORE: a packed store (default: the one `torchspeed bench data --quick` packs: the first 1000 demo
 photos, short side 160, JPEG q90, built once under /tmp). Each step runs alone over the same
@@ -63,7 +63,7 @@ def parse_args():
     ap.add_argument("--crop", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--images", type=int, default=1024)
-    ap.add_argument("--decoder", default="simplejpeg-fast", help="the one `torchspeed bench data` chose here")
+    ap.add_argument("--decoder", default="turbojpeg", help="the one `torchspeed bench data` chose here")
     return ap.parse_args()
 
 
@@ -101,14 +101,21 @@ def read_and_decode_rows(ds, sm, a):
         "CRC32 check": cpu_us(lambda: [zlib.crc32(r) for r in raws], n),
         "header parse + payload slice": cpu_us(lambda: [(HEADER.unpack_from(r), r[HEADER.size:]) for r in raws], n),
         "record() in all (read, CRC, parse)": cpu_us(lambda: [ds.record(i) for _, i in sm.keys], n),
-        "crop box (seeded draw)": cpu_us(
+        "crop box, one sample at a time (seeded draw)": cpu_us(
             lambda: [sm.tf.box(r.height, r.width, sample_rng(0, e, i)) for (e, i), r in zip(sm.keys, sm.recs)], n),
+        "crop boxes, a batch at a time (the loader's)": cpu_us(
+            lambda: [sm.tf.boxes([r.height for r in sm.recs[s:s + a.batch]], [r.width for r in sm.recs[s:s + a.batch]],
+                                 0, [e for e, _ in sm.keys[s:s + a.batch]], [i for _, i in sm.keys[s:s + a.batch]])
+                     for s in range(0, n, a.batch)], n),
         "decode, full size": cpu_us(lambda: [dec.decode(r.payload) for r in sm.recs], n),
         "decode, any DCT scale (7/8, 3/4, ...)": cpu_us(
             lambda: [get_decoder("simplejpeg-fast")._sj.decode_jpeg(r.payload, colorspace="RGB", fastdct=True,
                      fastupsample=True, min_height=h, min_width=w) for r, (h, w) in zip(sm.recs, sm.need)], n),
         "decode, power-of-two DCT scales only": cpu_us(
             lambda: [dec.decode(r.payload, h, w) for r, (h, w) in zip(sm.recs, sm.pow2)], n),
+        "decode as the loader asks (decode_region: turbojpeg skips the columns outside the box)": cpu_us(
+            lambda: [dec.decode_region(r.payload, h, w, (b.top, b.left, b.height, b.width))
+                     for r, (h, w), b in zip(sm.recs, sm.pow2, sm.boxes)], n),
     }
 
 
@@ -171,8 +178,9 @@ def main():
     sm = Samples(ds, a)
     rows = {**read_and_decode_rows(ds, sm, a), **render_and_batch_rows(sm, a)}
     rows["sum: record + box + decode (as the loader plans it) + render + labels + normalise + hand-off"] = sum(
-        rows[k] for k in ("record() in all (read, CRC, parse)", "crop box (seeded draw)",
-                          "decode, power-of-two DCT scales only", "render (resize + flip + CHW) in all",
+        rows[k] for k in ("record() in all (read, CRC, parse)", "crop boxes, a batch at a time (the loader's)",
+                          "decode as the loader asks (decode_region: turbojpeg skips the columns outside the box)",
+                          "render (resize + flip + CHW) in all",
                           "labels tensor (per batch)", "normalise uint8 -> float (per batch)",
                           "thread hand-off (empty batches, 2 threads)"))
     loader_rows, wall = whole_loader_rows(store, a)

@@ -7,8 +7,8 @@ once, in the parent process, and passed to the workers by name, so every worker 
 same pixels (decoders differ in IDCT and chroma upsampling, hence in the last bit).
 
 Decoders: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), turbojpeg (libjpeg-turbo 3 through
-data/libturbojpeg.py: the pixels of simplejpeg-fast, and `decode_region` decodes only the columns a crop
-needs), OpenCV, PIL, torchvision.io on the CPU, and nvjpeg
+data/libturbojpeg.py, fast DCT with smooth upsampling; its `decode_region` decodes only the part of the
+image a crop needs), OpenCV, PIL, torchvision.io on the CPU, and nvjpeg
 (`decode_jpeg(device="cuda")`, batched) where CUDA exists: a candidate only for a loader on a CUDA
 device, timed decoding a whole batch there against the CPU decoders on as many threads as the loader
 would give them; one image it cannot read (or whose data ends before its EOI marker) is decoded on the
@@ -154,8 +154,8 @@ class TorchvisionDecoder(Decoder):
 
 
 class TurboJpegDecoder(Decoder):
-    """libjpeg-turbo through its TurboJPEG 3 API (data/libturbojpeg.py): fast DCT and upsampling as
-    simplejpeg-fast, one handle per thread, and `decode_region`, which decodes only the columns a crop needs."""
+    """libjpeg-turbo through its TurboJPEG 3 API (data/libturbojpeg.py): fast DCT, smooth upsampling, one
+    handle per thread, and `decode_region`, which decodes only the part of the image a crop needs."""
 
     name = "turbojpeg"
 

@@ -1,14 +1,19 @@
-"""libjpeg-turbo's TurboJPEG 3 API through ctypes: DCT-scaled decoding of just the columns a crop needs.
+"""libjpeg-turbo's TurboJPEG 3 API through ctypes: DCT-scaled decoding of just the part a crop needs.
 
-Why: a random-resized crop keeps on average about half of the image, and libjpeg-turbo can leave out
-the columns outside it (`tj3SetCroppingRegion`): they are entropy-decoded but skip the inverse DCT,
-upsampling and colour conversion. simplejpeg, OpenCV and PIL do not expose it, and the Python bindings
-on PyPI either open a handle per image or offer no cropping, so this module calls the library itself:
-one decompressor per thread (fast DCT and fast upsampling, the pixels of simplejpeg-fast), and ctypes
-releases the GIL for the whole decode. Rows are not cropped: skipping or stopping rows with fast
-(merged) upsampling reads uninitialised memory in the bundled libjpeg-turbo 3.0 beta (wrong pixels,
-spurious warnings, crashes under a thread stress test), where cropping columns alone decodes exactly
-the pixels of a whole decode (tests/test_region_decode.py checks both).
+Why: a random-resized crop keeps on average about half of the image, and libjpeg-turbo can decode only
+that part (`tj3SetCroppingRegion`): rows below it are not decoded at all, rows above it are
+entropy-decoded but skip the inverse DCT, upsampling and colour conversion, and so do the columns
+outside it. DALI's CPU decoder does the same (`decoders.image_random_crop`). simplejpeg, OpenCV and
+PIL do not expose it, and the Python bindings on PyPI either open a handle per image or offer no
+cropping, so this module calls the library itself: one decompressor per thread, and ctypes releases
+the GIL for the whole decode.
+
+Fast DCT, smooth ("fancy") upsampling: the pixels of `simplejpeg.decode_jpeg(fastdct=True,
+fastupsample=False)`. Not fast upsampling: libjpeg-turbo's merged upsampler with cropped rows reads
+uninitialised memory in the bundled libjpeg-turbo 3.0 beta (wrong pixels, crashes under a two-thread
+stress test). With smooth upsampling the outermost column of a cropped part is interpolated from
+itself rather than from its neighbour, so the part is decoded with one pixel of margin each side:
+every pixel a crop box reads is then exactly the whole decode's (tests/test_region_decode.py).
 
 The library: the one bundled with the `turbojpeg` wheel (pybind11 bindings of libjpeg-turbo 3, in
 `torchspeed[data]` where it has wheels), else a system libturbojpeg with the version-3 API. Output sizes
@@ -87,7 +92,7 @@ def _load(path: str) -> Any:
 
 
 class _Handle:
-    """One thread's decompressor (fast DCT and upsampling on, as simplejpeg-fast), destroyed with it. Its
+    """One thread's decompressor (fast DCT, smooth upsampling), destroyed with it. Its
     scaling factor and cropping region persist from one image to the next: they are set only when they
     change (each ctypes call costs about a microsecond, a tenth of a small image's decode)."""
 
@@ -96,7 +101,7 @@ class _Handle:
         self.lib, self.ptr = lib, lib.tj3Init(_INIT_DECOMPRESS)
         if not self.ptr:
             raise MemoryError("libturbojpeg could not create a decompressor")
-        lib.tj3Set(self.ptr, _PARAM_FASTUPSAMPLE, 1)
+        lib.tj3Set(self.ptr, _PARAM_FASTUPSAMPLE, 0)  # merged upsampling + cropped rows: see the module docstring
         lib.tj3Set(self.ptr, _PARAM_FASTDCT, 1)
 
     def __del__(self) -> None:
@@ -106,7 +111,7 @@ class _Handle:
 
 
 class TurboJpeg:
-    """`decode(buf, min_h, min_w, region)`: RGB HWC uint8 pixels of a JPEG, DCT-scaled, whole or the columns
+    """`decode(buf, min_h, min_w, region)`: RGB HWC uint8 pixels of a JPEG, DCT-scaled, whole or the part
     covering a region; one decompressor per thread."""
 
     def __init__(self, path: str | None = None):
@@ -127,12 +132,12 @@ class TurboJpeg:
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0, region: tuple[int, int, int, int] | None = None,
                check: Callable[[int, int], str | None] | None = None) -> tuple[np.ndarray, int, int, int, int]:
         """(pixels, row0, col0, full_height, full_width): the JPEG decoded at the smallest power-of-two DCT
-        scale that keeps it >= (min_h, min_w) (`dct_factor`), whole (full_height x full_width) or,
-        with `region` = (top, left, height, width) in stored pixels, only the columns that cover the region
-        scaled (one pixel of margin each side, widened left to the iMCU column boundary libjpeg-turbo crops
-        at; all rows, so row0 is 0); its first column is col0 of the whole. `check(height, width)` returns
-        why the stored size is refused (checked before anything is decoded). A warning from the library
-        (data ending before its EOI marker, say) is an error."""
+        scale that keeps it >= (min_h, min_w) (`dct_factor`), whole (full_height x full_width) or, with
+        `region` = (top, left, height, width) in stored pixels, the part that covers the region scaled,
+        with one pixel of margin each side (widened left to the iMCU column boundary libjpeg-turbo crops
+        at); its first pixel is row0, col0 of the whole. `check(height, width)` returns why the stored
+        size is refused (checked before anything is decoded). A warning from the library (data ending
+        before its EOI marker, say) is an error."""
         lib, state = self._lib, self._handle()
         handle = state.ptr
         src = np.frombuffer(buf, np.uint8)  # no copy: the library reads the caller's bytes
@@ -151,20 +156,22 @@ class TurboJpeg:
                 self._fail(handle, f"decode at 1/{scale} scale")
             state.scale = scale
         fh, fw = -(-height // scale), -(-width // scale)  # TJSCALED: ceil(size / scale)
-        x0, w = 0, fw
-        if region is not None:  # the columns the region needs, one pixel of margin each side (see the docstring)
-            _, left, _, rw = region
+        y0, x0, h, w = 0, 0, fh, fw
+        if region is not None:  # the part the region needs, one pixel of margin each side (see the module docstring)
+            top, left, rh, rw = region
             subsamp = lib.tj3Get(handle, _PARAM_SUBSAMP)
             mcu = -(-_MCU_WIDTH[subsamp] // scale) if 0 <= subsamp < len(_MCU_WIDTH) else fw
+            y0 = min(fh - 1, max(0, top * fh // height - 1))
             x0 = min(fw - 1, max(0, left * fw // width - 1)) // mcu * mcu
+            h = min(fh, -(-(top + rh) * fh // height) + 1) - y0
             w = min(fw, -(-(left + rw) * fw // width) + 1) - x0
-        crop = (0, 0, 0, 0) if w == fw else (x0, 0, w, fh)
+        crop = (0, 0, 0, 0) if (h, w) == (fh, fw) else (x0, y0, w, h)
         if crop != state.crop:
             state.crop = (-1, 0, 0, 0)  # unknown until the library accepts it
             if lib.tj3SetCroppingRegion(handle, _Region(*crop)) != 0:
-                self._fail(handle, f"crop columns {x0}..{x0 + w - 1}")
+                self._fail(handle, f"crop the region x {x0}, y {y0}, width {w}, height {h}")
             state.crop = crop
-        out = np.empty((fh, w, 3), np.uint8)
+        out = np.empty((h, w, 3), np.uint8)
         if lib.tj3Decompress8(handle, src.ctypes.data, src.size, out.ctypes.data, w * 3, _PF_RGB) != 0:
             self._fail(handle, "decode the JPEG data")
-        return out, 0, x0, fh, fw
+        return out, y0, x0, fh, fw
