@@ -22,14 +22,17 @@ from torchspeed.bench.rows import Row
 INSTALL = {"dali": "pip install nvidia-dali-cuda120 (or: pip install 'torchspeed[peers]')",
            "litdata": "pip install litdata (or: pip install 'torchspeed[peers]')",
            "openvino": "pip install openvino (or: pip install 'torchspeed[openvino]')",
-           "onnxruntime": "pip install onnxruntime (or: pip install 'torchspeed[infer]')"}
+           "onnxruntime": "pip install onnxruntime (or: pip install 'torchspeed[infer]')",
+           "webdataset": "pip install webdataset (or: pip install 'torchspeed[peers]')",
+           "datasets": "pip install datasets (or: pip install 'torchspeed[peers]')"}
 
 
 class PeerMissing(ImportError):
     """The peer's library is not installed: its row is skipped with this note."""
 
 
-def _require(name: str, module: str) -> Any:
+def require(name: str, module: str) -> Any:
+    """The peer's module, or PeerMissing with how to install it (its row is then skipped with that note)."""
     import importlib
 
     try:
@@ -54,7 +57,7 @@ class DaliLoader:
 
     def __init__(self, folder: str, batch: int, crop: int, threads: int, mean: Any, std: Any,
                  device: str = "cpu", seed: int = 0):
-        _require("dali", "nvidia.dali")
+        require("dali", "nvidia.dali")
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
@@ -95,7 +98,7 @@ def litdata_dir(folder: str, out: str) -> str:
     """The photos of `folder` (an ImageFolder) written once by `litdata.optimize` (JPEG bytes kept as they are)."""
     import shutil
 
-    ld = _require("litdata", "litdata")
+    ld = require("litdata", "litdata")
     from torchspeed.images import scan_folder
 
     if os.path.isfile(os.path.join(out, "index.json")):
@@ -156,7 +159,7 @@ def _litdata_item(sample: tuple[str, int]) -> dict[str, Any]:
 
 def litdata_loader(directory: str, batch: int, crop: int, num_workers: int, mean: Any, std: Any) -> Any:
     """LitData's StreamingDataLoader over `directory`, decoding and augmenting like the torchvision baseline."""
-    ld = _require("litdata", "litdata")
+    ld = require("litdata", "litdata")
     ds = ld.StreamingDataset(directory, shuffle=True, transform=_LitTransform(crop, mean, std))
     return ld.StreamingDataLoader(ds, batch_size=batch, num_workers=num_workers, drop_last=True)
 
@@ -182,7 +185,7 @@ class _LitTransform:
 def openvino_latency(onnx_path: str) -> Callable[[Any], Any]:
     """OpenVINO as its documentation recommends for latency: PERFORMANCE_HINT LATENCY, default precision
     and threads (the runtime's own choices, nothing set by hand)."""
-    ov = _require("openvino", "openvino")
+    ov = require("openvino", "openvino")
     compiled = ov.Core().compile_model(onnx_path, "CPU", {"PERFORMANCE_HINT": "LATENCY"})
     req = compiled.create_infer_request()
 
@@ -196,7 +199,7 @@ def openvino_latency(onnx_path: str) -> Callable[[Any], Any]:
 
 def onnxruntime_defaults(onnx_path: str) -> Callable[[Any], Any]:
     """ONNX Runtime with a default SessionOptions() on the CPU provider."""
-    ort = _require("onnxruntime", "onnxruntime")
+    ort = require("onnxruntime", "onnxruntime")
     sess = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
 

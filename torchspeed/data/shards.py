@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from torchspeed.data.arrow import file_identity
 from torchspeed.data.decode import Record, encoded_record
 from torchspeed.images import quoted
 
@@ -299,9 +300,7 @@ class TarShards:
 
     def identity(self) -> dict[str, Any]:
         """What a remembered loader decision knows these shards by: their paths, sizes and times."""
-        stats = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in self.paths]
-        return {"tar_shards": len(self.paths), "n": len(self),
-                "files": hashlib.sha256(repr(stats).encode()).hexdigest()[:16]}
+        return {"tar_shards": len(self.paths), "n": len(self), "files": file_identity(self.paths)}
 
     def _fd(self, shard: int) -> int:
         key = (os.getpid(), shard)  # a descriptor inherited through fork shares its offset: pread needs none

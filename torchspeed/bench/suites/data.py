@@ -179,6 +179,7 @@ def _format_copies(resized: str) -> tuple[str, str]:
     import tarfile
 
     from torchspeed.atomic import build_directory
+    from torchspeed.bench import peers
     from torchspeed.images import scan_folder
     from torchspeed.runtime import cache_dir
 
@@ -199,7 +200,7 @@ def _format_copies(resized: str) -> tuple[str, str]:
                         tar.addfile(info, io.BytesIO(data))
 
     def hf(tmp: str) -> None:
-        datasets = _peer_module("datasets", "datasets")
+        datasets = peers.require("datasets", "datasets")
         features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
         ds = datasets.Dataset.from_dict({"image": [p for p, _ in samples], "label": [y for _, y in samples]},
                                         features=features)
@@ -213,18 +214,6 @@ def _format_copies(resized: str) -> tuple[str, str]:
                 datasets.enable_progress_bars()
 
     return build_directory(f"{base}-wds", shards), build_directory(f"{base}-hf", hf)
-
-
-def _peer_module(name: str, module: str) -> Any:
-    import importlib
-
-    from torchspeed.bench.peers import PeerMissing
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise PeerMissing(f"{name} not installed ({type(e).__name__}: {e}); pip install {name} "
-                          "(or: pip install 'torchspeed[peers]')") from None
 
 
 class _Transform:
@@ -257,7 +246,9 @@ def _webdataset_loader(shards: str, workers: int) -> Any:
     transforms per sample, batched by a DataLoader (shards split across workers by webdataset)."""
     from torch.utils.data import DataLoader
 
-    wds = _peer_module("webdataset", "webdataset")
+    from torchspeed.bench import peers
+
+    wds = peers.require("webdataset", "webdataset")
     tf = _Transform()
     dataset = (wds.WebDataset(shards, shardshuffle=100, empty_check=False).shuffle(1000).decode("pil")
                .to_tuple("jpg", "cls").map_tuple(tf, int))
@@ -269,7 +260,9 @@ def _hf_loader(folder: str, workers: int) -> Any:
     transforms), a shuffled DataLoader."""
     from torch.utils.data import DataLoader
 
-    datasets = _peer_module("datasets", "datasets")
+    from torchspeed.bench import peers
+
+    datasets = peers.require("datasets", "datasets")
     ds = datasets.load_from_disk(folder).with_transform(_Transform().hf_batch)
     return DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers, drop_last=True,
                       collate_fn=_hf_collate, persistent_workers=workers > 0)
