@@ -82,9 +82,9 @@ def _load(path: str) -> Any:
         raise ImportError(f"{path} is libturbojpeg 2 (the TurboJPEG 3 API, libjpeg-turbo >= 3.0, is needed)")
     vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     sigs = {"tj3Init": ([i], vp), "tj3Destroy": ([vp], None), "tj3Set": ([vp, i, i], i), "tj3Get": ([vp, i], i),
-            "tj3DecompressHeader": ([vp, vp, sz], i), "tj3SetScalingFactor": ([vp, _Scale], i),
+            "tj3DecompressHeader": ([vp, ctypes.c_char_p, sz], i), "tj3SetScalingFactor": ([vp, _Scale], i),
             "tj3SetCroppingRegion": ([vp, _Region], i), "tj3GetErrorStr": ([vp], ctypes.c_char_p),
-            "tj3Decompress8": ([vp, vp, sz, vp, i, i], i)}
+            "tj3Decompress8": ([vp, ctypes.c_char_p, sz, vp, i, i], i)}
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -140,8 +140,8 @@ class TurboJpeg:
         before its EOI marker, say) is an error."""
         lib, state = self._lib, self._handle()
         handle = state.ptr
-        src = np.frombuffer(buf, np.uint8)  # no copy: the library reads the caller's bytes
-        if lib.tj3DecompressHeader(handle, src.ctypes.data, src.size) != 0:
+        src = buf if isinstance(buf, bytes) else bytes(buf)  # a memoryview's copy costs less than its address
+        if lib.tj3DecompressHeader(handle, src, len(src)) != 0:
             self._fail(handle, "read the JPEG header")
         width, height = lib.tj3Get(handle, _PARAM_WIDTH), lib.tj3Get(handle, _PARAM_HEIGHT)
         why = check(height, width) if check is not None else None
@@ -172,6 +172,6 @@ class TurboJpeg:
                 self._fail(handle, f"crop the region x {x0}, y {y0}, width {w}, height {h}")
             state.crop = crop
         out = np.empty((h, w, 3), np.uint8)
-        if lib.tj3Decompress8(handle, src.ctypes.data, src.size, out.ctypes.data, w * 3, _PF_RGB) != 0:
+        if lib.tj3Decompress8(handle, src, len(src), out.ctypes.data, w * 3, _PF_RGB) != 0:
             self._fail(handle, "decode the JPEG data")
         return out, y0, x0, fh, fw
