@@ -44,7 +44,8 @@ def _wide_console(monkeypatch):
 @pytest.fixture
 def crashing_suites(tmp_path, monkeypatch):
     """'design' kills its own process with SIGSEGV, every other suite is a fine one and the ceilings are
-    an empty set. They are real modules, so each runs in its own process as the real suites do."""
+    an empty set. 'data' and 'design' are real modules, so each runs in its own process as the real suites
+    do; the other fine suites run in this process (a fresh interpreter each would only cost seconds)."""
     pkg = tmp_path / "fakesuites"
     pkg.mkdir()
     (pkg / "ts_fake_ok_suite.py").write_text(OK_SUITE)
@@ -54,7 +55,8 @@ def crashing_suites(tmp_path, monkeypatch):
     import importlib
 
     ok = importlib.import_module("ts_fake_ok_suite")
-    fakes = {name: ok for name in suites.SUITE_NAMES}
+    fakes = {name: types.SimpleNamespace(TITLE=ok.TITLE, run=ok.run) for name in suites.SUITE_NAMES}
+    fakes["data"] = ok
     fakes["design"] = importlib.import_module("ts_fake_segv_suite")
     fakes["ceilings"] = types.SimpleNamespace(TITLE="ceilings", run=lambda quick, progress: {"items": {}})
     monkeypatch.setattr(suites, "load", lambda name: fakes[name])

@@ -113,7 +113,8 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "fast_loader and its iteration": (
         "",
-        "loader = ts.data.fast_loader(STORE, batch_size=4, crop=32, device='cpu', num_workers='auto')\n"
+        "loader = ts.data.fast_loader(STORE, batch_size=4, crop=32, device='cpu', num_workers='auto',"
+        " tune_seconds=0.1)\n"
         "for images, labels in loader: pass",
     ),
     "fast_loader from a folder (OpenCV and friends)": (
@@ -133,14 +134,16 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "optimize(torch, onnxruntime) and its best runner": (
         "m = two_stage_convnet(2); x = torch.randn(1, 3, 16, 16)",
-        "r = ts.infer.optimize(m, x, runtimes='torch,onnxruntime', precisions='fp32', batch_sizes=(1,))\n"
+        "r = ts.infer.optimize(m, x, runtimes='torch,onnxruntime', precisions='fp32', batch_sizes=(1,), repeats=2,"
+        " min_time_s=0.0)\n"
         "r.best.runner(torch.randn(2, 3, 16, 16))\n"
         "for row in r.table:\n"
         "    if row.runner is not None: row.runner(x)",
     ),
     "optimize(openvino) and its runners": (
         "m = two_stage_convnet(2); x = torch.randn(1, 3, 16, 16)",
-        "r = ts.infer.optimize(m, x, runtimes='openvino', precisions='fp32', batch_sizes=(1,))\n"
+        "r = ts.infer.optimize(m, x, runtimes='openvino', precisions='fp32', batch_sizes=(1,), repeats=2,"
+        " min_time_s=0.0)\n"
         "for row in r.table:\n"
         "    if row.runner is not None: row.runner(x)",
     ),
@@ -164,7 +167,7 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "doctor.lint": (
         "m = two_stage_convnet(2)",
-        "ts.doctor.lint(m, torch.randn(1, 3, 16, 16), loss_fn=nn.CrossEntropyLoss())",
+        "ts.doctor.lint(m, torch.randn(1, 3, 16, 16), loss_fn=nn.CrossEntropyLoss(), repeats=1)",
     ),
 }
 
