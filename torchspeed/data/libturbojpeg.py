@@ -77,18 +77,24 @@ def library_path() -> str:
 
 
 def _load(path: str) -> Any:
-    lib = ctypes.CDLL(path)
-    if not hasattr(lib, "tj3Init"):
+    """The library's functions, typed. Only the decode itself releases the GIL (a `CDLL` function); the
+    calls of a microsecond (header, parameters) keep it (`PyDLL`): each release is a point where a
+    decoding thread may have to wait for the GIL to come back, a futex sleep and wake-up that cost
+    more than the call."""
+    quick, slow = ctypes.PyDLL(path), ctypes.CDLL(path)
+    if not hasattr(quick, "tj3Init"):
         raise ImportError(f"{path} is libturbojpeg 2 (the TurboJPEG 3 API, libjpeg-turbo >= 3.0, is needed)")
     vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     sigs = {"tj3Init": ([i], vp), "tj3Destroy": ([vp], None), "tj3Set": ([vp, i, i], i), "tj3Get": ([vp, i], i),
             "tj3DecompressHeader": ([vp, ctypes.c_char_p, sz], i), "tj3SetScalingFactor": ([vp, _Scale], i),
             "tj3SetCroppingRegion": ([vp, _Region], i), "tj3GetErrorStr": ([vp], ctypes.c_char_p),
             "tj3Decompress8": ([vp, ctypes.c_char_p, sz, vp, i, i], i)}
+    functions = {}
     for name, (args, res) in sigs.items():
-        fn = getattr(lib, name)
+        fn = getattr(slow if name == "tj3Decompress8" else quick, name)
         fn.argtypes, fn.restype = args, res
-    return lib
+        functions[name] = fn
+    return type("TurboJPEG3", (), {k: staticmethod(v) for k, v in functions.items()})
 
 
 class _Handle:
