@@ -269,6 +269,8 @@ def _plot_infer_latency(rows: list[Row], out: str, plt: Any) -> str:
 
 def _plot_accuracy(rows: list[Row], out: str, plt: Any, allowed: float = ALLOWED_DROP) -> str:
     """Inference variants: accuracy drop against latency, one panel per batch size, with the allowed drop."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
     groups = _by_batch(rows)
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 5), layout="constrained", squeeze=False)
     for ax, (batch, group) in zip(axes[0], groups.items()):
@@ -284,6 +286,11 @@ def _plot_accuracy(rows: list[Row], out: str, plt: Any, allowed: float = ALLOWED
         ax.axhline(100 * allowed, color="black", linestyle="--", linewidth=1,
                    label=f"allowed drop ({allowed:g} top-1)")
         ax.set_xscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 5, 10, 20 ms rather than 5 x 10^0
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))  # 1, 2, 5, 10, 20, 50: labelled, not crowded
+        ax.xaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="x", which="minor", labelsize=7)
         ax.set_xlabel("median latency (ms, log scale)", fontsize=8)
         ax.set_ylabel("accuracy drop vs fp32 (percentage points)", fontsize=8)
         ax.set_title(f"Accuracy vs latency, batch {batch}" if batch else "Accuracy vs latency", fontsize=9)

@@ -622,7 +622,7 @@ def _data_limits(fast: float, median: dict[str, Any], cores: int, ceilings: dict
         lim.update(measured=f"{fast:,.0f} img/s = {100 * fast / ceiling:.0f}% of {ceiling:,.0f}",
                    met=fast >= 0.6 * ceiling,
                    why=f"each image costs {used_us:,.0f} core-us here ({'%d threads' % threads if workers == 0 else '%d workers' % workers}), "
-                       f"of which decoding ({item.get('route')}) is {decode_us:,.0f} us ({100 * decode_us / used_us:.0f}%); "
+                       f"of which a whole decode (the ceiling's, {item.get('route')}) is {decode_us:,.0f} us ({100 * decode_us / used_us:.0f}%); "
                        + (f"the loader used {cpu_us:,.0f} CPU-us per image in all, so {max(0.0, cpu_us - decode_us):,.0f} us "
                           f"went to reading, crop and resize, flip, normalisation and batch assembly, and "
                           f"{max(0.0, used_us - cpu_us):,.0f} us of core time per image no loader thread used (threads "
