@@ -97,21 +97,27 @@ class AugmentedDataset(Dataset):
         s = self.size
         return (n, 3, s, s) if self.layout == "NCHW" else (n, s, s, 3)
 
+    def _records(self, keys: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[Any]]:
+        """The keys whose records could be read and those records; with on_error="skip" a record that cannot
+        be read is left out (a warning names it), else its error is raised."""
+        kept, records = [], []
+        for key in keys:
+            try:
+                records.append(self.source.record(key[1]))
+                kept.append(key)
+            except ValueError as e:  # the message names the sample (its file, record, or shard and key)
+                if self.on_error != "skip":
+                    raise
+                log.warning("left out of the batch: %s", e)
+        return kept, records
+
     def render_batch(self, keys: Sequence[tuple[int, int]], images: np.ndarray) -> torch.Tensor:
         """Fill `images` (uint8, `batch_shape(len(keys))`) sample by sample; return the int64 labels. The
         records are read first and the batch's crop boxes drawn together (`transform.boxes`). With
         on_error="skip" a bad sample is left out (a warning names it): the first len(labels) images are
         the batch."""
         skip = self.on_error == "skip"
-        records, kept = [], []
-        for key in keys:
-            try:
-                records.append(self.source.record(key[1]))
-                kept.append(key)
-            except ValueError as e:  # the message names the sample (its file, record, or shard and key)
-                if not skip:
-                    raise
-                log.warning("left out of the batch: %s", e)
+        kept, records = self._records(keys)
         boxes = self.transform.boxes([r.height for r in records], [r.width for r in records], self.seed,
                                      [k[0] for k in kept], [k[1] for k in kept])
         labels: list[int] = []
@@ -128,16 +134,7 @@ class AugmentedDataset(Dataset):
         """The batch made on `self.device` by a GPU decoder: the JPEGs of the batch decoded together
         (nvjpeg; an image it cannot read is decoded on the CPU, with a warning naming it), each box
         cropped and resized there (`render_tensor`); labels stay on the host (the prefetcher moves them)."""
-        records, readable = [], []
-        for key in keys:
-            try:
-                records.append(self.source.record(key[1]))
-                readable.append(key)
-            except ValueError as e:  # the message names the sample (its file, record, or shard and key)
-                if self.on_error != "skip":
-                    raise
-                log.warning("left out of the batch: %s", e)
-        keys = readable
+        keys, records = self._records(keys)
         jpegs = [j for j, rec in enumerate(records) if rec.kind == "jpeg"]
 
         def name(i: int) -> str:  # built only for an image nvjpeg cannot read (the fallback's warning)
