@@ -43,3 +43,17 @@ def test_model_fingerprint_follows_structure_not_weights():
     assert remembered.model_fingerprint(a) != remembered.model_fingerprint(nn.Sequential(nn.Linear(4, 2)))
     assert remembered.shapes_of((torch.zeros(2, 3), {"y": torch.zeros(2, dtype=torch.int64)})) == [
         [[2, 3], "float32", "cpu"], {"y": [[2], "int64", "cpu"]}]
+
+
+def test_forget_removes_one_kind_or_all_and_refuses_a_path():
+    import pytest
+
+    remembered.remember("loader", {"x": 1}, {"threads": 2}, "2 threads")
+    remembered.remember("decoder", {"x": 1}, {"decoder": "simplejpeg"}, "simplejpeg")
+    assert remembered.forget("loader") == 1
+    assert remembered.recall("loader", {"x": 1}) is None and remembered.recall("decoder", {"x": 1}) is not None
+    for bad in ("", "..", "../decisions", os.sep + "tmp"):
+        with pytest.raises(ValueError, match="not a kind of remembered decision"):
+            remembered.forget(bad)
+    assert remembered.recall("decoder", {"x": 1}) is not None  # nothing removed by a refused call
+    assert remembered.forget() == 1 and remembered.recall("decoder", {"x": 1}) is None
