@@ -28,6 +28,7 @@ import glob
 import importlib.util
 import os
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -94,7 +95,7 @@ def _load(path: str) -> Any:
         fn = getattr(slow if name == "tj3Decompress8" else quick, name)
         fn.argtypes, fn.restype = args, res
         functions[name] = fn
-    return type("TurboJPEG3", (), {k: staticmethod(v) for k, v in functions.items()})
+    return types.SimpleNamespace(**functions)
 
 
 class _Handle:
