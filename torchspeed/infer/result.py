@@ -92,14 +92,19 @@ class OptimizeResult:
         return busy_warning(self.others_cores)
 
     @property
+    def objective_batch(self) -> int:
+        """The batch size the objective is judged at: the first ('latency') or the largest ('throughput')."""
+        return self.batch_sizes[0] if self.objective == "latency" else max(self.batch_sizes)
+
+    @property
     def best(self) -> VariantRow | None:
-        """The passed, timed row that wins the objective: lowest p50 at the first batch size
-        ('latency') or highest throughput at the largest ('throughput'); None if none passed."""
+        """The passed, timed row that wins the objective at `objective_batch`: lowest p50 ('latency') or
+        highest throughput ('throughput'); None if none passed."""
         passed = [r for r in self.table if r.passed and r.latency_ms]
+        b = self.objective_batch
         if self.objective == "latency":
-            return min(passed, key=lambda r: r.p50_ms(self.batch_sizes[0]), default=None)
-        big = max(self.batch_sizes)
-        return max(passed, key=lambda r: r.latency_ms[big]["throughput"] or 0.0, default=None)
+            return min(passed, key=lambda r: r.p50_ms(b), default=None)
+        return max(passed, key=lambda r: r.latency_ms[b]["throughput"] or 0.0, default=None)
 
     def __getitem__(self, name: str) -> VariantRow:
         for r in self.table:

@@ -377,7 +377,7 @@ def _remember(parts: dict[str, Any], result: OptimizeResult) -> None:
     if result.busy_warning:
         log.debug("optimize: not remembered (the machine was busy while the variants were timed)")
         return
-    b = result.batch_sizes[0] if result.objective == "latency" else max(result.batch_sizes)
+    b = result.objective_batch
     figure = f"{best.name}, {best.p50_ms(b):.3g} ms at batch {b}, {base.p50_ms(b) / best.p50_ms(b):.2f}x {base.name}"
     remembered.remember("optimize", parts, {
         "winner": best.name, "runtime": best.runtime, "precision": best.precision,
@@ -573,7 +573,7 @@ def _log_rows(result: OptimizeResult) -> None:
         log.info("optimize: no variant chosen (%s)",
                  "no variant passed its checks" if any(r.latency_ms for r in result.table) else "nothing was timed")
         return
-    b = result.batch_sizes[0] if result.objective == "latency" else max(result.batch_sizes)
+    b = result.objective_batch
     base = result.table[0].p50_ms(b)
     log.info("optimize: chose %s (objective %s): p50 %.3g ms at batch %d, %.2fx %s; %d of %d variants passed",
              best.name, result.objective, best.p50_ms(b), b, base / best.p50_ms(b), result.table[0].name,
