@@ -474,9 +474,11 @@ def feed_names(x: Any, names: list[str]) -> dict[str, Any]:
 
 
 _ORT_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-              "tensor(int32)": np.int32, "tensor(bool)": np.bool_, "tensor(double)": np.float64}
+              "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+              "tensor(bool)": np.bool_, "tensor(double)": np.float64}
 _TORCH_OF = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.int32: torch.int32,
-             np.bool_: torch.bool, np.float64: torch.float64}
+             np.int16: torch.int16, np.int8: torch.int8, np.uint8: torch.uint8, np.bool_: torch.bool,
+             np.float64: torch.float64}
 
 
 class OrtRunner(Runner):
@@ -535,11 +537,13 @@ class OrtRunner(Runner):
         self.runtime, self.fallback = provider_label(names, self.active)
         self.device = torch.device("cuda", device_id) if self.active and self.active[0] in _GPU_PROVIDERS \
             else torch.device("cpu")
-        self.inputs = [(i.name, _ORT_NUMPY.get(i.type, np.float32)) for i in self.session.get_inputs()]
+        # an input of another type (bfloat16, strings, ...) is fed as given: ONNX Runtime names a mismatch
+        self.inputs = [(i.name, _ORT_NUMPY.get(i.type)) for i in self.session.get_inputs()]
+        self._input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.input_names = [n for n, _ in self.inputs]
         self.input_name = self.input_names[0]
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self.output_type = _ORT_NUMPY.get(getattr(self.session.get_outputs()[0], "type", ""), np.float32)
+        self.output_type = _ORT_NUMPY.get(getattr(self.session.get_outputs()[0], "type", ""))  # None: another type
         self._output_shapes: dict[tuple, tuple[int, ...]] = {}  # input shapes -> the first output's shape
         self.files = (path,)
 
@@ -561,11 +565,14 @@ class OrtRunner(Runner):
         kind, index = self.device.type, self.device.index or 0
         keep = []
         for name, value in feed.items():
+            if types[name] is None:  # bound by pointer, its element type must be known: never guessed
+                raise ValueError(f"the ONNX model's input {name!r} has type {self._input_types[name]}, which "
+                                 f"torchspeed cannot bind on {self.device}; run it on the CPU runner")
             t = _as_tensor(value).to(self.device, _TORCH_OF[types[name]]).contiguous()
             keep.append(t)  # alive until the run is done
             binding.bind_input(name, kind, index, types[name], tuple(t.shape), t.data_ptr())
         key = tuple(tuple(t.shape) for t in keep)
-        shape = self._output_shapes.get(key)
+        shape = self._output_shapes.get(key) if self.output_type is not None else None  # else ONNX Runtime allocates
         out = None
         if shape is not None:
             out = torch.empty(shape, dtype=_TORCH_OF[self.output_type], device=self.device)
