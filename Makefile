@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-stamp
 # `pip install torchspeed` keeps a user's torch. `make lock` rewrites it from the current .venv.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all,peers,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all,turbojpeg,peers,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -192,7 +192,7 @@ def test_missing_library_names_the_install(monkeypatch):
     monkeypatch.setattr(libturbojpeg.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(libturbojpeg.ctypes.util, "find_library", lambda name: None)
     monkeypatch.setattr(decode_mod, "_INSTANCES", {})
-    with pytest.raises(ImportError, match=r"decoder 'turbojpeg' is not available.*torchspeed\[data\]"):
+    with pytest.raises(ImportError, match=r"decoder 'turbojpeg' is not available.*torchspeed\[turbojpeg\]"):
         get_decoder("turbojpeg")
 
 

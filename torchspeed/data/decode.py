@@ -217,8 +217,9 @@ def get_decoder(name: str) -> Decoder:
             with process_as_found():  # importing cv2 changes LD_LIBRARY_PATH; torchvision.io, torch's inductor env
                 _INSTANCES[name] = DECODERS[name]()
         except (ImportError, OSError, RuntimeError) as e:
-            hint = {"turbojpeg": "pip install 'torchspeed[data]' (its turbojpeg wheel bundles libjpeg-turbo 3), "
-                                 "or install libturbojpeg 3 from your system's packages",
+            hint = {"turbojpeg": "pip install 'torchspeed[turbojpeg]' (its wheel bundles libjpeg-turbo 3; it "
+                                 "shadows PyTurboJPEG's module of the same name), or install libturbojpeg 3 from "
+                                 "your system's packages",
                     "nvjpeg": "use a CPU decoder, or a machine with CUDA and torch/torchvision built for it"}.get(
                 name, "pip install 'torchspeed[data]'")
             raise ImportError(f"decoder {name!r} is not available here ({e}); {hint}") from None

@@ -15,8 +15,8 @@ stress test). With smooth upsampling the outermost column of a cropped part is i
 itself rather than from its neighbour, so the part is decoded with one pixel of margin each side:
 every pixel a crop box reads is then exactly the whole decode's (tests/test_region_decode.py).
 
-The library: the one bundled with the `turbojpeg` wheel (pybind11 bindings of libjpeg-turbo 3, in
-`torchspeed[data]` where it has wheels), else a system libturbojpeg with the version-3 API. Output sizes
+The library: the one bundled with the `turbojpeg` wheel (pybind11 bindings of libjpeg-turbo 3, the
+`torchspeed[turbojpeg]` extra), else a system libturbojpeg with the version-3 API. Output sizes
 are computed from the header as libjpeg-turbo computes them, and every buffer is allocated by numpy at
 that size before the library writes into it.
 """
