@@ -39,3 +39,37 @@ def test_busy_warning_words_only_real_load():
     assert measure.busy_warning(None) is None
     assert measure.busy_warning(measure.BUSY_CORES / 2) is None
     assert "1.2 of" in measure.busy_warning(1.2)
+
+
+def test_the_job_is_torchruns_agent_tree_when_it_started_several_local_ranks(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert measure.job_root_pid() == os.getpid()  # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    assert measure.job_root_pid() == os.getppid()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert measure.job_root_pid() == os.getpid()  # a single local rank: its own tree is the job
+
+
+# an "agent" starting a spinning rank and a measuring rank, as torchrun starts local ranks
+_AGENT = r"""
+import os, subprocess, sys
+env = dict(os.environ, LOCAL_WORLD_SIZE="2", **({"TORCHELASTIC_RUN_ID": "run"} if sys.argv[1] == "torchrun" else {}))
+spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"], env=env)
+rank = subprocess.run([sys.executable, "-c", "import time\nfrom torchspeed import measure\ntime.sleep(0.5)\n"
+                       "load = measure.OthersLoad()\ntime.sleep(1.5)\nprint(load.cores())"],
+                      env=env, capture_output=True, text=True, check=True)
+spin.wait()
+print(rank.stdout.strip())
+"""
+
+
+def test_other_local_ranks_are_the_jobs_own_load_not_other_processes():
+    def others(mode: str) -> float:
+        out = subprocess.run([sys.executable, "-c", _AGENT, mode], capture_output=True, text=True, check=True,
+                             timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return float(out.stdout.strip().splitlines()[-1])
+
+    plain, under_torchrun = others("plain"), others("torchrun")
+    assert plain > 0.5  # the spinning sibling: another process's core
+    assert under_torchrun < plain - 0.5  # the same sibling as a local rank of the same torchrun job

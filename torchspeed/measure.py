@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["Timing", "Comparison", "PeakMemory", "OthersLoad", "time_callable", "time_iterable", "compare",
-           "process_tree_cpu_seconds", "machine_busy_cpu_seconds", "busy_warning", "wait_until_quiet",
+           "process_tree_cpu_seconds", "job_root_pid", "machine_busy_cpu_seconds", "busy_warning", "wait_until_quiet",
            "wait_for_quiet_machine", "Quiet"]
 
 BUSY_CORES = 0.3  # other processes using more than this many cores while we time: the figures may be off
@@ -326,10 +326,23 @@ def compare(
     return Comparison(timings=timings, baseline=baseline, others_cores=others.cores())
 
 
-def process_tree_cpu_seconds() -> float | None:
-    """CPU seconds used so far by this process and its live descendants (Linux /proc; None elsewhere)."""
+def job_root_pid() -> int:
+    """The process whose tree is this job: under torchrun with several local ranks, the agent that started
+    them (the other ranks' load is the job's own work, timed in step with this rank, not interference from
+    other processes); else this process."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return os.getppid() if local > 1 and os.environ.get("TORCHELASTIC_RUN_ID") else os.getpid()
+
+
+def process_tree_cpu_seconds(root: int | None = None) -> float | None:
+    """CPU seconds used so far by process `root` (default this one) and its live descendants (Linux /proc;
+    None elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total, todo, seen = 0.0, [str(os.getpid())], set()
+    root = os.getpid() if root is None else root
+    total, todo, seen = 0.0, [str(root)], set()
     try:
         while todo:
             pid = todo.pop()
@@ -345,7 +358,7 @@ def process_tree_cpu_seconds() -> float | None:
                     with open(f"/proc/{pid}/task/{task}/children") as f:
                         todo.extend(f.read().split())
             except (FileNotFoundError, ProcessLookupError):
-                if pid == str(os.getpid()):
+                if pid == str(root):
                     return None  # no /proc/PID/task/*/children (kernel without CONFIG_PROC_CHILDREN): workers unseen
                 continue  # a child that just exited
     except OSError:
@@ -386,17 +399,19 @@ def machine_busy_cpu_seconds() -> float | None:
 
 
 class OthersLoad:
-    """How many cores processes other than this one and its children use from now on: the machine's
-    busy CPU time less this process tree's, over the wall time. Started on construction."""
+    """How many cores processes other than this job use from now on: the machine's busy CPU time less
+    this job's process tree (this process and its children; under torchrun every local rank, see
+    `job_root_pid`), over the wall time. Started on construction."""
 
     def __init__(self) -> None:
         self._t0 = time.perf_counter()
+        self._root = job_root_pid()
         self._machine0 = machine_busy_cpu_seconds()
-        self._own0 = process_tree_cpu_seconds()
+        self._own0 = process_tree_cpu_seconds(self._root)
 
     def cores(self) -> float | None:
         """Average cores used by other processes since construction (None where /proc cannot tell)."""
-        machine, own = machine_busy_cpu_seconds(), process_tree_cpu_seconds()
+        machine, own = machine_busy_cpu_seconds(), process_tree_cpu_seconds(self._root)
         wall = time.perf_counter() - self._t0
         if None in (machine, own, self._machine0, self._own0) or wall < 0.05:
             return None
