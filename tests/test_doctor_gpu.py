@@ -35,9 +35,9 @@ class Stalling(nn.Module):
         return self.inner(x)
 
 
-def test_doctor_counts_host_syncs_and_phases_stay_within_the_wall_time_on_cuda():
-    loader = separable_loader(64, 8, size=32)
-    model = tiny_convnet(classes=10, width=16).cuda()
+def _recorded_training(model, loader, after_step=None):
+    """A plain CUDA training loop over `loader` run under doctor's Recorder; the recorder."""
+    model = model.cuda()
     rec = Recorder()
     rec.install()
     try:
@@ -48,10 +48,19 @@ def test_doctor_counts_host_syncs_and_phases_stay_within_the_wall_time_on_cuda()
             opt.zero_grad()
             loss.backward()
             opt.step()
-            loss.item()            # one sync per step
-            float(loss)            # and another
+            if after_step is not None:
+                after_step(loss)
     finally:
         rec.uninstall()
+    return rec
+
+
+def test_doctor_counts_host_syncs_and_phases_stay_within_the_wall_time_on_cuda():
+    def read_loss(loss):
+        loss.item()            # one sync per step
+        float(loss)            # and another
+
+    rec = _recorded_training(tiny_convnet(classes=10, width=16), separable_loader(64, 8, size=32), read_loss)
     assert rec.s["host_syncs"] >= 2 * 8
     d = build_payload(rec.results(), ["python", "t.py"], 0)
     assert d["steps"] == 8
@@ -62,20 +71,7 @@ def test_doctor_counts_host_syncs_and_phases_stay_within_the_wall_time_on_cuda()
 
 def test_doctor_charges_a_gpu_stall_in_forward_to_forward():
     stall = _stall_seconds()
-    loader = separable_loader(48, 8, size=32)
-    model = Stalling(tiny_convnet(classes=10, width=16)).cuda()
-    rec = Recorder()
-    rec.install()
-    try:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x, y in loader:
-            x, y = x.cuda(), y.cuda()
-            loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        rec.uninstall()
+    rec = _recorded_training(Stalling(tiny_convnet(classes=10, width=16)), separable_loader(48, 8, size=32))
     d = build_payload(rec.results(), ["python", "t.py"], 0)
     ph, steps = d["steady"]["phases"], d["steady"]["steps"]
     assert ph["forward"] / steps > 0.8 * stall, (ph, stall)  # queued in forward, charged to forward

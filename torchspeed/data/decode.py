@@ -312,7 +312,7 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
             try:
                 out = to_host(whole())  # also a check that it reads them (and the pixels for the PSNR)
                 if regions is not None and not batched:
-                    run()
+                    run()  # and reads their regions: a failure here only costs this decoder its candidacy
             except Exception as e:  # a decoder that cannot read these files is simply not a candidate
                 rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
                 continue

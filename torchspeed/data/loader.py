@@ -405,39 +405,39 @@ class FastLoader:
                 f"device={self.device})")
 
 
-def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, bytes]]:
-    """Up to `k` (index, JPEG bytes) spread over the source (none when it holds no JPEGs)."""
+def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, Any]]:
+    """Up to `k` (index, record) spread over the source, each record's payload JPEG bytes (none when the
+    source holds no JPEGs)."""
     n = len(source)
     out = []
     for i in range(0, n, max(1, n // k)):
         rec = source.record(i)
         if rec.kind != "jpeg":
             return []
-        out.append((i, bytes(rec.payload)))
+        out.append((i, rec._replace(payload=bytes(rec.payload))))
         if len(out) >= k:
             break
     return out
 
 
-def _measured_decoder(source: Any, samples: list[tuple[int, bytes]], options: LoaderOptions,
+def _measured_decoder(source: Any, samples: list[tuple[int, Any]], options: LoaderOptions,
                       device: torch.device | None = None) -> tuple[str, list]:
     """choose_decoder on the samples, each decoder asked for what the loader's crops need of them (the
     first epoch's boxes; nvjpeg competing for a CUDA `device`), remembered for this data (see
     `source_identity`) and crop; when they cannot be decoded, the error names the sample that fails."""
     transform = _transform(options)
     regions = []
-    for index, data in samples:
-        rec = source.record(index)
+    for index, rec in samples:
         box = transform.box(rec.height, rec.width, sample_rng(options.seed, 0, index))
         regions.append((*needed_size(rec.height, rec.width, box, options.crop), (box.top, box.left, box.height, box.width)))
     parts = {"data": source_identity(source), "crop": options.crop, "train": options.train, "scale": list(options.scale)}
     try:
-        return choose_decoder([b for _, b in samples], parts=parts, progress=options.progress, device=device,
+        return choose_decoder([rec.payload for _, rec in samples], parts=parts, progress=options.progress, device=device,
                               refresh=options.refresh, regions=regions)
     except Exception as e:
-        for index, data in samples:
+        for index, rec in samples:
             try:
-                get_decoder("pil").decode(data)
+                get_decoder("pil").decode(rec.payload)
             except Exception as bad:
                 raise ValueError(f"cannot decode {sample_name(source, index)}: {type(bad).__name__}: {bad}") from None
         raise e
