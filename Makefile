@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed-stamp
 # constraints.txt pins every package of this repository's own environment (reproducible tests and
 # figures, and pip has nothing to resolve); the package itself asks only for ranges, so
 # `pip install torchspeed` keeps a user's torch. `make lock` rewrites it from the current .venv.
-$(STAMP): pyproject.toml constraints.txt
+# torchspeed/data/_crops.c is compiled by the install (an editable install builds it in place).
+$(STAMP): pyproject.toml constraints.txt torchspeed/data/_crops.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all,turbojpeg,peers,dev]'
 	touch $(STAMP)

@@ -114,6 +114,12 @@ def test_regions_are_exact_under_two_threads():
     assert not failures, failures[:5]
 
 
+def _python_path(monkeypatch):
+    """The loader renders sample by sample in Python (decode_region, then cv2), not in one native call
+    (tests/test_native_crops.py compares the two)."""
+    monkeypatch.setattr(get_decoder("turbojpeg"), "crops", None)
+
+
 def _whole_decodes(monkeypatch):
     """Make the turbojpeg decoder decode whole images through the base class (the reference)."""
     dec = get_decoder("turbojpeg")
@@ -126,6 +132,7 @@ def test_loader_batches_equal_those_of_whole_decodes(photo_store, monkeypatch, t
     from torchspeed.data.loader import AugmentedDataset
     from torchspeed.data.store import PackedDataset
 
+    _python_path(monkeypatch)
     augmented = AugmentedDataset(PackedDataset(photo_store), transform, "turbojpeg", seed=3, layout=layout)
     keys = [(1, i) for i in range(len(augmented))]
     cropped = np.empty(augmented.batch_shape(len(keys)), np.uint8)
@@ -138,6 +145,8 @@ def test_loader_batches_equal_those_of_whole_decodes(photo_store, monkeypatch, t
 
 def test_fast_loader_with_turbojpeg_matches_whole_decodes(photo_store, monkeypatch):
     from torchspeed.data import fast_loader
+
+    _python_path(monkeypatch)
 
     def batches():
         loader = fast_loader(photo_store, 8, crop=48, device="cpu", decoder="turbojpeg", num_workers=0, threads=2)
@@ -153,10 +162,25 @@ def test_bad_jpeg_data_is_an_error():
     dec = get_decoder("turbojpeg")
     good = _jpeg(96, 72, 2)
     for bad in (good[:len(good) // 2], good[:300], b"\xff\xd8" + b"\x00" * 50):
-        with pytest.raises(ValueError, match="libturbojpeg could not"):
+        with pytest.raises(ValueError, match="libturbojpeg could not|no frame header|corrupt header"):
             dec.decode_region(bad, 0, 0, (10, 10, 20, 20))
-        with pytest.raises(ValueError, match="libturbojpeg could not"):
+        with pytest.raises(ValueError, match="libturbojpeg could not|no frame header|corrupt header"):
             dec.decode(bad)
+
+
+def test_a_failed_header_does_not_leave_its_size_to_the_next_image():
+    """libjpeg-turbo 3.0: a decompressor that failed to read a header reports the previous image's size for
+    the next header, and a buffer allocated at that size would be overrun by the decode. The decoder
+    replaces it after any failure."""
+    dec = get_decoder("turbojpeg")
+    small, large = _jpeg(96, 72, 2), _jpeg(640, 480, 2, seed=1)
+    assert dec.decode(small).shape == (72, 96, 3)
+    with pytest.raises(ValueError, match="libturbojpeg could not read the JPEG header"):
+        dec.decode_region(small[:200], 0, 0, (0, 0, 10, 10))
+    from torchspeed.data.libturbojpeg import TurboJpeg
+
+    np.testing.assert_array_equal(dec.decode(large), TurboJpeg().decode(large)[0])  # a fresh decompressor's pixels
+    assert dec.decode_region(large, 0, 0, (0, 0, 480, 640))[0].shape == (480, 640, 3)
 
 
 def test_a_header_over_the_pixel_limit_is_refused_before_decoding():

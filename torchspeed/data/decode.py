@@ -30,6 +30,7 @@ from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
 from torchspeed.images import check_image_size, image_size_error, open_image, rgb_image
 from torchspeed.data.libturbojpeg import TurboJpeg, dct_factor
+from torchspeed.data.native_crops import native_crops
 from torchspeed.measure import busy_warning, compare
 from torchspeed.runtime import process_as_found
 
@@ -61,6 +62,7 @@ class Decoder:
     any decoder allocates its pixels, whatever the data came from; subclasses implement `_decode`."""
 
     name = "base"
+    crops: Any = None  # a NativeCrops when whole batches of crops can be rendered in one native call
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
         check_jpeg_size(buf)
@@ -161,6 +163,7 @@ class TurboJpegDecoder(Decoder):
 
     def __init__(self) -> None:
         self._tj = TurboJpeg()
+        self.crops = native_crops(self._tj.path)  # None where torchspeed's native part was not compiled
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
         return self._tj.decode(buf, min_h, min_w, check=_size_error)[0]

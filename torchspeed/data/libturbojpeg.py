@@ -133,7 +133,11 @@ class TurboJpeg:
         return h
 
     def _fail(self, handle: Any, what: str) -> None:
+        """Raise the library's error, after replacing this thread's decompressor: one that failed to read a
+        header keeps the previous image's size for the next header it reads (libjpeg-turbo 3.0), and a
+        buffer allocated at that size would be overrun."""
         msg = self._lib.tj3GetErrorStr(handle)
+        self._local.handle = None  # destroyed with its last reference; the next decode makes a new one
         raise ValueError(f"libturbojpeg could not {what}: {(msg or b'unknown error').decode(errors='replace')}")
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0, region: tuple[int, int, int, int] | None = None,

@@ -41,6 +41,7 @@ from torchspeed.data.store import PackedDataset
 from torchspeed.data.threads import ThreadedBatches
 from torchspeed.data.tune import (TuneResult, as_counts, candidate_counts, dataloader_factory, measure_settings,
                                   recall_settings, remember_settings, worker_error)
+from torchspeed import images as image_rules
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 from torchspeed.runtime import default_mp_context, resolve_device, usable_cores
 
@@ -120,6 +121,9 @@ class AugmentedDataset(Dataset):
         kept, records = self._records(keys)
         boxes = self.transform.boxes([r.height for r in records], [r.width for r in records], self.seed,
                                      [k[0] for k in kept], [k[1] for k in kept])
+        crops = self._decoder.crops
+        if crops is not None and images.flags.c_contiguous and all(r.kind == "jpeg" for r in records):
+            return self._render_native(crops, kept, records, boxes, images)
         labels: list[int] = []
         for (_, index), rec, box in zip(kept, records, boxes):
             try:
@@ -128,6 +132,28 @@ class AugmentedDataset(Dataset):
                 if not skip:
                     raise
                 log.warning("left out of the batch: %s", e)
+        return torch.tensor(labels, dtype=torch.int64)
+
+    def _render_native(self, crops: Any, keys: Sequence[tuple[int, int]], records: Sequence[Any],
+                       boxes: Sequence[Any], images: np.ndarray) -> torch.Tensor:
+        """`render_batch` in one native call (data/native_crops.py). A sample it could not render is
+        rendered again in Python, whose error names it (or which renders it after all)."""
+        status = crops.render([r.payload for r in records], [r.height for r in records], [r.width for r in records],
+                              boxes, images, chw=self.layout == "NCHW", max_pixels=image_rules.MAX_IMAGE_PIXELS)
+        labels = [r.label for r in records]
+        kept = np.ones(len(records), bool)
+        for j in np.flatnonzero(status).tolist():
+            try:
+                self._render(keys[j][1], records[j], boxes[j], images[j])
+            except ValueError as e:
+                if self.on_error != "skip":
+                    raise
+                log.warning("left out of the batch: %s", e)
+                kept[j] = False
+        if not kept.all():
+            rows = np.flatnonzero(kept)
+            images[:len(rows)] = images[rows]
+            labels = [labels[j] for j in rows.tolist()]
         return torch.tensor(labels, dtype=torch.int64)
 
     def device_batch(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
