@@ -171,3 +171,85 @@ def test_a_size_over_the_pixel_limit_is_refused_as_in_python(photo_store, monkey
     augmented = _augmented(photo_store)
     with pytest.raises(ValueError, match="more than the limit of 100"):
         augmented.render_batch([(0, 0), (0, 1)], np.zeros(augmented.batch_shape(2), np.uint8))
+
+
+@pytest.mark.parametrize("chw", [True, False])
+def test_normalised_output_is_the_uint8_output_normalised(chw):
+    crops = _crops()
+    payloads = [_jpeg(213, 160, 2, seed=s) for s in range(8)] + [_jpeg(150, 120, None, seed=9, mode="L")]
+    n = len(payloads)
+    boxes = RandomResizedCropFlip(48).boxes([160] * 8 + [120], [213] * 8 + [150], 1, [0] * n, list(range(n)))
+    heights, widths = [160] * 8 + [120], [213] * 8 + [150]
+    shape = (n, 3, 48, 48) if chw else (n, 48, 48, 3)
+    pixels = np.zeros(shape, np.uint8)
+    crops.render(payloads, heights, widths, boxes, pixels, chw, max_pixels=10**9)
+    scale, shift = [0.017, 0.0175, 0.0174], [-2.1, -2.03, -1.8]
+    floats = np.zeros(shape, np.float32)
+    status = crops.render(payloads, heights, widths, boxes, floats, chw, max_pixels=10**9, normalize=(scale, shift))
+    assert not status.any()
+    bcast = (3, 1, 1) if chw else (3,)
+    expected = pixels.astype(np.float32) * np.float32(scale).reshape(bcast) + np.float32(shift).reshape(bcast)
+    np.testing.assert_array_equal(floats, expected)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("normalized", [True, False])
+def test_the_loader_normalising_while_rendering_gives_the_prefetchers_batches(photo_store, monkeypatch, channels_last,
+                                                                              normalized):
+    """On a CPU the loader's threads write normalised floats straight from the native call; the batches must
+    be those of rendering uint8 and converting them with the prefetcher, bit for bit."""
+    from torchspeed.data import fast_loader
+    from torchspeed.data.prefetch import DevicePrefetcher
+
+    _crops()
+    stats = {} if normalized else {"mean": None, "std": None}
+
+    def batches():
+        loader = fast_loader(photo_store, 8, crop=40, device="cpu", decoder="turbojpeg", num_workers=0, threads=2,
+                             channels_last=channels_last, **stats)
+        return [b for b in loader]
+
+    fused = batches()
+    monkeypatch.setattr(DevicePrefetcher, "uint8_affine", lambda self, layout: None)
+    converted = batches()
+    assert len(fused) == len(converted) == 3
+    for (x, y), (x2, y2) in zip(fused, converted):
+        assert x.dtype == x2.dtype == torch.float32 and x.shape == x2.shape
+        assert x.is_contiguous(memory_format=torch.channels_last) == channels_last == \
+            x2.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+def test_a_bad_sample_left_out_of_a_normalised_batch(photo_store, caplog):
+    _crops()
+    keys = [(0, i) for i in range(6)]
+    scale, shift = [0.02, 0.02, 0.02], [-1.0, -1.0, -1.0]
+    clean = _augmented(photo_store)
+    expected = np.zeros(clean.batch_shape(6), np.float32)
+    expected_labels = clean.render_batch(keys, expected, normalize=(scale, shift))
+    skipping = _augmented(photo_store, on_error="skip")
+    skipping.source = _Corrupted(skipping.source, bad=4)
+    images = np.zeros(skipping.batch_shape(6), np.float32)
+    labels = skipping.render_batch(keys, images, normalize=(scale, shift))
+    kept = [0, 1, 2, 3, 5]
+    assert labels.tolist() == expected_labels[kept].tolist()
+    np.testing.assert_array_equal(images[:5], expected[kept])
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_normalising_without_the_native_call_is_the_prefetchers(photo_store, monkeypatch, layout):
+    """Where the native call does not apply (records of raw pixels, a sample rendered again in Python) the
+    normalised batch is still the prefetcher's conversion of the uint8 one."""
+    from torchspeed.data.prefetch import DevicePrefetcher
+
+    _python_path(monkeypatch)
+    augmented = _augmented(photo_store, layout=layout)
+    keys = [(2, i) for i in range(8)]
+    pixels = np.zeros(augmented.batch_shape(8), np.uint8)
+    labels = augmented.render_batch(keys, pixels)
+    prefetcher = DevicePrefetcher([], "cpu", channels_last=layout == "NHWC", layout=layout)
+    expected, _ = prefetcher.convert((torch.from_numpy(pixels), labels))
+    floats = np.zeros(augmented.batch_shape(8), np.float32)
+    assert torch.equal(augmented.render_batch(keys, floats, normalize=prefetcher.uint8_affine(layout)), labels)
+    got = torch.from_numpy(floats)
+    assert torch.equal(got if layout == "NCHW" else got.permute(0, 3, 1, 2), expected)

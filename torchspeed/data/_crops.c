@@ -17,6 +17,7 @@
  */
 #include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -216,13 +217,38 @@ static size_t round16(size_t n) { return (n + 15) & ~(size_t)15; }
 static size_t resize_scratch(int h, int ow) {
     size_t lanes = round16((size_t)ow * 4);
     return round16(sizeof(int) * ow) + round16(sizeof(uint16_t) * 8 * ow) + sizeof(uint16_t) * lanes * h +
-           lanes + 64;
+           lanes + round16((size_t)ow * 3) + 64;
+}
+
+/* Where one crop goes: its slot of a uint8 batch (`bytes`), or of a float batch (`floats`), normalised
+ * there as x * scale[c] + shift[c] (`scale_row`, `shift_row`: the same tiled over an HWC row of ow pixels);
+ * CHW (three planes) or HWC. */
+typedef struct {
+    int chw;
+    uint8_t *bytes;
+    float *floats;
+    const float *scale, *shift, *scale_row, *shift_row;
+} target_t;
+
+/* n bytes to floats, b[j] * scale[j] + shift[j] (a multiply, then an add: torch's two passes, bit for bit) */
+static void affine_row(const uint8_t *b, int n, const float *scale, const float *shift, float *o) {
+    for (int j = 0; j < n; j++) o[j] = (float)b[j] * scale[j] + shift[j];
+}
+
+static void affine_plane(const uint8_t *b, int n, float scale, float shift, float *o) {
+    for (int j = 0; j < n; j++) o[j] = (float)b[j] * scale + shift;
+}
+
+/* ow RGBX pixels -> ow RGB pixels (3 x ow bytes) */
+static void to_hwc(const uint8_t *px, int ow, uint8_t *o) {
+    for (int x = 0; x + 1 < ow; x++) memcpy(o + 3 * x, px + 4 * x, 4); /* the 4th byte: the next pixel's */
+    memcpy(o + 3 * (ow - 1), px + 4 * (ow - 1), 3);
 }
 
 /* Resize the h x w RGB region at `src` (row stride `stride` bytes; 8 bytes readable from each pixel on)
- * to oh x ow, flipped left-right if asked, into `out`: CHW (three planes) or HWC. 0, or -1 without memory. */
-static int resize_into(const uint8_t *src, int stride, int h, int w, int oh, int ow, int flip, int chw,
-                       uint8_t *out, uint8_t *scratch) {
+ * to oh x ow, flipped left-right if asked, into `to`. 0, or -1 without memory. */
+static int resize_into(const uint8_t *src, int stride, int h, int w, int oh, int ow, int flip, const target_t *to,
+                       uint8_t *scratch) {
     axis_t ax = {0}, ay = {0};
     int area = h > 2 * oh || w > 2 * ow, shrink = h >= oh && w >= ow, rc = 0;
     const uint16_t *taps[MAX_TAPS];
@@ -237,7 +263,7 @@ static int resize_into(const uint8_t *src, int stride, int h, int w, int oh, int
     int *hoff = (int *)scratch;
     uint16_t *hw = (uint16_t *)(scratch + round16(sizeof(int) * ow));
     uint16_t *rows = hw + round16(sizeof(uint16_t) * 8 * ow) / sizeof(uint16_t);
-    uint8_t *px = (uint8_t *)(rows + lanes * h);
+    uint8_t *px = (uint8_t *)(rows + lanes * h), *staged = px + lanes;
     /* the horizontal taps, in output order (a flip reverses them); pairs of adjacent pixels or not */
     int pairs = ax.k == 2;
     for (int x = 0; x < ow; x++) {
@@ -280,27 +306,23 @@ static int resize_into(const uint8_t *src, int stride, int h, int w, int oh, int
             w15[t] = (uint16_t)lrintf(ay.wt[y * ay.k + t] * 32768.f);
         }
         vertical(taps, w15, ay.k, (int)lanes, px);
-        if (chw) {
-            to_planes(px, ow, out + (size_t)y * ow, plane);
+        if (to->floats && to->chw) {
+            to_planes(px, ow, staged, (size_t)ow);
+            for (int c = 0; c < 3; c++)
+                affine_plane(staged + c * ow, ow, to->scale[c], to->shift[c], to->floats + c * plane + (size_t)y * ow);
+        } else if (to->floats) {
+            to_hwc(px, ow, staged);
+            affine_row(staged, 3 * ow, to->scale_row, to->shift_row, to->floats + (size_t)y * ow * 3);
+        } else if (to->chw) {
+            to_planes(px, ow, to->bytes + (size_t)y * ow, plane);
         } else {
-            uint8_t *o = out + (size_t)y * ow * 3;
-            for (int x = 0; x + 1 < ow; x++) memcpy(o + 3 * x, px + 4 * x, 4); /* the 4th byte: the next pixel's */
-            memcpy(o + 3 * (ow - 1), px + 4 * (ow - 1), 3);
+            to_hwc(px, ow, to->bytes + (size_t)y * ow * 3);
         }
     }
 done:
     axis_free(&ax);
     axis_free(&ay);
     return rc;
-}
-
-static int grow(void **buf, size_t *cap, size_t need) {
-    if (need <= *cap) return 0;
-    void *p = realloc(*buf, need);
-    if (!p) return -1;
-    *buf = p;
-    *cap = need;
-    return 0;
 }
 
 /* A decompressor with the Python path's settings: fast DCT, smooth upsampling (see data/libturbojpeg.py). */
@@ -313,19 +335,68 @@ static void *new_handle(void) {
     return handle;
 }
 
-/* Render n samples into `out` (n slots of 3 x oh x ow uint8, CHW if `chw` else HWC). Sample i: JPEG bytes
+/* Each thread's decompressor and scratch (the decoded part, the resize rows), kept from one call to the
+ * next and freed when the thread ends: fresh pages for every batch cost a page fault each. */
+typedef struct {
+    void *handle, *img, *rows;
+    size_t img_cap, rows_cap;
+} scratch_t;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *p) {
+    scratch_t *s = p;
+    if (s->handle) tj_destroy(s->handle);
+    free(s->img);
+    free(s->rows);
+    free(s);
+}
+
+static void scratch_key_make(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+static scratch_t *thread_scratch(void) {
+    pthread_once(&scratch_once, scratch_key_make);
+    scratch_t *s = pthread_getspecific(scratch_key);
+    if (!s && (s = calloc(1, sizeof *s)) && pthread_setspecific(scratch_key, s) != 0) {
+        free(s);
+        s = NULL;
+    }
+    return s;
+}
+
+static int grow(void **buf, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    void *p = malloc(need + need / 4);
+    if (!p) return -1;
+    free(*buf);
+    *buf = p;
+    *cap = need + need / 4;
+    return 0;
+}
+
+/* Render n samples into `out` (n slots of 3 x oh x ow uint8, CHW if `chw` else HWC), or, when `fout` is
+ * given, into `fout` (float slots) normalised as x * norm_scale[c] + norm_shift[c]. Sample i: JPEG bytes
  * data[offsets[i]:offsets[i+1]]; info[7i..7i+6] = stored height, width, then its box's top, left,
  * height, width and flip. status[i] = 0 when rendered, else why not (its slot is left as it was;
  * the caller decodes it again in Python for the message). Returns how many failed, or -1 when no
- * decompressor could be made. The decompressor is this call's own, and a new one follows a failure: a
- * libjpeg-turbo 3.0 decompressor that failed to read a header keeps the old image's size for the next. */
-int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const int32_t *info,
-                    int oh, int ow, int chw, int64_t max_pixels, uint8_t *out, int32_t *status) {
-    void *img = NULL, *rows = NULL, *handle = new_handle();
-    size_t img_cap = 0, rows_cap = 0;
+ * decompressor could be made. The thread's decompressor is replaced after a failure: a libjpeg-turbo 3.0
+ * decompressor that failed to read a header keeps the old image's size for the next. */
+int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const int32_t *info, int oh, int ow,
+                    int chw, int64_t max_pixels, uint8_t *out, float *fout, const float *norm_scale,
+                    const float *norm_shift, int32_t *status) {
+    scratch_t *scratch = thread_scratch();
+    if (scratch && !scratch->handle) scratch->handle = new_handle();
+    void *handle = scratch ? scratch->handle : NULL;
+    float *rowwise = fout && !chw ? malloc(sizeof(float) * 6 * ow) : NULL;
     int failed = 0;
     size_t slot = (size_t)3 * oh * ow;
-    if (!handle) return -1;
+    if (!handle || (fout && !chw && !rowwise)) {
+        free(rowwise);
+        return -1;
+    }
+    if (rowwise)
+        for (int j = 0; j < 3 * ow; j++) { rowwise[j] = norm_scale[j % 3]; rowwise[3 * ow + j] = norm_shift[j % 3]; }
     for (int i = 0; i < n; i++) {
         const int32_t *f = info + 7 * i;
         int h = f[0], w = f[1], top = f[2], left = f[3], bh = f[4], bw = f[5], flip = f[6];
@@ -354,7 +425,8 @@ int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const in
             tj_region crop = {x0, y0, pw, ph};
             if (tj_set_crop(handle, crop) != 0) { st = BAD_REGION; goto next; }
         }
-        if (grow(&img, &img_cap, (size_t)ph * pw * 3 + 16)) { st = NO_MEMORY; goto next; }
+        if (grow(&scratch->img, &scratch->img_cap, (size_t)ph * pw * 3 + 16)) { st = NO_MEMORY; goto next; }
+        uint8_t *img = scratch->img;
         if (tj_decode(handle, jpeg, len, img, pw * 3, TJPF_RGB) != 0) { st = BAD_DATA; goto next; }
         /* render: the box mapped onto the decoded part (augment.render) */
         double sh = (double)fh / h, sw = (double)fw / w;
@@ -366,25 +438,24 @@ int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const in
         if (t < 0 || l < 0 || t >= ph || l >= pw) { st = BAD_REGION; goto next; }
         rh = imin(rh, ph - t);
         rw = imin(rw, pw - l);
-        if (grow(&rows, &rows_cap, resize_scratch(rh, ow)) ||
-            resize_into((const uint8_t *)img + ((size_t)t * pw + l) * 3, pw * 3, rh, rw, oh, ow, flip, chw,
-                        out + slot * i, rows)) {
+        target_t to = {chw, fout ? NULL : out + slot * i, fout ? fout + slot * i : NULL, norm_scale, norm_shift,
+                       rowwise, rowwise ? rowwise + 3 * ow : NULL};
+        if (grow(&scratch->rows, &scratch->rows_cap, resize_scratch(rh, ow)) ||
+            resize_into(img + ((size_t)t * pw + l) * 3, pw * 3, rh, rw, oh, ow, flip, &to, scratch->rows)) {
             st = NO_MEMORY;
         }
     next:
         status[i] = st;
         failed += st != OK;
-        if (st != OK && i + 1 < n) {
+        if (st != OK) {
             tj_destroy(handle);
-            if (!(handle = new_handle())) {
+            if (!(handle = scratch->handle = new_handle())) {
                 for (int j = i + 1; j < n; j++) status[j] = NO_MEMORY;
                 failed += n - 1 - i;
                 break;
             }
         }
     }
-    if (handle) tj_destroy(handle);
-    free(img);
-    free(rows);
+    free(rowwise);
     return failed;
 }

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
+import queue
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -112,9 +112,12 @@ class AugmentedDataset(Dataset):
                 log.warning("left out of the batch: %s", e)
         return kept, records
 
-    def render_batch(self, keys: Sequence[tuple[int, int]], images: np.ndarray) -> torch.Tensor:
+    def render_batch(self, keys: Sequence[tuple[int, int]], images: np.ndarray,
+                     normalize: tuple[Sequence[float], Sequence[float]] | None = None) -> torch.Tensor:
         """Fill `images` (uint8, `batch_shape(len(keys))`) sample by sample; return the int64 labels. The
-        records are read first and the batch's crop boxes drawn together (`transform.boxes`). With
+        records are read first and the batch's crop boxes drawn together (`transform.boxes`); with the
+        native renderer (data/native_crops.py) the whole batch is one call. With `normalize` = (scale,
+        shift) per channel, `images` is float32 and each pixel is written as `x * scale + shift`. With
         on_error="skip" a bad sample is left out (a warning names it): the first len(labels) images are
         the batch."""
         skip = self.on_error == "skip"
@@ -123,28 +126,49 @@ class AugmentedDataset(Dataset):
                                      [k[0] for k in kept], [k[1] for k in kept])
         crops = self._decoder.crops
         if crops is not None and images.flags.c_contiguous and all(r.kind == "jpeg" for r in records):
-            return self._render_native(crops, kept, records, boxes, images)
+            return self._render_native(crops, kept, records, boxes, images, normalize)
+        pixels = images if normalize is None else np.empty(self.batch_shape(len(kept)), np.uint8)
         labels: list[int] = []
         for (_, index), rec, box in zip(kept, records, boxes):
             try:
-                labels.append(self._render(index, rec, box, images[len(labels)]))
+                labels.append(self._render(index, rec, box, pixels[len(labels)]))
             except ValueError as e:
                 if not skip:
                     raise
                 log.warning("left out of the batch: %s", e)
+        if normalize is not None:
+            self._normalize(pixels[:len(labels)], images[:len(labels)], normalize)
         return torch.tensor(labels, dtype=torch.int64)
 
+    def _normalize(self, pixels: np.ndarray, out: np.ndarray, normalize: tuple[Sequence[float], Sequence[float]]) -> None:
+        """out = float32(pixels) * scale + shift per channel: a multiply, then an add, as the prefetcher's
+        (`prefetch.normalize_batch`: NHWC as rows of w * 3 values, the scale tiled along them)."""
+        x = torch.from_numpy(out).copy_(torch.from_numpy(pixels))
+        scale, shift = (torch.tensor(v, dtype=torch.float32) for v in normalize)
+        if self.layout == "NHWC":
+            n, h, w, c = x.shape
+            x.view(n * h, w * c).mul_(scale.repeat(w)).add_(shift.repeat(w))
+        else:
+            x.mul_(scale.view(1, -1, 1, 1)).add_(shift.view(1, -1, 1, 1))
+
     def _render_native(self, crops: Any, keys: Sequence[tuple[int, int]], records: Sequence[Any],
-                       boxes: Sequence[Any], images: np.ndarray) -> torch.Tensor:
+                       boxes: Sequence[Any], images: np.ndarray,
+                       normalize: tuple[Sequence[float], Sequence[float]] | None) -> torch.Tensor:
         """`render_batch` in one native call (data/native_crops.py). A sample it could not render is
         rendered again in Python, whose error names it (or which renders it after all)."""
         status = crops.render([r.payload for r in records], [r.height for r in records], [r.width for r in records],
-                              boxes, images, chw=self.layout == "NCHW", max_pixels=image_rules.MAX_IMAGE_PIXELS)
+                              boxes, images, chw=self.layout == "NCHW", max_pixels=image_rules.MAX_IMAGE_PIXELS,
+                              normalize=normalize)
         labels = [r.label for r in records]
         kept = np.ones(len(records), bool)
         for j in np.flatnonzero(status).tolist():
             try:
-                self._render(keys[j][1], records[j], boxes[j], images[j])
+                if normalize is None:
+                    self._render(keys[j][1], records[j], boxes[j], images[j])
+                else:
+                    pixels = np.empty(self.batch_shape(1), np.uint8)
+                    self._render(keys[j][1], records[j], boxes[j], pixels[0])
+                    self._normalize(pixels, images[j:j + 1], normalize)
             except ValueError as e:
                 if self.on_error != "skip":
                     raise
@@ -294,25 +318,42 @@ class FastLoader:
     def _threaded(self, threads: int) -> Any:
         """No worker processes: `threads` threads of this process make the batches (see data/threads.py).
 
-        On a CPU each thread also normalises its batch, rendering into a uint8 buffer it reuses (no
-        fresh pages per batch); on CUDA the prefetcher copies and normalises on its side stream.
+        On a CPU each thread also normalises its batch (with the native renderer, as it renders), into
+        buffers reused from one batch and one pass to the next (no fresh pages per batch); on CUDA the
+        prefetcher copies and normalises on its side stream.
         """
         augmented, prefetcher = self._augmented, self.prefetcher
         if prefetcher.device.type == "cuda":
             return DevicePrefetcher(ThreadedBatches(augmented.__getitems__, self.batch_sampler, threads),
                                     prefetcher.device, prefetcher.mean, prefetcher.std, prefetcher.channels_last,
                                     prefetcher.dtype, prefetcher.layout)
-        local = threading.local()
+        # shared by the threads and kept across passes (the threads are new each pass): a uint8 batch and a
+        # float output from fresh memory would fault every page in again each epoch
+        outputs = BufferPool(capacity=threads * (ThreadedBatches.AHEAD + 2) + 2)
+        spare_images: queue.SimpleQueue = queue.SimpleQueue()
+        # with the native renderer, each thread writes the normalised floats itself (no uint8 batch, no conversion)
+        native = augmented.decoder not in GPU_DECODERS and augmented._decoder.crops is not None
+        affine = prefetcher.uint8_affine(augmented.layout) if native and len(prefetcher.mean or "rgb") == 3 else None
 
         def make_batch(keys: Sequence[tuple[int, int]]) -> Any:
-            if not hasattr(local, "images"):  # per thread: a uint8 batch and a pool of float outputs
-                local.images = np.empty(augmented.batch_shape(self.batch_sampler.batch_size), np.uint8)
-                local.outputs = BufferPool(capacity=2 * ThreadedBatches.AHEAD + 2)
-            images = local.images[:len(keys)]
-            labels = augmented.render_batch(keys, images)
-            batch = (torch.from_numpy(images[:len(labels)]), labels)
-            # the result never aliases `images`, which is free again for the next batch
-            return prefetcher.convert(batch, out=prefetcher.output_buffer(local.outputs, batch))
+            if affine is not None:  # rendered normalised, straight into the float batch
+                s = augmented.size
+                out = outputs.take((len(keys), 3, s, s), prefetcher.channels_last)
+                labels = augmented.render_batch(keys, (out.permute(0, 2, 3, 1) if prefetcher.channels_last else out)
+                                                .numpy(), normalize=affine)
+                return out[:len(labels)], labels
+            try:
+                spare = spare_images.get_nowait()
+            except queue.Empty:
+                spare = np.empty(augmented.batch_shape(self.batch_sampler.batch_size), np.uint8)
+            try:
+                images = spare[:len(keys)]
+                labels = augmented.render_batch(keys, images)
+                batch = (torch.from_numpy(images[:len(labels)]), labels)
+                # the result never aliases `images`, which is free again for the next batch
+                return prefetcher.convert(batch, out=prefetcher.output_buffer(outputs, batch))
+            finally:
+                spare_images.put(spare)
 
         return ThreadedBatches(make_batch, self.batch_sampler, threads)
 

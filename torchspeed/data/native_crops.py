@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import itertools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +35,7 @@ def _load(library: str) -> Any:
     if lib.ts_crops_load(library.encode()) != 0:
         raise ImportError(f"torchspeed's native crop renderer cannot use {library}")
     vp, i = ctypes.c_void_p, ctypes.c_int
-    lib.ts_crops_render.argtypes = [i, ctypes.c_char_p, vp, vp, i, i, i, ctypes.c_int64, vp, vp]
+    lib.ts_crops_render.argtypes = [i, vp, vp, vp, i, i, i, ctypes.c_int64, vp, vp, vp, vp, vp]
     lib.ts_crops_render.restype = i
     return lib
 
@@ -46,24 +46,49 @@ class NativeCrops:
 
     def __init__(self, library: str):
         self._lib = _load(library)  # libturbojpeg's path (the one data/libturbojpeg.py loaded)
+        self._local = threading.local()
+
+    def _gathered(self, payloads: Sequence[Any]) -> tuple[int, np.ndarray]:
+        """The batch's JPEGs copied end to end into this thread's buffer (reused: a fresh one per batch
+        would fault its pages in each time): its address and the offsets of each."""
+        views = [m if m.format == "B" else m.cast("B") for m in map(memoryview, payloads)]
+        sizes = [m.nbytes for m in views]
+        offsets = np.zeros(len(sizes) + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        total = int(offsets[-1])
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < total:
+            buf = self._local.buf = np.empty(total + total // 4 + 1, np.uint8)
+            self._local.view = memoryview(buf)
+        view = self._local.view
+        for m, a, b in zip(views, offsets[:-1].tolist(), offsets[1:].tolist()):
+            view[a:b] = m
+        return buf.ctypes.data, offsets
 
     def render(self, payloads: Sequence[Any], heights: Sequence[int], widths: Sequence[int], boxes: Sequence[Any],
-               out: np.ndarray, chw: bool, max_pixels: int) -> np.ndarray:
-        """`out`: a C-contiguous uint8 (n, 3, s, s) batch if `chw`, else (n, s, s, 3). `boxes`: (top, left,
-        height, width, flip) per sample, in stored pixels (`heights`, `widths`). A sample whose status is
-        not 0 (a size refused, data that cannot be decoded: see data/_crops.c) leaves its slot as it was."""
+               out: np.ndarray, chw: bool, max_pixels: int,
+               normalize: tuple[Sequence[float], Sequence[float]] | None = None) -> np.ndarray:
+        """`out`: a C-contiguous (n, 3, s, s) batch if `chw`, else (n, s, s, 3): uint8, or float32 with
+        `normalize` = (scale, shift) per channel, each pixel then written as `x * scale + shift` (x the uint8
+        value, in float32: the pixels `prefetch.normalize_batch` makes of the uint8 batch). `boxes`: (top,
+        left, height, width, flip) per sample, in stored pixels (`heights`, `widths`). A sample whose status
+        is not 0 (a size refused, data that cannot be decoded: see data/_crops.c) leaves its slot as it was."""
         n = len(payloads)
-        if out.dtype != np.uint8 or not out.flags.c_contiguous or out.shape[0] < n:
-            raise ValueError(f"out must be a C-contiguous uint8 batch of >= {n} slots")
+        dtype = np.float32 if normalize is not None else np.uint8
+        if out.dtype != dtype or not out.flags.c_contiguous or out.shape[0] < n:
+            raise ValueError(f"out must be a C-contiguous {np.dtype(dtype).name} batch of >= {n} slots")
         oh, ow = (out.shape[2], out.shape[3]) if chw else (out.shape[1], out.shape[2])
-        data = b"".join(payloads)
-        offsets = np.fromiter(itertools.accumulate((memoryview(p).nbytes for p in payloads), initial=0), np.int64,
-                              n + 1)
+        data, offsets = self._gathered(payloads)
         info = np.empty((n, 7), np.int32)
         info[:, 0], info[:, 1], info[:, 2:] = heights, widths, boxes
         status = np.zeros(n, np.int32)
-        if self._lib.ts_crops_render(n, data, offsets.ctypes.data, info.ctypes.data, oh, ow, int(chw),
-                                  max_pixels, out.ctypes.data, status.ctypes.data) < 0:
+        if normalize is not None:
+            scale, shift = (np.ascontiguousarray(v, np.float32) for v in normalize)
+            floats, scale_p, shift_p, out_p = out.ctypes.data, scale.ctypes.data, shift.ctypes.data, None
+        else:
+            floats, scale_p, shift_p, out_p = None, None, None, out.ctypes.data
+        if self._lib.ts_crops_render(n, data, offsets.ctypes.data, info.ctypes.data, oh, ow, int(chw), max_pixels,
+                                     out_p, floats, scale_p, shift_p, status.ctypes.data) < 0:
             raise MemoryError("libturbojpeg could not create a decompressor")
         return status
 

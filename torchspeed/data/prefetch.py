@@ -140,20 +140,23 @@ class BufferPool:
         self.capacity = capacity
         self._storages: list[Any] = []
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it, no reuse
+        self._lock = threading.Lock()
 
     def take(self, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
-        """A float32 CPU tensor of `shape` (NCHW), channels_last or contiguous, free to overwrite."""
+        """A float32 CPU tensor of `shape` (NCHW), channels_last or contiguous, free to overwrite. Threads may
+        share a pool: a buffer is handed to one of them only (its tensor made under the lock)."""
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         nbytes = 4 * math.prod(shape)
-        if self._use_count is not None:
-            for storage in self._storages:
-                if storage.nbytes() == nbytes and self._use_count(storage._cdata) == 1:
-                    stride = torch.empty(shape, device="meta", memory_format=fmt).stride()
-                    return torch.empty(0, dtype=torch.float32).set_(storage, 0, tuple(shape), stride)
-        out = torch.empty(tuple(shape), dtype=torch.float32, memory_format=fmt)
-        if self._use_count is not None and len(self._storages) < self.capacity:
-            self._storages.append(out.untyped_storage())
-        return out
+        with self._lock:
+            if self._use_count is not None:
+                for storage in self._storages:
+                    if storage.nbytes() == nbytes and self._use_count(storage._cdata) == 1:
+                        stride = torch.empty(shape, device="meta", memory_format=fmt).stride()
+                        return torch.empty(0, dtype=torch.float32).set_(storage, 0, tuple(shape), stride)
+            out = torch.empty(tuple(shape), dtype=torch.float32, memory_format=fmt)
+            if self._use_count is not None and len(self._storages) < self.capacity:
+                self._storages.append(out.untyped_storage())
+            return out
 
 
 class DevicePrefetcher:
@@ -240,6 +243,20 @@ class DevicePrefetcher:
                 t.record_stream(current)  # its memory is not reused while the main stream needs it
             batch, nxt = nxt, preload()
             yield batch
+
+    def uint8_affine(self, layout: str) -> tuple[list[float], list[float]] | None:
+        """(scale, shift) per channel such that `convert` makes `float32(x) * scale + shift` (a multiply, then
+        an add, in float32) of a uint8 CPU batch in `layout` with no change of layout after: a maker that
+        writes that itself skips the conversion. None where `convert` does more (another dtype or device,
+        a change of memory layout)."""
+        if self.device.type != "cpu" or self.dtype not in (None, torch.float32) or \
+                (layout == "NHWC") != self.channels_last or layout not in ("NHWC", "NCHW"):
+            return None
+        if self.mean is None:
+            scale, shift = torch.full((3,), 1.0 / 255), torch.zeros(3)
+        else:
+            scale, shift = _affine(self.mean, self.std, torch.device("cpu"), uint8=True)
+        return scale.view(-1).tolist(), shift.view(-1).tolist()
 
     def output_buffer(self, pool: BufferPool, batch: Any) -> torch.Tensor | None:
         """A float buffer from `pool` for this batch's images, where `convert` can write into one (CPU, float32,
