@@ -191,22 +191,35 @@ def test_a_header_over_the_pixel_limit_is_refused_before_decoding():
         get_decoder("turbojpeg").decode_region(bytes(data), 0, 0, (0, 0, 10, 10))
 
 
-def test_decoders_are_timed_on_what_the_loader_asks(monkeypatch):
-    """With regions, every CPU decoder is timed through decode_region with each sample's crop request."""
+@pytest.mark.parametrize("native", [True, False])
+def test_decoders_are_timed_on_what_the_loader_asks(monkeypatch, native):
+    """With the loader's crops, every CPU decoder is timed rendering them: through the native batch call where
+    the decoder has one, else through decode_region with each sample's crop request and the resize."""
+    from torchspeed.data.decode import CropWork
+
     samples = [_jpeg(213, 160, 2, seed=s) for s in range(4)]
     transform = RandomResizedCropFlip(64)
-    regions = []
-    for i in range(len(samples)):
-        box = transform.box(160, 213, sample_rng(0, 0, i))
-        regions.append((*needed_size(160, 213, box, 64), (box.top, box.left, box.height, box.width)))
-    asked: list[tuple] = []
+    boxes = [transform.box(160, 213, sample_rng(0, 0, i)) for i in range(len(samples))]
+    regions = [(*needed_size(160, 213, box, 64), (box.top, box.left, box.height, box.width)) for box in boxes]
     dec = get_decoder("turbojpeg")
+    if not native:
+        monkeypatch.setattr(dec, "crops", None)
+    asked: list[tuple] = []
     original = dec.decode_region
     monkeypatch.setattr(dec, "decode_region", lambda b, mh, mw, r: asked.append((mh, mw, r)) or original(b, mh, mw, r))
-    table = measure_decoders(samples, decoders=["turbojpeg", "pil"], repeats=2, regions=regions)
+    rendered: list[list] = []
+    if native:
+        crops = dec.crops
+        real_render = crops.render
+        monkeypatch.setattr(crops, "render", lambda *a, **k: rendered.append(list(a[3])) or real_render(*a, **k))
+    table = measure_decoders(samples, decoders=["turbojpeg", "pil"], repeats=2,
+                             crops=CropWork([160] * 4, [213] * 4, boxes, 64))
     assert [r["decoder"] for r in table] == ["turbojpeg", "pil"]
     assert all(r["us_per_image"] and r["us_per_image"] > 0 for r in table)
-    assert asked and set(asked) == set(regions)
+    if native:
+        assert not asked and rendered and all(r == boxes for r in rendered)
+    else:
+        assert asked and set(asked) == set(regions)
     assert table[0]["psnr_db"] is not None  # the accuracy is judged on whole decodes
 
 

@@ -146,26 +146,40 @@ def render_and_batch_rows(sm, a):
     rows["normalise uint8 -> float (per batch)"] = cpu_us(
         lambda: [normalize_batch(u8, IMAGENET_MEAN, IMAGENET_STD, False, layout="NCHW", out=buf)
                  for _ in range(n // a.batch)], n)
+    crops = get_decoder(a.decoder).crops
+    if crops is not None:  # what the loader runs instead of decode + render + normalise: one native call per batch
+        floats = np.empty((a.batch, 3, a.crop, a.crop), np.float32)
+        affine = ([1 / (255 * s) for s in IMAGENET_STD], [-m / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)])
+        rows["native batch render: decode as the loader asks + resize + flip + normalise (data/_crops.c)"] = cpu_us(
+            lambda: [crops.render([r.payload for r in sm.recs[s:s + a.batch]], [r.height for r in sm.recs[s:s + a.batch]],
+                                  [r.width for r in sm.recs[s:s + a.batch]], sm.boxes[s:s + a.batch], floats, True,
+                                  max_pixels=1 << 40, normalize=affine) for s in range(0, n, a.batch)], n)
     batches = [sm.keys[s:s + a.batch] for s in range(0, n, a.batch)]
     rows["thread hand-off (empty batches, 2 threads)"] = cpu_us(lambda: list(ThreadedBatches(lambda k: k, batches, 2)), n)
     return rows
 
 
 def whole_loader_rows(store, a):
-    """CPU us per image of the whole loader at 1 and 2 threads, and its wall-clock images/s."""
+    """CPU us per image of the whole loader at 1 and 2 threads, and its wall-clock images/s; with a decoder
+    that has the native batch render, also without it (sample by sample in Python, then the conversion)."""
     rows, wall = {}, {}
-    for threads in (1, 2):
-        loader = fast_loader(store, a.batch, crop=a.crop, device="cpu", channels_last=False, num_workers=0,
-                             threads=threads, decoder=a.decoder)
+    decoder = get_decoder(a.decoder)
+    ways = [("", decoder.crops)] + ([(", sample by sample in Python", None)] if decoder.crops is not None else [])
+    for how, crops in ways:
+        decoder.crops = crops
+        for threads in (1, 2):
+            loader = fast_loader(store, a.batch, crop=a.crop, device="cpu", channels_last=False, num_workers=0,
+                                 threads=threads, decoder=a.decoder)
 
-        def epoch(loader=loader):
-            for _ in loader:
-                pass
+            def epoch(loader=loader):
+                for _ in loader:
+                    pass
 
-        t0 = time.perf_counter()
-        name = f"whole loader, {threads} thread{'s' * (threads > 1)}"
-        rows[name] = cpu_us(epoch, len(loader) * a.batch, repeats=3)
-        wall[name] = 4 * len(loader) * a.batch / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            name = f"whole loader, {threads} thread{'s' * (threads > 1)}{how}"
+            rows[name] = cpu_us(epoch, len(loader) * a.batch, repeats=3)
+            wall[name] = 4 * len(loader) * a.batch / (time.perf_counter() - t0)
+    decoder.crops = ways[0][1]
     return rows, wall
 
 
@@ -183,13 +197,18 @@ def main():
                           "render (resize + flip + CHW) in all",
                           "labels tensor (per batch)", "normalise uint8 -> float (per batch)",
                           "thread hand-off (empty batches, 2 threads)"))
+    native = "native batch render: decode as the loader asks + resize + flip + normalise (data/_crops.c)"
+    if native in rows:
+        rows["sum with the native render: record + box + native render + labels + hand-off"] = sum(
+            rows[k] for k in ("record() in all (read, CRC, parse)", "crop boxes, a batch at a time (the loader's)",
+                              native, "labels tensor (per batch)", "thread hand-off (empty batches, 2 threads)"))
     loader_rows, wall = whole_loader_rows(store, a)
     rows.update(loader_rows)
     print(f"{store}: {sm.n} samples, crop {a.crop}, batch {a.batch}, {a.decoder}; {sm.odd} of {sm.n} boxes would "
           f"decode at a scale between 1/2 and 1 if any libjpeg scale were allowed")
-    print(f"{'step (one thread unless said)':92s} {'CPU us/image':>12s}")
+    print(f"{'step (one thread unless said)':96s} {'CPU us/image':>12s}")
     for k, v in rows.items():
-        print(f"{k:92s} {v:12.1f}" + (f"   ({wall[k]:,.0f} img/s wall clock)" if k in wall else ""))
+        print(f"{k:96s} {v:12.1f}" + (f"   ({wall[k]:,.0f} img/s wall clock)" if k in wall else ""))
 
 
 if __name__ == "__main__":

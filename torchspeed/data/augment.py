@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from torchspeed.data.decode import dct_factor
+from torchspeed.data.libturbojpeg import dct_factor
 
 __all__ = ["Box", "RandomResizedCropFlip", "ResizeCenterCrop", "SampleRandom", "sample_rng", "sample_draws", "needed_size",
            "render", "render_tensor"]

@@ -29,6 +29,7 @@ import numpy as np
 from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
 from torchspeed.images import check_image_size, image_size_error, open_image, rgb_image
+from torchspeed.data.augment import needed_size, render
 from torchspeed.data.libturbojpeg import TurboJpeg, dct_factor
 from torchspeed.data.native_crops import native_crops
 from torchspeed.measure import busy_warning, compare
@@ -49,7 +50,7 @@ class Record(NamedTuple):
     label: int
 
 
-__all__ = ["Record", "Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder",
+__all__ = ["Record", "CropWork", "Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder",
            "measure_decoders", "choose_decoder", "decode_record", "to_hwc_uint8", "integer_label", "UnsupportedSample",
            "jpeg_size", "jpeg_info", "check_jpeg_size", "encoded_record", "decode_jpeg_batch_cuda", "psnr",
            "jpeg_is_complete", "decoding_stream"]
@@ -241,15 +242,48 @@ def available_decoders() -> dict[str, str | None]:
     return out
 
 
+class CropWork(NamedTuple):
+    """What a loader makes of each sample it decodes: the crop box (`augment.Box`: top, left, height, width,
+    flip, in the stored size `heights[i]` x `widths[i]`) resized to a `size` x `size` slot of a uint8
+    batch. Decoders are timed doing that (`measure_decoders`), not a whole decode."""
+
+    heights: Sequence[int]
+    widths: Sequence[int]
+    boxes: Sequence[Any]
+    size: int
+
+    def render_one(self, dec: Decoder, buf: Any, i: int) -> np.ndarray:
+        """Sample i rendered the Python way: the decoder's `decode_region`, then the resize (`augment.render`)."""
+        h, w, box = self.heights[i], self.widths[i], self.boxes[i]
+        img, r0, c0, fh, fw = dec.decode_region(buf, *needed_size(h, w, box, self.size),
+                                                (box.top, box.left, box.height, box.width))
+        out = np.empty((3, self.size, self.size), np.uint8)
+        render(img, box, out, None, fh / h, fw / w, origin=(r0, c0), full=(fh, fw))
+        return out
+
+    def render_native(self, dec: Decoder, samples: Sequence[Any], part: Sequence[int]) -> np.ndarray:
+        """Samples `part` rendered in the decoder's one native call (`Decoder.crops`), as a loader thread does."""
+        from torchspeed.images import MAX_IMAGE_PIXELS
+
+        out = np.empty((len(part), 3, self.size, self.size), np.uint8)
+        status = dec.crops.render([samples[i] for i in part], [self.heights[i] for i in part],
+                                  [self.widths[i] for i in part], [self.boxes[i] for i in part], out, True,
+                                  max_pixels=MAX_IMAGE_PIXELS)
+        if status.any():
+            raise ValueError(f"{int((status != 0).sum())} of the JPEGs could not be rendered")
+        return out
+
+
 def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | None = None, min_size: int = 0,
                      repeats: int = 7, progress: bool | Callable[[str], None] = False,
                      device: Any = None, cpu_threads: int | None = None,
-                     regions: Sequence[tuple[int, int, tuple[int, int, int, int]]] | None = None) -> list[dict[str, Any]]:
+                     crops: CropWork | None = None) -> list[dict[str, Any]]:
     """Time each decoder decoding `samples` (JPEG bytes): median of `repeats`, per image.
 
-    `regions`: per sample, (min_h, min_w, (top, left, height, width)): what a loader's crop needs from it;
-    each CPU decoder is then timed doing what the loader would ask of it (`Decoder.decode_region`: a
-    decoder that crops decodes only that part, the others the whole image at that DCT scale).
+    `crops`: what a loader makes of each sample (`CropWork`); each CPU decoder is then timed doing what
+    the loader would ask of it: the crop rendered into its slot of a uint8 batch, by the decoder's native
+    batch call where it has one (`Decoder.crops`), else its `decode_region` (a decoder that crops decodes
+    only that part, the others the whole image at the DCT scale the box allows) and the resize.
 
     `decoders`: a list or a comma string (default: every available one; the GPU decoder nvjpeg only
     when `device` is a CUDA device, timed decoding the samples as one batch on it, the way
@@ -300,12 +334,14 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
                     return [dec.decode(b, min_size, min_size) for b in samples]
 
                 def one(b: Any, i: int, dec: Any = dec) -> Any:
-                    if regions is None:
-                        return dec.decode(b, min_size, min_size)
-                    min_h, min_w, region = regions[i]
-                    return dec.decode_region(b, min_h, min_w, region)
+                    return dec.decode(b, min_size, min_size) if crops is None else crops.render_one(dec, b, i)
 
-                def run(one: Any = one) -> list[Any]:
+                def run(one: Any = one, dec: Any = dec) -> list[Any]:
+                    if crops is not None and dec.crops is not None:  # the loader's one call per batch (per thread)
+                        parts = np.array_split(np.arange(len(samples)), threads)
+                        if pool is not None:
+                            return list(pool.map(lambda part: crops.render_native(dec, samples, part), parts))
+                        return [crops.render_native(dec, samples, parts[0])]
                     if pool is not None:  # libjpeg-turbo, PIL and OpenCV decode without the GIL
                         return list(pool.map(one, samples, range(len(samples))))
                     return [one(b, i) for i, b in enumerate(samples)]
@@ -314,8 +350,8 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
                     return images
             try:
                 out = to_host(whole())  # also a check that it reads them (and the pixels for the PSNR)
-                if regions is not None and not batched:
-                    run()  # and reads their regions: a failure here only costs this decoder its candidacy
+                if crops is not None and not batched:
+                    run()  # and renders their crops: a failure here only costs this decoder its candidacy
             except Exception as e:  # a decoder that cannot read these files is simply not a candidate
                 rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
                 continue
@@ -337,25 +373,24 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
 
 def choose_decoder(samples: Sequence[Any], parts: Mapping[str, Any] | None = None, min_size: int = 0,
                    progress: bool | Callable[[str], None] = False, device: Any = None,
-                   refresh: bool = False,
-                   regions: Sequence[tuple[int, int, tuple[int, int, int, int]]] | None = None) -> tuple[str, list[dict[str, Any]]]:
+                   refresh: bool = False, crops: CropWork | None = None) -> tuple[str, list[dict[str, Any]]]:
     """The fastest available decoder on `samples` (logged at INFO), with the measurement's table.
 
     With `parts` (what identifies the data, JSON-able) the choice is remembered on this machine
     (`torchspeed.remembered`, kind "decoder", keyed also by the decoders available and the device): the
     next call recalls it, logged as "decoder: remembered from <date> (<figure>)", unless `refresh`.
-    With a CUDA `device`, nvjpeg competes too; `regions`: what a loader's crops need of each sample (see
+    With a CUDA `device`, nvjpeg competes too; `crops`: what a loader makes of each sample (see
     `measure_decoders`)."""
     on_gpu = device is not None and str(device).startswith("cuda")
     names = [n for n, why in available_decoders().items() if why is None and (on_gpu or n not in GPU_DECODERS)]
-    key = None if parts is None else {**parts, "decoders": names, "min_size": min_size, "regions": regions is not None,
+    key = None if parts is None else {**parts, "decoders": names, "min_size": min_size, "crops": crops is not None,
                                       "device": str(device) if on_gpu else "cpu"}
     memory = None if key is None or refresh else remembered.recall("decoder", key)
     if memory is not None and memory.decision.get("decoder") in names:
         log.info("decoder: %s", memory.describe())
         progress_fn(progress)(f"decoder: {memory.decision['decoder']}, {memory.describe()}")
         return str(memory.decision["decoder"]), list(memory.decision.get("table", []))
-    table = measure_decoders(samples, min_size=min_size, progress=progress, device=device, regions=regions)
+    table = measure_decoders(samples, min_size=min_size, progress=progress, device=device, crops=crops)
     timed = [r for r in table if r["us_per_image"] is not None]
     if not timed:
         raise ValueError("no JPEG decoder could read the sample images: " + "; ".join(r.get("error", "") for r in table))

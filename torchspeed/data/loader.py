@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from torchspeed.data.augment import (RandomResizedCropFlip, ResizeCenterCrop, needed_size, render, render_tensor,
                                      sample_rng)
-from torchspeed.data.decode import (GPU_DECODERS, choose_decoder, decode_jpeg_batch_cuda,
+from torchspeed.data.decode import (GPU_DECODERS, CropWork, choose_decoder, decode_jpeg_batch_cuda,
                                      decoding_stream, get_decoder)
 from torchspeed.data.hfdatasets import is_hf_dataset
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
@@ -489,18 +489,17 @@ def _jpeg_samples(source: Any, k: int = 16) -> list[tuple[int, Any]]:
 
 def _measured_decoder(source: Any, samples: list[tuple[int, Any]], options: LoaderOptions,
                       device: torch.device | None = None) -> tuple[str, list]:
-    """choose_decoder on the samples, each decoder asked for what the loader's crops need of them (the
-    first epoch's boxes; nvjpeg competing for a CUDA `device`), remembered for this data (see
+    """choose_decoder on the samples, each decoder timed rendering the loader's crops of them (the first
+    epoch's boxes; nvjpeg competing for a CUDA `device`), remembered for this data (see
     `source_identity`) and crop; when they cannot be decoded, the error names the sample that fails."""
     transform = _transform(options)
-    regions = []
-    for index, rec in samples:
-        box = transform.box(rec.height, rec.width, sample_rng(options.seed, 0, index))
-        regions.append((*needed_size(rec.height, rec.width, box, options.crop), (box.top, box.left, box.height, box.width)))
+    crops = CropWork([rec.height for _, rec in samples], [rec.width for _, rec in samples],
+                     [transform.box(rec.height, rec.width, sample_rng(options.seed, 0, index)) for index, rec in samples],
+                     options.crop)
     parts = {"data": source_identity(source), "crop": options.crop, "train": options.train, "scale": list(options.scale)}
     try:
         return choose_decoder([rec.payload for _, rec in samples], parts=parts, progress=options.progress, device=device,
-                              refresh=options.refresh, regions=regions)
+                              refresh=options.refresh, crops=crops)
     except Exception as e:
         for index, rec in samples:
             try:
