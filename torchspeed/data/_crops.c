@@ -146,7 +146,17 @@ static int axis_area(axis_t *a, int src, int dst) {
 static void horizontal_pair(const uint8_t *s, const int *hoff, const uint16_t *hw, int ow, uint16_t *d) {
 #if defined(__SSE2__)
     const __m128i zero = _mm_setzero_si128();
-    for (int x = 0; x < ow; x++) {
+    int x = 0;
+    for (; x + 2 <= ow; x += 2) { /* two pixels, one store */
+        __m128i a = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(s + hoff[x])), zero);
+        __m128i b = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(s + hoff[x + 1])), zero);
+        a = _mm_mullo_epi16(a, _mm_loadu_si128((const __m128i *)(hw + 8 * x)));
+        b = _mm_mullo_epi16(b, _mm_loadu_si128((const __m128i *)(hw + 8 * x + 8)));
+        a = _mm_add_epi16(a, _mm_srli_si128(a, 6));
+        b = _mm_add_epi16(b, _mm_srli_si128(b, 6));
+        _mm_storeu_si128((__m128i *)(d + 4 * x), _mm_unpacklo_epi64(a, b));
+    }
+    for (; x < ow; x++) {
         __m128i v = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(s + hoff[x])), zero);
         v = _mm_mullo_epi16(v, _mm_loadu_si128((const __m128i *)(hw + 8 * x)));
         _mm_storel_epi64((__m128i *)(d + 4 * x), _mm_add_epi16(v, _mm_srli_si128(v, 6)));
@@ -236,7 +246,22 @@ static void affine_row(const uint8_t *b, int n, const float *scale, const float 
 }
 
 static void affine_plane(const uint8_t *b, int n, float scale, float shift, float *o) {
-    for (int j = 0; j < n; j++) o[j] = (float)b[j] * scale + shift;
+    int j = 0;
+#if defined(__SSE2__)
+    if (((uintptr_t)o & 15) == 0) { /* streaming stores: the batch is read later, by the model, not now */
+        const __m128 s = _mm_set1_ps(scale), t = _mm_set1_ps(shift);
+        const __m128i zero = _mm_setzero_si128();
+        for (; j + 16 <= n; j += 16) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(b + j));
+            __m128i lo = _mm_unpacklo_epi8(v, zero), hi = _mm_unpackhi_epi8(v, zero);
+            _mm_stream_ps(o + j, _mm_add_ps(_mm_mul_ps(_mm_cvtepi32_ps(_mm_unpacklo_epi16(lo, zero)), s), t));
+            _mm_stream_ps(o + j + 4, _mm_add_ps(_mm_mul_ps(_mm_cvtepi32_ps(_mm_unpackhi_epi16(lo, zero)), s), t));
+            _mm_stream_ps(o + j + 8, _mm_add_ps(_mm_mul_ps(_mm_cvtepi32_ps(_mm_unpacklo_epi16(hi, zero)), s), t));
+            _mm_stream_ps(o + j + 12, _mm_add_ps(_mm_mul_ps(_mm_cvtepi32_ps(_mm_unpackhi_epi16(hi, zero)), s), t));
+        }
+    }
+#endif
+    for (; j < n; j++) o[j] = (float)b[j] * scale + shift;
 }
 
 /* ow RGBX pixels -> ow RGB pixels (3 x ow bytes) */
@@ -457,5 +482,8 @@ int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const in
         }
     }
     free(rowwise);
+#if defined(__SSE2__)
+    _mm_sfence(); /* the streaming stores are visible before the batch is handed on */
+#endif
     return failed;
 }
