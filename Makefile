@@ -45,7 +45,8 @@ test-gpu: $(STAMP)
 	@$(MAKE) --no-print-directory $(GPU_STAMP)
 	$(PY) -X faulthandler -m pytest -q -m gpu
 
-# The built wheel installed with every extra ([all]) into a fresh environment that already has torch:
+# The built wheel (with its compiled crop renderer) installed with every extra ([all], and turbojpeg) into a fresh
+# environment that already has torch:
 # torch must stay, and doctor, optimize (torch + ONNX Runtime) and fast_loader must run there.
 test-install: $(STAMP)
 	$(PY) -m pytest -q -m install tests/test_packaging.py

@@ -3,8 +3,9 @@
 The wheel is built from this checkout and installed with its dependencies into a fresh virtual
 environment whose only packages are torch and torchvision (with what they need), the situation of a
 user with their own CUDA or CPU build. pip resolves against the real package index; the test fails if
-it would install any torch or torchvision. With every extra installed (`[all]`) there, the installed
-command runs doctor on a script, and `optimize` (torch and ONNX Runtime) and `fast_loader` run.
+it would install any torch or torchvision. With every extra installed (`[all]`, and `turbojpeg`) there, the
+installed command runs doctor on a script, and `optimize` (torch and ONNX Runtime) and `fast_loader` run, the
+latter also through the wheel's compiled crop renderer.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,8 @@ def test_wheel_installs_into_an_environment_with_torch_and_keeps_it(tmp_path):
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist_dir), str(ROOT)],
                    check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = dist_dir.glob("torchspeed-*.whl")
+    with zipfile.ZipFile(wheel) as whl:  # the loader's native crop renderer, compiled into the wheel
+        assert any(n.startswith("torchspeed/data/_crops") and n.endswith(".so") for n in whl.namelist())
 
     _shadow_site(_closure(["torch", "torchvision"]), tmp_path / "user-site")
     venv = tmp_path / "venv"
@@ -92,7 +96,7 @@ def test_wheel_installs_into_an_environment_with_torch_and_keeps_it(tmp_path):
     assert {"torchspeed", "onnxruntime", "lmdb", "openvino", "timm"} <= planned
     assert not planned & {"torch", "torchvision"}, f"pip would replace the user's torch: {sorted(planned)}"
 
-    subprocess.run([str(py), "-m", "pip", "install", "--quiet", f"{wheel}[all]"], check=True, env=env,
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", f"{wheel}[all,turbojpeg]"], check=True, env=env,
                    capture_output=True, text=True)
     where = subprocess.run([str(py), "-c", "import torch, torchspeed; print(torch.__version__, torch.__file__)"],
                            check=True, env=env, capture_output=True, text=True).stdout.split()
@@ -134,13 +138,18 @@ def test_wheel_installs_into_an_environment_with_torch_and_keeps_it(tmp_path):
         ts.data.make_photo_folder("photos", 8, n_classes=2, size=(48, 36))
         loader = ts.data.fast_loader("photos", batch_size=4, train=True, crop=32)
         images, labels = next(iter(loader))
-        json.dump({"ran": ran, "best": list(back.shape), "batch": list(images.shape)}, sys.stdout)
+        native = ts.data.fast_loader("photos", batch_size=4, train=True, crop=32, decoder="turbojpeg")
+        from torchspeed.data.decode import get_decoder
+        crops = get_decoder("turbojpeg").crops is not None  # the wheel's compiled renderer loads there
+        json.dump({"ran": ran, "best": list(back.shape), "batch": list(images.shape),
+                   "native": [crops, list(next(iter(native))[0].shape)]}, sys.stdout)
     """))
     run = subprocess.run([str(py), str(use)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"torch", "onnxruntime"} <= set(got["ran"]), got
     assert got["best"] == [3, 2] and got["batch"] == [4, 3, 32, 32]
+    assert got["native"] == [True, [4, 3, 32, 32]], got
 
 
 def test_every_install_hint_names_an_extra_that_exists():
