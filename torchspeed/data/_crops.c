@@ -9,8 +9,8 @@
  *
  * The pixels are those of the Python path (data/libturbojpeg.py's region decode, then
  * data/augment.py's `render`): the same decode, the same region arithmetic, and OpenCV's resize
- * coordinates (INTER_LINEAR, INTER_AREA past a 2x shrink) computed in float, which OpenCV computes in
- * fixed point: within one level of it (tests/test_native_crops.py).
+ * coordinates (INTER_LINEAR, INTER_AREA past a 2x shrink) in integer arithmetic of its own: within one
+ * level of OpenCV's (tests/test_native_crops.py).
  *
  * Plain C, no Python headers: loaded with ctypes. libturbojpeg is opened by path at run time
  * (ts_crops_load), the library the Python side already uses, so the handles it made work here.

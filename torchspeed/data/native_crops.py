@@ -8,8 +8,8 @@ of the part each box needs, resize, flip, layout) with the GIL released once, an
 sample.
 
 The pixels: the decode is libturbojpeg's, the same as `TurboJpeg.decode` with a region; the resize
-uses OpenCV's coordinates and kernels (INTER_LINEAR, INTER_AREA past a 2x shrink) in float where OpenCV
-uses fixed point, so a pixel may differ from `augment.render`'s by one level (tests/test_native_crops.py).
+uses OpenCV's coordinates and kernels (INTER_LINEAR, INTER_AREA past a 2x shrink) in its own integer
+arithmetic, so a pixel may differ from `augment.render`'s by one level (tests/test_native_crops.py).
 
 The native code is compiled when torchspeed is installed (an optional extension: without a C
 compiler the install goes on, and the loader renders sample by sample as before).
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["NativeCrops", "native_crops"]
+
 
 def _load(library: str) -> Any:
     spec = importlib.util.find_spec("torchspeed.data._crops")
