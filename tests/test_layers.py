@@ -20,7 +20,7 @@ PACKAGE = os.path.join(ROOT, "torchspeed")
 # is in layer 2: the fixes its --try measures are the other areas' features (fast_loader for the data fix).
 LAYERS: list[set[str]] = [
     {"_lazy", "args", "atomic", "outputs", "safeload", "images", "tables", "measure", "runtime", "batches",
-     "metrics", "models", "remembered"},
+     "metrics", "models", "remembered", "ranks", "optional", "loader_contract"},
     {"data", "train", "infer"},
     {"compress", "recipes", "doctor"},
     {"bench"},

@@ -16,16 +16,22 @@ import datetime
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from torchspeed import ranks
 from torchspeed.atomic import write_json
 from torchspeed.runtime import cache_dir, machine_key
 
-__all__ = ["Memory", "decision_key", "recall", "remember", "forget", "model_fingerprint", "shapes_of"]
+__all__ = ["Memory", "decision_key", "recall", "remember", "forget", "recall_or_measure", "model_fingerprint",
+           "shapes_of"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 VERSION = 1
 
@@ -68,10 +74,11 @@ def recall(kind: str, parts: Mapping[str, Any]) -> Memory | None:
     try:
         with open(_path(kind, parts), encoding="utf-8") as f:
             data = json.load(f)
-        if data.get("version") != VERSION or data.get("parts") != json.loads(_canonical(parts)):
+        if not isinstance(data, dict) or data.get("version") != VERSION \
+                or data.get("parts") != json.loads(_canonical(parts)) or not isinstance(data.get("decision"), dict):
             return None
         return Memory(kind, dict(data["decision"]), str(data["figure"]), str(data["measured_on"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # damaged or foreign: measured again
         return None
 
 
@@ -86,6 +93,48 @@ def remember(kind: str, parts: Mapping[str, Any], decision: Mapping[str, Any], f
     except OSError:
         pass
     return memory
+
+
+def recall_or_measure(kind: str, parts: Mapping[str, Any] | None, measure: Callable[[], T], *,
+                      decode: Callable[[Memory], T | None], encode: Callable[[T], tuple[Mapping[str, Any], str]],
+                      busy: Callable[[T], Any] = lambda value: False, refresh: bool = False,
+                      what: str | None = None) -> tuple[T, Memory | None]:
+    """The decision for `parts`: remembered, or measured now and remembered; with the memory it came
+    from (None: measured now).
+
+    `decode` turns a remembered decision into the caller's value, or None (or a ValueError, TypeError,
+    KeyError, AttributeError) when it no longer applies or was edited into nonsense: it is then
+    measured again, never trusted. `encode` gives the plain-JSON decision and the figure that says why
+    ("bf16, 41.2 ms/step"). A value measured on a busy machine (`busy(value)` true) is used but not
+    remembered: a choice made on noise is measured again next time. `parts` None: measured, not kept.
+    Under torchrun rank 0 recalls and every rank takes what it found (when rank 0 remembers, no rank
+    measures; otherwise every rank measures, as the caller's `measure` arranges) and only rank 0 writes.
+    """
+    what = what or kind
+    e = ranks.env()
+    memory = None if parts is None or refresh or not e.is_main else recall(kind, parts)
+    if e.distributed and parts is not None and not refresh:
+        found = ranks.broadcast_json(None if memory is None else
+                                     [memory.decision, memory.figure, memory.measured_on])
+        memory = None if found is None else Memory(kind, dict(found[0]), str(found[1]), str(found[2]))
+    if memory is not None:
+        try:
+            value = decode(memory)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
+            log.info("%s: the remembered decision is not usable (%s); measuring again", what, error)
+            value = None
+        if value is not None:
+            log.info("%s: %s", what, memory.describe())
+            return value, memory
+    value = measure()
+    if parts is None:
+        return value, None
+    if busy(value):
+        log.info("%s: not remembered (timed on a busy machine)", what)
+    elif e.is_main:
+        decision, figure = encode(value)
+        remember(kind, parts, decision, figure)
+    return value, None
 
 
 def forget(kind: str | None = None) -> int:
