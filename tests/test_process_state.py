@@ -239,9 +239,10 @@ def test_openvino_sends_no_telemetry_and_the_users_settings_stay():
         telemetry.Telemetry.send_event = lambda self, *a, **k: sent.append((a, self.consent)) if self.consent else None
         os.environ["CI"] = "users-own"
         from torchspeed.infer.quantize import quantize_openvino  # imports nothing of openvino yet
-        from torchspeed.infer.runners import available_runtimes, import_openvino
+        from torchspeed.infer.runners import available_runtimes
+        from torchspeed.optional import optional
         assert available_runtimes()["openvino"] is None
-        import_openvino("nncf")
+        optional("nncf", "openvino", "INT8")
         import nncf.telemetry.wrapper as nncf_telemetry
         print({MARK!r} + json.dumps({{"sent": sent, "CI": os.environ.get("CI"), "NNCF_CI": os.environ.get("NNCF_CI"),
                "nncf": type(nncf_telemetry.telemetry).__name__}}))

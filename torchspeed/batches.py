@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from torchspeed.runtime import free_memory
@@ -82,8 +83,6 @@ def logits_of(output: Any) -> Any:
     if isinstance(output, (tuple, list)) and output:
         return logits_of(output[0])
     try:
-        import numpy as np
-
         return torch.from_numpy(np.asarray(output))
     except (TypeError, ValueError):
         raise ValueError(f"cannot find logits in a model output of type {type(output).__name__}") from None

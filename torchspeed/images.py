@@ -9,6 +9,9 @@ import os
 import stat
 from typing import Any
 
+import numpy as np
+from PIL import Image
+
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_EXTENSIONS", "MAX_IMAGE_PIXELS", "scan_folder",
            "check_image_size", "image_size_error", "open_image", "read_image_file", "rgb_image", "shown", "quoted"]
 
@@ -89,8 +92,6 @@ def open_image(source: str | os.PathLike | bytes | memoryview, name: str | None 
     errors (default: the path). A header over the pixel limit raises ValueError naming the file; so
     does a file PIL cannot identify.
     """
-    from PIL import Image
-
     if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source) if name is None else name
         try:
@@ -126,8 +127,6 @@ def rgb_image(im: Any) -> Any:
     over white, as a viewer shows it on a page: the colour stored under a transparent pixel is arbitrary.
     Every other mode (CMYK, YCbCr, grey, bilevel, palette) goes through PIL's conversion.
     """
-    from PIL import Image
-
     mode = im.mode
     if mode == "RGB" and "transparency" not in im.info:
         return im
@@ -141,8 +140,6 @@ def rgb_image(im: Any) -> Any:
 
 def _grey8(im: Any) -> Any:
     """A one-band image of more than 8 bits (I;16*, I, F) as uint8 values, scaled (see `rgb_image`)."""
-    import numpy as np
-
     a = np.asarray(im).astype(np.float64)
     a[~np.isfinite(a)] = 0
     low, high = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)

@@ -24,7 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torchvision
 from torch import nn
+
+from torchspeed.optional import optional
+from torchspeed.safeload import load_torch_file
 
 __all__ = ["ModelSpec", "create", "build", "spec_of", "load_weights", "parse_kwargs", "default_input_shape", "HOW_TO_NAME"]
 
@@ -33,8 +37,6 @@ HOW_TO_NAME = ("name a torchvision model (resnet18), a timm model (timm:NAME), o
 
 
 def _torchvision_names() -> list[str]:
-    import torchvision
-
     return sorted(torchvision.models.list_models())
 
 
@@ -93,11 +95,10 @@ class ModelSpec:
         tv = _torchvision_names()
         if source in ("", "torchvision") and name in tv:
             return cls("torchvision", name, kwargs)
-        timm = _timm() if source in ("", "timm") else None
+        timm = (optional("timm", "timm", f"the model {spec!r}") if source == "timm" else _timm()) \
+            if source in ("", "timm") else None
         if timm is not None and timm.is_model(name):
             return cls("timm", name, kwargs)
-        if source == "timm" and timm is None:
-            raise ImportError(f"{spec!r} needs timm: pip install 'torchspeed[timm]'")
         known = sorted(set(tv) | (set(timm.list_models()) if timm is not None else set()))
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -224,13 +225,9 @@ def create(spec: str | ModelSpec, *, weights: str | None = None, **kwargs: Any) 
     spec = ModelSpec.parse(spec, **kwargs) if isinstance(spec, str) else spec.with_kwargs(**kwargs)
     kw = dict(spec.kwargs)
     if spec.source == "torchvision":
-        import torchvision
-
         model = torchvision.models.get_model(spec.name, weights=None, **kw)
     elif spec.source == "timm":
-        timm = _timm()
-        if timm is None:
-            raise ImportError(f"timm:{spec.name} needs timm: pip install 'torchspeed[timm]'")
+        timm = optional("timm", "timm", f"the model timm:{spec.name}")
         model = timm.create_model(spec.name, pretrained=False, **kw)
     elif spec.runs_user_code:
         try:
@@ -270,8 +267,6 @@ def load_weights(model: nn.Module, path: str) -> nn.Module:
     Accepts a plain state dict, a torchspeed checkpoint (`{"model": ...}`) or a Lightning checkpoint
     (`{"state_dict": ...}`, its `model.` prefix removed).
     """
-    from torchspeed.safeload import load_torch_file
-
     state = load_torch_file(path, what="weights file")
     if isinstance(state, dict):
         for key in ("model", "state_dict"):

@@ -26,4 +26,4 @@ def optional(module: str, install: str, needed_for: str) -> ModuleType:
         return import_as_found(module, env)
     except ImportError as e:
         how = install if " " in install else f"pip install 'torchspeed[{install}]'"
-        raise ImportError(f"{needed_for} needs {module.split('.')[0]} ({e}): {how}") from None
+        raise ImportError(f"{needed_for} needs {module} ({e}): {how}") from None

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from torchspeed import ranks
 from torchspeed.args import progress_fn
 from torchspeed.atomic import atomic_write, write_json
 from torchspeed.data import fast_loader, train_val_split
@@ -213,7 +215,7 @@ def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options:
     seed_everything(options.seed)
     # The process group first, so the loaders shard themselves per rank.
     denv, device = (distributed.setup(resolve_device("auto")) if options.strategy not in (None, "none")
-                    else (distributed.env(), resolve_device("auto")))
+                    else (ranks.env(), resolve_device("auto")))
     train_src, val_src = train_val_split(data, options.val_fraction, options.seed)
     classes = _class_names(data, train_src)
     if len(classes) < 2:
@@ -284,7 +286,7 @@ def _claim_out(out: str, resume: bool | str, overwrite: bool) -> tuple[OutputDir
     writable; a new run does not land on an earlier one; a resume has a checkpoint of its run to go on
     from. Rank 0 claims `out`, the other ranks only check. Returns (`out` claimed, its checkpoint directory)."""
     ckdir = os.path.join(out, CHECKPOINTS)
-    main = distributed.env().is_main
+    main = ranks.env().is_main
     if main:
         _adopt(out, ckdir)
     if resume == "auto":
@@ -394,6 +396,4 @@ def _trainer(model: nn.Module, lr: float, batches_per_epoch: int, classes: int, 
 
 def _full_state_dict(module: nn.Module) -> dict[str, Any]:
     """The model's whole state dict on the CPU (gathered from every rank under FSDP)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -96,7 +96,7 @@ def remember(kind: str, parts: Mapping[str, Any], decision: Mapping[str, Any], f
 
 
 def recall_or_measure(kind: str, parts: Mapping[str, Any] | None, measure: Callable[[], T], *,
-                      decode: Callable[[Memory], T | None], encode: Callable[[T], tuple[Mapping[str, Any], str]],
+                      decode: Callable[[Memory], T | None], encode: Callable[[T], tuple[Mapping[str, Any], str] | None],
                       busy: Callable[[T], Any] = lambda value: False, refresh: bool = False,
                       what: str | None = None) -> tuple[T, Memory | None]:
     """The decision for `parts`: remembered, or measured now and remembered; with the memory it came
@@ -105,15 +105,16 @@ def recall_or_measure(kind: str, parts: Mapping[str, Any] | None, measure: Calla
     `decode` turns a remembered decision into the caller's value, or None (or a ValueError, TypeError,
     KeyError, AttributeError) when it no longer applies or was edited into nonsense: it is then
     measured again, never trusted. `encode` gives the plain-JSON decision and the figure that says why
-    ("bf16, 41.2 ms/step"). A value measured on a busy machine (`busy(value)` true) is used but not
+    ("bf16, 41.2 ms/step"), or None when nothing was chosen (nothing is kept). A value measured on a busy machine (`busy(value)` true) is used but not
     remembered: a choice made on noise is measured again next time. `parts` None: measured, not kept.
-    Under torchrun rank 0 recalls and every rank takes what it found (when rank 0 remembers, no rank
-    measures; otherwise every rank measures, as the caller's `measure` arranges) and only rank 0 writes.
+    Under torchrun with a process group, rank 0 recalls and every rank takes what it found (when rank 0
+    remembers, no rank measures; otherwise every rank measures, as the caller's `measure` arranges);
+    only rank 0 writes.
     """
     what = what or kind
-    e = ranks.env()
-    memory = None if parts is None or refresh or not e.is_main else recall(kind, parts)
-    if e.distributed and parts is not None and not refresh:
+    e, together = ranks.env(), ranks.active()
+    memory = None if parts is None or refresh or (together and not e.is_main) else recall(kind, parts)
+    if together and parts is not None and not refresh:
         found = ranks.broadcast_json(None if memory is None else
                                      [memory.decision, memory.figure, memory.measured_on])
         memory = None if found is None else Memory(kind, dict(found[0]), str(found[1]), str(found[2]))
@@ -131,9 +132,8 @@ def recall_or_measure(kind: str, parts: Mapping[str, Any] | None, measure: Calla
         return value, None
     if busy(value):
         log.info("%s: not remembered (timed on a busy machine)", what)
-    elif e.is_main:
-        decision, figure = encode(value)
-        remember(kind, parts, decision, figure)
+    elif e.is_main and (kept := encode(value)) is not None:
+        remember(kind, parts, *kept)
     return value, None
 
 

@@ -10,6 +10,8 @@ import os
 import pickle
 from typing import Any
 
+import torch
+
 __all__ = ["load_torch_file", "UnsafeFileError"]
 
 
@@ -19,7 +21,6 @@ class UnsafeFileError(ValueError):
 
 def load_torch_file(path: str | os.PathLike, *, what: str = "file", map_location: Any = "cpu") -> Any:
     """Read a `torch.save`d file of tensors and plain types; ValueError naming `what` and `path` otherwise."""
-    import torch
 
     path = os.fspath(path)
     if not os.path.exists(path):

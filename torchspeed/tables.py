@@ -5,14 +5,14 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 __all__ = ["print_table", "format_number"]
 
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], console: Any = None) -> None:
     """Print a rich table (the one table style every command uses)."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title, title_justify="left")
     for i, col in enumerate(columns):
         table.add_column(col, justify="left" if i == 0 else "right")

@@ -238,11 +238,11 @@ def _int8_openvino(n: int, conv: bool = False) -> Callable[[], Any]:
     operands: OpenVINO's low-precision pass runs it as an int8 GEMM."""
     import numpy as np
 
-    from torchspeed.infer.runners import import_openvino
+    from torchspeed.optional import optional
     from torchspeed.runtime import usable_cores
 
-    ov = import_openvino()  # no telemetry sent
-    import openvino.opset13 as ops
+    ov = optional("openvino", "openvino", "the OpenVINO int8 ceiling")  # no telemetry sent
+    ops = optional("openvino.opset13", "openvino", "the OpenVINO int8 ceiling")
 
     rng = np.random.default_rng(0)
     shape = [1, n, 32, max(1, n // 32)] if conv else [n, n]
@@ -304,7 +304,8 @@ def decode_samples(n: int = DECODE_SAMPLES, short_side: int = SHORT_SIDE) -> lis
 
 def decode_rate(samples: list[bytes], budget_s: float = 2.0) -> dict[str, Any]:
     """Full decodes per second on one thread by the fastest CPU decoder; `decode` = that x the cores."""
-    from torchspeed.data.decode import jpeg_size, measure_decoders
+    from torchspeed.data.decode import jpeg_size
+    from torchspeed.data.decoder_choice import measure_decoders
     from torchspeed.runtime import usable_cores
 
     table = measure_decoders(samples, repeats=max(3, int(budget_s)))

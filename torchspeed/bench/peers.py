@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchspeed.bench.rows import Row
+from torchspeed.optional import optional
 
 INSTALL = {"dali": "pip install nvidia-dali-cuda120 (or: pip install 'torchspeed[peers]')",
            "litdata": "pip install litdata (or: pip install 'torchspeed[peers]')",
@@ -33,16 +34,10 @@ class PeerMissing(ImportError):
 
 def require(name: str, module: str) -> Any:
     """The peer's module, or PeerMissing with how to install it (its row is then skipped with that note)."""
-    import importlib
-
     try:
-        if module in ("openvino", "nncf"):  # imported with no telemetry sent
-            from torchspeed.infer.runners import import_openvino
-
-            return import_openvino(module)
-        return importlib.import_module(module)
+        return optional(module, INSTALL[name], f"the {name} row")
     except ImportError as e:
-        raise PeerMissing(f"{name} not installed ({e.__class__.__name__}: {e}); {INSTALL[name]}") from None
+        raise PeerMissing(f"{name} not installed: {e}") from None
 
 
 def skipped_row(technique: str, why: str, unit: str, **columns: Any) -> Row:

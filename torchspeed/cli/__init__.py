@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Sequence
 
 from torchspeed import __version__
+from torchspeed.deprecated import FLAGS
 
 # Modules that define `register(subparsers)`; order is the order of `--help`.
 COMMAND_MODULES = ("data", "train", "infer", "compress", "doctor", "bench", "info")
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not faulthandler.is_enabled():
         faulthandler.enable()  # a native crash (segfault in a runtime) prints where it happened
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_renamed_flags(sys.argv[1:] if argv is None else list(argv)))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -183,6 +184,20 @@ def build_model(spec: str, args: argparse.Namespace, **library_defaults: object)
 
     return build(spec, weights=getattr(args, "weights", None), model_kwargs=getattr(args, "model_kwargs", None),
                  **library_defaults)
+
+
+def _renamed_flags(argv: list[str]) -> list[str]:
+    """`argv` with each old flag of its command (`deprecated.FLAGS`) spelled the new way, saying so once."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        new = FLAGS.get(f"{command} {flag}")
+        if new is not None:
+            print(f"torchspeed {command}: {flag} is now {new} (the old flag still works)", file=sys.stderr)
+            arg = new + eq + value
+        out.append(arg)
+    return out
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from torchspeed.runtime import FLOAT_PRECISIONS, precision_dtype, process_as_found, synchronize
 
@@ -24,8 +25,6 @@ def count_params(model: nn.Module) -> int:
 
 def count_macs(model: nn.Module, example_input: torch.Tensor) -> int:
     """Multiply-accumulates of one forward pass on `example_input` (FLOPs of conv/matmul / 2)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     was_training = model.training
     model.eval()
     try:

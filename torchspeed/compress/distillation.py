@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchspeed.train import Trainer
+
 __all__ = ["kd_loss", "KDLoss", "DistillResult", "distill", "finetune"]
 
 
@@ -114,8 +116,6 @@ def _fit(model: nn.Module, loss_fn: Any, train_loader: Iterable[Any], val_loader
          optimizer: torch.optim.Optimizer | None, lr: float, weight_decay: float, epochs: int, max_steps: int | None,
          precision: str, callbacks: Sequence[Any] | None, resume: Any, device: Any, progress: Any,
          trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
-    from torchspeed.train import Trainer
-
     if optimizer is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay)
     trainer = Trainer(model, optimizer, loss_fn, precision=precision, callbacks=list(callbacks or []), device=device,

@@ -11,7 +11,9 @@ about what 64 do.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -21,9 +23,12 @@ from torch import nn
 
 from torchspeed.args import progress_fn
 from torchspeed.compress.cost import count_macs, count_params, inference_fn
+from torchspeed.atomic import publish_files, published_set, recover_published, write_json
 from torchspeed.measure import compare
-from torchspeed.models import ModelSpec
-from torchspeed.runtime import import_as_found
+from torchspeed.models import ModelSpec, create
+from torchspeed.optional import optional
+from torchspeed.outputs import claim_output_dir
+from torchspeed.safeload import load_torch_file
 
 __all__ = ["PruneResult", "prune", "output_layers", "IMPORTANCES", "PRUNED_FILES", "save_pruned", "load_pruned"]
 
@@ -41,11 +46,8 @@ IMPORTANCES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _torch_pruning():
-    try:
-        torch_pruning = import_as_found("torch_pruning")  # its import sets TORCHINDUCTOR_CACHE_DIR, a warning filter
-    except ImportError:
-        raise ImportError("structural pruning needs torch-pruning: pip install 'torchspeed[compress]'") from None
-    return torch_pruning
+    # its import sets TORCHINDUCTOR_CACHE_DIR and a warning filter: put back by `optional`
+    return optional("torch_pruning", "compress", "structural pruning")
 
 
 @dataclass
@@ -296,11 +298,6 @@ def save_pruned(model: nn.Module, directory: str, spec: ModelSpec | str, report:
     pruned model there is replaced only with `overwrite=True`. The two files are published as a set
     (`pruned.json` last), so an interrupted save never leaves a mix that loads.
     """
-    import os
-
-    from torchspeed.atomic import publish_files, recover_published, write_json
-    from torchspeed.outputs import claim_output_dir
-
     if isinstance(spec, str):
         spec = ModelSpec.parse(spec)
     if not isinstance(spec, ModelSpec):
@@ -333,11 +330,6 @@ def load_pruned(directory: str, *, model: nn.Module | None = None, spec: ModelSp
     `trust_code=True` for a folder you trust. Keyword arguments read from the folder may not name a
     file outside it.
     """
-    import os
-
-    from torchspeed.atomic import published_set
-    from torchspeed.safeload import load_torch_file
-
     directory = published_set(os.fspath(directory), "pruned.json")  # during a save: the previous whole set
     meta_path = os.path.join(directory, "pruned.json")
     saved, sizes = _read_pruned_meta(meta_path)
@@ -367,8 +359,6 @@ def load_pruned(directory: str, *, model: nn.Module | None = None, spec: ModelSp
 
 def _read_pruned_meta(meta_path: str) -> tuple[ModelSpec, dict[str, dict[str, Any]]]:
     """The architecture spec and the layer sizes `pruned.json` names; ValueError naming it otherwise."""
-    import json
-
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
@@ -395,8 +385,6 @@ def _pruned_architecture(directory: str, saved: ModelSpec, model: nn.Module | No
                          trust_code: bool) -> nn.Module:
     """The unpruned model to resize: the caller's `model`, the caller's `spec` built, or the folder's
     spec built when it names a library model (or the caller trusts the folder's code)."""
-    import os
-
     where = os.path.join(directory, "pruned.json")
     if model is not None and spec is not None:
         raise ValueError("load_pruned takes model= or spec=, not both")
@@ -436,8 +424,6 @@ def _library_spec(saved: ModelSpec, where: str) -> ModelSpec:
 
 
 def _build_unpruned(spec: ModelSpec, where: str) -> nn.Module:
-    from torchspeed.models import create
-
     try:
         return create(spec)
     except (TypeError, ValueError, RuntimeError) as e:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from rich.console import Console
 from torch import nn
 
 from torchspeed.args import as_list, progress_fn
@@ -93,8 +94,6 @@ class SelectResult:
         title = (f"Backbones by measured latency per batch: input {tuple(self.input_shape)}, {self.device}{budget} "
                  f"(GMACs per sample, per s = samples per second)")
         if self.busy_warning and console is None:
-            from rich.console import Console
-
             console = Console()
         print_table(title, self.COLUMNS, self.rows(), console)
         if self.busy_warning:

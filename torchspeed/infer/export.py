@@ -24,6 +24,7 @@ from torch import nn
 from torchspeed.atomic import atomic_write
 from torchspeed.batches import BatchFormat
 from torchspeed.infer.precision import as_fp32, output_error
+from torchspeed.optional import optional
 from torchspeed.runtime import process_as_found
 
 __all__ = ["export_onnx", "ExportResult", "flatten_inputs", "grow_batch", "convert_onnx_fp16", "fp16_converter",
@@ -48,12 +49,7 @@ class ExportResult:
 
 
 def _need(module: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ImportError(f"ONNX export needs {module}: pip install 'torchspeed[infer]'") from None
+    return optional(module, "infer", "ONNX export")
 
 
 class _Flat(nn.Module):
@@ -274,10 +270,8 @@ def save_onnx_copy(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
     if not any(_external(t) for t in _tensors(model.graph)):
         shutil.copyfile(src, dst)
         return [dst]
-    from onnx.external_data_helper import load_external_data_for_model
-
     try:
-        load_external_data_for_model(model, os.path.dirname(os.path.abspath(src)))
+        _need("onnx.external_data_helper").load_external_data_for_model(model, os.path.dirname(os.path.abspath(src)))
     except Exception as e:  # noqa: BLE001 - a missing, short or escaping data file: one line naming the model
         raise ValueError(f"cannot read the external data of the ONNX model {src!r}: {_first_line(e)}") from None
     inline = sum(len(t.raw_data) for t in _tensors(model.graph)) + os.path.getsize(src) < _PROTOBUF_LIMIT
@@ -381,11 +375,9 @@ def onnx_example(path: str | os.PathLike | OnnxGraph, input_shape: tuple[int, ..
 
 def fp16_converter() -> Any:
     """The float16 conversion module to use, or None (imported lazily: it pulls in extra libraries)."""
-    import importlib
-
     for name in ("onnxconverter_common.float16", "onnxruntime.transformers.float16"):
         try:
-            return importlib.import_module(name)
+            return optional(name, "pip install onnxconverter-common", "fp16 ONNX conversion")
         except ImportError:
             continue
     return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch.fx
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
@@ -52,8 +53,6 @@ def _set(root: nn.Module, target: str, module: nn.Module) -> None:
 
 
 def _fuse_fx(model: nn.Module) -> tuple[nn.Module, int]:
-    import torch.fx
-
     gm = torch.fx.symbolic_trace(model)
     fused = 0
     for node in list(gm.graph.nodes):

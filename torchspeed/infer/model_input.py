@@ -11,7 +11,9 @@ from typing import Any
 
 from torch import nn
 
+from torchspeed.infer.artifact import load
 from torchspeed.infer.export import OnnxGraph, onnx_example, read_onnx
+from torchspeed.models import build, default_input_shape
 
 __all__ = ["ResolvedModel", "resolve_model", "DEFAULT_INPUT_SHAPE"]
 
@@ -46,8 +48,6 @@ def resolve_model(name: str, weights: str | None = None, model_kwargs: str | Map
         return _onnx_file(name, weights, model_kwargs, num_classes, input_shape)
     if os.path.isdir(name):
         return _artifact_folder(name, weights, model_kwargs, input_shape)
-    from torchspeed.models import build, default_input_shape
-
     model = build(name, weights=weights, model_kwargs=model_kwargs, num_classes=num_classes)
 
     shape = tuple(input_shape) if input_shape else (default_input_shape(model) or DEFAULT_INPUT_SHAPE)
@@ -74,8 +74,6 @@ def _artifact_folder(directory: str, weights: str | None, model_kwargs: Any,
                      input_shape: Sequence[int] | None) -> ResolvedModel:
     if weights or model_kwargs:
         raise ValueError(f"--weights and --model-kwargs apply to a model built from a spec, not to {directory!r}")
-    from torchspeed.infer.artifact import load
-
     runner = load(directory)
     source = getattr(runner, "source", None)
     if source is None:

@@ -24,6 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchspeed.batches import BatchFormat, batch_size, map_tensors
+from torchspeed.infer.runners import feed_names
+from torchspeed.optional import optional
+
 __all__ = ["calibration_arrays", "quantize_onnx_static", "quantize_onnx_dynamic", "quantize_openvino",
            "quiet_quantizer_logs", "CALIBRATION_METHODS"]
 
@@ -38,8 +42,6 @@ def calibration_arrays(calib_data: Iterable[Any] | None, max_samples: int | None
     (a `torchspeed.batches.BatchFormat`; auto: `(input, label)` pairs, dict batches) splits into
     inputs and label. A model with several or named inputs gives a dict (or tuple) of arrays per batch;
     floating inputs become float32, ids and masks keep their integer type."""
-    from torchspeed.batches import BatchFormat, batch_size, map_tensors
-
     if calib_data is None:
         raise ValueError("INT8 quantization needs calibration data: pass calib_data= (an iterable of input "
                          "batches or (input, label) pairs, a few hundred representative samples)")
@@ -134,11 +136,7 @@ def _temporaries_in(directory: str | None) -> Iterator[None]:
 
 
 def _ort_quant() -> Any:
-    try:
-        import onnxruntime.quantization as q
-    except ImportError:
-        raise ImportError("ONNX Runtime quantization needs onnxruntime: pip install 'torchspeed[infer]'") from None
-    return q
+    return optional("onnxruntime.quantization", "infer", "ONNX Runtime quantization")
 
 
 def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any] | None, method: str = "minmax",
@@ -155,11 +153,8 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
     if method not in methods:
         raise ValueError(f"calibration method must be one of {', '.join(methods)}, got {method!r}")
     arrays = calibration_arrays(calib_data, max_samples, batch_format)
-    from torchspeed.infer.runners import feed_names
-
     if input_names is None:
-        import onnxruntime as ort
-
+        ort = optional("onnxruntime", "infer", "ONNX Runtime quantization")
         input_names = [i.name for i in ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"]).get_inputs()]
 
     class Reader(q.CalibrationDataReader):
@@ -175,9 +170,7 @@ def quantize_onnx_static(onnx_path: str, out_path: str, calib_data: Iterable[Any
 
     with _temporaries_in(temp_dir), tempfile.TemporaryDirectory() as tmp:
         pre = os.path.join(tmp, "pre.onnx")
-        from onnxruntime.quantization.shape_inference import quant_pre_process
-
-        quant_pre_process(onnx_path, pre, skip_symbolic_shape=False)
+        q.shape_inference.quant_pre_process(onnx_path, pre, skip_symbolic_shape=False)
         extra = {"ActivationSymmetric": False, "WeightSymmetric": True}
         if method == "percentile":
             extra["CalibPercentile"] = 99.99
@@ -194,9 +187,7 @@ def quantize_onnx_dynamic(onnx_path: str, out_path: str, per_channel: bool = Tru
     q = _ort_quant()
     with _temporaries_in(temp_dir), tempfile.TemporaryDirectory() as tmp:
         pre = os.path.join(tmp, "pre.onnx")
-        from onnxruntime.quantization.shape_inference import quant_pre_process
-
-        quant_pre_process(onnx_path, pre, skip_symbolic_shape=False)
+        q.shape_inference.quant_pre_process(onnx_path, pre, skip_symbolic_shape=False)
         with quiet_quantizer_logs():
             q.quantize_dynamic(pre, out_path, weight_type=q.QuantType.QInt8, per_channel=per_channel,
                                op_types_to_quantize=["MatMul", "Gemm", "LSTM", "Attention"])
@@ -209,12 +200,7 @@ def quantize_openvino(model_path: str, calib_data: Iterable[Any] | None, method:
     if method != "minmax":
         raise ValueError(f"NNCF picks its own range estimators; calibration method {method!r} is only "
                          "available through ONNX Runtime (use 'minmax' here)")
-    from torchspeed.infer.runners import import_openvino
-
-    try:
-        nncf, ov = import_openvino("nncf"), import_openvino()  # no telemetry sent (runners.OPENVINO_NO_TELEMETRY)
-    except ImportError:
-        raise ImportError("OpenVINO INT8 needs openvino and nncf: pip install 'torchspeed[openvino]'") from None
+    nncf, ov = optional("nncf", "openvino", "OpenVINO INT8"), optional("openvino", "openvino", "OpenVINO INT8")
     arrays = calibration_arrays(calib_data, max_samples, batch_format)
     model = ov.Core().read_model(model_path)
     with quiet_quantizer_logs():

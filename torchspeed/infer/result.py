@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rich.console import Console
 
+from torchspeed.deprecated import renamed
 from torchspeed.infer.runners import RUNTIME_KEY, Runner
 from torchspeed.measure import busy_warning
+from torchspeed.tables import print_table
 
 __all__ = ["VariantRow", "OptimizeResult"]
 
@@ -40,6 +43,12 @@ class VariantRow:
     @property
     def passed(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def backend(self) -> str:
+        """The old name of `runtime`."""
+        renamed("VariantRow.backend", "VariantRow.runtime")
+        return self.runtime
 
     def p50_ms(self, batch: int) -> float:
         return self.latency_ms.get(batch, {}).get("p50_ms", math.nan)
@@ -151,10 +160,6 @@ class OptimizeResult:
         return cols + ["drop / err", "MB", "note"]
 
     def print(self, console: Any = None) -> None:
-        from rich.console import Console
-
-        from torchspeed.tables import print_table
-
         console = console or Console()
         best = self.best
         print_table(f"optimize: {self.threads} threads, best = {best.name if best else 'none'}",

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import glob
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -27,15 +30,22 @@ from torch import nn
 
 from torchspeed.atomic import publish_files, published_set, recover_published, write_json
 from torchspeed.batches import BatchFormat, map_tensors, to_device
-from torchspeed.infer.precision import as_fp32
-from torchspeed.models import ModelSpec, spec_of
+from torchspeed.deprecated import renamed
+from torchspeed.infer.export import onnx_data_files, read_onnx, save_onnx_copy
+from torchspeed.infer.fuse import fuse_conv_bn
+from torchspeed.infer.precision import as_fp32, to_precision
+from torchspeed.infer.program import PROGRAM_FILE, save_program
+from torchspeed.models import ModelSpec, create, spec_of
+from torchspeed.optional import optional
+from torchspeed.runtime import cache_dir as default_cache_dir
 from torchspeed.runtime import import_as_found, process_as_found, usable_cores
+from torchspeed.safeload import load_torch_file
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "RUNTIMES", "available_runtimes",
            "build_torch_module", "module_device", "ort_providers", "provider_label", "ort_cuda_problem",
            "tensorrt_problem", "tensorrt_profile", "ordered_with",
            "check_ort_cuda", "feed_names", "read_manifest", "artifact_dir", "recover_artifact",
-           "import_openvino", "MANIFEST", "FORMAT", "RUNTIME_KEY", "ARTIFACT_FILES"]
+           "MANIFEST", "FORMAT", "RUNTIME_KEY", "ARTIFACT_FILES"]
 
 RUNTIMES = ("torch", "torch.compile", "onnxruntime", "onnxruntime-cuda", "openvino", "tensorrt")
 MANIFEST = "manifest.json"
@@ -43,18 +53,6 @@ FORMAT = "torchspeed-inference-artifact"
 RUNTIME_KEY = "backend"  # the manifest key naming the runtime: part of the saved artifact format
 ARTIFACT_FILES = (MANIFEST, "weights.pt", "program.pt2", "model.onnx", "model.onnx.data", "model.xml",
                   "model.bin")  # any runner's
-
-# OpenVINO's `import openvino` (its model converter) and NNCF start a process that sends usage telemetry
-# unless the machine opted out. Both skip it in CI (`disable_in_ci`: CI=true) and NNCF when NNCF_CI is
-# set: set only while we import them, so the user's own settings and later uses of OpenVINO are untouched.
-OPENVINO_NO_TELEMETRY = {"CI": "true", "NNCF_CI": "1"}
-
-
-def import_openvino(name: str = "openvino") -> Any:
-    """Import `openvino` (or `nncf`) with no telemetry sent and the caller's process left as it was
-    (`runtime.import_as_found`); ImportError when it is not installed."""
-    return import_as_found(name, OPENVINO_NO_TELEMETRY)
-
 
 def _as_numpy(x: Any, dtype: Any = np.float32) -> np.ndarray:
     if isinstance(x, torch.Tensor):
@@ -77,18 +75,14 @@ def module_device(model: Any) -> torch.device:
 def available_runtimes() -> dict[str, str | None]:
     """Each of `RUNTIMES` -> None when usable here, else why not (with the install hint)."""
     out: dict[str, str | None] = {"torch": None, "torch.compile": None}
-    try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-
-        out["onnxruntime"] = None
-    except ImportError:
-        out["onnxruntime"] = "onnxruntime/onnx not installed: pip install 'torchspeed[infer]'"
-    try:
-        import_openvino()
-        out["openvino"] = None
-    except ImportError:
-        out["openvino"] = "openvino not installed: pip install 'torchspeed[openvino]'"
+    for runtime, modules, extra in (("onnxruntime", ("onnx", "onnxruntime"), "infer"),
+                                    ("openvino", ("openvino",), "openvino")):
+        try:
+            for module in modules:
+                optional(module, extra, runtime)
+            out[runtime] = None
+        except ImportError as e:
+            out[runtime] = str(e)
     if not torch.cuda.is_available():
         gpu: str | None = "no CUDA GPU"
     else:
@@ -111,14 +105,11 @@ def tensorrt_problem() -> str | None:
     the TensorRT version it was linked with), after `import tensorrt`, which puts the pip-installed
     TensorRT's libraries in the process where it is installed."""
     try:
-        import onnxruntime as ort
-    except ImportError:
-        return f"onnxruntime is not installed: {GPU_INSTALL}"
+        ort = optional("onnxruntime", GPU_INSTALL, "the TensorRT runtime")
+    except ImportError as e:
+        return str(e)
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
         return f"onnxruntime {ort.__version__} here has no TensorRT execution provider (onnxruntime-gpu has one)"
-    import ctypes
-    import glob
-
     with contextlib.suppress(Exception):  # optional: its libraries loaded into the process if installed
         import_as_found("tensorrt")
     libs = glob.glob(os.path.join(os.path.dirname(ort.__file__), "capi", "libonnxruntime_providers_tensorrt.*"))
@@ -140,6 +131,12 @@ class Runner:
 
     def __call__(self, x: Any) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def backend(self) -> str:
+        """The old name of `runtime`."""
+        renamed("Runner.backend", "Runner.runtime")
+        return self.runtime
 
     def manifest(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": 1, RUNTIME_KEY: self.runtime, "precision": self.precision}
@@ -178,9 +175,6 @@ class Runner:
 # ----------------------------------------------------------------------------------------- torch
 def build_torch_module(model: nn.Module, recipe: dict[str, Any]) -> nn.Module | Any:
     """Apply a torch recipe {'fuse', 'precision', 'mode', 'channels_last', 'compile'} to a model copy."""
-    from torchspeed.infer.fuse import fuse_conv_bn
-    from torchspeed.infer.precision import to_precision
-
     m = fuse_conv_bn(model) if recipe.get("fuse") else copy.deepcopy(model).eval()
     m = to_precision(m, recipe.get("precision", "fp32"), recipe.get("mode", "autocast"),
                      bool(recipe.get("channels_last")), copy_model=False)
@@ -237,8 +231,7 @@ class TorchRunner(Runner):
         inside `process_as_found`, since compiling sets TORCHINDUCTOR_CACHE_DIR and warning filters."""
         if not self.recipe.get("compile"):
             return contextlib.nullcontext()
-        import torch._inductor.config as inductor_config
-
+        inductor_config = import_as_found("torch._inductor.config")  # heavy: imported by the first compiled call
         stack = contextlib.ExitStack()
         shapes: list[tuple] = []
         map_tensors(lambda t: shapes.append((tuple(t.shape), t.dtype)) or t, x)
@@ -254,8 +247,6 @@ class TorchRunner(Runner):
 
     def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
         if self.spec is None:  # no name to rebuild it by: saved as a torch.export program
-            from torchspeed.infer.program import PROGRAM_FILE, save_program
-
             def write_program(tmp: str) -> dict[str, Any]:
                 program = save_program(self.source, self.example, os.path.join(tmp, PROGRAM_FILE), self.format,
                                        fuse=bool(self.recipe.get("fuse")))
@@ -285,8 +276,6 @@ class TorchRunner(Runner):
         the weights) or `trust_code=True`. Keyword arguments that name a file are refused either way
         (`ModelSpec.check_saved`): a folder names no file outside itself.
         """
-        from torchspeed.models import create
-
         where = f"the torch artifact in {directory!r}"
         spec = ModelSpec.from_dict(manifest.get("arch"), where=where)
         if not isinstance(manifest.get("recipe"), dict):
@@ -302,8 +291,6 @@ class TorchRunner(Runner):
             spec.check_saved(where, remedy=f"Build the model and pass it: ts.infer.load(dir, model=m) (command "
                                                  f"line: the spec and --weights {weights})")
             model = create(spec)
-        from torchspeed.safeload import load_torch_file
-
         state = load_torch_file(os.path.join(directory, manifest["file"]), what="the artifact's weights")
         if not isinstance(state, dict):
             raise ValueError(f"the artifact's weights {os.path.join(directory, manifest['file'])!r} are not a "
@@ -342,9 +329,9 @@ def ort_cuda_problem(ort_cuda: str | None = None, torch_cuda: str | None = None,
     """
     if ort_cuda is None or ort_version is None:
         try:
-            import onnxruntime as ort
-        except ImportError:
-            return f"onnxruntime is not installed: {GPU_INSTALL}"
+            ort = optional("onnxruntime", GPU_INSTALL, "ONNX Runtime on CUDA")
+        except ImportError as e:
+            return str(e)
         ort_cuda = getattr(ort, "cuda_version", "") or "" if ort_cuda is None else ort_cuda
         ort_version = ort_version or ort.__version__
     torch_cuda = (torch.version.cuda or "") if torch_cuda is None else torch_cuda
@@ -394,9 +381,7 @@ def ort_providers(kind: str = "cpu", precision: str = "fp32", device_id: int = 0
     if kind == "cuda":
         return [cuda, cpu]
     if kind == "tensorrt":
-        from torchspeed.runtime import cache_dir as default_cache
-
-        cache = os.fspath(cache_dir) if cache_dir else default_cache("tensorrt")
+        cache = os.fspath(cache_dir) if cache_dir else default_cache_dir("tensorrt")
         trt = {"device_id": device_id, "trt_fp16_enable": precision == "fp16", "trt_engine_cache_enable": True,
                "trt_engine_cache_path": cache, "trt_timing_cache_enable": True, "trt_timing_cache_path": cache,
                **(profile or {}), **on_stream}
@@ -501,10 +486,7 @@ class OrtRunner(Runner):
     def __init__(self, path: str, precision: str = "fp32", threads: int | None = None,
                  providers: str | list[Any] | None = None, *, device: str | torch.device | None = None,
                  cache_dir: str | None = None, batch_sizes: tuple[int, ...] | list[int] = (1, 8)):
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            raise ImportError("ONNX Runtime is not installed: pip install 'torchspeed[infer]'") from None
+        ort = optional("onnxruntime", "infer", "an ONNX Runtime runner")
         self.path, self.precision = path, precision
         self.threads = threads or usable_cores()
         device = torch.device(device) if device is not None else None
@@ -593,15 +575,11 @@ class OrtRunner(Runner):
         return out
 
     def size_bytes(self) -> int:
-        from torchspeed.infer.export import onnx_data_files
-
         return sum(os.path.getsize(f) for f in (self.path, *onnx_data_files(self.path)) if os.path.exists(f))
 
     def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
         """The ONNX file, with any external data it has (inline when under protobuf's 2 GB, else in
         `model.onnx.data` beside it), and the manifest."""
-        from torchspeed.infer.export import save_onnx_copy
-
         def write(tmp: str) -> dict[str, Any]:
             save_onnx_copy(self.path, os.path.join(tmp, "model.onnx"))  # fsynced by publish_files
             return {"file": "model.onnx", "threads": self.threads, "providers": self.providers,
@@ -615,8 +593,7 @@ class OrtRunner(Runner):
         """A GPU artifact runs on the GPU provider it was measured with when this machine has it (its
         TensorRT engine rebuilt once into the local cache: engines are specific to a GPU and TensorRT
         version), else on the CPU."""
-        import onnxruntime as ort
-
+        ort = optional("onnxruntime", "infer", "an ONNX Runtime artifact")
         kind = manifest.get("provider_kind") or _KIND_OF.get((manifest.get("providers") or ["CPUExecutionProvider"])[0], "cpu")
         available = ort.get_available_providers()
         if kind == "tensorrt" and "TensorrtExecutionProvider" not in available:
@@ -645,10 +622,7 @@ class OpenVINORunner(Runner):
     saves = ("model.xml", "model.bin", MANIFEST)
 
     def __init__(self, model: Any, precision: str = "fp32", threads: int | None = None):
-        try:
-            ov = import_openvino()
-        except ImportError:
-            raise ImportError("OpenVINO is not installed: pip install 'torchspeed[openvino]'") from None
+        ov = optional("openvino", "openvino", "an OpenVINO runner")
         if precision not in _OV_HINT:
             raise ValueError(f"OpenVINO precision must be one of {', '.join(_OV_HINT)}, got {precision!r}")
         self.core = ov.Core()
@@ -673,7 +647,7 @@ class OpenVINORunner(Runner):
         return torch.from_numpy(np.array(self.request.get_output_tensor(0).data, copy=True))
 
     def save(self, directory: str | os.PathLike, manifest_extra: dict[str, Any] | None = None) -> str:
-        ov = import_openvino()
+        ov = optional("openvino", "openvino", "an OpenVINO runner")
         directory = os.fspath(directory)
 
         def write(tmp: str) -> dict[str, Any]:
@@ -687,10 +661,8 @@ class OpenVINORunner(Runner):
     def size_bytes(self) -> int:
         if self.files:
             return super().size_bytes()
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
-            import_openvino().save_model(self.model, os.path.join(tmp, "m.xml"), compress_to_fp16=False)
+            optional("openvino", "openvino", "an OpenVINO runner").save_model(self.model, os.path.join(tmp, "m.xml"), compress_to_fp16=False)
             return sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
 
     @classmethod
@@ -712,8 +684,6 @@ def _is_float(v: Any) -> bool:
 def _onnx_inputs(path: str) -> list[tuple[str, list[Any]]]:
     """(name, dims) of an ONNX file's inputs ([] when it cannot be read here: no profile then)."""
     try:
-        from torchspeed.infer.export import read_onnx
-
         return [(name, list(dims)) for name, dims, _ in read_onnx(path).inputs]
     except (ImportError, ValueError, OSError):
         return []

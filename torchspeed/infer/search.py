@@ -45,11 +45,14 @@ from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
 from torchspeed.atomic import scratch_dir
 from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
+from torchspeed.deprecated import renamed
 from torchspeed.infer.export import OnnxGraph, grow_batch, onnx_data_files, onnx_example, read_onnx
 from torchspeed.infer.precision import as_fp32, output_error
+from torchspeed.infer.quantize import calibration_arrays
 from torchspeed.infer.result import OptimizeResult, VariantRow
 from torchspeed.infer.runners import RUNTIMES, module_device
 from torchspeed.infer.variants import BuildContext, Machine, ModelFacts, OnnxExport, Variant, candidates, skip_reason
+from torchspeed.measure import compare, wait_for_quiet_machine
 from torchspeed.models import ModelSpec, spec_of
 from torchspeed.runtime import PRECISIONS, cache_dir, usable_cores
 
@@ -151,6 +154,7 @@ def optimize(
     measure: bool = True,
     progress: bool | Callable[[str], Any] = False,
     refresh: bool = False,
+    backends: str | Sequence[str] | None = None,
 ) -> OptimizeResult:
     """Build, verify, judge and time every inference variant of `model`; return the table and the best.
 
@@ -174,8 +178,11 @@ def optimize(
     The winner is remembered on this machine: the next call with the same model structure, inputs and
     options builds only it (and the baseline), checks its output error and `eval_fn` again, and takes
     the timings from memory (`result.remembered` says so); `refresh=True` searches and times again.
-    The other keywords are the fields of `SearchConfig`.
+    The other keywords are the fields of `SearchConfig`; `backends` is the old name of `runtimes`.
     """
+    if backends is not None:
+        renamed("optimize(backends=)", "optimize(runtimes=)")
+        runtimes = backends
     say = progress_fn(progress)
     subject, example_input, device = _subject(model, example_input, input_shape, device)
     _check_example(example_input)
@@ -275,29 +282,26 @@ def _search(subject: nn.Module | OnnxGraph, example_input: Any, calib_data: Iter
                           model if graph is None else graph.path, config.batch_format)
     parts = _decision_parts(subject, example, calib_data, eval_fn, extra_candidates, machine, config) \
         if config.measure else None
-    memory = None if parts is None or refresh else remembered.recall("optimize", parts)
-    if memory is not None:
-        result = _recalled(memory, variants, ctx, verify_x, ref, machine, facts, config, eval_fn, say, workdir)
-        if result is not None:
-            _log_rows(result)
-            return result
-    table = _build_and_verify(variants, ctx, verify_x, ref, machine, facts, config, eval_fn is not None, say)
-    baseline_metric = judge(table, eval_fn, config.max_metric_drop, say) if eval_fn is not None else None
-    others_cores = None
-    if config.measure:
-        from torchspeed.measure import wait_for_quiet_machine
 
-        wait_for_quiet_machine(max_s=QUIET_WAIT_S, window_s=0.25)
-        others_cores = time_variants([r for r in table if r.runner is not None], example, config.batch_sizes, gen,
-                                     config.repeats, config.min_time_s, say,
-                                     device=config.device if config.device.type == "cuda" else None)
-    _note_export(table, export)
-    unavailable = {name: why for name, why in machine.runtimes.items() if why}
-    result = OptimizeResult(table, config.batch_sizes, config.objective, baseline_metric, config.threads, unavailable,
-                            workdir, others_cores=others_cores)
+    def search() -> OptimizeResult:
+        table = _build_and_verify(variants, ctx, verify_x, ref, machine, facts, config, eval_fn is not None, say)
+        baseline_metric = judge(table, eval_fn, config.max_metric_drop, say) if eval_fn is not None else None
+        others_cores = None
+        if config.measure:
+            wait_for_quiet_machine(max_s=QUIET_WAIT_S, window_s=0.25)
+            others_cores = time_variants([r for r in table if r.runner is not None], example, config.batch_sizes,
+                                         gen, config.repeats, config.min_time_s, say,
+                                         device=config.device if config.device.type == "cuda" else None)
+        _note_export(table, export)
+        unavailable = {name: why for name, why in machine.runtimes.items() if why}
+        return OptimizeResult(table, config.batch_sizes, config.objective, baseline_metric, config.threads,
+                              unavailable, workdir, others_cores=others_cores)
+
+    result, _ = remembered.recall_or_measure(
+        "optimize", parts, search, refresh=refresh, what="optimize", encode=_decision, busy=lambda r: r.busy_warning,
+        decode=lambda memory: _recalled(memory, variants, ctx, verify_x, ref, machine, facts, config, eval_fn, say,
+                                        workdir))
     _log_rows(result)
-    if parts is not None:
-        _remember(parts, result)
     return result
 
 
@@ -359,29 +363,23 @@ def _recalled(memory: remembered.Memory, variants: list[Variant], ctx: BuildCont
                             for b, t in memory.decision["latency_ms"][r.name].items()}
             r.extra["remembered"] = memory.describe()
     except (KeyError, TypeError, ValueError, AttributeError):
-        return None  # a damaged entry: measured again
+        return None  # a damaged entry: searched again
     if any(not r.latency_ms.get(b) for r in table for b in config.batch_sizes):
         return None
     unavailable = {n: why for n, why in machine.runtimes.items() if why}
-    log.info("optimize: %s", memory.describe())
     return OptimizeResult(table, config.batch_sizes, config.objective, baseline_metric, config.threads, unavailable,
                           workdir, remembered=memory.describe())
 
 
-def _remember(parts: dict[str, Any], result: OptimizeResult) -> None:
-    """Keep the winner's identity and the timings of it and the baseline, unless nothing won or the
-    machine was busy while they were timed (a choice made on noise is searched for again next time)."""
+def _decision(result: OptimizeResult) -> tuple[dict[str, Any], str] | None:
+    """The winner's identity and the timings of it and the baseline, to remember; None when nothing won."""
     best, base = result.best, result.table[0]
     if best is None:
-        return
-    if result.busy_warning:
-        log.debug("optimize: not remembered (the machine was busy while the variants were timed)")
-        return
+        return None
     b = result.objective_batch
     figure = f"{best.name}, {best.p50_ms(b):.3g} ms at batch {b}, {base.p50_ms(b) / best.p50_ms(b):.2f}x {base.name}"
-    remembered.remember("optimize", parts, {
-        "winner": best.name, "runtime": best.runtime, "precision": best.precision,
-        "latency_ms": {r.name: {str(k): v for k, v in r.latency_ms.items()} for r in (base, best)}}, figure)
+    return {"winner": best.name, "runtime": best.runtime, "precision": best.precision,
+            "latency_ms": {r.name: {str(k): v for k, v in r.latency_ms.items()} for r in (base, best)}}, figure
 
 
 def _model_on(model: nn.Module, device: torch.device) -> nn.Module:
@@ -399,8 +397,6 @@ def _verification_inputs(example: Any, graph: OnnxGraph | None, calib_data: Iter
     verify_x = _batch_of(example, fixed_batch or max(8, batch_size(example)), gen)
     if calib_data is None:
         return verify_x
-    from torchspeed.infer.quantize import calibration_arrays
-
     verify_x = to_device(_concat(calibration_arrays(calib_data, fixed_batch or 16, config.batch_format)), config.device)
     if isinstance(example, torch.Tensor):
         got, want = map_tensors(lambda t: tuple(t.shape[1:]), (verify_x, example))
@@ -534,8 +530,6 @@ def time_variants(rows: list[VariantRow], example: Any, batch_sizes: Sequence[in
     each batch size. Inputs are made on the model's device (`example`'s); on a GPU `compare`
     synchronises the device after each run, so asynchronous kernels are timed to their end.
     Returns the most cores other processes used while one batch size was timed (None: not measurable)."""
-    from torchspeed.measure import compare  # the one timing tool (house rule)
-
     others: list[float] = []
     for b in batch_sizes if rows else ():
         say(f"timing {len(rows)} variants at batch {b}")

@@ -21,6 +21,7 @@ from torch import nn
 
 from torchspeed.batches import BatchFormat
 from torchspeed.infer.export import OnnxGraph, convert_onnx_fp16, export_onnx, fp16_converter
+from torchspeed.infer.quantize import quantize_onnx_dynamic, quantize_onnx_static, quantize_openvino
 from torchspeed.infer.runners import RUNTIMES, OpenVINORunner, OrtRunner, Runner, TorchRunner, available_runtimes
 from torchspeed.models import ModelSpec
 from torchspeed.runtime import default_precision
@@ -130,8 +131,6 @@ class BuildContext:
     def onnxruntime(self, precision: str, provider: str = "cpu") -> Runner:
         """ONNX Runtime on `provider` ('cpu', 'cuda', 'tensorrt'): fp32, int8 (static), int8-dynamic,
         or fp16 (an fp16 ONNX model on CUDA; TensorRT makes its own fp16 engine from the fp32 model)."""
-        from torchspeed.infer.quantize import quantize_onnx_dynamic, quantize_onnx_static
-
         src = self.onnx.path()
         if precision == "int8":
             dst = os.path.join(self.workdir, "model-int8-static.onnx")
@@ -150,8 +149,6 @@ class BuildContext:
     def openvino(self, precision: str) -> Runner:
         """OpenVINO on the CPU at `precision` (its inference precision hint), or INT8 quantized by NNCF."""
         if precision == "int8":
-            from torchspeed.infer.quantize import quantize_openvino
-
             quantized = quantize_openvino(self.onnx.path(), self.calib_data, self.calibration, self.max_calib_samples,
                                           batch_format=self.batch_format)
             return OpenVINORunner(quantized, "int8", self.threads)
