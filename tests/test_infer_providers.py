@@ -179,7 +179,7 @@ def test_timing_synchronises_on_the_models_device(monkeypatch):
         timings = [torchspeed.measure.Timing(name, [0.001], [2.0]) for name in contenders]
         return torchspeed.measure.Comparison(timings, baseline=kw["baseline"], others_cores=0.0)
 
-    monkeypatch.setattr(torchspeed.measure, "compare", fake_compare)
+    monkeypatch.setattr(search, "compare", fake_compare)
     row = VariantRow("onnxruntime fp32", "onnxruntime", "fp32", True, runner=lambda x: x)
     search.time_variants([row], torch.zeros(1, 3), (2,), torch.Generator(), 1, 0.0, lambda _: None, device="cuda:0")
     assert seen["device"] == "cuda:0" and seen["baseline"] == "onnxruntime fp32"

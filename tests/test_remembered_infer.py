@@ -121,11 +121,9 @@ def test_a_busy_search_is_not_remembered_and_says_so(timed, monkeypatch):
 
 
 def test_timing_waits_for_a_quiet_machine_first(monkeypatch):
-    import torchspeed.measure as measure
-
     waits = []
     monkeypatch.setattr(search, "QUIET_WAIT_S", 3.0)
-    monkeypatch.setattr(measure, "wait_for_quiet_machine", lambda max_s, **kw: waits.append(max_s))
+    monkeypatch.setattr(search, "wait_for_quiet_machine", lambda max_s, **kw: waits.append(max_s))
     _optimize(tiny_convnet())
     assert waits == [3.0]
 

@@ -98,7 +98,7 @@ def remember(kind: str, parts: Mapping[str, Any], decision: Mapping[str, Any], f
 def recall_or_measure(kind: str, parts: Mapping[str, Any] | None, measure: Callable[[], T], *,
                       decode: Callable[[Memory], T | None], encode: Callable[[T], tuple[Mapping[str, Any], str] | None],
                       busy: Callable[[T], Any] = lambda value: False, refresh: bool = False,
-                      what: str | None = None) -> tuple[T, Memory | None]:
+                      what: str | None = None, logger: logging.Logger | None = None) -> tuple[T, Memory | None]:
     """The decision for `parts`: remembered, or measured now and remembered; with the memory it came
     from (None: measured now).
 
@@ -109,9 +109,10 @@ def recall_or_measure(kind: str, parts: Mapping[str, Any] | None, measure: Calla
     remembered: a choice made on noise is measured again next time. `parts` None: measured, not kept.
     Under torchrun with a process group, rank 0 recalls and every rank takes what it found (when rank 0
     remembers, no rank measures; otherwise every rank measures, as the caller's `measure` arranges);
-    only rank 0 writes.
+    only rank 0 writes. What happened is logged at INFO on `logger` (the caller's; default this module's)
+    as "<what>: remembered from <date> (<figure>)" or why it was measured again (DEBUG: not kept, busy).
     """
-    what = what or kind
+    what, log_ = what or kind, logger or log
     e, together = ranks.env(), ranks.active()
     memory = None if parts is None or refresh or (together and not e.is_main) else recall(kind, parts)
     if together and parts is not None and not refresh:
@@ -122,16 +123,16 @@ def recall_or_measure(kind: str, parts: Mapping[str, Any] | None, measure: Calla
         try:
             value = decode(memory)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
-            log.info("%s: the remembered decision is not usable (%s); measuring again", what, error)
+            log_.info("%s: the remembered decision is not usable (%s); measuring again", what, error)
             value = None
         if value is not None:
-            log.info("%s: %s", what, memory.describe())
+            log_.info("%s: %s", what, memory.describe())
             return value, memory
     value = measure()
     if parts is None:
         return value, None
     if busy(value):
-        log.info("%s: not remembered (timed on a busy machine)", what)
+        log_.debug("%s: not remembered (timed on a busy machine)", what)  # the busy WARNING was said when timed
     elif e.is_main and (kept := encode(value)) is not None:
         remember(kind, parts, *kept)
     return value, None

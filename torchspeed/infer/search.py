@@ -298,7 +298,7 @@ def _search(subject: nn.Module | OnnxGraph, example_input: Any, calib_data: Iter
                               unavailable, workdir, others_cores=others_cores)
 
     result, _ = remembered.recall_or_measure(
-        "optimize", parts, search, refresh=refresh, what="optimize", encode=_decision, busy=lambda r: r.busy_warning,
+        "optimize", parts, search, refresh=refresh, what="optimize", logger=log, encode=_decision, busy=lambda r: r.busy_warning,
         decode=lambda memory: _recalled(memory, variants, ctx, verify_x, ref, machine, facts, config, eval_fn, say,
                                         workdir))
     _log_rows(result)
