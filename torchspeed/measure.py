@@ -22,8 +22,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 __all__ = ["Timing", "Comparison", "PeakMemory", "OthersLoad", "time_callable", "time_iterable", "compare",
            "process_tree_cpu_seconds", "job_root_pid", "machine_busy_cpu_seconds", "busy_warning", "wait_until_quiet",
            "wait_for_quiet_machine", "Quiet"]
@@ -128,6 +126,8 @@ class PeakMemory:
 
     def reset(self) -> None:
         if self.cuda:
+            import torch
+
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             return
@@ -139,6 +139,8 @@ class PeakMemory:
 
     def peak(self) -> int | None:
         if self.cuda:
+            import torch
+
             torch.cuda.synchronize()
             return int(torch.cuda.max_memory_allocated())
         try:
@@ -153,6 +155,8 @@ class PeakMemory:
 
 def _sync(device: Any) -> None:
     if device is not None and str(device).startswith("cuda"):
+        import torch
+
         torch.cuda.synchronize()
 
 
