@@ -61,7 +61,7 @@ def versions() -> list[str]:
                      f"providers {', '.join(ort.get_available_providers())}")
     except ImportError:
         lines.append("onnxruntime: not installed")
-    from torchspeed.infer.runners import tensorrt_problem
+    from torchspeed.infer.providers import tensorrt_problem
 
     try:
         import tensorrt

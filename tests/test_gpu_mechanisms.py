@@ -15,8 +15,8 @@ import torch
 from helpers import two_stage_convnet
 
 from torchspeed.bench import ceilings
-from torchspeed.doctor.instrument import timeline_phases
-from torchspeed.infer import runners
+from torchspeed.doctor.recorder import timeline_phases
+from torchspeed.infer import providers, runners
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -79,35 +79,35 @@ class FakeStream:
 def test_ort_runs_after_the_callers_stream_and_the_caller_after_it():
     log = []
     own, current = FakeStream("ort", log), FakeStream("torch", log)
-    with runners.ordered_with(own, current):
+    with providers.ordered_with(own, current):
         log.append("run")
     assert log == ["ort waits for torch", "run", "torch waits for ort"]
     log.clear()
-    with pytest.raises(RuntimeError), runners.ordered_with(own, current):
+    with pytest.raises(RuntimeError), providers.ordered_with(own, current):
         raise RuntimeError("the run failed")
     assert log == ["ort waits for torch", "torch waits for ort"]  # ordered even when the run raises
     log.clear()
-    with runners.ordered_with(None, None):  # a CPU run: nothing to order
+    with providers.ordered_with(None, None):  # a CPU run: nothing to order
         log.append("run")
     assert log == ["run"]
 
 
 def test_ort_is_never_given_the_legacy_default_stream():
     with pytest.raises(ValueError, match="legacy default CUDA stream"):
-        runners.ort_providers("cuda", stream=0)  # torch's default current_stream(): ONNX Runtime reads it as none
-    (name, opts), _ = runners.ort_providers("cuda", stream=1234)
+        providers.ort_providers("cuda", stream=0)  # torch's default current_stream(): ONNX Runtime reads it as none
+    (name, opts), _ = providers.ort_providers("cuda", stream=1234)
     assert name == "CUDAExecutionProvider" and opts["user_compute_stream"] == "1234" and opts["has_user_compute_stream"]
 
 
 def test_tensorrt_gets_one_profile_for_the_batch_range():
-    prof = runners.tensorrt_profile([("x", ["batch", 3, 32, 32])], (1, 8))
+    prof = providers.tensorrt_profile([("x", ["batch", 3, 32, 32])], (1, 8))
     assert prof == {"trt_profile_min_shapes": "x:1x3x32x32", "trt_profile_opt_shapes": "x:8x3x32x32",
                     "trt_profile_max_shapes": "x:64x3x32x32"}
-    assert runners.tensorrt_profile([("a", [None, 4]), ("b", [None, 2, 2])], (4, 128))["trt_profile_max_shapes"] \
+    assert providers.tensorrt_profile([("a", [None, 4]), ("b", [None, 2, 2])], (4, 128))["trt_profile_max_shapes"] \
         == "a:128x4,b:128x2x2"
-    assert runners.tensorrt_profile([("x", [1, 3, 32, 32])]) == {}  # a fixed batch: one shape, one engine
-    assert runners.tensorrt_profile([("x", ["batch", 3, "h", "w"])]) == {}  # no single range to give
-    trt = dict(runners.ort_providers("tensorrt", "fp16", cache_dir="/tmp/e", stream=7, profile=prof))
+    assert providers.tensorrt_profile([("x", [1, 3, 32, 32])]) == {}  # a fixed batch: one shape, one engine
+    assert providers.tensorrt_profile([("x", ["batch", 3, "h", "w"])]) == {}  # no single range to give
+    trt = dict(providers.ort_providers("tensorrt", "fp16", cache_dir="/tmp/e", stream=7, profile=prof))
     assert trt["TensorrtExecutionProvider"]["trt_profile_opt_shapes"] == "x:8x3x32x32"
 
 
@@ -117,7 +117,7 @@ def test_tensorrt_available_means_its_library_loads(monkeypatch):
     import glob
 
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
-        assert "no TensorRT execution provider" in runners.tensorrt_problem()
+        assert "no TensorRT execution provider" in providers.tensorrt_problem()
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["TensorrtExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/x/libonnxruntime_providers_tensorrt.so"])
 
@@ -125,10 +125,10 @@ def test_tensorrt_available_means_its_library_loads(monkeypatch):
         raise OSError("libnvinfer.so.10: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(ctypes, "CDLL", cannot_load)
-    problem = runners.tensorrt_problem()  # compiled in, but its libraries are not here: not available
+    problem = providers.tensorrt_problem()  # compiled in, but its libraries are not here: not available
     assert "libnvinfer.so.10" in problem and "tensorrt" in problem.lower()
     monkeypatch.setattr(ctypes, "CDLL", lambda path, *a, **k: object())
-    assert runners.tensorrt_problem() is None
+    assert providers.tensorrt_problem() is None
 
 
 def test_io_binding_writes_the_output_into_a_bound_tensor(tmp_path):

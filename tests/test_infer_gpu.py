@@ -11,7 +11,7 @@ import torch
 from helpers import two_stage_convnet
 
 import torchspeed as ts
-from torchspeed.infer import runners
+from torchspeed.infer import providers, runners
 from torchspeed.infer.search import optimize
 
 pytestmark = pytest.mark.gpu  # without a usable CUDA device the GPU suite fails (conftest.py), never skips
@@ -22,11 +22,11 @@ def _gpu_ort(provider="CUDAExecutionProvider"):
     ort = pytest.importorskip("onnxruntime")
     if provider not in ort.get_available_providers():
         pytest.skip(f"onnxruntime here has no {provider} ({ort.get_available_providers()})")
-    problem = runners.ort_cuda_problem()
+    problem = providers.ort_cuda_problem()
     if problem:
         pytest.fail(problem)  # the GPU provider is installed but cannot run beside this torch
-    if provider == "TensorrtExecutionProvider" and runners.tensorrt_problem():
-        pytest.skip(runners.tensorrt_problem())  # compiled in, but libnvinfer does not load: TensorRT is optional
+    if provider == "TensorrtExecutionProvider" and providers.tensorrt_problem():
+        pytest.skip(providers.tensorrt_problem())  # compiled in, but libnvinfer does not load: TensorRT is optional
 
 
 @pytest.fixture(scope="module")
@@ -146,4 +146,4 @@ def test_onnx_runtime_cuda_matches_torch_cuda():
     ort = pytest.importorskip("onnxruntime")
     if not getattr(ort, "cuda_version", ""):
         pytest.skip("onnxruntime here is a CPU build")
-    assert runners.ort_cuda_problem() is None
+    assert providers.ort_cuda_problem() is None

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchspeed.infer import runners, search, variants
+from torchspeed.infer import providers, runners, search, variants
 from torchspeed.infer.result import VariantRow
-from torchspeed.infer.runners import ort_cuda_problem, ort_providers, provider_label
+from torchspeed.infer.providers import ort_cuda_problem, ort_providers, provider_label
 
 pytest.importorskip("onnxruntime")
 
@@ -101,7 +101,7 @@ def test_a_fallen_back_row_is_dropped_with_the_reason(fake_ort, tmp_path):
 
 
 def test_gpu_provider_checks_the_cuda_versions_first(monkeypatch):
-    monkeypatch.setattr(runners, "ort_cuda_problem", lambda **_: "onnxruntime-gpu 1.0 is built for CUDA 11.8 ...")
+    monkeypatch.setattr(providers, "ort_cuda_problem", lambda **_: "onnxruntime-gpu 1.0 is built for CUDA 11.8 ...")
     with pytest.raises(RuntimeError, match="built for CUDA 11.8"):
         runners.OrtRunner("model.onnx", "fp32", providers="cuda")
 

@@ -18,14 +18,8 @@ if TYPE_CHECKING:
     from torchspeed.infer.precision import output_error, to_precision
     from torchspeed.infer.quantize import quantize_onnx_dynamic, quantize_onnx_static, quantize_openvino
     from torchspeed.infer.result import OptimizeResult, VariantRow
-    from torchspeed.infer.runners import (
-        RUNTIMES,
-        OpenVINORunner,
-        OrtRunner,
-        TorchRunner,
-        available_runtimes,
-        ort_cuda_problem,
-    )
+    from torchspeed.infer.providers import ort_cuda_problem
+    from torchspeed.infer.runners import RUNTIMES, OpenVINORunner, OrtRunner, TorchRunner, available_runtimes
     from torchspeed.infer.search import SearchConfig, optimize
     from torchspeed.infer.variants import Variant
 
@@ -45,7 +39,7 @@ _EXPORTS = {
     "quantize_openvino": "quantize",
     "RUNTIMES": "runners",
     "available_runtimes": "runners",
-    "ort_cuda_problem": "runners",
+    "ort_cuda_problem": "providers",
     "TorchRunner": "runners",
     "OrtRunner": "runners",
     "OpenVINORunner": "runners",

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
-import glob
 import json
 import os
 import tempfile
@@ -34,17 +32,26 @@ from torchspeed.deprecated import renamed
 from torchspeed.infer.export import onnx_data_files, read_onnx, save_onnx_copy
 from torchspeed.infer.fuse import fuse_conv_bn
 from torchspeed.infer.precision import as_fp32, to_precision
+from torchspeed.infer.providers import (
+    GPU_PROVIDERS,
+    KIND_OF_PROVIDER,
+    check_ort_cuda,
+    first_line,
+    ordered_with,
+    ort_cuda_problem,
+    ort_providers,
+    provider_label,
+    tensorrt_problem,
+    tensorrt_profile,
+)
 from torchspeed.infer.program import PROGRAM_FILE, save_program
 from torchspeed.models import ModelSpec, create, spec_of
 from torchspeed.optional import optional
-from torchspeed.runtime import cache_dir as default_cache_dir
 from torchspeed.runtime import import_as_found, process_as_found, usable_cores
 from torchspeed.safeload import load_torch_file
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "OpenVINORunner", "RUNTIMES", "available_runtimes",
-           "build_torch_module", "module_device", "ort_providers", "provider_label", "ort_cuda_problem",
-           "tensorrt_problem", "tensorrt_profile", "ordered_with",
-           "check_ort_cuda", "feed_names", "read_manifest", "artifact_dir", "recover_artifact",
+           "build_torch_module", "module_device", "feed_names", "read_manifest", "artifact_dir", "recover_artifact",
            "MANIFEST", "FORMAT", "RUNTIME_KEY", "ARTIFACT_FILES"]
 
 RUNTIMES = ("torch", "torch.compile", "onnxruntime", "onnxruntime-cuda", "openvino", "tensorrt")
@@ -90,35 +97,6 @@ def available_runtimes() -> dict[str, str | None]:
     out["onnxruntime-cuda"] = gpu
     out["tensorrt"] = gpu if gpu is not None else tensorrt_problem()
     return out
-
-
-TRT_INSTALL = ("install TensorRT for onnxruntime-gpu's CUDA (pip install -c constraints-gpu.txt tensorrt-cu13 from "
-               "a torchspeed clone) or put its libnvinfer on the library path")
-
-
-def tensorrt_problem() -> str | None:
-    """None when ONNX Runtime's TensorRT provider loads here, else why not.
-
-    Why: `get_available_providers()` lists the providers onnxruntime-gpu was built with, not those
-    whose libraries load; without libnvinfer a TensorRT session silently runs on CUDA instead. So the
-    provider's own library is loaded (the dynamic loader then needs libnvinfer and the ONNX parser of
-    the TensorRT version it was linked with), after `import tensorrt`, which puts the pip-installed
-    TensorRT's libraries in the process where it is installed."""
-    try:
-        ort = optional("onnxruntime", GPU_INSTALL, "the TensorRT runtime")
-    except ImportError as e:
-        return str(e)
-    if "TensorrtExecutionProvider" not in ort.get_available_providers():
-        return f"onnxruntime {ort.__version__} here has no TensorRT execution provider (onnxruntime-gpu has one)"
-    with contextlib.suppress(Exception):  # optional: its libraries loaded into the process if installed
-        import_as_found("tensorrt")
-    libs = glob.glob(os.path.join(os.path.dirname(ort.__file__), "capi", "libonnxruntime_providers_tensorrt.*"))
-    for lib in libs:
-        try:
-            ctypes.CDLL(lib)
-        except OSError as e:
-            return f"ONNX Runtime's TensorRT provider does not load ({_first_line(e)}): {TRT_INSTALL}"
-    return None
 
 
 class Runner:
@@ -307,142 +285,6 @@ class TorchRunner(Runner):
 
 
 # ----------------------------------------------------------------------------------------- ONNX Runtime
-_GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
-_RUNTIME_OF = {"TensorrtExecutionProvider": "onnxruntime-tensorrt", "CUDAExecutionProvider": "onnxruntime-cuda",
-               "CPUExecutionProvider": "onnxruntime"}
-_KIND_OF = {"TensorrtExecutionProvider": "tensorrt", "CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
-GPU_INSTALL = "pip uninstall -y onnxruntime && pip install 'torchspeed[infer-gpu]'"
-
-
-def _major(version: str) -> str:
-    return version.split(".", 1)[0]
-
-
-def ort_cuda_problem(ort_cuda: str | None = None, torch_cuda: str | None = None, ort_version: str | None = None,
-                     torch_version: str | None = None) -> str | None:
-    """None when the installed onnxruntime can run its CUDA / TensorRT providers beside this torch,
-    else why not, naming both versions.
-
-    onnxruntime-gpu and torch each load their own CUDA libraries into the process; with different
-    CUDA major versions one of them fails to load (or crashes) at the first GPU session. The versions
-    default to the installed ones (`onnxruntime.cuda_version`, '' for a CPU build; `torch.version.cuda`).
-    """
-    if ort_cuda is None or ort_version is None:
-        try:
-            ort = optional("onnxruntime", GPU_INSTALL, "ONNX Runtime on CUDA")
-        except ImportError as e:
-            return str(e)
-        ort_cuda = getattr(ort, "cuda_version", "") or "" if ort_cuda is None else ort_cuda
-        ort_version = ort_version or ort.__version__
-    torch_cuda = (torch.version.cuda or "") if torch_cuda is None else torch_cuda
-    torch_version = torch_version or torch.__version__
-    if not torch_cuda:
-        return f"torch {torch_version} is a CPU build (no CUDA), so no CUDA model can feed onnxruntime's GPU providers"
-    if not ort_cuda:
-        return (f"onnxruntime {ort_version} is a CPU build (no CUDA or TensorRT provider); torch {torch_version} uses "
-                f"CUDA {torch_cuda}: install onnxruntime-gpu built for CUDA {_major(torch_cuda)}: {GPU_INSTALL}")
-    if _major(ort_cuda) != _major(torch_cuda):
-        return (f"onnxruntime-gpu {ort_version} is built for CUDA {ort_cuda} but torch {torch_version} uses CUDA "
-                f"{torch_cuda}: their CUDA libraries cannot share one process. Install the onnxruntime-gpu build for "
-                f"CUDA {_major(torch_cuda)} (or the torch build for CUDA {_major(ort_cuda)})")
-    return None
-
-
-def check_ort_cuda(**versions: str | None) -> None:
-    """Raise RuntimeError with `ort_cuda_problem`'s message when onnxruntime's CUDA does not suit torch's."""
-    problem = ort_cuda_problem(**versions)
-    if problem:
-        raise RuntimeError(problem)
-
-
-def ort_providers(kind: str = "cpu", precision: str = "fp32", device_id: int = 0, cache_dir: str | None = None,
-                  stream: int | None = None, profile: dict[str, str] | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """ONNX Runtime's provider list with options for `kind` ('cpu', 'cuda' or 'tensorrt').
-
-    TensorRT: fp16 kernels allowed for an fp16 row (`trt_fp16_enable`), one engine for a range of
-    batch sizes (`profile`, see `tensorrt_profile`; without one TensorRT builds an engine again for
-    each new input shape), and built engines (plus TensorRT's timing cache) kept in `cache_dir`
-    (default: torchspeed's cache, `tensorrt/`), so a session on the same model, GPU and TensorRT
-    version loads its engine instead of rebuilding it (minutes). CUDA and TensorRT run on `stream` (a
-    CUDA stream's handle) when given. It must not be 0, the legacy default stream torch's default
-    `current_stream()` has: ONNX Runtime reads 0 as "no stream" and runs on a stream of its own that
-    nothing orders with torch's work; `OrtRunner` gives it a stream of its own and orders it with the
-    caller's (`ordered_with`). Each GPU provider is followed by its fallbacks; which one really runs is
-    read back from the session (`provider_label`).
-    """
-    cpu = ("CPUExecutionProvider", {})
-    if kind == "cpu":
-        return [cpu]
-    if stream == 0:
-        raise ValueError("stream 0 is the legacy default CUDA stream, which ONNX Runtime takes for none: give the "
-                         "handle of a torch.cuda.Stream() (its .cuda_stream)")
-    on_stream = {"has_user_compute_stream": True, "user_compute_stream": str(stream)} if stream else {}
-    cuda = ("CUDAExecutionProvider", {"device_id": device_id, **on_stream})
-    if kind == "cuda":
-        return [cuda, cpu]
-    if kind == "tensorrt":
-        cache = os.fspath(cache_dir) if cache_dir else default_cache_dir("tensorrt")
-        trt = {"device_id": device_id, "trt_fp16_enable": precision == "fp16", "trt_engine_cache_enable": True,
-               "trt_engine_cache_path": cache, "trt_timing_cache_enable": True, "trt_timing_cache_path": cache,
-               **(profile or {}), **on_stream}
-        return [("TensorrtExecutionProvider", trt), cuda, cpu]
-    raise ValueError(f"ONNX Runtime provider kind must be 'cpu', 'cuda' or 'tensorrt', got {kind!r}")
-
-
-def tensorrt_profile(inputs: list[tuple[str, list[Any]]], batch_sizes: tuple[int, ...] | list[int] = (1, 8),
-                     max_batch: int = 64) -> dict[str, str]:
-    """TensorRT's optimisation profile for the batch range, as ONNX Runtime's provider options: one
-    engine serves every batch from 1 to max(`max_batch`, the largest of `batch_sizes`), tuned for the
-    largest of `batch_sizes`. `inputs`: (name, dims) of the model's inputs, the batch first (a dynamic
-    dimension is a name or None). {} when a dimension other than the batch is dynamic (no single
-    range to give) or the batch is fixed (one shape, one engine anyway)."""
-    if not inputs or not batch_sizes:
-        return {}
-    rest = [dims[1:] for _, dims in inputs]
-    if any(not isinstance(d, int) or d <= 0 for r in rest for d in r):
-        return {}
-    if all(dims and isinstance(dims[0], int) and dims[0] > 0 for _, dims in inputs):
-        return {}
-    opt, top = max(batch_sizes), max(max_batch, max(batch_sizes))
-
-    def shapes(batch: int) -> str:
-        return ",".join(f"{name}:{'x'.join(str(d) for d in [batch, *r])}" for (name, _), r in zip(inputs, rest))
-
-    return {"trt_profile_min_shapes": shapes(1), "trt_profile_opt_shapes": shapes(opt),
-            "trt_profile_max_shapes": shapes(top)}
-
-
-@contextlib.contextmanager
-def ordered_with(own: Any, current: Any) -> Any:
-    """Run the block's work (an ONNX Runtime run on stream `own`) after what the caller queued on
-    `current`, and the caller's later work after it: two event waits on the device, no host sync.
-    Why: the inputs torch prepared on `current` may still be in the making when ONNX Runtime starts
-    on its own stream, and torch must not read the outputs (nor reuse the inputs' memory) before it
-    ends. `own` None (a CPU run): nothing to order."""
-    if own is None or own == current:
-        yield
-        return
-    own.wait_stream(current)
-    try:
-        yield
-    finally:
-        current.wait_stream(own)
-
-
-def provider_label(requested: list[str], active: list[str]) -> tuple[str, str | None]:
-    """(runtime label of the provider really running, None or why it is not the one asked for).
-
-    ONNX Runtime falls back silently when a provider fails to load (TensorRT libraries missing, a
-    CUDA mismatch): the session's `get_providers()` is the truth, not the request."""
-    wanted = requested[0] if requested else "CPUExecutionProvider"
-    got = active[0] if active else "no provider"
-    runtime = _RUNTIME_OF.get(got, f"onnxruntime ({got})")
-    if got == wanted:
-        return runtime, None
-    return runtime, (f"asked for {wanted} but ONNX Runtime runs {got} (the {wanted} did not load: check its "
-                     f"libraries, e.g. TensorRT for the TensorRT provider, and the CUDA versions)")
-
-
 def feed_names(x: Any, names: list[str]) -> dict[str, Any]:
     """Model inputs (a tensor/array, a dict by name, or a tuple by position) as {input name: value}:
     how every runtime fed by input name (ONNX Runtime, OpenVINO, the INT8 calibration reader) reads a batch."""
@@ -502,9 +344,9 @@ class OrtRunner(Runner):
         else:
             requested = list(providers)
         names = [p[0] if isinstance(p, (tuple, list)) else p for p in requested]
-        if names[0] in _GPU_PROVIDERS:
+        if names[0] in GPU_PROVIDERS:
             check_ort_cuda()
-        self.kind = _KIND_OF.get(names[0], "custom")
+        self.kind = KIND_OF_PROVIDER.get(names[0], "custom")
         self.providers = names
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.threads
@@ -517,7 +359,7 @@ class OrtRunner(Runner):
         self.session = ort.InferenceSession(path, opts, providers=requested)
         self.active = list(self.session.get_providers())
         self.runtime, self.fallback = provider_label(names, self.active)
-        self.device = torch.device("cuda", device_id) if self.active and self.active[0] in _GPU_PROVIDERS \
+        self.device = torch.device("cuda", device_id) if self.active and self.active[0] in GPU_PROVIDERS \
             else torch.device("cpu")
         # an input of another type (bfloat16, strings, ...) is fed as given: ONNX Runtime names a mismatch
         self.inputs = [(i.name, _ORT_NUMPY.get(i.type)) for i in self.session.get_inputs()]
@@ -594,7 +436,7 @@ class OrtRunner(Runner):
         TensorRT engine rebuilt once into the local cache: engines are specific to a GPU and TensorRT
         version), else on the CPU."""
         ort = optional("onnxruntime", "infer", "an ONNX Runtime artifact")
-        kind = manifest.get("provider_kind") or _KIND_OF.get((manifest.get("providers") or ["CPUExecutionProvider"])[0], "cpu")
+        kind = manifest.get("provider_kind") or KIND_OF_PROVIDER.get((manifest.get("providers") or ["CPUExecutionProvider"])[0], "cpu")
         available = ort.get_available_providers()
         if kind == "tensorrt" and "TensorrtExecutionProvider" not in available:
             kind = "cuda"
@@ -603,12 +445,12 @@ class OrtRunner(Runner):
             kind = "cpu"
         path = os.path.join(directory, manifest["file"])
         try:
-            return cls(path, manifest["precision"], manifest.get("threads"), kind if kind in _KIND_OF.values() else "cpu")
+            return cls(path, manifest["precision"], manifest.get("threads"), kind if kind in KIND_OF_PROVIDER.values() else "cpu")
         except ImportError:
             raise
         except Exception as e:  # noqa: BLE001 - ORT's InvalidProtobuf, NoSuchFile, Fail...: one line naming the file
             raise ValueError(f"ONNX model {path!r} cannot be loaded by ONNX Runtime (damaged, truncated or not an "
-                             f"ONNX model? re-save the artifact): {_first_line(e)}") from None
+                             f"ONNX model? re-save the artifact): {first_line(e)}") from None
 
 
 # ----------------------------------------------------------------------------------------- OpenVINO
@@ -674,7 +516,7 @@ class OpenVINORunner(Runner):
             raise
         except Exception as e:  # noqa: BLE001 - OpenVINO raises RuntimeError (or its own types) on a damaged .xml / .bin
             raise ValueError(f"OpenVINO model {path!r} (with its .bin beside it) cannot be loaded (damaged, "
-                             f"truncated or not an OpenVINO IR? re-save the artifact): {_first_line(e)}") from None
+                             f"truncated or not an OpenVINO IR? re-save the artifact): {first_line(e)}") from None
 
 
 def _is_float(v: Any) -> bool:
@@ -687,11 +529,6 @@ def _onnx_inputs(path: str) -> list[tuple[str, list[Any]]]:
         return [(name, list(dims)) for name, dims, _ in read_onnx(path).inputs]
     except (ImportError, ValueError, OSError):
         return []
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    return (lines[0] if lines else type(e).__name__)[:200]
 
 
 # the runtime a manifest names -> the runner that loads it
@@ -742,7 +579,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     except OSError as e:
         raise ValueError(f"cannot read the artifact manifest {path!r}: {e.strerror}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"the artifact manifest {path!r} is damaged (not valid JSON: {_first_line(e)}); "
+        raise ValueError(f"the artifact manifest {path!r} is damaged (not valid JSON: {first_line(e)}); "
                          "re-save the artifact") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get(RUNTIME_KEY) not in RUNNERS:
         fmt = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
