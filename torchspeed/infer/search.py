@@ -1,5 +1,5 @@
 """`optimize`: build every inference variant this machine can run, verify each, judge each, time each,
-keep the fastest that passed.
+keep the fastest that passed. One concept, one file: the search's steps, in the order they run.
 
 The variants and why one is skipped are in `torchspeed.infer.variants`; the table returned is in
 `torchspeed.infer.result`. The options are checked once into a `SearchConfig`, then the steps run in

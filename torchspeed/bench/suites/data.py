@@ -1,5 +1,8 @@
 """Data suite: images/s from JPEG files to model-ready batches, plain torchvision vs torchspeed.
 
+One concept, one file: every row times the same work on the same photos, interleaved with the others;
+its contenders and peers are set up here so that what each row measures is read in one place.
+
 Every contender yields the same thing per batch: 64 images, RandomResizedCrop to 128x128 + random
 horizontal flip, float32 NCHW (contiguous) normalised with ImageNet mean/std, plus int64 labels.
 Contenders run one after another in this process on the same demo photos (500x375 JPEG q90);
@@ -129,9 +132,9 @@ def _best(label: str, make: Callable[[int], Any], counts: list[int], seconds: fl
 
 
 def _close(loader: Any) -> None:
-    from torchspeed.data.tune import shutdown_workers
+    from torchspeed.loader_contract import release_workers
 
-    shutdown_workers(loader)
+    release_workers(loader)
 
 
 def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], add: Callable[..., None],

@@ -1,5 +1,8 @@
 """Train suite: training samples/s of ResNet-18 (10 classes, 128x128, batch 64) on the demo photos.
 
+One concept, one file: the suite's rows build on each other (same model, photos, loaders and budget),
+so a reader follows the cumulative table from plain PyTorch to the fastest row here, in order.
+
 Rows are cumulative: each adds one technique to the row above, and the ratio is to the first row
 (plain PyTorch: fp32, NCHW, torchvision ImageFolder loader with num_workers=0, a hand-written loop).
 Every figure is the median over calls of K training steps (the first call, which carries one-off
