@@ -12,16 +12,17 @@ doctor use what a loader can do without importing the loader's module (a FastLoa
   K-th sample), so a checkpoint taken mid-epoch by K ranks can be continued by another number, each
   rank reading its part of the samples nobody read (`continue_epoch`).
 
-The protocols check only that the members exist (`isinstance` on a `runtime_checkable` protocol); what
-they mean is what each docstring says, and `tests/test_loader_contract.py` holds FastLoader to it.
+`conforms(loader, Protocol)` checks that the members exist, also on a wrapper that forwards them through
+`__getattr__` (which `isinstance` on a protocol no longer sees from Python 3.12 on); what they mean is
+what each docstring says, and `tests/test_loader_contract.py` holds FastLoader to it.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["DeviceBatches", "Resumable", "Recountable", "EpochOrder", "EpochOrdered", "yields_device_batches",
-           "release_workers"]
+__all__ = ["DeviceBatches", "Stateful", "Resumable", "Recountable", "EpochOrder", "EpochOrdered", "conforms",
+           "yields_device_batches", "release_workers"]
 
 
 @runtime_checkable
@@ -29,6 +30,16 @@ class DeviceBatches(Protocol):
     """Batches arrive on the training device, normalised, in the chosen memory format (when true)."""
 
     yields_device_batches: bool
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Its position saved by `state_dict()` and put back by `load_state_dict(state)` (torchdata's
+    StatefulDataLoader too, which has no `set_epoch`): what reads a batch ahead puts it back."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @runtime_checkable
@@ -87,9 +98,18 @@ class EpochOrdered(Resumable, Protocol):
     def continue_epoch(self, epoch: int, first: int, share: Sequence[int]) -> None: ...
 
 
+def conforms(obj: Any, protocol: type) -> bool:
+    """Whether `obj` has every member of `protocol` (one of those above), found as `getattr` finds them:
+    a wrapper forwarding its loader's attributes conforms as its loader does."""
+    members = {name for cls in protocol.__mro__ if cls not in (object, Protocol)
+               for name in (*vars(cls), *getattr(cls, "__annotations__", {}))
+               if not name.startswith("_")}
+    return all(hasattr(obj, name) for name in members)
+
+
 def yields_device_batches(loader: Iterable[Any]) -> bool:
     """Whether `loader`'s batches are already on the device (a `DeviceBatches` saying so)."""
-    return isinstance(loader, DeviceBatches) and bool(loader.yields_device_batches)
+    return conforms(loader, DeviceBatches) and bool(loader.yields_device_batches)
 
 
 def release_workers(loader: Any) -> None:

@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torchvision
 from torch import nn
 
 from torchspeed.optional import optional
+from torchspeed.runtime import import_as_found
 from torchspeed.safeload import load_torch_file
 
 __all__ = ["ModelSpec", "create", "build", "spec_of", "load_weights", "parse_kwargs", "default_input_shape", "HOW_TO_NAME"]
@@ -36,16 +36,23 @@ HOW_TO_NAME = ("name a torchvision model (resnet18), a timm model (timm:NAME), o
                "package.module:factory or path/to/file.py:factory")
 
 
+def _torchvision() -> Any:
+    """torchvision, imported on first use: its import sets TORCHINDUCTOR_CACHE_DIR and a warning filter,
+    put back so that the caller's process stays as it was."""
+    return import_as_found("torchvision")
+
+
 def _torchvision_names() -> list[str]:
+    torchvision = _torchvision()
     return sorted(torchvision.models.list_models())
 
 
 def _timm() -> Any:
+    """timm when it is installed (its names then count as model names), else None."""
     try:
-        import timm
+        return optional("timm", "timm", "timm:NAME models")
     except ImportError:
         return None
-    return timm
 
 
 def is_factory_spec(spec: str) -> bool:
@@ -225,7 +232,7 @@ def create(spec: str | ModelSpec, *, weights: str | None = None, **kwargs: Any) 
     spec = ModelSpec.parse(spec, **kwargs) if isinstance(spec, str) else spec.with_kwargs(**kwargs)
     kw = dict(spec.kwargs)
     if spec.source == "torchvision":
-        model = torchvision.models.get_model(spec.name, weights=None, **kw)
+        model = _torchvision().models.get_model(spec.name, weights=None, **kw)
     elif spec.source == "timm":
         timm = optional("timm", "timm", f"the model timm:{spec.name}")
         model = timm.create_model(spec.name, pretrained=False, **kw)
