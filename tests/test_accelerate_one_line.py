@@ -2,7 +2,10 @@
 runs at the chosen precision and memory format; the model keeps its names, attributes and checkpoints;
 decisions are remembered; clear errors come before any trial; fp16 never steps unscaled gradients."""
 import copy
+import glob
+import json
 import logging
+import os
 
 import pytest
 import torch
@@ -11,9 +14,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchspeed import measure
+from torchspeed.runtime import cache_dir
 from torchspeed.train import Accelerated, accelerate
 from torchspeed.train.acceleration import AccelerateResult
-from torchspeed.train.wrapping import autocast_once, warn_if_unsharded
+from torchspeed.train.mixed_precision import autocast_once
+from torchspeed.train.wrapping import warn_if_unsharded
 
 GIVEN = dict(precision="fp32", channels_last=False, compile=False)
 
@@ -150,6 +155,25 @@ def test_a_second_accelerate_recalls_and_refresh_measures_again(caplog, capsys, 
     assert capsys.readouterr().err == ""  # nothing printed without progress=
     other = accelerate(tiny_convnet(width=4), None, **kw).report  # another structure: measured
     assert any(r.step_s for r in other.candidates)
+
+
+def test_a_remembered_decision_edited_into_nonsense_is_measured_again(monkeypatch):
+    """issue 37: a value accelerate() never chooses makes the remembered decision unusable: measured again."""
+    monkeypatch.setattr(AccelerateResult, "busy_warning", property(lambda self: None))  # a quiet machine
+    kw = dict(precision="fp32", channels_last="auto", compile=False, example_batch=separable_images(32), trial_steps=1)
+    accelerate(tiny_convnet(), None, **kw)
+    for edit in ({"precision": "int4"}, {"logits_width": "wide"}, {"compile": "yes please"}, {"channels_last": [1]},
+                 {"tf32": 1}, {"logits_width": True}):
+        (path,) = glob.glob(os.path.join(cache_dir("decisions", "accelerate"), "*.json"))
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        data["decision"].update(edit)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        again = accelerate(tiny_convnet(), None, **kw).report
+        assert any(r.step_s for r in again.candidates), edit  # measured again, not used
+        assert again.precision == "fp32" and type(again.channels_last) is bool and again.compile is False
+    assert not any(r.step_s for r in accelerate(tiny_convnet(), None, **kw).report.candidates)  # sound: recalled
 
 
 def test_a_choice_measured_on_a_busy_machine_is_not_remembered(monkeypatch):

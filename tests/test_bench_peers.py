@@ -15,11 +15,11 @@ def no_peer_libraries(monkeypatch):
 
 
 def test_missing_peer_library_names_the_extra(no_peer_libraries):
-    with pytest.raises(peers.PeerMissing, match=r"dali not installed .*torchspeed\[peers\]"):
+    with pytest.raises(peers.PeerMissing, match=r"dali not installed\W.*torchspeed\[peers\]"):
         peers.DaliLoader("/nowhere", 64, 128, 2, (0.5,) * 3, (0.5,) * 3)
     with pytest.raises(peers.PeerMissing, match=r"litdata not installed"):
         peers.litdata_loader("/nowhere", 64, 128, 0, (0.5,) * 3, (0.5,) * 3)
-    with pytest.raises(peers.PeerMissing, match=r"openvino not installed .*torchspeed\[openvino\]"):
+    with pytest.raises(peers.PeerMissing, match=r"openvino not installed\W.*torchspeed\[openvino\]"):
         peers.openvino_latency("/nowhere/model.onnx")
     with pytest.raises(peers.PeerMissing, match=r"onnxruntime not installed"):
         peers.onnxruntime_defaults("/nowhere/model.onnx")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchspeed.data import fast_loader
-from torchspeed.data.loader import world
+from torchspeed.ranks import world
 
 
 class IndexDataset:

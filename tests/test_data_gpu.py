@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from torchspeed.data import DevicePrefetcher, fast_loader, normalize_batch
-from torchspeed.data.decode import decode_jpeg_batch_cuda, get_decoder, measure_decoders, psnr
+from torchspeed.data.decode import decode_jpeg_batch_cuda, get_decoder
+from torchspeed.data.decoder_choice import measure_decoders, psnr
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 
 pytestmark = [pytest.mark.gpu,  # without a usable CUDA device the GPU suite fails (conftest.py), never skips

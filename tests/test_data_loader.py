@@ -385,14 +385,14 @@ def test_measured_choices_are_logged_at_info(photo_store, caplog):
     caplog.set_level(logging.INFO, logger="torchspeed.data")
     fast_loader(photo_store, 4, crop=16, device="cpu", num_workers=[0], threads=[1, 2], tune_seconds=0.02)
     by_logger = {r.name: r.getMessage() for r in caplog.records if r.levelno == logging.INFO}
-    assert by_logger["torchspeed.data.decode"].startswith("decoder: ")  # what was chosen, with its time
-    assert "us/image" in by_logger["torchspeed.data.decode"]
+    assert by_logger["torchspeed.data.decoder_choice"].startswith("decoder: ")  # what was chosen, with its time
+    assert "us/image" in by_logger["torchspeed.data.decoder_choice"]
     tuned = by_logger["torchspeed.data.loader"]
     assert tuned.startswith("fast_loader: num_workers=0, threads=") and "img/s" in tuned
     assert "tuned in" in tuned and "on 24 images" in tuned
     caplog.clear()
     tune_loader(IndexDataset(16), 8, num_workers=[0], tune_seconds=0.02, device="cpu", prefetch_factor=(2,))
-    lines = [r.getMessage() for r in caplog.records if r.name == "torchspeed.data.loader"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchspeed.data.loader_tuning"]
     assert len(lines) == 1 and lines[0].startswith("tune_loader: num_workers=0") and "items/s" in lines[0]
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from torchspeed.data import decode, fast_loader
+from torchspeed.data import decode, decoder_choice, fast_loader
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop
-from torchspeed.data.loader import AugmentedDataset
+from torchspeed.data.rendering import AugmentedDataset
 from torchspeed.data.prefetch import device_tensors, needs_pinning
 from torchspeed.data.sources import as_source
 
@@ -62,7 +62,7 @@ def test_one_bad_image_falls_back_on_the_cpu_named_in_a_warning(fake_nvjpeg):
     reference = [torch.from_numpy(decode.get_decoder("simplejpeg").decode(b)).permute(2, 0, 1) for b in buffers]
     assert torch.equal(out[1], reference[1])  # the fallback is the CPU decode itself
     for a, b in zip(out, reference):
-        assert decode.psnr(a.numpy(), b.numpy()) > 30
+        assert decoder_choice.psnr(a.numpy(), b.numpy()) > 30
 
 
 def test_a_batch_nvjpeg_reads_whole_is_decoded_in_one_call(fake_nvjpeg):
@@ -88,7 +88,7 @@ def test_nvjpeg_needs_cuda_and_says_so():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         decode.decode_jpeg_batch_cuda([_jpeg(0)])
     assert "CUDA" in decode.available_decoders()["nvjpeg"]
-    rows = decode.measure_decoders([_jpeg(0)], repeats=1)  # no CUDA device asked: nvjpeg does not compete
+    rows = decoder_choice.measure_decoders([_jpeg(0)], repeats=1)  # no CUDA device asked: nvjpeg does not compete
     assert "nvjpeg" not in [r["decoder"] for r in rows]
 
 
@@ -109,7 +109,7 @@ def test_gpu_batch_path_matches_the_cpu_pipeline(photo_store, fake_nvjpeg, layou
     (xg, yg), (xc, yc) = gpu.__getitems__(keys), cpu.__getitems__(keys)
     assert xg.shape == xc.shape and xg.dtype == torch.uint8 and torch.equal(yg, yc)
     # the same crops and flips; the pixels differ by the resampling (DCT scaling and cv2 vs torch bilinear)
-    assert decode.psnr(xg.numpy(), xc.numpy()) > 30
+    assert decoder_choice.psnr(xg.numpy(), xc.numpy()) > 30
 
 
 def test_gpu_batch_path_reads_raw_records(small_photo_folder, tmp_path, fake_nvjpeg):
@@ -121,7 +121,7 @@ def test_gpu_batch_path_reads_raw_records(small_photo_folder, tmp_path, fake_nvj
     xg, yg = AugmentedDataset(source, ResizeCenterCrop(16), "nvjpeg", 0, device="cpu").__getitems__(keys)
     xc, yc = AugmentedDataset(source, ResizeCenterCrop(16), "simplejpeg", 0).__getitems__(keys)
     assert fake_nvjpeg[0] == [] and torch.equal(yg, yc)  # nothing to decode
-    assert decode.psnr(xg.numpy(), xc.numpy()) > 30
+    assert decoder_choice.psnr(xg.numpy(), xc.numpy()) > 30
 
 
 def test_only_host_tensors_are_pinned(monkeypatch):
@@ -176,8 +176,8 @@ def test_a_truncated_jpeg_never_reaches_nvjpeg(fake_nvjpeg):
 @pytest.fixture
 def host_timing(monkeypatch):
     """measure_decoders' timing without the CUDA synchronisation (no device here)."""
-    real = decode.compare
-    monkeypatch.setattr(decode, "compare", lambda contenders, **kw: real(contenders, **{**kw, "device": None}))
+    real = decoder_choice.compare
+    monkeypatch.setattr(decoder_choice, "compare", lambda contenders, **kw: real(contenders, **{**kw, "device": None}))
 
 
 def test_measuring_nvjpeg_never_times_the_cpu_fallback(fake_nvjpeg, host_timing):
@@ -189,7 +189,7 @@ def test_measuring_nvjpeg_never_times_the_cpu_fallback(fake_nvjpeg, host_timing)
     dec = decode.NvjpegDecoder("cpu")
     with pytest.raises(ValueError, match="nvjpeg could not decode"):
         dec.decode_batch(buffers)  # what measure_decoders times: nvjpeg alone
-    rows = decode.measure_decoders(buffers, decoders="simplejpeg,nvjpeg", repeats=1, device="cuda")
+    rows = decoder_choice.measure_decoders(buffers, decoders="simplejpeg,nvjpeg", repeats=1, device="cuda")
     nv = {r["decoder"]: r for r in rows}["nvjpeg"]
     assert nv["us_per_image"] is None and "nvjpeg could not decode" in nv["error"]  # not a candidate
 
@@ -210,12 +210,12 @@ def test_cpu_decoders_race_nvjpeg_on_the_loaders_threads(fake_nvjpeg, host_timin
 
     monkeypatch.setattr(sj, "_decode", counted)
     samples = [_jpeg(i) for i in range(8)]
-    rows = decode.measure_decoders(samples, decoders="simplejpeg,nvjpeg", repeats=1, device="cuda", cpu_threads=3)
+    rows = decoder_choice.measure_decoders(samples, decoders="simplejpeg,nvjpeg", repeats=1, device="cuda", cpu_threads=3)
     by = {r["decoder"]: r for r in rows}
     assert by["simplejpeg"]["threads"] == 3 and by["nvjpeg"]["threads"] is None
     assert len(threads_seen - {threading.get_ident()}) > 1  # timed on the pool (the reference decode is here)
     threads_seen.clear()
-    rows = decode.measure_decoders(samples, decoders="simplejpeg", repeats=1)  # no GPU in the race: one thread
+    rows = decoder_choice.measure_decoders(samples, decoders="simplejpeg", repeats=1)  # no GPU in the race: one thread
     assert rows[0]["threads"] == 1 and threads_seen == {threading.get_ident()}
 
 

@@ -33,7 +33,7 @@ def _folder_with_bad(src, dst: pathlib.Path, bad: dict[str, bytes]) -> str:
 
 def test_nvjpeg_batch_path_skips_an_unreadable_image_and_names_it(small_photo_folder, tmp_path, fake_nvjpeg, caplog):
     from torchspeed.data.augment import ResizeCenterCrop
-    from torchspeed.data.loader import AugmentedDataset
+    from torchspeed.data.rendering import AugmentedDataset
     from torchspeed.data.sources import as_source
 
     good_jpeg = sorted(pathlib.Path(small_photo_folder).rglob("*.jpg"))[0].read_bytes()

@@ -107,7 +107,7 @@ def test_doctor_writes_report_when_script_raises(script, tmp_path, capfd):
     d = json.loads((tmp_path / "d.json").read_text())
     assert d["status"] == "error" and d["error"] == "RuntimeError: boom at step 2" and d["steps"] == 2
     err = capfd.readouterr().err
-    assert "RuntimeError: boom at step 2" in err and "instrument.py" not in err  # the user's traceback only
+    assert "RuntimeError: boom at step 2" in err and "bootstrap.py" not in err  # the user's traceback only
 
 
 @pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from torchvision.datasets import ImageFolder
 
 from torchspeed.doctor import datafix
 from torchspeed.doctor import fixes as fx
-from torchspeed.doctor.instrument import Recorder
+from torchspeed.doctor.recorder import Recorder, image_stats
 from torchspeed.doctor.trying import apply_measured, note_load
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -116,7 +116,7 @@ def test_the_swap_feeds_the_loop_from_fast_loader_and_is_undone(photo_folder, sm
 
 def _stats(mean, std=1.0, n=3, per_batch=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [datafix.image_stats((torch.randn(per_batch, 3, 16, 16, generator=g) * std + mean, torch.zeros(per_batch)))
+    return [image_stats((torch.randn(per_batch, 3, 16, 16, generator=g) * std + mean, torch.zeros(per_batch)))
             for _ in range(n)]
 
 

@@ -7,7 +7,7 @@ import torch
 from helpers import separable_loader, tiny_convnet
 from torch import nn
 
-from torchspeed.doctor.instrument import Recorder
+from torchspeed.doctor.recorder import Recorder
 from torchspeed.doctor.launch import build_payload
 
 pytestmark = pytest.mark.gpu  # without a usable CUDA device the GPU suite fails (conftest.py), never skips

@@ -6,7 +6,8 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
-from torchspeed.doctor.instrument import PATCHES, AttrPatch, HookPatch, Recorder
+from torchspeed.doctor.patches import PATCHES, AttrPatch, HookPatch
+from torchspeed.doctor.recorder import Recorder
 
 ATTRS = [p for p in PATCHES if isinstance(p, AttrPatch)]
 HOOKS = [p for p in PATCHES if isinstance(p, HookPatch)]
@@ -27,7 +28,7 @@ def _neighbours():
     import torch.nn.functional as F
     from torch.utils.data import dataloader as dl
 
-    from torchspeed.data.loader import FastLoader
+    from torchspeed.data import FastLoader
 
     objs = {p.owner: p.target() for p in ATTRS}
     objs.update({"torch.nn:Module": nn.Module, "torch.optim:SGD": torch.optim.SGD, "torch.autograd": torch.autograd,
@@ -35,7 +36,7 @@ def _neighbours():
                  "torch.utils.data.dataloader": dl, "dl:_SingleProcessDataLoaderIter": dl._SingleProcessDataLoaderIter,
                  "dl:_MultiProcessingDataLoaderIter": dl._MultiProcessingDataLoaderIter,
                  "torch.nn.modules.module": nn_module, "torch.optim.optimizer": optim_module,
-                 "torch._C:TensorBase": torch._C.TensorBase, "torchspeed.data.loader:FastLoader": FastLoader})
+                 "torch._C:TensorBase": torch._C.TensorBase, "torchspeed.data:FastLoader": FastLoader})
     return objs
 
 

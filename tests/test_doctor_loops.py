@@ -11,8 +11,8 @@ from helpers import separable_loader, tiny_convnet
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from torchspeed.doctor import instrument
-from torchspeed.doctor.instrument import Recorder
+from torchspeed.doctor import patches
+from torchspeed.doctor.recorder import Recorder
 from torchspeed.doctor.launch import build_payload
 
 
@@ -162,7 +162,7 @@ def test_float_bool_int_of_tensors_are_host_reads(monkeypatch):
             float(loss), int(y[0]), bool(loss > 0), loss.item()
 
     assert _recorded(loop).s["host_syncs"] == 0  # on CPU a read waits for nothing
-    monkeypatch.setattr(instrument, "_waits_for_device", lambda t: True)
+    monkeypatch.setattr(patches, "_waits_for_device", lambda t: True)
     rec = _recorded(loop)
     assert rec.s["host_syncs"] >= 2 * 4  # four reads per step, two steps (torch's own reads may add)
     base = rec.s["host_syncs"]

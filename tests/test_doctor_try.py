@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from torchspeed.doctor import fixes as fx
-from torchspeed.doctor.instrument import Recorder
+from torchspeed.doctor.recorder import Recorder
 from torchspeed.doctor.trying import apply_measured, markdown_tried, note_load, print_tried, step_times, try_fixes
 from torchspeed.measure import OthersLoad
 

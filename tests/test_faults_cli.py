@@ -137,7 +137,7 @@ def test_doctor_timeout_exits_124_with_one_clear_line(tmp_path, capfd):
     captured = capfd.readouterr()
     assert status == 124
     assert "--timeout 1 s" in captured.out
-    assert "Traceback" not in captured.err and "instrument.py" not in captured.err, captured.err
+    assert "Traceback" not in captured.err and "bootstrap.py" not in captured.err, captured.err
     assert json.loads((tmp_path / "rep" / "doctor.json").read_text())["status"] == "timeout"
 
 

@@ -549,7 +549,7 @@ def _peak_bytes(read) -> int:
 
 
 def test_a_store_record_claiming_a_huge_jpeg_is_refused_before_decoding(photo_store, tmp_path):
-    from torchspeed.data.decode import decode_record
+    from torchspeed.data.record import decode_record
     from torchspeed.data.store import HEADER, MAGIC
 
     store = _copy_store(photo_store, tmp_path)
@@ -626,7 +626,7 @@ def _faithful_cases() -> dict[str, tuple[bytes, np.ndarray]]:
 def test_sixteen_bit_alpha_and_palette_images_convert_faithfully_everywhere(tmp_path):
     from PIL import Image
 
-    from torchspeed.data.decode import to_hwc_uint8
+    from torchspeed.data.record import to_hwc_uint8
 
     cases = _faithful_cases()
     root = _folder(tmp_path, {name: data for name, (data, _) in cases.items()})

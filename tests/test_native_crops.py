@@ -97,7 +97,7 @@ def test_the_decoder_decodes_exactly_after_a_native_batch():
 
 
 def _augmented(photo_store, on_error="fail", layout="NCHW"):
-    from torchspeed.data.loader import AugmentedDataset
+    from torchspeed.data.rendering import AugmentedDataset
     from torchspeed.data.store import PackedDataset
 
     return AugmentedDataset(PackedDataset(photo_store), RandomResizedCropFlip(40), "turbojpeg", seed=3,
@@ -149,7 +149,7 @@ def test_a_sample_the_native_call_cannot_render_is_named_or_skipped(photo_store,
 
     failing = _augmented(photo_store)
     failing.source = _Corrupted(failing.source, bad=2)
-    monkeypatch.setattr("torchspeed.data.loader.sample_name", lambda source, index: source.name(index))
+    monkeypatch.setattr("torchspeed.data.rendering.sample_name", lambda source, index: source.name(index))
     with pytest.raises(ValueError, match="cannot decode record 2 of the test store"):
         failing.render_batch(keys, np.zeros(failing.batch_shape(6), np.uint8))
 

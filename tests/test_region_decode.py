@@ -15,8 +15,10 @@ import torch
 from PIL import Image
 
 from torchspeed.data import decode as decode_mod
+from torchspeed.data import decoder_choice
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, needed_size, sample_rng
-from torchspeed.data.decode import Decoder, available_decoders, get_decoder, measure_decoders
+from torchspeed.data.decode import Decoder, available_decoders, get_decoder
+from torchspeed.data.decoder_choice import measure_decoders
 
 pytestmark = pytest.mark.skipif(available_decoders().get("turbojpeg") is not None,
                                 reason="libturbojpeg 3 not available here")
@@ -129,7 +131,7 @@ def _whole_decodes(monkeypatch):
 @pytest.mark.parametrize("transform", [RandomResizedCropFlip(40), RandomResizedCropFlip(64), ResizeCenterCrop(40)])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_loader_batches_equal_those_of_whole_decodes(photo_store, monkeypatch, transform, layout):
-    from torchspeed.data.loader import AugmentedDataset
+    from torchspeed.data.rendering import AugmentedDataset
     from torchspeed.data.store import PackedDataset
 
     _python_path(monkeypatch)
@@ -195,7 +197,7 @@ def test_a_header_over_the_pixel_limit_is_refused_before_decoding():
 def test_decoders_are_timed_on_what_the_loader_asks(monkeypatch, native):
     """With the loader's crops, every CPU decoder is timed rendering them: through the native batch call where
     the decoder has one, else through decode_region with each sample's crop request and the resize."""
-    from torchspeed.data.decode import CropWork
+    from torchspeed.data.decoder_choice import CropWork
 
     samples = [_jpeg(213, 160, 2, seed=s) for s in range(4)]
     transform = RandomResizedCropFlip(64)
@@ -234,18 +236,18 @@ def test_missing_library_names_the_install(monkeypatch):
 
 
 def test_a_decoder_choice_timed_on_a_busy_machine_is_not_remembered(monkeypatch):
-    from torchspeed.data.decode import choose_decoder
+    from torchspeed.data.decoder_choice import choose_decoder
 
     samples = [_jpeg(64, 48, 2, seed=s) for s in range(3)]
     measured = []
-    real = decode_mod.measure_decoders
-    monkeypatch.setattr(decode_mod, "measure_decoders", lambda *a, **k: measured.append(1) or real(*a, **k))
-    monkeypatch.setattr(decode_mod, "busy_warning", lambda others_cores: "the machine was busy: a test says so")
+    real = decoder_choice.measure_decoders
+    monkeypatch.setattr(decoder_choice, "measure_decoders", lambda *a, **k: measured.append(1) or real(*a, **k))
+    monkeypatch.setattr(decoder_choice, "busy_warning", lambda others_cores: "the machine was busy: a test says so")
     _, table = choose_decoder(samples, parts={"data": "busy-test"})
     assert all(r.get("busy_warning") for r in table if r["us_per_image"] is not None)
     choose_decoder(samples, parts={"data": "busy-test"})
     assert len(measured) == 2  # not remembered: measured again
-    monkeypatch.setattr(decode_mod, "busy_warning", lambda others_cores: None)
+    monkeypatch.setattr(decoder_choice, "busy_warning", lambda others_cores: None)
     choose_decoder(samples, parts={"data": "busy-test"})
     choose_decoder(samples, parts={"data": "busy-test"})
     assert len(measured) == 3  # the quiet choice is remembered

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 import torchspeed.measure as measure
 from torchspeed.cli import main
-from torchspeed.data import decode, fast_loader, loader, tune, tune_loader
+from torchspeed.data import decoder_choice, fast_loader, loader, loader_tuning, tune, tune_loader
 from torchspeed.runtime import cache_dir
 
 
@@ -29,13 +29,14 @@ def quiet(monkeypatch):
     """A quiet machine for these tests (other tests load the cores): no wait, nothing called busy."""
     monkeypatch.setattr(tune, "QUIET_WAIT_S", 0.0)
     monkeypatch.setattr(measure, "busy_warning", lambda others_cores: None)
+    monkeypatch.setattr(decoder_choice, "busy_warning", lambda others_cores: None)
 
 
 @pytest.fixture
 def timings(monkeypatch):
     """Counts the loader measurements and the decoder measurements that really ran."""
     calls = {"settings": 0, "decoders": 0}
-    real_settings, real_decoders = loader.measure_settings, decode.measure_decoders
+    real_settings, real_decoders = loader.measure_settings, decoder_choice.measure_decoders
 
     def settings(*a, **k):
         calls["settings"] += 1
@@ -46,7 +47,8 @@ def timings(monkeypatch):
         return real_decoders(*a, **k)
 
     monkeypatch.setattr(loader, "measure_settings", settings)
-    monkeypatch.setattr(decode, "measure_decoders", decoders)
+    monkeypatch.setattr(loader_tuning, "measure_settings", settings)
+    monkeypatch.setattr(decoder_choice, "measure_decoders", decoders)
     return calls
 
 
@@ -56,7 +58,7 @@ def _auto(data, batch_size=4, **kw):
 
 
 def test_fast_loader_recalls_its_settings_and_decoder(photo_store, timings, caplog):
-    caplog.set_level(logging.INFO, logger="torchspeed.data")
+    caplog.set_level(logging.INFO, logger="torchspeed")
     first = _auto(photo_store)
     assert timings == {"settings": 1, "decoders": 1} and first.settings.remembered is None
     caplog.clear()
@@ -88,6 +90,32 @@ def test_refresh_another_key_or_a_damaged_entry_measures_again(photo_store, timi
     assert _auto(photo_store).settings.remembered  # and the damaged entry was replaced by a good one
 
 
+@pytest.mark.parametrize("damage", [[], None, {"decision": []}, {"decision": None}, {"decision": {"decoder": [1]}},
+                                    {"decision": {"decoder": 7}}, {"decision": {"decoder": {"a": 1}, "table": []}},
+                                    {"table": None}, {"table": [1, 2]}, {"table": "fast"}, "deeply nested"])
+def test_a_damaged_decoder_decision_is_measured_again(photo_store, timings, damage):
+    """Issue 37: `[]`, `null`, wrong types or deep nesting in the remembered decoder choice: measured again."""
+    _auto(photo_store)
+    (path,) = glob.glob(os.path.join(cache_dir("decisions", "decoder"), "*.json"))
+    entry = json.load(open(path))
+    if damage == "deeply nested":
+        entry = "[" * 100_000 + "]" * 100_000
+    elif isinstance(damage, dict) and "table" in damage:
+        entry["decision"].update(damage)
+    elif isinstance(damage, dict):
+        entry.update(damage)
+    else:
+        entry = damage
+    with open(path, "w") as f:
+        f.write(entry if isinstance(entry, str) else json.dumps(entry))
+    again = _auto(photo_store)
+    assert timings["decoders"] == 2 and again.decoder_table  # measured again, not raised
+    images, _ = next(iter(again))
+    assert images.shape == (4, 3, 16, 16)
+    _auto(photo_store)
+    assert timings["decoders"] == 2  # and remembered again
+
+
 def test_changed_files_are_other_data(photo_folder, tmp_path, timings):
     import shutil
 
@@ -116,7 +144,7 @@ def test_settings_no_longer_among_the_candidates_are_measured_again(photo_store,
 
 
 def test_a_measurement_on_a_busy_machine_is_not_remembered(photo_store, timings, monkeypatch, caplog):
-    caplog.set_level(logging.DEBUG, logger="torchspeed.data")
+    caplog.set_level(logging.DEBUG, logger="torchspeed")
     monkeypatch.setattr(measure, "busy_warning", lambda others_cores: "the machine was busy: a test says so")
     busy = _auto(photo_store)
     assert busy.settings.busy_warning and "not remembered" in caplog.text

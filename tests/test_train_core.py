@@ -304,15 +304,15 @@ def test_step_clips_the_gradient_norm_before_stepping():
 
 # ------------------------------------------------------------------ a model accelerate() prepared, given to the Trainer
 def test_trainer_takes_a_prepared_model_without_measuring_again(monkeypatch):
-    from torchspeed.train import acceleration
+    from torchspeed.train import acceleration, step_timer
 
     model = tiny_convnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     acc = accelerate(model, opt, example_batch=_first_batch(), loss_fn=nn.functional.cross_entropy,
                      trial_steps=1, untried={"compile": "test budget"})
     timers = []
-    real_init = acceleration._StepTimer.__init__
-    monkeypatch.setattr(acceleration._StepTimer, "__init__",
+    real_init = step_timer.StepTimer.__init__
+    monkeypatch.setattr(step_timer.StepTimer, "__init__",
                         lambda self, *a, **kw: (timers.append(1), real_init(self, *a, **kw))[1])
     m, o = acc
     tr = Trainer(m, o, nn.functional.cross_entropy, progress=False)

@@ -11,6 +11,8 @@ from torch import nn
 
 from torchspeed.train import Trainer, accelerate
 from torchspeed.train import acceleration as A
+from torchspeed.train import strategy, trials
+from torchspeed.train.choices import AccelerateOptions
 
 FIXED = dict(precision="fp32", channels_last=False, compile=False, progress=False)
 
@@ -83,9 +85,9 @@ def test_evaluate_under_fsdp_uses_no_grad_and_training_follows(monkeypatch):
 def test_fsdp_mixed_precision_policy():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    assert A._fsdp_policy("fp32") is None
+    assert strategy.fsdp_policy("fp32") is None
     for p, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        assert A._fsdp_policy(p) == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        assert strategy.fsdp_policy(p) == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def test_fsdp_wrap_all_gathers_in_the_chosen_precision(tmp_path):
@@ -96,7 +98,7 @@ def test_fsdp_wrap_all_gathers_in_the_chosen_precision(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        A._fsdp_wrap(model, "bf16")
+        strategy.fsdp_wrap(model, "bf16")
         out = model(torch.randn(3, 4))
         assert out.dtype == torch.bfloat16  # computed with bf16 parameters
         assert all(p.dtype == torch.float32 for p in model.parameters())  # the sharded master weights stay fp32
@@ -107,7 +109,7 @@ def test_fsdp_wrap_all_gathers_in_the_chosen_precision(tmp_path):
 
 
 class _FakeTimer:
-    """Stands in for _StepTimer on a pretend CUDA device: fixed times per option."""
+    """Stands in for StepTimer on a pretend CUDA device: fixed times per option."""
 
     def __init__(self, times):
         self.times, self.calls = times, []
@@ -126,7 +128,7 @@ class _FakeTimer:
 def pretend_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark
-    monkeypatch.setattr(A, "_SET_HERE", {})
+    monkeypatch.setattr(trials, "_SET_HERE", {})
     yield torch.device("cuda")
     torch.set_float32_matmul_precision(saved[0])
     torch.backends.cudnn.benchmark = saved[1]
@@ -134,8 +136,8 @@ def pretend_cuda(monkeypatch):
 
 def test_tf32_and_cudnn_benchmark_are_measured_and_recorded(pretend_cuda):
     report = A.AccelerateResult(device="cuda:0")
-    A._choose_cuda_flags(tiny_convnet(width=4), _FakeTimer({"False": 1.0, "True": 0.5}), "auto", "auto", report,
-                         pretend_cuda, 0.05)
+    trials._choose_cuda_flags(tiny_convnet(width=4), _FakeTimer({"False": 1.0, "True": 0.5}), AccelerateOptions(),
+                              report, pretend_cuda)
     assert report.tf32 is True and torch.get_float32_matmul_precision() == "high"
     assert report.cudnn_benchmark is True and torch.backends.cudnn.benchmark is True
     rows = {(r.setting, r.value): r.decision for r in report.candidates}
@@ -143,8 +145,8 @@ def test_tf32_and_cudnn_benchmark_are_measured_and_recorded(pretend_cuda):
     assert "tf32=True cudnn_benchmark=True" in str(report)
 
     report = A.AccelerateResult(device="cuda:0")  # within the margin: both off
-    A._choose_cuda_flags(tiny_convnet(width=4), _FakeTimer({"False": 1.0, "True": 0.99}), "auto", "auto", report,
-                         pretend_cuda, 0.05)
+    trials._choose_cuda_flags(tiny_convnet(width=4), _FakeTimer({"False": 1.0, "True": 0.99}), AccelerateOptions(),
+                              report, pretend_cuda)
     assert report.tf32 is False and torch.get_float32_matmul_precision() == "highest"
     assert report.cudnn_benchmark is False and torch.backends.cudnn.benchmark is False
     assert {(r.setting, r.decision) for r in report.candidates} >= {("tf32", "rejected: not 5% faster")}
@@ -154,7 +156,8 @@ def test_a_users_own_settings_are_kept(pretend_cuda):
     torch.set_float32_matmul_precision("high")  # set by the user before accelerate
     report = A.AccelerateResult(device="cuda:0")
     timer = _FakeTimer({"False": 1.0, "True": 0.5})
-    A._choose_cuda_flags(tiny_convnet(width=4), timer, "auto", False, report, pretend_cuda, 0.05)
+    trials._choose_cuda_flags(tiny_convnet(width=4), timer, AccelerateOptions(tf32="auto", cudnn_benchmark=False),
+                              report, pretend_cuda)
     assert report.tf32 is True and torch.get_float32_matmul_precision() == "high"
     assert report.cudnn_benchmark is False and torch.backends.cudnn.benchmark is False
     assert timer.calls == []  # nothing measured: both were the user's
@@ -163,7 +166,8 @@ def test_a_users_own_settings_are_kept(pretend_cuda):
 
     torch.backends.cudnn.benchmark = True  # turned on by the user: kept, not measured
     report = A.AccelerateResult(device="cuda:0")
-    A._choose_cuda_flags(tiny_convnet(width=4), timer, False, "auto", report, pretend_cuda, 0.05)
+    trials._choose_cuda_flags(tiny_convnet(width=4), timer, AccelerateOptions(tf32=False, cudnn_benchmark="auto"),
+                              report, pretend_cuda)
     assert report.cudnn_benchmark is True and torch.backends.cudnn.benchmark is True and timer.calls == []
     assert {r.setting: r.decision for r in report.candidates}["cudnn_benchmark"].startswith("given (turned on")
 
@@ -172,7 +176,7 @@ def test_a_users_own_settings_are_kept(pretend_cuda):
     torch.use_deterministic_algorithms(True)
     try:
         torch.backends.cudnn.benchmark = False
-        A._choose_cuda_flags(tiny_convnet(width=4), timer, "auto", "auto", report, pretend_cuda, 0.05)
+        trials._choose_cuda_flags(tiny_convnet(width=4), timer, AccelerateOptions(), report, pretend_cuda)
     finally:
         torch.use_deterministic_algorithms(False)
     assert report.tf32 is None and report.cudnn_benchmark is None and timer.calls == []

@@ -187,7 +187,8 @@ def test_setup_picks_the_device_from_the_environment(monkeypatch):
 def test_rng_states_of_every_rank_round_trip_through_a_checkpoint(tmp_path):
     from torchspeed.runtime import rng_state, set_rng_state
     from torchspeed.safeload import load_torch_file
-    from torchspeed.train import trainer as trainer_mod
+    from torchspeed.ranks import DistEnv
+    from torchspeed.train.resume import own_rng
 
     torch.manual_seed(1)
     mine = {"rng": rng_state(), "epoch_start_rng": None}
@@ -197,18 +198,19 @@ def test_rng_states_of_every_rank_round_trip_through_a_checkpoint(tmp_path):
     path = tmp_path / "s.pt"
     torch.save({"rng": mine["rng"], "rng_ranks": [mine, other], "epoch_start": {"rng": mine["rng"]}}, path)
     state = load_torch_file(str(path), what="checkpoint")  # weights_only: tensors and plain types
-    own = trainer_mod._own_rng(state, distributed.DistEnv(world_size=2, rank=1, local_rank=1))
+    own = own_rng(state, DistEnv(world_size=2, rank=1, local_rank=1))
     set_rng_state(own["rng"])
     a = torch.rand(3)
     torch.manual_seed(2)
     assert torch.equal(a, torch.rand(3))  # rank 1 continues with rank 1's generators, not rank 0's
     assert torch.equal(own["epoch_start"]["rng"]["torch"], other["epoch_start_rng"]["torch"])
-    assert trainer_mod._own_rng(state, distributed.DistEnv(world_size=3, rank=1, local_rank=1)) is state
+    assert own_rng(state, DistEnv(world_size=3, rank=1, local_rank=1)) is state
 
 
 def test_each_rank_finds_its_generators_in_the_one_copy_a_checkpoint_keeps():
     from torchspeed.runtime import rng_state
-    from torchspeed.train import trainer as trainer_mod
+    from torchspeed.ranks import DistEnv
+    from torchspeed.train.resume import own_rng
 
     torch.manual_seed(1)
     r0 = {"rng": rng_state(), "epoch_start_rng": rng_state()}
@@ -216,11 +218,11 @@ def test_each_rank_finds_its_generators_in_the_one_copy_a_checkpoint_keeps():
     r1 = {"rng": rng_state(), "epoch_start_rng": rng_state()}
     state = {"rng_ranks": [r0, r1], "epoch_start": {"generator": None}}  # as state_dict() writes it now
     assert "rng" not in state
-    own = trainer_mod._own_rng(state, distributed.DistEnv(world_size=2, rank=1, local_rank=1))
+    own = own_rng(state, DistEnv(world_size=2, rank=1, local_rank=1))
     assert torch.equal(own["rng"]["torch"], r1["rng"]["torch"])
     assert torch.equal(own["epoch_start"]["rng"]["torch"], r1["epoch_start_rng"]["torch"])
     assert not torch.equal(r0["rng"]["torch"], r1["rng"]["torch"])
     end = {"rng_ranks": [r0, r1], "epoch_start": None}  # epoch end: any number of ranks takes rank 0's
     for rank in range(3):
-        own = trainer_mod._own_rng(end, distributed.DistEnv(world_size=3, rank=rank, local_rank=rank))
+        own = own_rng(end, DistEnv(world_size=3, rank=rank, local_rank=rank))
         assert torch.equal(own["rng"]["torch"], r0["rng"]["torch"]) and own["epoch_start"] is None

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchspeed.train import distributed
+from torchspeed.train import data_order, distributed
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "elastic_train.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo, whatever the machine
@@ -223,12 +223,12 @@ def test_the_rest_of_an_epoch_is_split_so_each_unread_sample_is_read_once(n, k, 
         s.set_epoch(2)
         read |= set(list(s)[:batches * 2])
         in_epoch |= set(s)
-    shares = [distributed.remaining_share(order, k * batches * 2, m, r) for r in range(m)]
+    shares = [data_order.remaining_share(order, k * batches * 2, m, r) for r in range(m)]
     assert len({len(p) for p in shares}) == 1  # as many samples on every rank: none waits at the epoch's end
     together = [i for p in shares for i in p]
     assert set(together) == in_epoch - read  # every unread sample, none read before
     assert len(together) - len(set(together)) < m  # at most the padding is read twice
-    assert distributed.remaining_share(order, n, m, 0) == []
+    assert data_order.remaining_share(order, n, m, 0) == []
 
 
 # ------------------------------------------------------------------ the store exchange, the timeout

@@ -6,7 +6,6 @@ every rank's. Also: the fp16 step guard is removed when its preparation is let g
 model keeps len() and iteration. Fake loaders: each batch waits as long as its counts say."""
 import logging
 import time
-import weakref
 
 import pytest
 import torch
@@ -57,6 +56,12 @@ class FakeLoader:
         for i in range(start, self.batches):
             time.sleep(self.delays[(self.num_workers, self.threads)])
             yield self.x[4 * i:4 * i + 4], self.y[4 * i:4 * i + 4]
+
+    def identity(self):
+        return {"batches": self.batches}
+
+    def set_epoch(self, epoch):
+        pass
 
     def state_dict(self):
         return {"batches_done": self.done}
@@ -206,17 +211,17 @@ def test_the_trainer_keeps_counts_the_user_fixed(quiet):
 def test_under_torchrun_rank_0s_setting_and_choice_are_every_ranks(quiet, monkeypatch):
     """Rank 1 of two (the collectives faked): its candidates are rank 0's alone setting's, it times them
     (a DDP step needs every rank), takes rank 0's choice over its own and remembers nothing."""
-    from torchspeed.train import distributed
+    from torchspeed import ranks
 
     sent = []
-    answers = iter([[0, 2], [0, 0, 1], [1]])  # rank 0's alone setting; not remembered there; its choice: index 1
+    answers = iter([[0, 2], [1]])  # rank 0's alone setting; its choice: index 1 (it remembered nothing)
 
     def broadcast(values, src=0):
         sent.append(list(values))
         return next(answers)
 
-    monkeypatch.setattr(distributed, "env", lambda: distributed.DistEnv(2, 1, 1))
-    monkeypatch.setattr(distributed, "broadcast_ints", broadcast)
+    monkeypatch.setattr(ranks, "env", lambda: ranks.DistEnv(2, 1, 1))
+    monkeypatch.setattr(ranks, "broadcast_ints", broadcast)
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = FakeLoader(threads=4, delays={**SLOW_WHEN_PARALLEL, (0, 4): 0.05})  # this rank measured 4 threads
@@ -229,7 +234,7 @@ def test_under_torchrun_rank_0s_setting_and_choice_are_every_ranks(quiet, monkey
     assert sent[0] == [0, 4] and result.alone == (0, 2)
     assert [r.setting for r in result.table] == ["num_workers=0, threads=1", "num_workers=0, threads=2"]
     assert (picked.num_workers, picked.threads) == (0, 2)  # rank 0's, though (0, 1) was faster here
-    assert sent[2] == [0]  # this rank's own finding, sent to be overruled
+    assert sent[1] == [0]  # this rank's own finding, sent to be overruled
     assert not remembered.recall(loader_choice.KIND, {"model": "m", "alone": [0, 2],
                                                        "data": loader_choice.data_identity(loader)})
 
@@ -237,7 +242,7 @@ def test_under_torchrun_rank_0s_setting_and_choice_are_every_ranks(quiet, monkey
 def test_the_fp16_step_guard_goes_with_its_preparation():
     """Under fp16 a plain optimizer.step() is refused while the preparation holds the optimizer; once it is
     forgotten (or the guard released) the optimizer steps plainly again."""
-    from torchspeed.train import acceleration
+    from torchspeed.train import prepared
 
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -247,9 +252,8 @@ def test_the_fp16_step_guard_goes_with_its_preparation():
         opt.step()
     release_step_guard(opt)
     opt.step()
-    acceleration._guard_scaled_steps(opt)  # guarded again, as acc.step does; and held as accelerate() holds it
-    acceleration._PREPARED[model] = acceleration._Prepared(acc.report, acc.device, acc.scaler, weakref.ref(model),
-                                                           weakref.ref(opt))
+    prepared._StepGuard.on(opt)  # guarded again, as acc.step does; and held as accelerate() holds it
+    acc.hold()
     with pytest.raises(RuntimeError, match="outside acc.step"):
         opt.step()
     forget_prepared(model)

@@ -1,10 +1,9 @@
 """Time budgets: each suite gets seconds, not step counts, and fits its measurement windows into them.
 
-A step count that is right on one machine is minutes too long on a slower one (a ResNet-18 training
-step at batch 64 takes 1.5 s on one 2-core machine and 5-10 s on another), so the quick report sizes
-its windows by measured time: a contender's first call is timed, and the repeats that fit its window
-are taken (never fewer than `min_repeats`, so a median exists). `torchspeed bench --quick` is meant
-to finish within 8 minutes in all: QUICK_S sums to that, less the processes' start-up.
+A step count right on one machine is minutes too long on a slower one (a ResNet-18 training step at
+batch 64 takes 1.5 s on one 2-core machine, 5-10 s on another), so windows are sized by measured time:
+a contender's first call is timed, and the repeats that fit its window are taken (at least
+`min_repeats`, so a median exists). QUICK_S sums to the 8 minutes `torchspeed bench --quick` may take.
 """
 from __future__ import annotations
 

@@ -2,23 +2,18 @@
 row can say how close it comes ("% of ceiling") instead of only how much faster than plain PyTorch.
 
 Measured (all cores, the torch thread count the suites use):
-- `fp32`, `bf16`: dense matrix-multiply GFLOP/s, the fastest of torch.mm, the same GEMM as a 1x1
-  convolution in channels_last (oneDNN's kernels) and, for fp32, ONNX Runtime's MatMul (square sizes
-  grown until a call lasts long enough to time, up to 2048);
-- `int8`: GOP/s of an int8 matrix multiply through the fastest route found here (`torch._int_mm`,
-  ONNX Runtime's MatMulInteger and QLinearMatMul, OpenVINO's quantized MatMul); every route's figure is kept;
+- `fp32`, `bf16`: dense GEMM GFLOP/s, the fastest of torch.mm, a 1x1 channels_last convolution (oneDNN)
+  and, for fp32, ONNX Runtime's MatMul (square sizes grown until a call lasts long enough, up to 2048);
+- `int8`: GOP/s of an int8 GEMM through the fastest route found here (`INT8_ROUTES`; every route kept);
 - `mem_bw`: GB/s of a large tensor copy (bytes read + written);
-- `decode_per_core` / `decode`: JPEG decodes per second of photos at the store's size (short side
-  160) by the fastest CPU decoder on one thread, and that times the cores (the decode-only ceiling
-  of a data loader on this machine);
-- on a GPU also `gpu_fp32`, `gpu_tf32`, `gpu_fp16`, `gpu_bf16` (GEMM GFLOP/s, tensor cores for the
-  last three), `gpu_mem_bw` (device memory GB/s of a large copy), `h2d` (pinned host-to-device GB/s)
-  and `nvjpeg` (batched GPU decodes per second, nvjpeg alone). A row measured on a GPU is judged
-  against these (`GPU_CEILING`), never against the CPU's: one without a GPU ceiling says so.
+- `decode_per_core` / `decode`: JPEG decodes per second of photos at the store's size by the fastest
+  CPU decoder on one thread, and that times the cores (a data loader's decode-only ceiling);
+- on a GPU also GEMM per precision, device memory and pinned host-to-device GB/s and nvjpeg batch
+  decodes (`gpu_ceilings`). A row measured on a GPU is judged against these (`GPU_CEILING`), never
+  against the CPU's: one without a GPU ceiling says so.
 
-A ceiling is an upper bound, so a new measurement on the same machine keeps the best of it and the
-cached one; the cache key is the machine's description (CPU, cores, ISA, GPUs, torch), stored with it
-under `torchspeed.runtime.cache_dir("ceilings")`. Every timing goes through `torchspeed.measure`.
+A ceiling is an upper bound, so a new measurement keeps the best of it and the cached one, cached per
+machine description (CPU, cores, ISA, GPUs, torch). Every timing goes through `torchspeed.measure`.
 """
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchspeed.bench.rows import Row
-from torchspeed.runtime import machine_key
+from torchspeed.runtime import machine_key, precision_dtype
 
 TITLE = "Ceilings: what this machine's cores reach at best"
 VERSION = 1
@@ -110,17 +105,22 @@ def _grow(make: Callable[[int], Callable[[], Any]], start: int = 256, stop: int 
         n *= 2
 
 
-def _ort_cpu(graph: Any) -> Any:
-    """An ONNX Runtime CPU session of a one-node graph, on every usable core."""
+def _ort_cpu(node: Any, a: Any, y_type: int, consts: list[Any]) -> Callable[[], Any]:
+    """A one-node graph (`node` on the array `a`, input "a", and the initializers `consts`) in an ONNX Runtime
+    CPU session on every usable core, called on `a`."""
     import onnxruntime as ort
     from onnx import helper
 
     from torchspeed.runtime import usable_cores
 
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph([node], "gemm", [value("a", helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))],
+                              [value("y", y_type, list(a.shape))], consts)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = usable_cores()
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return lambda: sess.run(None, {"a": a})
 
 
 def _fp32_onnxruntime(n: int) -> Callable[[], Any]:
@@ -129,21 +129,16 @@ def _fp32_onnxruntime(n: int) -> Callable[[], Any]:
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["a", "w"], ["y"])], "fp32_gemm",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])],
-        [numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32), "w")])
-    sess = _ort_cpu(graph)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    return lambda: sess.run(None, {"a": a})
+    w = numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32), "w")
+    return _ort_cpu(helper.make_node("MatMul", ["a", "w"], ["y"]), rng.standard_normal((n, n), dtype=np.float32),
+                    TensorProto.FLOAT, [w])
 
 
 def _torch_mm(dtype_name: str) -> Callable[[int], Callable[[], Any]]:
     def make(n: int) -> Callable[[], Any]:
         import torch
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        dtype = precision_dtype(dtype_name)
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         return lambda: torch.mm(a, b)
     return make
@@ -155,7 +150,7 @@ def _torch_conv1x1(dtype_name: str) -> Callable[[int], Callable[[], Any]]:
     def make(n: int) -> Callable[[], Any]:
         import torch
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        dtype = precision_dtype(dtype_name)
         hw = max(1, n // 32)
         x = torch.randn(1, n, 32, hw).to(dtype).contiguous(memory_format=torch.channels_last)
         conv = torch.nn.Conv2d(n, n, 1, bias=False).to(dtype).to(memory_format=torch.channels_last).eval()
@@ -205,13 +200,9 @@ def _int8_onnxruntime(n: int) -> Callable[[], Any]:
     from onnx import TensorProto, helper, numpy_helper
 
     w = np.random.default_rng(0).integers(-128, 127, (n, n), dtype=np.int8)
-    graph = helper.make_graph(
-        [helper.make_node("MatMulInteger", ["a", "w"], ["y"])], "int8_gemm",
-        [helper.make_tensor_value_info("a", TensorProto.UINT8, [n, n])],
-        [helper.make_tensor_value_info("y", TensorProto.INT32, [n, n])], [numpy_helper.from_array(w, "w")])
-    sess = _ort_cpu(graph)
-    a = np.random.default_rng(1).integers(0, 255, (n, n), dtype=np.uint8)
-    return lambda: sess.run(None, {"a": a})
+    return _ort_cpu(helper.make_node("MatMulInteger", ["a", "w"], ["y"]),
+                    np.random.default_rng(1).integers(0, 255, (n, n), dtype=np.uint8), TensorProto.INT32,
+                    [numpy_helper.from_array(w, "w")])
 
 
 def _int8_onnxruntime_qlinear(n: int) -> Callable[[], Any]:
@@ -226,11 +217,7 @@ def _int8_onnxruntime_qlinear(n: int) -> Callable[[], Any]:
             ("w_zero", 0, np.int8), ("y_scale", 1.0, np.float32), ("y_zero", 128, np.uint8))]
     node = helper.make_node("QLinearMatMul", ["a", "a_scale", "a_zero", "w", "w_scale", "w_zero", "y_scale", "y_zero"],
                             ["y"])
-    graph = helper.make_graph([node], "int8_gemm", [helper.make_tensor_value_info("a", TensorProto.UINT8, [n, n])],
-                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [n, n])], consts)
-    sess = _ort_cpu(graph)
-    a = rng.integers(0, 255, (n, n), dtype=np.uint8)
-    return lambda: sess.run(None, {"a": a})
+    return _ort_cpu(node, rng.integers(0, 255, (n, n), dtype=np.uint8), TensorProto.UINT8, consts)
 
 
 def _int8_openvino(n: int, conv: bool = False) -> Callable[[], Any]:
@@ -425,23 +412,17 @@ def run(quick: bool, progress: Callable[[str], Any] | bool = False) -> dict[str,
 
 # ---------------------------------------------------------------- rows against their ceiling
 
-def rate_of(row: Row) -> float | None:
-    """Items per second of a row: its median for a "<unit>/s" row, batch / latency for an "ms" row."""
-    m = row.median
+def achieved(row: Row) -> float | None:
+    """What a row achieves in its ceiling's unit: G(FL)OP/s when it counts work per item, else items/s
+    (its median for a "<unit>/s" row, batch / latency for an "ms" row)."""
+    m, unit = row.median, str(row.unit)
     if not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
         return None
-    unit = str(row.unit)
     if unit.endswith("/s"):
-        return float(m)
-    if unit == "ms" and isinstance(row.batch, (int, float)):
-        return row.batch * 1e3 / m
-    return None
-
-
-def achieved(row: Row) -> float | None:
-    """What a row achieves in its ceiling's unit: G(FL)OP/s when it counts work per item, else items/s."""
-    rate = rate_of(row)
-    if rate is None:
+        rate = float(m)
+    elif unit == "ms" and isinstance(row.batch, (int, float)):
+        rate = row.batch * 1e3 / m
+    else:
         return None
     per_item = row.flops_per_item
     return rate * per_item / 1e9 if isinstance(per_item, (int, float)) else rate

@@ -1,11 +1,10 @@
 """The orchestration of `torchspeed bench`: run the suites, keep going when one fails, collect their
 JSON under the suite names, and write the report.
 
-Each suite runs in its own Python process, so a native crash in one suite (a segfault in a runtime)
-is reported as that suite's failure while the others still run and the report is still written, and
-one suite's runtime thread pools cannot share the cores with the next suite's timings. The parent
-writes `results.json` after every suite and renders the report from it; `render_report(DIR)`
-(`torchspeed bench --report-only DIR`) renders it again from `DIR/results.json`.
+Each suite runs in its own Python process, so a native crash in one suite is reported as that suite's
+failure while the others still run, and one suite's runtime thread pools cannot share the cores with
+the next suite's timings. The parent writes `results.json` after every suite and renders the report
+from it, as `render_report(DIR)` (`torchspeed bench --report-only DIR`) does again.
 """
 from __future__ import annotations
 
@@ -41,14 +40,11 @@ _MARK = "\x1etorchspeed-bench-progress:"  # a progress line on the child's stdou
 def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed-report",
                json_path: str | None = None, console: Console | None = None,
                command: str = "torchspeed bench", refresh_ceilings: bool = False) -> dict[str, Any]:
-    """Run each suite in turn, each in its own process; a failing (or crashing) suite is recorded with
-    its error and the others still run.
-
-    Writes `results.json` (after each suite, and `--json PATH` at the end), `report.md` and the plots
-    into `out`. A suite given as an object that is not an importable module runs in this process.
-    The machine's ceilings are measured first when the suites judged against them run: read from the
-    cache in quick mode unless `refresh_ceilings`, measured again (keeping the best) otherwise.
-    """
+    """Run each suite in turn, each in its own process (a suite given as an object that is not a module runs
+    in this one); a failing or crashing suite is recorded with its error and the others still run. Writes
+    `results.json` (after each suite; `json_path` at the end), `report.md` and the plots into `out`. The
+    ceilings come first when suites judged against them run: from the cache in quick mode unless
+    `refresh_ceilings`, measured again (keeping the best) otherwise."""
     from torchspeed.runtime import describe, describe_line
 
     console = console or Console()
@@ -142,13 +138,10 @@ def _death(status: int) -> str:
 
 
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONFAULTHANDLER"] = "1"  # a native crash in the child prints where it happened
-    env["PYTHONUNBUFFERED"] = "1"
     # torch.profiler's Kineto logs every start/stop (and, on a CUDA build without a GPU, an ERROR line) to
-    # the console; the report has its own progress lines. A user's own setting wins.
-    env.setdefault("KINETO_LOG_LEVEL", "6")  # above USDT (5): Kineto prints nothing
-    return env
+    # the console; the report has its own progress lines. Level 6, above USDT (5): Kineto prints nothing; a
+    # user's own setting wins. PYTHONFAULTHANDLER: a native crash in the child prints where it happened.
+    return {"KINETO_LOG_LEVEL": "6", **os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def hang_timeout(budget_s: float) -> float:
@@ -159,13 +152,10 @@ def hang_timeout(budget_s: float) -> float:
 
 def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[str], None], console: Console,
                  title: str = "", timeout_s: float | None = None) -> tuple[dict[str, Any], str]:
-    """Run the suite module `module_name` in a fresh Python process: (its JSON, its title).
-
-    The child's progress lines drive `progress`; its other output is passed on; a child that dies
-    (a signal, an exit without a report) gives a result with "error" saying how it died; one still
-    running after `timeout_s` (hung: e.g. a deadlocked worker process) is killed, with its process group,
-    and reported as such.
-    """
+    """Run the suite module `module_name` in a fresh Python process: (its JSON, its title). Its progress
+    lines drive `progress`, its other output is passed on; a child that dies (a signal, an exit without a
+    report) gives a result whose "error" says how; one still running after `timeout_s` (hung: e.g. a
+    deadlocked worker process) is killed with its process group and reported as such."""
     import threading
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -238,13 +228,11 @@ def _interrupt(proc: subprocess.Popen) -> None:
 
 def _child_result(result_path: str, status: int, title: str) -> tuple[dict[str, Any], str]:
     """What the child wrote (its JSON and title), or an error saying how it died without writing it."""
-    payload = None
-    if os.path.exists(result_path):
-        try:
-            with open(result_path, encoding="utf-8") as f:
-                payload = json.load(f)
-        except ValueError:
-            payload = None
+    try:
+        with open(result_path, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (FileNotFoundError, ValueError):
+        payload = None
     if not isinstance(payload, dict) or not isinstance(payload.get("result"), dict):
         return {"error": _death(status)}, title
     result = payload["result"]

@@ -1,19 +1,20 @@
 """Peers measured in the same run: what a user would pick instead of torchspeed, set up by hand the way
 each project recommends (optional extra `peers`: nvidia-dali-cuda120, litdata).
 
-Data: NVIDIA DALI (its CPU pipeline without a GPU, `device_id=None`, decoding with
-`fn.decoders.image_random_crop(device="cpu")`; its GPU pipeline with "mixed" decoding on a GPU) and
-Lightning's LitData (an offline `litdata.optimize` of the same photos, then `StreamingDataLoader`),
-both on the same pre-resized photos as torchspeed's store and yielding the same batches (RandomResizedCrop
-128 + flip, float32 NCHW normalised, int64 labels). Each is run at its best thread/worker count
-(measured). Infer: OpenVINO with its own recommended setting (`PERFORMANCE_HINT: LATENCY`, its default
-precision) and ONNX Runtime with default session options, on the same ONNX model.
-
-A peer whose library is missing is a row with no figure and a note saying what installs it.
+Data: NVIDIA DALI (its CPU pipeline, `device_id=None`; its GPU pipeline with "mixed" decoding on a GPU)
+and LitData (`litdata.optimize` of the photos, then `StreamingDataLoader`), both on torchspeed's
+pre-resized photos, yielding the same batches, each at its best thread/worker count (measured). Infer:
+OpenVINO with its recommended `PERFORMANCE_HINT: LATENCY` and default precision, and ONNX Runtime
+with default session options, on the same ONNX model. A peer whose library is missing is a row with
+no figure and a note saying what installs it.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -91,8 +92,6 @@ class DaliLoader:
 
 def litdata_dir(folder: str, out: str) -> str:
     """The photos of `folder` (an ImageFolder) written once by `litdata.optimize` (JPEG bytes kept as they are)."""
-    import shutil
-
     ld = require("litdata", "litdata")
     from torchspeed.images import scan_folder
 
@@ -103,8 +102,6 @@ def litdata_dir(folder: str, out: str) -> str:
     # it writes into a visible one, renamed into place when whole
     tmp = f"{out}-partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    import multiprocessing
-
     method = multiprocessing.get_start_method()
     try:
         with _output_kept_aside():
@@ -122,9 +119,6 @@ class _output_kept_aside:
     console. On an error they are written out after all, since there they may say why."""
 
     def __enter__(self) -> None:
-        import sys
-        import tempfile
-
         sys.stdout.flush()
         sys.stderr.flush()
         self.file = tempfile.TemporaryFile()
@@ -133,8 +127,6 @@ class _output_kept_aside:
             os.dup2(self.file.fileno(), fd)
 
     def __exit__(self, kind: Any, *rest: Any) -> None:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         for fd, saved in zip((1, 2), self.saved):

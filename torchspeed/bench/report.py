@@ -26,6 +26,10 @@ WHAT = {
 }
 
 
+def _times(ratio: float | None) -> str:
+    return f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else ""
+
+
 def _spread(row: Row) -> str:
     lo, hi = row.min, row.max
     if lo is None or hi is None:
@@ -61,17 +65,8 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str,
             out.append((name, "failed", first[:120], "", "", ""))
             continue
         row = headline(result)
-        if row is None:
-            continue
-        ratio = row.speedup
-        out.append((
-            name,
-            row.technique,
-            _median(row),
-            f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else "",
-            _accuracy(row),
-            ceiling_cell(row),
-        ))
+        if row is not None:
+            out.append((name, row.technique, _median(row), _times(row.speedup), _accuracy(row), ceiling_cell(row)))
     return out
 
 
@@ -130,19 +125,8 @@ def suite_table(result: dict[str, Any]) -> str:
     table = rows_of(result)
     cells = [ceiling_cell(r) for r in table]
     with_ceiling = any(cells)
-    rows = [
-        (
-            r.technique,
-            _median(r),
-            "" if r.is_accuracy else _spread(r),
-            f"{r.ratio:.2f}x" if isinstance(r.ratio, (int, float)) else "",
-            f"{r.cumulative:.2f}x" if isinstance(r.cumulative, (int, float)) else "",
-            _accuracy(r),
-            *((cell,) if with_ceiling else ()),
-            _what(r),
-        )
-        for r, cell in zip(table, cells)
-    ]
+    rows = [(r.technique, _median(r), "" if r.is_accuracy else _spread(r), _times(r.ratio), _times(r.cumulative),
+             _accuracy(r), *((cell,) if with_ceiling else ()), _what(r)) for r, cell in zip(table, cells)]
     columns = ["technique", "median", "spread (min-max)", "vs plain PyTorch", "cumulative", "accuracy",
                *(("achieved of this machine's ceiling",) if with_ceiling else ()), "what this is"]
     return _with_note(_md_table(columns, rows), cells)
@@ -415,15 +399,9 @@ def write_report(results: dict[str, Any], out: str, command: str = "torchspeed b
     """Write report.md and the plots into `out`; returns the path of report.md."""
     from torchspeed.runtime import describe_line
 
-    parts = [
-        "# torchspeed report",
-        "",
-        f"Machine: {describe_line(results['machine'])}",
-        "",
-        f"Command: `{command}`" + (" (quick mode: short runs, wider spread)" if results.get("quick") else ""),
-        "",
-        *summary_section(results),
-    ]
+    parts = ["# torchspeed report", "", f"Machine: {describe_line(results['machine'])}", "",
+             f"Command: `{command}`" + (" (quick mode: short runs, wider spread)" if results.get("quick") else ""), "",
+             *summary_section(results)]
     if isinstance(results.get("ceilings"), dict):
         parts += [""] + ceilings_section(results["ceilings"])
     limits = limits_section(results)

@@ -1,10 +1,9 @@
 """The lines of the report's tables: one typed row per technique a suite measured (or did not run).
 
-A suite builds its rows as `Row` objects and returns them as JSON (`to_dict`); the orchestrator adds
-each row's `achieved` and `pct_of_ceiling`, and the report reads them back with `Row.from_dict`, so a
-`results.json` written by an earlier version renders too. The first nine columns are always written;
-the others only when the row has them (`None`: the row has no such column), except the columns a
-row type names in `ALWAYS`, which it writes measured or not.
+A suite returns its `Row`s as JSON (`to_dict`); the orchestrator adds `achieved` and `pct_of_ceiling`,
+and the report reads them back with `Row.from_dict`, so a `results.json` of an earlier version renders
+too. The first nine columns (`CORE`) are always written, the others only when the row has them (`None`:
+no such column), except those a row type names in `ALWAYS`, written measured or not.
 """
 from __future__ import annotations
 

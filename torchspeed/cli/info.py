@@ -8,21 +8,11 @@ from torchspeed.cli import add_json_option
 
 # (what it is for, distribution names to look for): versions come from package metadata, nothing is imported
 LIBRARIES = (
-    ("torchvision", ("torchvision",)),
-    ("numpy", ("numpy",)),
-    ("pillow", ("pillow",)),
-    ("lmdb", ("lmdb",)),
-    ("simplejpeg", ("simplejpeg",)),
-    ("opencv", ("opencv-python-headless", "opencv-python")),
-    ("onnx", ("onnx",)),
-    ("onnxruntime", ("onnxruntime", "onnxruntime-gpu")),
-    ("openvino", ("openvino",)),
-    ("nncf", ("nncf",)),
-    ("torchao", ("torchao",)),
-    ("torch-pruning", ("torch-pruning",)),
-    ("timm", ("timm",)),
-    ("matplotlib", ("matplotlib",)),
-    ("rich", ("rich",)),
+    ("torchvision", ("torchvision",)), ("numpy", ("numpy",)), ("pillow", ("pillow",)), ("lmdb", ("lmdb",)),
+    ("simplejpeg", ("simplejpeg",)), ("opencv", ("opencv-python-headless", "opencv-python")), ("onnx", ("onnx",)),
+    ("onnxruntime", ("onnxruntime", "onnxruntime-gpu")), ("openvino", ("openvino",)), ("nncf", ("nncf",)),
+    ("torchao", ("torchao",)), ("torch-pruning", ("torch-pruning",)), ("timm", ("timm",)),
+    ("matplotlib", ("matplotlib",)), ("rich", ("rich",)),
 )
 
 

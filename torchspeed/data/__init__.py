@@ -8,9 +8,11 @@ from torchspeed._lazy import lazy_getattr
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name loads on first use
-    from torchspeed.data.decode import available_decoders, measure_decoders
+    from torchspeed.data.decode import available_decoders
+    from torchspeed.data.decoder_choice import measure_decoders
     from torchspeed.data.demo import demo_folder, make_photo_folder
-    from torchspeed.data.loader import FastLoader, LoaderOptions, fast_loader, tune_loader
+    from torchspeed.data.loader import FastLoader, LoaderOptions, fast_loader
+    from torchspeed.data.loader_tuning import tune_loader
     from torchspeed.data.packer import PackResult, pack
     from torchspeed.data.shards import TarShards
     from torchspeed.data.prefetch import DevicePrefetcher, normalize_batch
@@ -28,14 +30,14 @@ _EXPORTS = {
     "TarShards": "shards",
     "fast_loader": "loader",
     "LoaderOptions": "loader",
-    "FastLoader": "loader",
-    "tune_loader": "loader",
+    "FastLoader": "fastloader",
+    "tune_loader": "loader_tuning",
     "TuneResult": "tune",
     "LoaderRow": "tune",
     "DevicePrefetcher": "prefetch",
     "normalize_batch": "prefetch",
     "available_decoders": "decode",
-    "measure_decoders": "decode",
+    "measure_decoders": "decoder_choice",
     "train_val_split": "sources",
     "evenly_spread": "sources",
 }

@@ -8,24 +8,21 @@ the labels are one integer column read once, so the count and the labels are kno
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from torchspeed.data.decode import Record, encoded_record
+from torchspeed.data.record import Record, encoded_record
+from torchspeed.optional import optional
 
 __all__ = ["ArrowImages", "pyarrow_module", "binary_views", "file_identity", "label_values"]
 
 
 def pyarrow_module() -> Any:
-    try:
-        import pyarrow
-    except ImportError:
-        raise ImportError("reading Hugging Face datasets and LitData chunks needs pyarrow: pip install "
-                          "'torchspeed[hf]'") from None
-    return pyarrow
+    return optional("pyarrow", "hf", "reading Hugging Face datasets and LitData chunks")
 
 
 def binary_views(column: Any) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None, list | None]]:
@@ -131,12 +128,7 @@ class ArrowImages:
 
 def file_identity(paths: Sequence[str]) -> str:
     """Files known by path, size and modification time (a rewritten file changes it), as a short hash."""
-    import hashlib
-
-    stats = []
-    for p in paths:
-        st = os.stat(p)
-        stats.append((os.path.abspath(p), st.st_size, st.st_mtime_ns))
+    stats = [(os.path.abspath(p), (st := os.stat(p)).st_size, st.st_mtime_ns) for p in paths]
     return hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
 
 

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch.nn.functional as F
 
 from torchspeed.data.libturbojpeg import dct_factor
+from torchspeed.optional import optional
 
 __all__ = ["Box", "RandomResizedCropFlip", "ResizeCenterCrop", "SampleRandom", "sample_rng", "sample_draws", "needed_size",
            "render", "render_tensor"]
@@ -177,10 +179,8 @@ class ResizeCenterCrop:
 
 
 def needed_size(height: int, width: int, box: Box, size: int) -> tuple[int, int]:
-    """(min_h, min_w) for a decoder: the smallest DCT-scaled image (libjpeg-turbo's 1/2, 1/4, 1/8; powers of
-    two only, see `decode.dct_factor`) on which `box` still covers `size` x `size` output pixels; (0, 0)
-    for full size. libjpeg-turbo's 7/8..3/8 scaled IDCTs have no SIMD code: a 7/8 decode measured 1.7x the
-    time of a full one (docs/data.md)."""
+    """(min_h, min_w) for a decoder: the smallest DCT-scaled image (1/2, 1/4, 1/8: powers of two only, see
+    `libturbojpeg.dct_factor`) on which `box` still covers `size` x `size` output pixels; (0, 0) for full size."""
     s = dct_factor(height, width, math.ceil(height * size / box.height), math.ceil(width * size / box.width))
     return (-(-height // s), -(-width // s)) if s > 1 else (0, 0)
 
@@ -191,14 +191,12 @@ def render(img: np.ndarray, box: Box, out: np.ndarray, tmp: np.ndarray | None = 
     """Resize `img`'s box region to the output size, flip it if asked, and write it into `out`.
 
     `out` is a slot of the uint8 batch: CHW if `chw` (for an NCHW batch: the transposition costs ~8 us here,
-    per sample in cache, versus a strided pass over the whole float batch later) or HWC (for a
-    channels_last batch, written directly, `chw=False`). `tmp` is an HWC scratch buffer of the output size.
-    `scale_h`, `scale_w` map stored coordinates to the decoded image when it was decoded smaller (DCT
-    scaling); when only part of it was decoded (a decoder's `decode_region`), `img` is that part, its
-    first pixel at `origin` of the whole decoded image, whose size is `full`.
+    per sample in cache, versus a strided pass over the whole float batch later), else HWC (channels_last,
+    written directly). `tmp`: an HWC scratch buffer of the output size. `scale_h`, `scale_w` map stored
+    coordinates to the decoded image (DCT-scaled); when only part of it was decoded (`decode_region`),
+    `img` is that part, its first pixel at `origin` of the whole decoded image, whose size is `full`.
     """
-    import cv2
-
+    cv2 = optional("cv2", "data", "resizing crops in Python (OpenCV)")
     c, oh, ow = out.shape if chw else (out.shape[2], out.shape[0], out.shape[1])
     if not chw:
         tmp = out
@@ -230,8 +228,6 @@ def render_tensor(img: Any, box: Box, out: Any, chw: bool = True) -> None:
     where `render` uses INTER_AREA: nvjpeg decodes at full size, so larger shrinks are common), flipped
     if asked and written into `out` (a CHW slot of the uint8 batch, or HWC with `chw=False`).
     """
-    import torch.nn.functional as F
-
     oh, ow = (out.shape[1], out.shape[2]) if chw else (out.shape[0], out.shape[1])
     t, l = box.top, box.left
     h = max(1, min(img.shape[1] - t, box.height))

@@ -1,19 +1,11 @@
-"""JPEG decoders, and a one-off measurement that picks the fastest on this machine.
+"""JPEG decoders: JPEG bytes to RGB HWC uint8 pixels, DCT-downscaled when asked for at least (min_h,
+min_w) (libjpeg decodes at 1/2, 1/4 or 1/8 size, a fraction of the cost of a full decode). Workers get
+the decoder by name (one instance per process), so all of them decode to the same pixels.
 
-Every decoder decodes to an RGB HWC uint8 array and can use DCT-domain downscaling: asked for an
-image of at least (min_h, min_w), libjpeg skips the high-frequency coefficients and decodes at 1/2,
-1/4 or 1/8 size, which costs a fraction of a full decode followed by a resize. The choice is made
-once, in the parent process, and passed to the workers by name, so every worker decodes to the
-same pixels (decoders differ in IDCT and chroma upsampling, hence in the last bit).
-
-Decoders: simplejpeg (libjpeg-turbo, accurate and fast-DCT variants), turbojpeg (libjpeg-turbo 3 through
-data/libturbojpeg.py, fast DCT with smooth upsampling; its `decode_region` decodes only the part of the
-image a crop needs), OpenCV, PIL, torchvision.io on the CPU, and nvjpeg
-(`decode_jpeg(device="cuda")`, batched) where CUDA exists: a candidate only for a loader on a CUDA
-device, timed decoding a whole batch there against the CPU decoders on as many threads as the loader
-would give them; one image it cannot read (or whose data ends before its EOI marker) is decoded on the
-CPU instead (see `decode_jpeg_batch_cuda`). Decoding threads work on CUDA streams of their own
-(`decoding_stream`), not on the default stream the training step uses.
+On the CPU: simplejpeg (accurate and fast-DCT variants), turbojpeg (data/libturbojpeg.py; its
+`decode_region` decodes only the part a crop needs), OpenCV, PIL, torchvision.io. On a CUDA device:
+nvjpeg, batched, an image it cannot read decoded on the CPU instead (`decode_jpeg_batch_cuda`), on the
+decoding thread's own stream (`decoding_stream`). Which is fastest here: data/decoder_choice.py.
 """
 from __future__ import annotations
 
@@ -21,39 +13,24 @@ import contextlib
 import io
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+import torch
+from PIL import Image
 
-from torchspeed import remembered
-from torchspeed.args import as_list, progress_fn
-from torchspeed.images import check_image_size, image_size_error, open_image, rgb_image
-from torchspeed.data.augment import needed_size, render
+from torchspeed.images import image_size_error, rgb_image
 from torchspeed.data.libturbojpeg import TurboJpeg, dct_factor
 from torchspeed.data.native_crops import native_crops
-from torchspeed.measure import busy_warning, compare
+from torchspeed.optional import optional
 from torchspeed.runtime import process_as_found
 
 log = logging.getLogger(__name__)
 
-
-class Record(NamedTuple):
-    """One stored sample before decoding: `kind` is 'jpeg', 'raw' or 'array' (already decoded).
-
-    A NamedTuple (one is made per sample read): half the cost of a frozen dataclass, with the GIL held."""
-
-    kind: str
-    payload: Any  # bytes-like for jpeg/raw, HWC uint8 ndarray for array
-    height: int
-    width: int
-    label: int
-
-
-__all__ = ["Record", "CropWork", "Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder",
-           "measure_decoders", "choose_decoder", "decode_record", "to_hwc_uint8", "integer_label", "UnsupportedSample",
-           "jpeg_size", "jpeg_info", "check_jpeg_size", "encoded_record", "decode_jpeg_batch_cuda", "psnr",
-           "jpeg_is_complete", "decoding_stream"]
+__all__ = ["Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder", "jpeg_size",
+           "jpeg_info", "check_jpeg_size", "decode_jpeg_batch_cuda", "jpeg_is_complete", "decoding_stream"]
 
 
 class Decoder:
@@ -86,9 +63,7 @@ class Decoder:
 
 class SimpleJpegDecoder(Decoder):
     def __init__(self, fast: bool = False):
-        import simplejpeg
-
-        self._sj = simplejpeg
+        self._sj = optional("simplejpeg", "data", "the simplejpeg decoder")
         self.fast = fast
         self.name = "simplejpeg-fast" if fast else "simplejpeg"
 
@@ -102,18 +77,13 @@ class OpenCVDecoder(Decoder):
     name = "opencv"
 
     def __init__(self) -> None:
-        import cv2
-
-        self._cv2 = cv2
+        self._cv2 = cv2 = optional("cv2", "data", "the opencv decoder")
         self._flags = {1: cv2.IMREAD_COLOR_RGB, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
                        8: cv2.IMREAD_REDUCED_COLOR_8}
 
     def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
         cv2 = self._cv2
-        s = 1
-        if min_h > 0 or min_w > 0:
-            h, w = jpeg_size(buf)
-            s = dct_factor(h, w, min_h, min_w)
+        s = dct_factor(*jpeg_size(buf), min_h, min_w) if (min_h > 0 or min_w > 0) else 1
         img = cv2.imdecode(np.frombuffer(buf, np.uint8), self._flags[s])
         if img is None:
             raise ValueError("OpenCV could not decode the JPEG data")
@@ -124,8 +94,6 @@ class PILDecoder(Decoder):
     name = "pil"
 
     def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
-        from PIL import Image
-
         im = Image.open(io.BytesIO(buf))
         if min_h > 0 or min_w > 0:
             im.draft("RGB", (max(min_w, 1), max(min_h, 1)))  # DCT scaling to >= the requested size
@@ -136,21 +104,12 @@ class TorchvisionDecoder(Decoder):
     name = "torchvision"
 
     def __init__(self) -> None:
-        import warnings
-
-        import torch
-
-        with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs in favour of torchcodec
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from torchvision.io import ImageReadMode, decode_jpeg
-
-        self._torch, self._decode_jpeg, self._mode = torch, decode_jpeg, ImageReadMode.RGB
+        tvio = _torchvision_io()
+        self._decode_jpeg, self._mode = tvio.decode_jpeg, tvio.ImageReadMode.RGB
 
     def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:  # no DCT scaling exposed
-        import warnings
-
-        data = self._torch.frombuffer(bytearray(buf), dtype=self._torch.uint8)
-        with warnings.catch_warnings():
+        data = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+        with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs in favour of torchcodec
             warnings.simplefilter("ignore", DeprecationWarning)
             img = self._decode_jpeg(data, mode=self._mode)
         return np.ascontiguousarray(img.permute(1, 2, 0).numpy())
@@ -167,11 +126,11 @@ class TurboJpegDecoder(Decoder):
         self.crops = native_crops(self._tj.path)  # None where torchspeed's native part was not compiled
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
-        return self._tj.decode(buf, min_h, min_w, check=_size_error)[0]
+        return self._tj.decode(buf, min_h, min_w, check=image_size_error)[0]
 
     def decode_region(self, buf: Any, min_h: int, min_w: int,
                       region: tuple[int, int, int, int]) -> tuple[np.ndarray, int, int, int, int]:
-        return self._tj.decode(buf, min_h, min_w, region, check=_size_error)
+        return self._tj.decode(buf, min_h, min_w, region, check=image_size_error)
 
 
 class NvjpegDecoder(Decoder):
@@ -183,8 +142,6 @@ class NvjpegDecoder(Decoder):
     batched = True  # decodes whole batches on the device (see decode_batch)
 
     def __init__(self, device: Any = "cuda") -> None:
-        import torch
-
         if not torch.cuda.is_available():
             raise RuntimeError("nvjpeg needs a CUDA device (none here)")
         self.device = device
@@ -210,6 +167,10 @@ DECODERS: dict[str, Callable[[], Decoder]] = {
 }
 GPU_DECODERS = ("nvjpeg",)  # decode on the device: candidates only for a loader whose device is CUDA
 _INSTANCES: dict[str, Decoder] = {}
+# what to do when a decoder does not load (the optional libraries' own errors name the extra to install)
+_HINTS = {"turbojpeg": "pip install 'torchspeed[turbojpeg]' (its wheel bundles libjpeg-turbo 3; it shadows PyTurboJPEG's "
+                       "module of the same name), or install libturbojpeg 3 from your system's packages",
+          "nvjpeg": "use a CPU decoder, or a machine with CUDA and torch/torchvision built for it"}
 
 
 def get_decoder(name: str) -> Decoder:
@@ -221,12 +182,8 @@ def get_decoder(name: str) -> Decoder:
             with process_as_found():  # importing cv2 changes LD_LIBRARY_PATH; torchvision.io, torch's inductor env
                 _INSTANCES[name] = DECODERS[name]()
         except (ImportError, OSError, RuntimeError) as e:
-            hint = {"turbojpeg": "pip install 'torchspeed[turbojpeg]' (its wheel bundles libjpeg-turbo 3; it "
-                                 "shadows PyTurboJPEG's module of the same name), or install libturbojpeg 3 from "
-                                 "your system's packages",
-                    "nvjpeg": "use a CPU decoder, or a machine with CUDA and torch/torchvision built for it"}.get(
-                name, "pip install 'torchspeed[data]'")
-            raise ImportError(f"decoder {name!r} is not available here ({e}); {hint}") from None
+            hint = "" if "pip install" in str(e) else "; " + _HINTS.get(name, "pip install 'torchspeed[data]'")
+            raise ImportError(f"decoder {name!r} is not available here ({e}){hint}") from None
     return _INSTANCES[name]
 
 
@@ -240,175 +197,6 @@ def available_decoders() -> dict[str, str | None]:
         except ImportError as e:
             out[name] = str(e)
     return out
-
-
-class CropWork(NamedTuple):
-    """What a loader makes of each sample it decodes: the crop box (`augment.Box`: top, left, height, width,
-    flip, in the stored size `heights[i]` x `widths[i]`) resized to a `size` x `size` slot of a uint8
-    batch. Decoders are timed doing that (`measure_decoders`), not a whole decode."""
-
-    heights: Sequence[int]
-    widths: Sequence[int]
-    boxes: Sequence[Any]
-    size: int
-
-    def render_one(self, dec: Decoder, buf: Any, i: int) -> np.ndarray:
-        """Sample i rendered the Python way: the decoder's `decode_region`, then the resize (`augment.render`)."""
-        h, w, box = self.heights[i], self.widths[i], self.boxes[i]
-        img, r0, c0, fh, fw = dec.decode_region(buf, *needed_size(h, w, box, self.size),
-                                                (box.top, box.left, box.height, box.width))
-        out = np.empty((3, self.size, self.size), np.uint8)
-        render(img, box, out, None, fh / h, fw / w, origin=(r0, c0), full=(fh, fw))
-        return out
-
-    def render_native(self, dec: Decoder, samples: Sequence[Any], part: Sequence[int]) -> np.ndarray:
-        """Samples `part` rendered in the decoder's one native call (`Decoder.crops`), as a loader thread does."""
-        from torchspeed.images import MAX_IMAGE_PIXELS
-
-        out = np.empty((len(part), 3, self.size, self.size), np.uint8)
-        status = dec.crops.render([samples[i] for i in part], [self.heights[i] for i in part],
-                                  [self.widths[i] for i in part], [self.boxes[i] for i in part], out, True,
-                                  max_pixels=MAX_IMAGE_PIXELS)
-        if status.any():
-            raise ValueError(f"{int((status != 0).sum())} of the JPEGs could not be rendered")
-        return out
-
-
-def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | None = None, min_size: int = 0,
-                     repeats: int = 7, progress: bool | Callable[[str], None] = False,
-                     device: Any = None, cpu_threads: int | None = None,
-                     crops: CropWork | None = None) -> list[dict[str, Any]]:
-    """Time each decoder decoding `samples` (JPEG bytes): median of `repeats`, per image.
-
-    `crops`: what a loader makes of each sample (`CropWork`); each CPU decoder is then timed doing what
-    the loader would ask of it: the crop rendered into its slot of a uint8 batch, by the decoder's native
-    batch call where it has one (`Decoder.crops`), else its `decode_region` (a decoder that crops decodes
-    only that part, the others the whole image at the DCT scale the box allows) and the resize.
-
-    `decoders`: a list or a comma string (default: every available one; the GPU decoder nvjpeg only
-    when `device` is a CUDA device, timed decoding the samples as one batch on it, the way
-    `fast_loader` uses it). The decoders run interleaved (measure.compare), so background load hits
-    them alike. Each row also gives the PSNR against the accurate simplejpeg (or PIL) decode, so a
-    faster but less exact decoder is visible as such (100 dB: identical pixels), and the `threads`
-    the CPU decoders ran on: `cpu_threads` (default 1; when nvjpeg competes, this machine's usable
-    cores, as a loader's threads or workers would decode: the whole GPU against one core is not a fair
-    race). Rows timed while other processes took the cores carry a `busy_warning` (and `choose_decoder`
-    then does not remember its choice). `progress`: True (stderr) or a callable taking a message.
-    """
-    if not samples:
-        raise ValueError("measure_decoders needs at least one JPEG sample")
-    say = progress_fn(progress)
-    on_gpu = device is not None and str(device).startswith("cuda")
-    names = as_list(decoders, name="decoders") if decoders is not None else \
-        [n for n, why in available_decoders().items() if why is None and (on_gpu or n not in GPU_DECODERS)]
-    if any(n in GPU_DECODERS for n in names) and not on_gpu:  # asked for by name: time it on the GPU
-        device, on_gpu = "cuda", True
-    reference_name = "simplejpeg" if "simplejpeg" in names else "pil"
-    reference = [get_decoder(reference_name).decode(b, min_size, min_size) for b in samples]
-    if cpu_threads is None:
-        from torchspeed.runtime import usable_cores
-
-        cpu_threads = usable_cores() if any(n in GPU_DECODERS for n in names) else 1
-    threads = max(1, min(int(cpu_threads), len(samples)))
-    rows: dict[str, dict[str, Any]] = {}
-    contenders = {}
-    with contextlib.ExitStack() as stack:
-        pool = None
-        if threads > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="torchspeed-decode"))
-        for name in names:
-            dec = get_decoder(name)
-            batched = getattr(dec, "batched", False)
-            if batched:
-                def run(dec: Any = dec) -> list[Any]:
-                    return dec.decode_batch(samples)
-
-                whole = run
-
-                def to_host(images: list[Any]) -> list[np.ndarray]:
-                    return [t.permute(1, 2, 0).cpu().numpy() for t in images]
-            else:
-                def whole(dec: Any = dec) -> list[Any]:
-                    return [dec.decode(b, min_size, min_size) for b in samples]
-
-                def one(b: Any, i: int, dec: Any = dec) -> Any:
-                    return dec.decode(b, min_size, min_size) if crops is None else crops.render_one(dec, b, i)
-
-                def run(one: Any = one, dec: Any = dec) -> list[Any]:
-                    if crops is not None and dec.crops is not None:  # the loader's one call per batch (per thread)
-                        parts = np.array_split(np.arange(len(samples)), threads)
-                        if pool is not None:
-                            return list(pool.map(lambda part: crops.render_native(dec, samples, part), parts))
-                        return [crops.render_native(dec, samples, parts[0])]
-                    if pool is not None:  # libjpeg-turbo, PIL and OpenCV decode without the GIL
-                        return list(pool.map(one, samples, range(len(samples))))
-                    return [one(b, i) for i, b in enumerate(samples)]
-
-                def to_host(images: list[Any]) -> list[np.ndarray]:
-                    return images
-            try:
-                out = to_host(whole())  # also a check that it reads them (and the pixels for the PSNR)
-                if crops is not None and not batched:
-                    run()  # and renders their crops: a failure here only costs this decoder its candidacy
-            except Exception as e:  # a decoder that cannot read these files is simply not a candidate
-                rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}
-                continue
-            psnrs = [psnr(a, r) for a, r in zip(out, reference) if a.shape == r.shape]
-            rows[name] = {"decoder": name, "us_per_image": None, "threads": None if batched else threads,
-                          "psnr_db": float(np.mean(psnrs)) if len(psnrs) == len(out) else None}
-            contenders[name] = run
-        if contenders:
-            say(f"timing JPEG decoders {', '.join(contenders)} on {len(samples)} images, interleaved"
-                + (f" (CPU decoders on {threads} threads)" if threads > 1 else ""))
-            timed = compare(contenders, warmup=1, repeats=repeats, cooldown_s=0.0, device=device if on_gpu else None)
-            busy = busy_warning(timed.others_cores)
-            for t in timed.timings:
-                rows[t.name]["us_per_image"] = t.median_s / len(samples) * 1e6
-                if busy:
-                    rows[t.name]["busy_warning"] = busy
-    return [rows[n] for n in names]
-
-
-def choose_decoder(samples: Sequence[Any], parts: Mapping[str, Any] | None = None, min_size: int = 0,
-                   progress: bool | Callable[[str], None] = False, device: Any = None,
-                   refresh: bool = False, crops: CropWork | None = None) -> tuple[str, list[dict[str, Any]]]:
-    """The fastest available decoder on `samples` (logged at INFO), with the measurement's table.
-
-    With `parts` (what identifies the data, JSON-able) the choice is remembered on this machine
-    (`torchspeed.remembered`, kind "decoder", keyed also by the decoders available and the device): the
-    next call recalls it, logged as "decoder: remembered from <date> (<figure>)", unless `refresh`.
-    With a CUDA `device`, nvjpeg competes too; `crops`: what a loader makes of each sample (see
-    `measure_decoders`)."""
-    on_gpu = device is not None and str(device).startswith("cuda")
-    names = [n for n, why in available_decoders().items() if why is None and (on_gpu or n not in GPU_DECODERS)]
-    key = None if parts is None else {**parts, "decoders": names, "min_size": min_size, "crops": crops is not None,
-                                      "device": str(device) if on_gpu else "cpu"}
-    memory = None if key is None or refresh else remembered.recall("decoder", key)
-    if memory is not None and memory.decision.get("decoder") in names:
-        log.info("decoder: %s", memory.describe())
-        progress_fn(progress)(f"decoder: {memory.decision['decoder']}, {memory.describe()}")
-        return str(memory.decision["decoder"]), list(memory.decision.get("table", []))
-    table = measure_decoders(samples, min_size=min_size, progress=progress, device=device, crops=crops)
-    timed = [r for r in table if r["us_per_image"] is not None]
-    if not timed:
-        raise ValueError("no JPEG decoder could read the sample images: " + "; ".join(r.get("error", "") for r in table))
-    chosen = min(timed, key=lambda r: r["us_per_image"])
-    best = chosen["decoder"]
-    others = ", ".join(f"{r['decoder']} {r['us_per_image']:.0f}" for r in timed if r is not chosen)
-    log.info("decoder: %s (%.0f us/image; %s) measured on %d JPEGs", best, chosen["us_per_image"],
-             others or "no other decoder", len(samples))
-    if key is not None and not chosen.get("busy_warning"):  # a choice made on a busy machine is not kept
-        remembered.remember("decoder", key, {"decoder": best, "table": table},
-                            f"{best}, {chosen['us_per_image']:.0f} us/image")
-    return best, table
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    """Peak signal-to-noise ratio of two uint8 images in dB (100: identical): how exact a decoder is."""
-    mse = float(np.mean((a.astype(np.float32) - b.astype(np.float32)) ** 2))
-    return 100.0 if mse == 0 else min(100.0, 10 * np.log10(255.0**2 / mse))  # 100 dB: identical
 
 
 def jpeg_size(buf: Any) -> tuple[int, int]:
@@ -437,10 +225,6 @@ def jpeg_info(buf: Any) -> tuple[int, int, int]:
     raise ValueError("JPEG data has no frame header (truncated or corrupt)")
 
 
-def _size_error(height: int, width: int) -> str | None:
-    return image_size_error(width, height)
-
-
 def check_jpeg_size(buf: Any) -> None:
     """Refuse JPEG data whose frame header claims more than `torchspeed.images.MAX_IMAGE_PIXELS` (or no
     pixels), before anything is decoded. Data without a readable frame header passes: the decoder then
@@ -454,107 +238,19 @@ def check_jpeg_size(buf: Any) -> None:
         raise ValueError(f"the JPEG {why}")
 
 
-def decode_record(rec: Record, decoder: str | Decoder = "simplejpeg", min_h: int = 0, min_w: int = 0) -> np.ndarray:
-    """A record's pixels as RGB HWC uint8 (JPEG decoded, raw and arrays returned as they are)."""
-    if rec.kind == "jpeg":
-        dec = get_decoder(decoder) if isinstance(decoder, str) else decoder
-        return dec.decode(rec.payload, min_h, min_w)
-    return rec.payload
-
-
-def encoded_record(data: Any, label: int, name: str) -> Record:
-    """An encoded image file's bytes as a record: a JPEG stays encoded (its size read from the header and
-    checked against the pixel limit before anything is decoded), other formats (PNG, ...) are decoded
-    here by PIL. `name` (a path, or a member of a shard) names the image in errors."""
-    if data[:2] == b"\xff\xd8":
-        h, w, components = jpeg_info(data)
-        check_image_size(w, h, name)
-        if components in (1, 3):  # grey or YCbCr: libjpeg decodes it to RGB (CMYK goes through PIL)
-            return Record("jpeg", data, h, w, label)
-    with open_image(bytes(data), name) as im:
-        img = to_hwc_uint8(im)
-    return Record("array", img, img.shape[0], img.shape[1], label)
-
-
-class UnsupportedSample(ValueError):
-    """A sample the torchspeed pipeline does not take (an already-transformed float tensor, an odd shape,
-    not an (image, label) pair): not a broken sample, and a plain DataLoader may still read it."""
-
-
-def to_hwc_uint8(x: Any) -> np.ndarray:
-    """A PIL image, HWC uint8 (or uint16) array or CHW uint8 tensor -> RGB HWC uint8 array: the decoders'
-    output format, for images that arrive already decoded (a Dataset's samples, a file PIL reads).
-
-    PIL images of any mode are converted by `torchspeed.images.rgb_image` (16-bit scaled, transparency
-    over white), after their size is checked against the pixel limit; uint16 pixels are scaled by
-    255/65535; four channels are RGBA, composited over white the same way. What the pipeline does not
-    take raises UnsupportedSample."""
-    from PIL import Image
-
-    if isinstance(x, Image.Image):
-        why = image_size_error(*x.size)
-        if why:
-            raise ValueError(f"the image {why}")
-        return np.asarray(rgb_image(x))
-    if hasattr(x, "detach") and hasattr(x, "numpy"):  # a torch tensor: CHW (or HW)
-        t = x.detach().cpu()
-        if t.dtype.is_floating_point:
-            raise UnsupportedSample("a float tensor image is ambiguous (0..1 or 0..255?); give uint8 CHW tensors or "
-                                    "PIL images")
-        a = t.numpy()
-        a = a if a.ndim == 2 else np.moveaxis(a, 0, -1)
-    else:
-        a = np.asarray(x)
-    if a.dtype == np.uint16:
-        a = ((a.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
-    if a.dtype != np.uint8:
-        raise UnsupportedSample(f"expected uint8 pixels, got {a.dtype}")
-    if a.ndim == 2:
-        a = a[..., None]
-    if a.ndim != 3 or a.shape[2] not in (1, 3, 4):
-        raise UnsupportedSample(f"expected an HWC image with 1, 3 or 4 channels, got shape {a.shape}")
-    if a.shape[2] == 1:
-        a = np.repeat(a, 3, axis=2)
-    if a.shape[2] == 4:  # RGBA over white, as rgb_image does for a PIL image
-        alpha = a[..., 3:].astype(np.uint32)
-        a = ((a[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
-    return np.ascontiguousarray(a)
-
-
-def integer_label(y: Any) -> int:
-    """A sample's label as an int: a Python or numpy integer (or a whole float such as 3.0), or such a
-    one-element tensor or array. Anything else (a class name, 0.5, a one-hot vector) is a ValueError
-    saying what it is."""
-    if isinstance(y, (bool, np.bool_)):
-        what = f"a bool ({y})"
-    elif isinstance(y, (int, np.integer)):
-        return int(y)
-    elif isinstance(y, (float, np.floating)) and float(y).is_integer():
-        return int(y)  # 3.0 from a table of labels
-    elif hasattr(y, "dtype") and hasattr(y, "shape"):
-        dtype = str(y.dtype).replace("torch.", "")
-        if ("int" in dtype or "float" in dtype) and int(np.prod(tuple(y.shape))) == 1:
-            value = y.reshape(()).item()
-            if float(value).is_integer():
-                return int(value)
-        what = f"a {type(y).__name__} of {dtype}, shape {tuple(y.shape)}"
-    elif isinstance(y, str):
-        what = f"a str ({y!r})"
-    else:
-        what = f"a {type(y).__name__} ({str(y)[:40]})"
-    raise ValueError(f"its label is {what}: labels must be integer class indices (0 for the first class, 1 for "
-                     "the next...); map class names to indices in the Dataset")
+def _torchvision_io() -> Any:
+    """torchvision.io (heavy: imported on first use), its codecs' deprecation warning silenced."""
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs in favour of torchcodec
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return optional("torchvision.io", "pip install torchvision", "JPEG decoding with torchvision")
 
 
 def _nvjpeg(data: list[Any], device: Any) -> list[Any]:
     """torchvision's batched decode_jpeg (nvjpeg on a CUDA device): one failure fails the whole batch."""
-    import warnings
-
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs in favour of torchcodec
+    tvio = _torchvision_io()
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        return tvio.decode_jpeg(data, mode=tvio.ImageReadMode.RGB, device=device)
 
 
 def jpeg_is_complete(buf: Any) -> bool:
@@ -576,23 +272,18 @@ _STREAMS = threading.local()
 @contextlib.contextmanager
 def decoding_stream(device: Any) -> Any:
     """Run the block's CUDA work (nvjpeg, the crops and resizes) on this thread's own stream, and wait for
-    it at the end: the batch handed on is finished.
+    it at the end: the batch handed on is finished (on a non-CUDA device the block runs as it is).
 
-    Why: a helper thread's current stream is the default stream, which the training step uses too;
-    decoding there serialises with the step's kernels. On a stream of its own (one per thread and
-    device) it overlaps them, and since the thread waits for its own stream before handing the batch
-    over (it blocks only itself), the consumer needs no event to wait on. torchvision's nvjpeg decoder
-    makes the current stream wait for its own internal stream, so the decoded images are ordered on
-    this one. On a non-CUDA device the block runs as it is."""
-    import torch
-
+    Why: a helper thread's current stream is the default stream, which the training step uses too, so
+    decoding there serialises with the step's kernels; on a stream of its own (per thread and device) it
+    overlaps them, and the consumer needs no event (the thread waits for its stream, blocking only
+    itself). torchvision's nvjpeg makes the current stream wait for its internal one: the decoded
+    images are ordered on this one."""
     device = torch.device(device)
     if device.type != "cuda":
         yield None
         return
-    streams = getattr(_STREAMS, "by_device", None)
-    if streams is None:
-        streams = _STREAMS.by_device = {}
+    streams = vars(_STREAMS).setdefault("by_device", {})  # this thread's
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = streams.get(index)
     if stream is None:
@@ -605,23 +296,18 @@ def decoding_stream(device: Any) -> Any:
 def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
                            names: Sequence[str] | Callable[[int], str] | None = None,
                            fallback: str | None = "simplejpeg", skip_bad: bool = False) -> list[Any]:
-    """Decode many JPEGs at once on the GPU with nvjpeg (torchvision.io.decode_jpeg, batched).
+    """Decode many JPEGs at once on the GPU with nvjpeg (torchvision.io.decode_jpeg, batched), for
+    pipelines that move decoding off a starved CPU (`fast_loader(decoder="nvjpeg")`); needs CUDA.
 
     Returns RGB CHW uint8 tensors on `device`, one per buffer, in order, made on the current stream
-    (`decoding_stream` gives a decoding thread one of its own). nvjpeg fails a whole batch for one
-    image it cannot read, so one bad file does not cost the batch: the images nvjpeg cannot decode (or
-    whose header is not a baseline/progressive grey or YCbCr JPEG, or whose data stops before its EOI
-    marker, which nvjpeg may turn into garbage) are decoded on the CPU (`fallback`, then PIL, which
-    also reads CMYK and mislabelled PNGs) and copied to the device, with a RuntimeWarning naming each
-    one (`names[i]`, e.g. its file; or `names(i)`, called only for such an image, so that a batch
-    without one builds no names). Only an image that no decoder can read raises a ValueError naming
-    it (with `skip_bad`, its place in the result is None and a warning names it); with `fallback=None`
-    (measuring nvjpeg alone) any image nvjpeg does not decode does. For
-    pipelines that move decoding off a starved CPU onto the GPU (`fast_loader(decoder="nvjpeg")`);
-    needs CUDA.
+    (`decoding_stream` gives a decoding thread its own). nvjpeg fails a whole batch for one image it
+    cannot read, so the images it cannot decode (or whose header is not a baseline/progressive grey or
+    YCbCr JPEG, or whose data stops before its EOI marker, which nvjpeg may turn into garbage) are
+    decoded on the CPU (`fallback`, then PIL, which also reads CMYK and mislabelled PNGs), with a
+    RuntimeWarning naming each (`names[i]`, or `names(i)`, called only for such an image). Only an image
+    no decoder reads raises a ValueError naming it (with `skip_bad`, its place is None and a warning
+    names it); with `fallback=None` (measuring nvjpeg alone) any image nvjpeg does not decode does.
     """
-    import torch
-
     if not torch.cuda.is_available():
         raise ValueError("nvjpeg decoding needs a CUDA device; none is available here (use a CPU decoder)")
     if names is None:
@@ -673,10 +359,6 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
 
 def _decode_on_cpu(buf: Any, name: str, fallback: str) -> Any:
     """One image nvjpeg could not decode, decoded on the CPU as CHW uint8 (a warning names it)."""
-    import warnings
-
-    import torch
-
     errors = []
     for decoder in dict.fromkeys((fallback, "pil")):
         try:

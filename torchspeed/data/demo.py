@@ -1,12 +1,12 @@
 """Embedded demo data: a deterministic ImageFolder of photo-like JPEGs.
 
-Nothing may be downloaded at run time, yet the data pipeline must be measured on images that cost
-what real photographs cost to decode: smooth shading, sharp edges, texture and sensor noise, so a
-500x375 JPEG at quality 90 weighs 40-60 KB like a real photo (flat colours would decode several
-times faster; pure noise several times slower). Each image holds a few objects whose hue is drawn
-around the class's hue, plus distractor objects of any hue, so the classes are learnable but not
-trivially: a small CNN reaches roughly 70-90% held-out accuracy, which leaves room for lossy
-transformations (quantization, pruning) to show a loss when there is one.
+Nothing may be downloaded at run time, yet the pipeline must be measured on images that cost what
+real photographs cost to decode: smooth shading, sharp edges, texture and sensor noise make a 500x375
+JPEG at quality 90 weigh 40-60 KB like a real photo (flat colours decode several times faster, pure
+noise several times slower). Each image holds a few objects whose hue is drawn around the class's hue,
+plus distractors of any hue, so the classes are learnable but not trivially: a small CNN reaches
+roughly 70-90% held-out accuracy, leaving room for lossy transformations (quantization, pruning) to
+show a loss when there is one.
 """
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
+
+from torchspeed.atomic import atomic_write, build_directory
+from torchspeed.runtime import cache_dir
 
 __all__ = ["make_photo_folder", "demo_folder", "class_name"]
 
@@ -89,8 +92,6 @@ def _write_range(root: str, indices: Sequence[int], n_classes: int, seed: int, s
                  atomic: bool = True) -> list[str]:
     """Write images `indices`; `atomic`: each through atomic_write (into a folder that may be in use),
     else plainly (into a build directory that is renamed into place only when whole)."""
-    from torchspeed.atomic import atomic_write
-
     for i in indices:
         label, im = _render(i, n_classes, seed, size)
         path = os.path.join(root, class_name(label), f"img_{i:06d}.jpg")
@@ -189,8 +190,6 @@ def make_photo_folder(
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if not 1 <= quality <= 100:
         raise ValueError(f"quality must be in 1..100, got {quality}")
-    from torchspeed.atomic import build_directory
-
     root = os.fspath(root)
     if os.path.isdir(root):
         _fill(root, n_images, n_classes, seed, size, quality, num_workers, atomic=True)
@@ -209,9 +208,6 @@ def make_photo_folder(
 
 def demo_folder(n_images: int = 2000, n_classes: int = 10, seed: int = 0, size: tuple[int, int] = (500, 375)) -> str:
     """The cached demo ImageFolder for these settings, generated once (atomically) into the cache."""
-    from torchspeed.atomic import build_directory
-    from torchspeed.runtime import cache_dir
-
     name = f"photos-v2-n{n_images}-c{n_classes}-s{seed}-{size[0]}x{size[1]}"
     return build_directory(os.path.join(cache_dir("data"), name),
                            lambda tmp: _fill(tmp, n_images, n_classes, seed, size, 90, None, atomic=False))

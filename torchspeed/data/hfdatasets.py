@@ -33,13 +33,8 @@ def is_hf_folder(path: str) -> bool:
 
 def _feature_types(features: Any) -> dict[str, tuple[str, list[str]]]:
     """column -> (feature type name, class names) from a `Features` object or dataset_info.json's dict."""
-    out = {}
-    for name, f in features.items():
-        if isinstance(f, dict):
-            out[name] = (str(f.get("_type", "")), list(f.get("names") or []))
-        else:
-            out[name] = (type(f).__name__, list(getattr(f, "names", None) or []))
-    return out
+    return {name: (str(f.get("_type", "")), list(f.get("names") or [])) if isinstance(f, dict)
+            else (type(f).__name__, list(getattr(f, "names", None) or [])) for name, f in features.items()}
 
 
 def _columns(types: dict[str, tuple[str, list[str]]], table: Any, image_column: str | None, label_column: str | None,
@@ -81,8 +76,7 @@ def _read_table(folder: str, files: list[str]) -> Any:
     pa = pyarrow_module()
     tables = []
     for name in files:
-        path = os.path.join(folder, name)
-        with pa.memory_map(path) as source:
+        with pa.memory_map(os.path.join(folder, name)) as source:
             try:
                 tables.append(pa.ipc.open_stream(source).read_all())
             except pa.ArrowInvalid:

@@ -1,24 +1,20 @@
 """libjpeg-turbo's TurboJPEG 3 API through ctypes: DCT-scaled decoding of just the part a crop needs.
 
-Why: a random-resized crop keeps on average about half of the image, and libjpeg-turbo can decode only
-that part (`tj3SetCroppingRegion`): rows below it are not decoded at all, rows above it are
-entropy-decoded but skip the inverse DCT, upsampling and colour conversion, and so do the columns
-outside it. DALI's CPU decoder does the same (`decoders.image_random_crop`). simplejpeg, OpenCV and
-PIL do not expose it, and the Python bindings on PyPI either open a handle per image or offer no
-cropping, so this module calls the library itself: one decompressor per thread, and ctypes releases
-the GIL for the whole decode.
+Why: a random-resized crop keeps about half of the image on average, and libjpeg-turbo can decode only
+that part (`tj3SetCroppingRegion`, as DALI's CPU decoder does): rows below it are not decoded, rows
+above it and the columns outside it skip the inverse DCT, upsampling and colour conversion. simplejpeg,
+OpenCV and PIL do not expose it, and PyPI's bindings open a handle per image or cannot crop: hence this
+module, one decompressor per thread, ctypes releasing the GIL for the whole decode.
 
-Fast DCT, smooth ("fancy") upsampling: the pixels of `simplejpeg.decode_jpeg(fastdct=True,
-fastupsample=False)`. Not fast upsampling: libjpeg-turbo's merged upsampler with cropped rows reads
-uninitialised memory in the bundled libjpeg-turbo 3.0 beta (wrong pixels, crashes under a two-thread
-stress test). With smooth upsampling the outermost column of a cropped part is interpolated from
-itself rather than from its neighbour, so the part is decoded with one pixel of margin each side:
-every pixel a crop box reads is then exactly the whole decode's (tests/test_region_decode.py).
+Fast DCT, smooth upsampling (the pixels of `simplejpeg.decode_jpeg(fastdct=True, fastupsample=False)`):
+the merged (fast) upsampler with cropped rows reads uninitialised memory in the bundled libjpeg-turbo 3.0
+beta (wrong pixels, crashes with two threads). Smooth upsampling interpolates a cropped part's outermost
+column from itself, so the part is decoded with one pixel of margin each side: every pixel a crop box
+reads is then exactly the whole decode's (tests/test_region_decode.py).
 
-The library: the one bundled with the `turbojpeg` wheel (pybind11 bindings of libjpeg-turbo 3, the
-`torchspeed[turbojpeg]` extra), else a system libturbojpeg with the version-3 API. Output sizes
-are computed from the header as libjpeg-turbo computes them, and every buffer is allocated by numpy at
-that size before the library writes into it.
+The library: the `turbojpeg` wheel's bundled libjpeg-turbo 3 (the `torchspeed[turbojpeg]` extra), else a
+system libturbojpeg with the version-3 API. Output sizes are computed from the header as libjpeg-turbo
+computes them, and numpy allocates every buffer at that size before the library writes into it.
 """
 from __future__ import annotations
 
@@ -146,7 +142,7 @@ class TurboJpeg:
         scale that keeps it >= (min_h, min_w) (`dct_factor`), whole (full_height x full_width) or, with
         `region` = (top, left, height, width) in stored pixels, the part that covers the region scaled,
         with one pixel of margin each side (widened left to the iMCU column boundary libjpeg-turbo crops
-        at); its first pixel is row0, col0 of the whole. `check(height, width)` returns why the stored
+        at); its first pixel is row0, col0 of the whole. `check(width, height)` returns why the stored
         size is refused (checked before anything is decoded). A warning from the library (data ending
         before its EOI marker, say) is an error."""
         lib, state = self._lib, self._handle()
@@ -155,7 +151,7 @@ class TurboJpeg:
         if lib.tj3DecompressHeader(handle, src, len(src)) != 0:
             self._fail(handle, "read the JPEG header")
         width, height = lib.tj3Get(handle, _PARAM_WIDTH), lib.tj3Get(handle, _PARAM_HEIGHT)
-        why = check(height, width) if check is not None else None
+        why = check(width, height) if check is not None else None
         if why:
             raise ValueError(f"the JPEG {why}")
         scale = dct_factor(height, width, min_h, min_w) if (min_h > 0 or min_w > 0) else 1

@@ -1,13 +1,11 @@
 """A LitData optimized directory (what `litdata.optimize` writes) read as records, where its layout allows.
 
-A directory holds `index.json` (the chunks and their item counts: the sample count is known up front)
-and `chunk-*.bin` files. LitData 0.2.7x writes each chunk of dict items with an Arrow table of the rows
-after the item data (the "Arrow footer"); when an item's image is stored as its file's bytes (a `bytes`
-field), that table's binary column is the encoded image, read as a memory-mapped Arrow column
-(data/arrow.py) and decoded by the loader's measured decoder. Other layouts keep the images only in
-LitData's own serialised form (compressed or encrypted chunks, PIL or tensor items, chunks without the
-Arrow table): they are refused with the reason, since reading them means litdata's deserialisers (PIL
-per sample), which is what the pipeline avoids.
+Its `index.json` lists the chunks and their item counts (the sample count is known up front). LitData
+0.2.7x writes each chunk of dict items with an Arrow table of the rows after the item data (the "Arrow
+footer"): an image stored as its file's bytes (a `bytes` field) is a binary column there, read
+memory-mapped (data/arrow.py) and decoded by the loader's measured decoder. Other layouts (compressed or
+encrypted chunks, PIL or tensor items, no Arrow table) are refused with the reason: reading them means
+litdata's deserialisers (PIL per sample), which is what the pipeline avoids.
 """
 from __future__ import annotations
 

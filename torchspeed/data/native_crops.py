@@ -1,18 +1,14 @@
 """A batch of crops rendered from JPEG bytes in one native call (data/_crops.c), for the `turbojpeg` decoder.
 
-Why: rendering a crop in Python takes five C calls per sample (LMDB read aside: the decode, the
-resize, the flip, the CHW split, and the decoder's own setup), each one releasing the GIL and taking
-it back. On a machine with few cores a loader thread that finds the GIL taken sleeps and is woken
-for each of them, so a second thread added little. The native call renders the whole batch (decode
-of the part each box needs, resize, flip, layout) with the GIL released once, and no Python runs per
-sample.
+Why: a crop rendered in Python takes five C calls per sample (the decode, the resize, the flip, the CHW
+split, the decoder's setup), each releasing the GIL and taking it back; on few cores a loader thread
+that finds the GIL taken sleeps and is woken for each, so a second thread added little. The native call
+renders the whole batch with the GIL released once, and no Python runs per sample.
 
-The pixels: the decode is libturbojpeg's, the same as `TurboJpeg.decode` with a region; the resize
-uses OpenCV's coordinates and kernels (INTER_LINEAR, INTER_AREA past a 2x shrink) in its own integer
-arithmetic, so a pixel may differ from `augment.render`'s by one level (tests/test_native_crops.py).
-
-The native code is compiled when torchspeed is installed (an optional extension: without a C
-compiler the install goes on, and the loader renders sample by sample as before).
+The pixels: the decode is `TurboJpeg.decode`'s with a region; the resize uses OpenCV's coordinates and
+kernels (INTER_LINEAR, INTER_AREA past a 2x shrink) in its own integer arithmetic, so a pixel may differ
+from `augment.render`'s by one level (tests/test_native_crops.py). Compiled at install as an optional
+extension: without a C compiler the install goes on and the loader renders sample by sample.
 """
 from __future__ import annotations
 

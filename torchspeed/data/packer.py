@@ -1,21 +1,21 @@
 """pack(): an ImageFolder or a Dataset -> one packed LMDB store, with the fixed work done once.
 
 Why: resizing to the training resolution, decoding (format="raw") and gathering thousands of small
-files into one memory-mapped file are the same work every epoch; doing them once here takes them
-off the training loop's critical path. Encoding runs in parallel processes; the store is built in a
-temporary directory beside `dst` and renamed into place only when complete, so an interrupted pack
-never leaves something at `dst` that looks like a whole store.
+files into one memory-mapped file are the same work every epoch; done once here, they leave the
+training loop's critical path. Encoding runs in parallel processes, into a temporary directory beside
+`dst` renamed into place only when complete: an interrupted pack never leaves a seemingly whole store.
 
-Nothing of the user's is ever deleted: `overwrite=True` replaces `dst` only when `dst` is a torchspeed
-store (its manifest says so, and it holds nothing else), and a `dst` equal to, inside or around the
-source folder is refused before anything is written. Temporary directories carry the packing
-process's id (`.NAME.partial-PID-HOST-*`); the next pack into the same parent removes those whose
-process is gone (and puts back a previous store an interrupted overwrite had moved aside).
+Nothing of the user's is ever deleted: `overwrite=True` replaces `dst` only when it is a torchspeed store
+(its manifest says so) holding nothing else, and a `dst` equal to, inside or around the source folder is
+refused before anything is written. Temporaries are named `.NAME.partial-PID-HOST-*`; the next pack into
+the same parent removes those whose process is gone (and puts back a previous store an interrupted
+overwrite had moved aside).
 """
 from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import multiprocessing as mp
 import os
@@ -32,10 +32,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from PIL import Image
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
 from torchspeed.atomic import atomic_write, fsync_dir
-from torchspeed.data.decode import integer_label, to_hwc_uint8
+from torchspeed.data.record import integer_label, to_hwc_uint8
 from torchspeed.images import open_image, quoted, rgb_image, scan_folder, shown
+from torchspeed.optional import optional
 from torchspeed.data.store import (ENCODING_CODES, FORMAT_VERSION, HEADER, MAGIC, MANIFEST, STORE_KIND, key_of,
                                    lmdb_module)
 
@@ -79,8 +82,6 @@ def load_image_file(path: str, short_side: int | None) -> np.ndarray:
 
 
 def _resize_short(im: Any, short_side: int | None) -> np.ndarray:
-    from PIL import Image
-
     if not isinstance(im, Image.Image):
         im = Image.fromarray(im)
     w, h = im.size
@@ -96,16 +97,10 @@ def _encode(img: np.ndarray, label: int, encoding: str, quality: int) -> bytes:
     if encoding == "raw":
         payload = img.tobytes()
     else:
-        try:
-            import simplejpeg
-
-            payload = simplejpeg.encode_jpeg(np.ascontiguousarray(img), quality=quality, colorspace="RGB",
-                                             colorsubsampling="420")  # 4:2:0 decodes ~1.5x faster than 4:4:4
-        except ImportError:
-            import io
-
-            from PIL import Image
-
+        try:  # 4:2:0 decodes ~1.5x faster than 4:4:4
+            payload = optional("simplejpeg", "data", "JPEG encoding with simplejpeg").encode_jpeg(
+                np.ascontiguousarray(img), quality=quality, colorspace="RGB", colorsubsampling="420")
+        except ImportError:  # PIL encodes it instead
             buf = io.BytesIO()
             Image.fromarray(img).save(buf, "JPEG", quality=quality, subsampling=2)
             payload = buf.getvalue()
@@ -159,12 +154,11 @@ def pack(
     result; `"fail"` stops at the first, naming it. `classes` names the labels of a Dataset source
     (default: its `.classes`, else "0", "1", ...). `num_workers` encoding processes (default: cores, at
     most 8). `progress`: True shows a progress bar, a callable is given a message after each chunk.
-    `overwrite=True` replaces `dst` only when it is a torchspeed store holding nothing else; a `dst`
-    equal to, inside or around the source folder is refused either way. Images over
-    `torchspeed.images.MAX_IMAGE_PIXELS` are refused from their header, before decoding. Entries of a
-    folder that are not regular files (a FIFO named x.jpg) are left out and listed in `skipped`.
-    A destination that cannot be written fails before anything is read; a write that fails (disk
-    full) is one OSError naming `dst`, the previous store there untouched.
+    `overwrite=True` replaces only a torchspeed store holding nothing else; a `dst` equal to, inside or
+    around the source folder is refused either way. Images over `torchspeed.images.MAX_IMAGE_PIXELS` are
+    refused from their header, before decoding; a folder's entries that are not regular files (a FIFO
+    named x.jpg) are left out and listed in `skipped`. An unwritable `dst` fails before anything is
+    read; a failed write (disk full) is one OSError naming `dst`, any previous store there untouched.
     """
     t0 = time.perf_counter()
     _check_pack_arguments(format, on_error, quality, short_side)
@@ -432,7 +426,7 @@ def _owner_gone(match: re.Match, path: str) -> bool:
         except ProcessLookupError:
             return True
         except OSError:  # exists, another user's
-            return False
+            pass
         return False
     try:
         newest = max([os.path.getmtime(path)] + [os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)])
@@ -483,14 +477,10 @@ def clean_stale_partials(parent: str) -> list[str]:
 
 def _run(tasks: list[Any], num_workers: int, progress: bool | Callable[[str], None], total: int) -> Iterator[list[Any]]:
     """Yield each chunk's results in order, from a fork pool (or in-process), with a progress bar or messages."""
-    pool = None
-    if num_workers > 1 and len(tasks) > 1:  # fork before any progress-bar thread exists
-        pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"))
-    bar = None
-    done = 0
+    pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork")) \
+        if num_workers > 1 and len(tasks) > 1 else None  # fork before any progress-bar thread exists
+    bar, done = None, 0
     if progress is True:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
         bar = Progress("packing", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True)
         bar.start()
         job = bar.add_task("pack", total=total)

@@ -1,15 +1,13 @@
 """DevicePrefetcher: uint8 batches in, normalised float batches on the device out, one batch ahead.
 
-Why: workers hand over uint8 (a quarter of float32's bytes through shared memory and over PCIe);
-the conversion to float, the mean/std normalisation and the channels_last layout happen once per
-batch where they are cheapest. On CUDA (Apex's data_prefetcher idea): pinned memory, a side stream,
-non_blocking copies and the conversion on that stream, so the next batch moves while the current
-one trains; the main stream waits on the side stream and `record_stream` keeps the allocator from
-reusing the memory too early. A batch already on the GPU (nvjpeg decoding, a GPU augmentation) is
-not pinned (pin_memory() on it raises); the side stream first waits for the stream that queued it, and
-keeps its memory from being reused until it has read it. On the CPU: the same conversion in a
-background thread (torch kernels release the GIL), so the next batch is ready when the training
-step ends.
+Why: workers hand over uint8 (a quarter of float32's bytes through shared memory and over PCIe); the
+conversion to float, the mean/std normalisation and the channels_last layout happen once per batch
+where they are cheapest. On CUDA (Apex's data_prefetcher idea): pinned memory, non_blocking copies and
+the conversion on a side stream, so the next batch moves while the current one trains; the main stream
+waits on the side stream, and `record_stream` keeps the allocator from reusing memory too early. A batch
+already on the GPU (nvjpeg, a GPU augmentation) is not pinned (pin_memory() on it raises); the side
+stream waits for the stream that queued it. On the CPU: the same conversion in a background thread
+(torch kernels release the GIL), so the next batch is ready when the training step ends.
 """
 from __future__ import annotations
 
@@ -129,11 +127,10 @@ def device_tensors(batch: Any) -> list[torch.Tensor]:
 class BufferPool:
     """Float batch buffers, reused once nothing but the pool refers to them.
 
-    Why: a fresh 64 x 3 x 128 x 128 float batch is 3000 new pages, each faulted in on its first
-    write; on a VM that is most of the cost of the conversion. The pool keeps only storages and
-    hands out a new tensor on one each time, so every holder of a batch (the caller's tensor, a view
-    of it, an autograd graph that saved it) counts as a reference to the storage: a buffer is reused
-    only when its count says nobody else has it, and reuse never overwrites a batch still in use.
+    Why: a fresh 64 x 3 x 128 x 128 float batch is 3000 new pages, each faulted in on its first write;
+    on a VM that is most of the cost of the conversion. The pool keeps only storages and hands out a new
+    tensor on one each time, so every holder of a batch (a view, an autograd graph that saved it) counts
+    as a reference: a buffer is reused only when nobody else has it, never overwriting a batch in use.
     """
 
     def __init__(self, capacity: int = 4):
@@ -185,8 +182,7 @@ class DevicePrefetcher:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.mean, self.std = (tuple(mean), tuple(std)) if mean is not None else (None, None)
         self.channels_last, self.dtype, self.layout = channels_last, dtype, layout
-        self.depth = max(1, depth)
-        self.cpu_threads = cpu_threads
+        self.depth, self.cpu_threads = max(1, depth), cpu_threads
         self._cache: dict = {}
 
     def __len__(self) -> int:
@@ -274,11 +270,6 @@ class DevicePrefetcher:
     def _iter_thread(self) -> Iterator[Any]:
         q: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
-        done = object()
-
-        def put(item: Any) -> bool:
-            return put_unless_stopped(q, item, stop)
-
         pool = BufferPool(capacity=self.depth + 3)  # used by the producer thread only
 
         def produce(_: int) -> None:
@@ -286,11 +277,11 @@ class DevicePrefetcher:
                 for batch in self.loader:
                     with helper_work:  # no fork while a batch is converted (see runtime.helper_work)
                         batch = self.convert(batch, out=self.output_buffer(pool, batch))
-                    if not put(("ok", batch)):
+                    if not put_unless_stopped(q, ("ok", batch), stop):
                         return
-                put(("end", done))
+                put_unless_stopped(q, ("end", None), stop)
             except BaseException as e:  # handed to the consumer, raised there
-                put(("error", e))
+                put_unless_stopped(q, ("error", e), stop)
 
         # cpu_threads for this thread only: the model keeps its cores
         (thread,) = start_helper_threads(produce, 1, "torchspeed-prefetch",

@@ -1,26 +1,23 @@
 """WebDataset tar shards read as records, without unpacking them and without webdataset's pipeline.
 
-A shard set is a brace pattern (`train-{000000..000127}.tar`), a list of .tar paths or a directory of
-them, each tar holding samples as consecutive members named `KEY.EXT` (`000123.jpg` + `000123.cls`),
-as webdataset's TarWriter writes them. Opening the set reads each shard's tar headers once (not the
-images: a seek per member) into an index of (shard, offset, size, label) per sample, so the count is
-known up front and any sample is one `pread` of its bytes; the label files (`.cls`: an integer;
-`.json`: an object with an integer "label" or "cls") are read then too. The index of each shard is
-kept in torchspeed's cache (`tar-index/`, plain JSON) while the shard's size and time are unchanged:
-the first open of a large set costs about 0.1 ms per sample, the next ones a read of that JSON. The JPEG bytes go to the
-loader's measured decoder like a store's records; other image types (PNG, ...) are decoded by PIL.
+A shard set (a brace pattern `train-{000000..000127}.tar`, a list of .tar paths or a directory of them)
+holds samples as consecutive members `KEY.EXT` (`000123.jpg` + `000123.cls`), as webdataset's TarWriter
+writes them. Opening it reads each shard's tar headers once (a seek per member, not the images) and its
+label members (`.cls`: an integer; `.json`: an object with an integer "label" or "cls") into an index of
+(shard, offset, size, label) per sample: the count is known up front and a sample is one `pread`. The
+index is cached (`tar-index/`, plain JSON) while the shard's size and time are unchanged: about 0.1 ms
+per sample at the first open of a large set, a JSON read after. JPEGs go to the loader's measured
+decoder like a store's records; other image types (PNG, ...) are decoded by PIL.
 
-Shuffling keeps reads close to sequential, as webdataset's shard shuffle and sample buffer do, but
-deterministically, so a resumed epoch is the same epoch: each epoch's order is the shards in a seeded
-random order, their samples in file order, then each sample moved by a seeded random offset of at most
-`shuffle_buffer` places (a jittered sort). Quality: two samples more than `shuffle_buffer` places
-apart in that stream never swap, so a batch draws from about `1 + shuffle_buffer / samples_per_shard`
-neighbouring shards; the shard order itself is a full permutation. The loader splits that order across
-ranks in contiguous blocks (each rank reads mostly its own shards) and into batches for the workers, so
-every sample is read once per epoch (the store's padding rule for a count that does not divide).
+Shuffling stays close to sequential reads, as webdataset's shard shuffle and sample buffer do, but is
+deterministic (a resumed epoch is the same epoch): the shards in a seeded random order, their samples in
+file order, each then moved by a seeded offset of at most `shuffle_buffer` places (a jittered sort), so
+a batch draws from about `1 + shuffle_buffer / samples_per_shard` neighbouring shards. The loader splits
+that order across ranks in contiguous blocks: each rank reads mostly its own shards.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -34,9 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from torchspeed.atomic import atomic_write
 from torchspeed.data.arrow import file_identity
-from torchspeed.data.decode import Record, encoded_record
+from torchspeed.data.record import Record, encoded_record
 from torchspeed.images import quoted
+from torchspeed.runtime import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +86,10 @@ def shard_paths(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
     """The shard files `data` names (pattern, list or directory), absolute, each checked to exist."""
     if isinstance(data, (list, tuple)):
         paths = [os.fspath(p) for p in data]
+    elif os.path.isdir(path := os.fspath(data)):
+        paths = sorted(glob.glob(os.path.join(glob.escape(path), "*.tar")))
     else:
-        path = os.fspath(data)
-        if os.path.isdir(path):
-            paths = sorted(glob.glob(os.path.join(glob.escape(path), "*.tar")))
-        else:
-            paths = expand_braces(path)
+        paths = expand_braces(path)
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -157,8 +154,6 @@ def _index_shard(path: str, image_ext: str | None, label_ext: str | None) -> _Sh
 
 
 def _index_file(cache_key: tuple[str, int, int, str, str]) -> str:
-    from torchspeed.runtime import cache_dir
-
     name = hashlib.sha256(repr((cache_key[0], cache_key[3], cache_key[4])).encode()).hexdigest()[:32]
     return os.path.join(cache_dir("tar-index"), f"{name}.json")
 
@@ -181,8 +176,6 @@ def _stored_index(cache_key: tuple[str, int, int, str, str]) -> _ShardIndex | No
 
 
 def _store_index(cache_key: tuple[str, int, int, str, str], index: _ShardIndex) -> None:
-    from torchspeed.atomic import atomic_write
-
     doc = {"version": 1, "shard": list(cache_key), "keys": index.keys, "offsets": index.offsets,
            "sizes": index.sizes, "labels": index.labels, "problems": [list(p) for p in index.problems]}
     try:
@@ -194,11 +187,7 @@ def _store_index(cache_key: tuple[str, int, int, str, str], index: _ShardIndex) 
 
 def _read_index(path: str, image_ext: str | None, label_ext: str | None) -> _ShardIndex:
     """One pass over the shard's tar headers (a seek per member); the label members are read."""
-    keys: list[str] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
-    labels: list[int] = []
-    problems: list[tuple[str, str]] = []
+    index = _ShardIndex([], [], [], [], [])
     images = (image_ext,) if image_ext else IMAGE_EXTS
     label_exts = (label_ext,) if label_ext else LABEL_EXTS
     try:
@@ -212,23 +201,23 @@ def _read_index(path: str, image_ext: str | None, label_ext: str | None) -> _Sha
                 image = next((found[e] for e in images if e in found), None)
                 label_at = next(((e, found[e]) for e in label_exts if e in found), None)
                 if image is None:
-                    problems.append((current, f"has no image ({', '.join('.' + e for e in images)}); its members: "
-                                              f"{', '.join(sorted('.' + e for e in found))}"))
+                    index.problems.append((current, f"has no image ({', '.join('.' + e for e in images)}); "
+                                                    f"its members: {', '.join(sorted('.' + e for e in found))}"))
                     return
                 if label_at is None:
-                    problems.append((current, f"has no label ({', '.join('.' + e for e in label_exts)})"))
+                    index.problems.append((current, f"has no label ({', '.join('.' + e for e in label_exts)})"))
                     return
                 ext, (off, size) = label_at
                 f.seek(off)
                 try:
                     label = _label_of(f.read(size), ext)
                 except (ValueError, UnicodeDecodeError) as e:
-                    problems.append((current, f"has an unreadable .{ext} label ({e})"))
+                    index.problems.append((current, f"has an unreadable .{ext} label ({e})"))
                     return
-                keys.append(current)
-                offsets.append(image[0])
-                sizes.append(image[1])
-                labels.append(label)
+                index.keys.append(current)
+                index.offsets.append(image[0])
+                index.sizes.append(image[1])
+                index.labels.append(label)
 
             for member in tar:
                 if not member.isfile():
@@ -242,7 +231,7 @@ def _read_index(path: str, image_ext: str | None, label_ext: str | None) -> _Sha
     except (tarfile.TarError, OSError, EOFError) as e:
         raise ValueError(f"cannot read tar shard {quoted(path)}: {type(e).__name__}: {e}; is it a (complete) tar "
                          "file?") from None
-    return _ShardIndex(keys, offsets, sizes, labels, problems)
+    return index
 
 
 class TarShards:
@@ -340,10 +329,8 @@ class TarShards:
         """Close this process's shard files (they reopen on the next read)."""
         with self._fd_lock:
             for key in [k for k in self._fds if k[0] == os.getpid()]:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(self._fds.pop(key))
-                except OSError:
-                    pass
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -356,10 +343,8 @@ class TarShards:
         self._fd_lock = threading.Lock()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"TarShards({len(self.paths)} shards, {len(self)} samples, {len(self.classes)} classes)"

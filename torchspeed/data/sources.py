@@ -11,9 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from torchspeed.data.decode import UnsupportedSample, decode_record, encoded_record, integer_label, to_hwc_uint8
-from torchspeed.data.store import PackedDataset, Record, is_store, looks_damaged
+from torchspeed.batches import BatchFormat
+from torchspeed.data.hfdatasets import hf_images, is_hf_dataset, is_hf_folder
+from torchspeed.data.litformat import is_litdata_dir, litdata_images
+from torchspeed.data.record import (Record, UnsupportedSample, decode_record, encoded_record, integer_label,
+                                     to_hwc_uint8)
+from torchspeed.data.shards import TarShards, looks_like_shards
+from torchspeed.data.store import PackedDataset, is_store, looks_damaged
 from torchspeed.images import IMAGE_EXTENSIONS, quoted, read_image_file, scan_folder
+from torchspeed.models import is_factory_spec, load_callable
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +54,8 @@ class FolderSource:
 
     def _error(self, index: int, e: Exception) -> str:
         text = str(e)
-        what = self.name(index)
         if quoted(self.samples[index][0]) not in text:
-            text = f"cannot read {what}: {type(e).__name__}: {text}"
+            text = f"cannot read {self.name(index)}: {type(e).__name__}: {text}"
         return f"{text}; remove it, or pack the folder with --on-error skip to leave such files out"
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
@@ -81,8 +86,6 @@ class DatasetSource:
         """The sample as a decoded record. Whatever goes wrong is one ValueError naming the sample: the
         Dataset raising, a label that is not a class index, an image over the pixel limit;
         UnsupportedSample for a sample the pipeline does not take (see `spec_for_tuning`)."""
-        from torchspeed.batches import BatchFormat
-
         try:
             sample = self.dataset[index]
         except Exception as e:
@@ -99,13 +102,10 @@ class DatasetSource:
                                     "of one image and a label (image/label, pixel_values/labels, ...)")
         try:
             img = to_hwc_uint8(x)
+            return Record("array", img, img.shape[0], img.shape[1], integer_label(y))
         except UnsupportedSample as e:
             raise UnsupportedSample(f"{self.name(index)}: {e}") from None
         except Exception as e:
-            raise ValueError(f"{self.name(index)}: {e}") from None
-        try:
-            return Record("array", img, img.shape[0], img.shape[1], integer_label(y))
-        except ValueError as e:
             raise ValueError(f"{self.name(index)}: {e}") from None
 
     def __getitem__(self, index: int) -> Any:
@@ -180,8 +180,6 @@ def sample_name(source: Any, index: int) -> str:
 def is_dataset_spec(data: Any) -> bool:
     """Whether `data` names a Dataset factory (`package.module:factory` or `path/file.py:factory`) rather
     than a folder or store (an existing path is always a path)."""
-    from torchspeed.models import is_factory_spec
-
     return isinstance(data, str) and not os.path.exists(data) and is_factory_spec(data.strip())
 
 
@@ -190,8 +188,6 @@ def dataset_from_spec(spec: str) -> Any:
     PYTHONPATH) or `path/file.py:factory`, called with no arguments; it must return a
     map-style Dataset (`__getitem__` and `__len__`). Loaded the way `torchspeed.models` loads a model
     factory; every failure is one error naming the spec."""
-    from torchspeed.models import load_callable
-
     spec = spec.strip()
     try:
         factory = load_callable(spec, what="dataset")
@@ -233,10 +229,6 @@ def as_source(data: Any, in_memory: bool = False, image_column: str | None = Non
     ImageFolder path -> FolderSource; a Dataset -> itself (when it has records) or a DatasetSource.
     `image_column` / `label_column` name the image and label of the shards' members or the columns;
     `on_error` is what a shard sample without an image or label does ("fail" or "skip")."""
-    from torchspeed.data.hfdatasets import hf_images, is_hf_dataset, is_hf_folder
-    from torchspeed.data.litformat import is_litdata_dir, litdata_images
-    from torchspeed.data.shards import TarShards, looks_like_shards
-
     columns = {"image_column": image_column, "label_column": label_column}
     if looks_like_shards(data):
         return TarShards(data, on_error=on_error, **columns)

@@ -14,6 +14,7 @@ long-lived read transaction, so decoding threads can read side by side.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -23,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from torchspeed.data.decode import Record, decode_record
+from torchspeed.data.record import Record, decode_record
 from torchspeed.images import image_size_error
+from torchspeed.optional import optional
 
 __all__ = ["PackedDataset", "FORMAT_VERSION", "MANIFEST", "HEADER", "is_store", "read_manifest", "looks_damaged",
            "check_data_file"]
@@ -43,11 +45,7 @@ def key_of(index: int) -> bytes:
 
 
 def lmdb_module() -> Any:
-    try:
-        import lmdb
-    except ImportError:
-        raise ImportError("the packed store needs the lmdb package: pip install 'torchspeed[data]'") from None
-    return lmdb
+    return optional("lmdb", "data", "the packed store")
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -57,11 +55,8 @@ def is_store(path: str | os.PathLike) -> bool:
 
 
 def looks_damaged(path: str | os.PathLike) -> str | None:
-    """Why the directory `path` is a broken store (one of its two files missing), or None.
-
-    A directory with data.mdb but no manifest (or the reverse) was a store: it must be reported as a
-    damaged store, not read as an image folder with "no class sub-directories".
-    """
+    """Why the directory `path` is a broken store (one of its two files missing), or None: it was a store,
+    to be reported as a damaged one, not read as an image folder with "no class sub-directories"."""
     path = os.fspath(path)
     has_manifest = os.path.isfile(os.path.join(path, MANIFEST))
     has_data = os.path.isfile(os.path.join(path, "data.mdb"))
@@ -86,30 +81,27 @@ _LMDB_MAGIC = 0xBEEFC0DE
 
 
 def check_data_file(path: str | os.PathLike) -> None:
-    """Refuse a store whose data.mdb is shorter than its own LMDB meta page says it is.
-
-    A truncated data.mdb is memory-mapped without complaint and then kills the reading process with
-    SIGBUS at the first record past the end; checking the size against (last page + 1) x page size at
-    open time turns that into a ValueError naming the store.
+    """Refuse a store whose data.mdb is shorter than its own LMDB meta page says it is: a truncated one is
+    memory-mapped without complaint, then kills the reading process with SIGBUS at the first record past
+    the end. Checked at open time against (last page + 1) x page size, it is a ValueError naming the store.
     """
     path = os.fspath(path)
     data = os.path.join(path, "data.mdb")
     hint = f"re-pack it (`torchspeed pack SRC {path} --overwrite`)"
+    metas: list[tuple[int, int, int]] = []
     try:
         size = os.path.getsize(data)
         with open(data, "rb") as f:
-            head = f.read(16 + _LMDB_META.size)
-            metas = []
-            if len(head) == 16 + _LMDB_META.size:
+            for _ in range(2):  # meta pages 0 and 1 (page 1 starts at the page size that page 0 gives)
+                f.seek(metas[0][2] if metas else 0)
+                head = f.read(16 + _LMDB_META.size)
+                if len(head) < 16 + _LMDB_META.size:
+                    break
                 magic, _, _, _, page_size, last_page, txnid = _LMDB_META.unpack_from(head, 16)
-                if magic == _LMDB_MAGIC and page_size in (2 ** k for k in range(9, 17)):
-                    metas.append((txnid, last_page, page_size))
-                    f.seek(page_size)
-                    second = f.read(16 + _LMDB_META.size)
-                    if len(second) == 16 + _LMDB_META.size:
-                        magic, _, _, _, ps2, last2, txn2 = _LMDB_META.unpack_from(second, 16)
-                        if magic == _LMDB_MAGIC and ps2 == page_size:
-                            metas.append((txn2, last2, ps2))
+                allowed = [metas[0][2]] if metas else [2 ** k for k in range(9, 17)]  # page 1: page 0's size
+                if magic != _LMDB_MAGIC or page_size not in allowed:
+                    break
+                metas.append((txnid, last_page, page_size))
     except OSError as e:
         raise ValueError(f"cannot read the data file of store {path!r} ({e.strerror}); {hint}") from None
     if not metas:
@@ -182,33 +174,27 @@ _ENVS_LOCK = threading.RLock()
 
 
 def _acquire_env(path: str) -> Any:
-    with _ENVS_LOCK:
-        return _acquire_env_locked(path)
-
-
-def _acquire_env_locked(path: str) -> Any:
     key = (path, os.getpid())
-    entry = _ENVS.get(key)
-    if entry is None:
-        lmdb = lmdb_module()
-        check_data_file(path)  # also in workers that never ran __init__ (spawn): no SIGBUS on a truncated file
-        try:
-            env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
-        except lmdb.Error as e:
-            raise ValueError(f"cannot open the LMDB data of store {path!r}: {e}; re-pack it "
-                             f"(`torchspeed pack SRC {path} --overwrite`)") from None
-        entry = _ENVS[key] = [env, 0]
-    entry[1] += 1
-    return entry[0]
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None:
+            lmdb = lmdb_module()
+            check_data_file(path)  # also in workers that never ran __init__ (spawn): no SIGBUS on a truncated file
+            try:
+                env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
+            except lmdb.Error as e:
+                raise ValueError(f"cannot open the LMDB data of store {path!r}: {e}; re-pack it "
+                                 f"(`torchspeed pack SRC {path} --overwrite`)") from None
+            entry = _ENVS[key] = [env, 0]
+        entry[1] += 1
+        return entry[0]
 
 
 def _close_inherited_envs() -> None:
     """In a forked child: close the parent's handles (py-lmdb's already-open guard survives fork)."""
     for key in [k for k in _ENVS if k[1] != os.getpid()]:
-        try:
+        with contextlib.suppress(Exception):
             _ENVS.pop(key)[0].close()
-        except Exception:
-            pass
 
 
 if hasattr(os, "register_at_fork"):
@@ -282,18 +268,14 @@ class PackedDataset:
     def _drop_transaction(self) -> None:
         """End this thread's read transaction; the next read begins a new one."""
         txn, self._local.txn, self._local.env = getattr(self._local, "txn", None), None, None
-        try:
-            if txn is not None:
+        if txn is not None:
+            with contextlib.suppress(Exception):
                 txn.abort()
-        except Exception:
-            pass
 
     def _load_into_memory(self) -> None:
         """Copy every record into one contiguous buffer (offsets[i]:offsets[i+1] is record i)."""
         try:
-            sizes = np.empty(len(self), np.int64)
-            for i in range(len(self)):
-                sizes[i] = len(self._raw(i))
+            sizes = [len(self._raw(i)) for i in range(len(self))]
             offsets = np.zeros(len(self) + 1, np.int64)
             np.cumsum(sizes, out=offsets[1:])
             blob = np.empty(int(offsets[-1]), np.uint8)
@@ -373,10 +355,8 @@ class PackedDataset:
         self._open_lock, self._local = threading.Lock(), threading.local()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return (f"PackedDataset({self.path!r}, {len(self)} samples, {len(self.classes)} classes, "

@@ -1,11 +1,10 @@
 """ThreadedBatches: batches made by threads of this process, in order, a few ahead.
 
-Why: on a machine with few cores, worker processes cost more than their decoding. Each batch goes
-through shared memory (a new segment, its pages faulted in twice), pickling and a socket, and the
-main process still has to receive it; with two cores, that overhead is most of a core. The heavy
-steps of a torchspeed batch (JPEG decoding, cv2 resize, the float conversion) run in C with the GIL
-released, so threads decode side by side with no copies at all: `torchspeed bench data` measures
-the two against each other and `fast_loader(num_workers="auto")` keeps whichever is faster here.
+Why: on a machine with few cores, worker processes cost more than their decoding: each batch goes
+through shared memory (a new segment, its pages faulted in twice), pickling and a socket, most of a
+core with two cores. The heavy steps of a torchspeed batch (JPEG decoding, cv2 resize, the float
+conversion) run in C with the GIL released, so threads decode side by side with no copies at all;
+`fast_loader(num_workers="auto")` measures the two and keeps whichever is faster here.
 """
 from __future__ import annotations
 

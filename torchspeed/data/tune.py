@@ -1,13 +1,10 @@
-"""Measuring loader settings: a loader factory timed over num_workers, threads, prefetch_factor,
-persistent_workers and pin_memory (what `tune_loader` and `fast_loader(num_workers="auto")` run).
+"""Measuring loader settings: whatever factory `build(num_workers, prefetch_factor, persistent_workers,
+pin_memory[, threads]) -> iterable of batches` it is given (it knows nothing of `fast_loader`), timed
+over those settings; what `tune_loader` and `fast_loader(num_workers="auto")` run, and remember.
 
 Why (article 004): the best setting is found by timing the loader alone on this machine, and it is
 not the largest: past the core count, workers only compete with each other and with the model. So
 the search walks the candidate counts upward and stops as soon as throughput falls.
-
-This module measures whatever factory it is given and knows nothing of `fast_loader` (which calls
-it): the factory is `build(num_workers, prefetch_factor, persistent_workers, pin_memory[, threads])
--> iterable of batches`.
 """
 from __future__ import annotations
 
@@ -25,11 +22,12 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 import torchspeed.measure as measure
 from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
+from torchspeed.loader_contract import release_workers
 from torchspeed.measure import time_iterable
 from torchspeed.runtime import default_mp_context, usable_cores
 
 __all__ = ["TuneResult", "LoaderRow", "measure_settings", "dataloader_factory", "as_counts", "candidate_counts",
-           "recall_settings", "remember_settings", "shutdown_workers", "worker_error", "QUIET_WAIT_S"]
+           "remembered_settings", "worker_error", "QUIET_WAIT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -75,46 +73,34 @@ def candidate_counts(num_workers: str | int | list[int],
     return workers, _candidates(threads, range(1, cores + 2))
 
 
-def recall_settings(what: str, parts: Mapping[str, Any], refresh: bool = False,
-                    progress: bool | Callable[[str], Any] = False) -> TuneResult | None:
-    """The settings remembered for `parts` (see `remember_settings`) instead of measuring, logged as
-    "<what>: remembered from <date> (<figure>)"; None when `refresh`, never measured, damaged, or no
-    longer possible with the candidates in `parts` (its "num_workers", "threads", "prefetch_factor",
-    "persistent_workers", "pin_memory" lists: then it is measured again)."""
-    memory = None if refresh else remembered.recall("loader", parts)
-    if memory is None:
-        return None
-    try:
+def remembered_settings(what: str, parts: Mapping[str, Any] | None, measure: Callable[[], TuneResult],
+                        refresh: bool = False, progress: bool | Callable[[str], Any] = False) -> TuneResult:
+    """The settings remembered for `parts` (the data, batch, device, candidates: kind "loader" of
+    `torchspeed.remembered`), else `measure()` now, remembered unless timed on a busy machine. Measured
+    again when `refresh`, damaged, or no longer among the candidates ("num_workers", "threads",
+    "prefetch_factor", "persistent_workers", "pin_memory" in `parts`); `parts` None: never kept."""
+
+    def recalled(memory: remembered.Memory) -> TuneResult | None:
         result = TuneResult.from_dict(memory.decision)
-    except (TypeError, KeyError, ValueError):
-        return None
-    threads = parts.get("threads")
-    threads = [threads] if isinstance(threads, int) else threads
-    possible = (result.num_workers in parts.get("num_workers", ()) and result.table
-                and (result.num_workers > 0 or threads is None or result.threads in threads)
-                and (result.num_workers == 0 or result.prefetch_factor in parts.get("prefetch_factor", ()))
-                and (result.num_workers == 0 or result.persistent_workers in parts.get("persistent_workers", ()))
-                and result.pin_memory in parts.get("pin_memory", ()))
-    if not possible:
-        log.info("%s: the remembered settings (%s) are not among the candidates now; measuring again", what,
-                 result.describe())
-        return None
-    result.remembered, result.tuning_s, result.others_cores, result.waited_s = memory.describe(), 0.0, None, 0.0
-    log.info("%s: %s", what, result.remembered)
-    progress_fn(progress)(f"{what}: {result.describe()}, {result.remembered}")
+        threads = parts.get("threads")
+        threads = [threads] if isinstance(threads, int) else threads
+        possible = (result.num_workers in parts.get("num_workers", ()) and result.table
+                    and (result.num_workers > 0 or threads is None or result.threads in threads)
+                    and (result.num_workers == 0 or result.prefetch_factor in parts.get("prefetch_factor", ()))
+                    and (result.num_workers == 0 or result.persistent_workers in parts.get("persistent_workers", ()))
+                    and result.pin_memory in parts.get("pin_memory", ()))
+        if not possible:
+            log.info("%s: the remembered settings (%s) are not among the candidates now; measuring again", what,
+                     result.describe())
+            return None
+        result.remembered, result.tuning_s, result.others_cores, result.waited_s = memory.describe(), 0.0, None, 0.0
+        progress_fn(progress)(f"{what}: {result.describe()}, {result.remembered}")
+        return result
+
+    result, _ = remembered.recall_or_measure(
+        "loader", parts, measure, decode=recalled, busy=lambda r: r.busy_warning, refresh=refresh, what=what,
+        encode=lambda r: ({k: v for k, v in r.to_dict().items() if k != "busy_warning"}, r.figure()))
     return result
-
-
-def remember_settings(what: str, parts: Mapping[str, Any], result: TuneResult) -> None:
-    """Keep a measured `result` for `parts` (what the speed depends on: the data, the batch, the
-    candidates, the device; kind "loader" of `torchspeed.remembered`), unless the machine was busy
-    while it was measured: a choice made on noise is measured again next time rather than trusted."""
-    if result.busy_warning:
-        log.debug("%s: not remembered (the machine was busy while it was measured)", what)
-        return
-    decision = result.to_dict()
-    decision.pop("busy_warning")
-    remembered.remember("loader", parts, decision, result.figure())
 
 
 @dataclass
@@ -187,15 +173,12 @@ class TuneResult:
         return ", ".join(f"{k}={v}" for k, v in best.items())
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["table"] = [r.to_dict() for r in self.table]
-        d["busy_warning"] = self.busy_warning
-        return d
+        return {**asdict(self), "busy_warning": self.busy_warning}  # asdict makes the table's rows dicts too
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TuneResult:
         """The result `to_dict` wrote (a remembered decision); TypeError/KeyError on anything else."""
-        kept = {f.name: d[f.name] for f in fields(cls) if f.name in d and f.name != "busy_warning"}
+        kept = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kept["table"] = [LoaderRow(**r) for r in d.get("table", [])]
         return cls(**kept)
 
@@ -206,16 +189,6 @@ def _more_workers_than_cores_on_purpose() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*worker processes in total.*")
         yield
-
-
-def shutdown_workers(loader: Any) -> None:
-    """Stop a measured loader's worker processes now instead of whenever it is collected (so the next
-    configuration, or the next benchmark row, is timed on quiet cores)."""
-    dl = getattr(loader, "dataloader", loader)
-    it = getattr(dl, "_iterator", None)
-    if it is not None and hasattr(it, "_shutdown_workers"):
-        it._shutdown_workers()
-        dl._iterator = None
 
 
 def worker_error(e: ValueError) -> ValueError:
@@ -345,13 +318,6 @@ class _Setting(NamedTuple):
     persistent_workers: bool
     pin_memory: bool
 
-    @classmethod
-    def of(cls, num_workers: int, threads: int, prefetch_factor: int | None, persistent_workers: bool,
-           pin_memory: bool) -> _Setting:
-        """Options that only worker processes have are None/False without them; threads are 1 with them."""
-        return cls(num_workers, threads if num_workers == 0 else 1, prefetch_factor if num_workers else None,
-                   persistent_workers and num_workers > 0, pin_memory)
-
 
 class _Search:
     """What one measurement shares: the factory, how a configuration is timed, and the rows so far."""
@@ -364,7 +330,11 @@ class _Search:
         self.table: list[LoaderRow] = []
 
     def setting(self, num_workers: int, threads: int) -> _Setting:
-        return _Setting.of(num_workers, threads, *self.first)
+        """The counts with the first options: those only worker processes have are None/False without
+        them; threads are 1 with them."""
+        prefetch_factor, persistent_workers, pin_memory = self.first
+        return _Setting(num_workers, threads if num_workers == 0 else 1, prefetch_factor if num_workers else None,
+                        persistent_workers and num_workers > 0, pin_memory)
 
     def make(self, s: _Setting) -> Any:
         with _more_workers_than_cores_on_purpose():  # DataLoader warns when it is built and when iterated
@@ -376,9 +346,6 @@ class _Search:
             return time_iterable(lambda: loader, name=f"workers={s.num_workers}", warmup_items=max(1, s.num_workers),
                                  passes=passes, min_pass_s=self.tune_seconds, device=self.device)
 
-    def record(self, s: _Setting, items_per_s: float, final: bool = False) -> None:
-        self.table.append(LoaderRow(**s._asdict(), items_per_s=items_per_s, final=final))
-
     def measure(self, s: _Setting) -> float:
         """Items/s of one configuration: two passes after a warm-up, its workers stopped afterwards."""
         self.say(f"timing num_workers={s.num_workers}, threads={s.threads}, prefetch_factor={s.prefetch_factor}, "
@@ -387,9 +354,9 @@ class _Search:
         try:
             timing = self.time_passes(loader, s, passes=2)
         finally:
-            shutdown_workers(loader)
+            release_workers(loader)
         rate = float(timing.throughput or 0.0)
-        self.record(s, rate)
+        self.table.append(LoaderRow(**s._asdict(), items_per_s=rate))
         return rate
 
     def walk(self, settings: Sequence[_Setting]) -> tuple[float, _Setting]:
@@ -413,8 +380,7 @@ class _Search:
         self.say(f"final: {', '.join(f'num_workers={s.num_workers}, threads={s.threads}' for s in candidates)}, "
                  "interleaved")
         loaders = {s: self.make(s) for s in candidates}
-        items = dict.fromkeys(candidates, 0.0)
-        spent = dict.fromkeys(candidates, 0.0)
+        items, spent = dict.fromkeys(candidates, 0.0), dict.fromkeys(candidates, 0.0)
         try:
             for _ in range(rounds):
                 for s, loader in loaders.items():
@@ -423,10 +389,9 @@ class _Search:
                     spent[s] += sum(timing.times_s)
         finally:
             for loader in loaders.values():
-                shutdown_workers(loader)
+                release_workers(loader)
         rates = {s: items[s] / spent[s] if spent[s] > 0 else 0.0 for s in candidates}
-        for s, rate in rates.items():
-            self.record(s, rate, final=True)
+        self.table += [LoaderRow(**s._asdict(), items_per_s=rate, final=True) for s, rate in rates.items()]
         best = max(rates, key=rates.__getitem__)
         return rates[best], best
 
@@ -446,16 +411,15 @@ def measure_settings(
 ) -> TuneResult:
     """Time the loaders `build` makes over settings; return the fastest with the whole table.
 
-    `num_workers`: the counts tried ("auto": 0..cores+1, or a list of candidates), walked upward until
-    `patience` successive counts are slower than the best so far. `threads` (factories taking
-    `threads=`): with "auto" (1..cores+1) or a list, num_workers=0 is walked over those threads counts
-    and the worker processes over the positive num_workers candidates, then the two winners run
-    again, interleaved, three passes each (rows marked `final`); an integer fixes the threads used
-    at num_workers=0; None: the factory takes no threads. `prefetch_factor`, `persistent_workers` and
-    `pin_memory` are the candidate values of each (the first is used while the counts are walked);
-    the others of the first two are then tried at the best worker count, and pin_memory's last. Each
-    configuration runs two passes of `tune_seconds` after a warm-up, once other processes have left
-    the cores (waiting at most `QUIET_WAIT_S`; `others_cores` says when they did not).
+    `num_workers`: "auto" (0..cores+1) or a list of candidates, walked upward until `patience`
+    successive counts are slower than the best so far. `threads` (factories taking `threads=`): with
+    "auto" (1..cores+1) or a list, num_workers=0 is walked over those counts and the worker processes
+    over the positive num_workers, then the two winners run again, interleaved, three passes each (rows
+    marked `final`); an integer fixes the threads at num_workers=0; None: the factory takes none.
+    `prefetch_factor`, `persistent_workers`, `pin_memory`: candidates, the first used while the counts
+    are walked, the others tried at the best count (pin_memory's last). Each configuration runs two
+    passes of `tune_seconds` after a warm-up, once other processes have left the cores (waiting at most
+    `QUIET_WAIT_S`; `others_cores` says when they did not).
     """
     t_start = time.perf_counter()
     worker_counts = as_counts(num_workers, "num_workers", 0)

@@ -1,17 +1,12 @@
-"""The data fix `doctor --try fast_loader` measures: a torch DataLoader that reads image files (a
-torchvision ImageFolder / DatasetFolder, or a Dataset of `(path, label)` samples) through the standard
-transforms is swapped for `torchspeed.data.fast_loader` on the same files, with the crop size, flip and
-normalisation read from its Compose.
+"""The data fix `doctor --try fast_loader` measures: a torch DataLoader reading image files (an
+ImageFolder / DatasetFolder, or a Dataset of `(path, label)` samples) through the standard transforms
+is swapped for `torchspeed.data.fast_loader` on the same files, crop, flip and normalisation read from
+its Compose. Why not only more workers: PIL's full-size JPEG decode is the cost, and on few cores
+workers add no core; fast_loader decodes DCT-scaled and crops on uint8 in threads that release the GIL.
 
-Why this fix and not only more workers: decoding full-size JPEGs with PIL is the cost, and on a machine
-with few cores worker processes add no core. fast_loader decodes DCT-scaled and crops on uint8, in
-threads that release the GIL; the swap measures what that gives beside the script's own step.
-
-Child side (in the script's process, imports no torchspeed area until a swap is made): `describe`
-reads a DataLoader's dataset and transforms into a plain dict (recorded by every run), `image_stats`
-summarises a batch, `install_swap` makes the described loader iterate a fast_loader. Parent side:
-`candidates` (what to try), `code` (the lines to write) and `numerics` (same files and labels; image
-statistics within tolerance, since random crops never give equal pixels).
+`describe` reads a DataLoader into a plain dict (in the script's process, without importing torch);
+`candidates`, `code` and `numerics` (same files and labels; image statistics within tolerance, as
+random crops never give equal pixels) run in the parent. The swap itself is `injection`'s.
 """
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ import math
 import os
 from typing import Any
 
-__all__ = ["EVAL_CROP_FRACTION", "candidates", "code", "describe", "image_stats", "install_swap", "numerics",
-           "MEAN_Z", "STD_RATIO"]
+__all__ = ["EVAL_CROP_FRACTION", "candidates", "code", "describe", "keywords", "numerics", "MEAN_Z", "STD_RATIO"]
 
 EVAL_CROP_FRACTION = 0.875  # fast_loader's evaluation crop: this share of the short side (Resize(256) + CenterCrop(224))
 MEAN_Z = 4.0  # per-channel image means may differ by this many standard errors (random crops of other images)
@@ -162,59 +156,7 @@ def _transforms(transform: Any) -> dict[str, Any] | str:
     return "its transforms neither crop at random (RandomResizedCrop) nor resize and centre-crop"
 
 
-def image_stats(batch: Any) -> dict[str, Any] | None:
-    """Per-image channel means and the per-channel pixel std of a batch's images (its first floating
-    4-D tensor): what `numerics` compares, since random crops never give the same pixels twice."""
-    import torch
-
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]
-    x = next((v for v in items if isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point()), None)
-    if x is None or x.shape[0] == 0:
-        return None
-    with torch.no_grad():
-        x = x.detach().float()
-        means = x.mean(dim=(2, 3))
-        std = x.transpose(0, 1).reshape(x.shape[1], -1).std(dim=1)
-    read = torch._C.TensorBase  # unpatched reads: doctor's own, not the loop's host syncs
-    return {"means": read.tolist(read.cpu(means)), "std": read.tolist(read.cpu(std))}
-
-
-def install_swap(value: dict[str, Any], notes: dict[str, Any]) -> Any:
-    """Make the DataLoader that `value` names (its root, train/eval crop) iterate a fast_loader of the same
-    files instead; what the swap found (same samples?, decoder) goes into `notes`. Returns the undo."""
-    from torch.utils.data import DataLoader
-
-    orig = DataLoader.__iter__  # doctor's instrumented __iter__: other loaders stay measured as before
-    made: dict[int, tuple[Any, Any]] = {}  # id(loader) -> (loader, its fast_loader or None); the loader kept alive
-
-    def swapped_iter(loader: Any) -> Any:
-        if id(loader) not in made:
-            made[id(loader)] = (loader, _fast_for(loader, value, notes))
-        fast = made[id(loader)][1]
-        return orig(loader) if fast is None else iter(fast)
-
-    DataLoader.__iter__ = swapped_iter
-    return lambda: setattr(DataLoader, "__iter__", orig)
-
-
-def _fast_for(loader: Any, value: dict[str, Any], notes: dict[str, Any]) -> Any:
-    d = describe(loader)
-    if not d or not d.get("supported") or d["root"] != value["root"] or d["train"] != value["train"] \
-            or d["crop"] != value["crop"]:
-        return None
-    from torchspeed.data import fast_loader
-
-    kw = _keywords(d, value)
-    fast = fast_loader(d["root"], loader.batch_size, **kw)
-    theirs = sorted((os.path.abspath(p), int(y)) for p, y in (getattr(loader.dataset, "samples", None)
-                                                              or loader.dataset.imgs))
-    ours = sorted((os.path.abspath(p), int(y)) for p, y in fast.dataset.samples)
-    notes.update(root=d["root"], same_samples=theirs == ours, samples=len(theirs), fast_samples=len(ours),
-                 decoder=fast.decoder, threads=fast.threads, num_workers=fast.num_workers)
-    return fast
-
-
-def _keywords(d: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+def keywords(d: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
     """fast_loader's keywords for a description `d` and a tried `value` (the ones that differ from its
     defaults are what `code` prints)."""
     kw: dict[str, Any] = {"train": d["train"], "crop": d["crop"]}
@@ -247,7 +189,7 @@ def code(value: dict[str, Any], loaders: list[dict[str, Any]]) -> str:
     bs = next((ld.get("batch_size") for ld in loaders if (ld.get("images") or {}).get("root") == value["root"]), None)
     if d is None:
         return f"loader = ts.data.fast_loader({value['root']!r}, batch_size=..., crop={value['crop']})"
-    kw = _keywords(d, value)
+    kw = keywords(d, value)
     args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
     what = "RandomResizedCrop + RandomHorizontalFlip" if d["train"] else "Resize + CenterCrop"
     return (f"import torchspeed as ts\n"

@@ -1,23 +1,10 @@
 """The fixes `torchspeed doctor --try` measures on the user's unchanged script: which apply (from the
-baseline run's findings and this machine's capability), the code a user adds to keep one, how close
-its losses must stay to the baseline's, and (child side) how the bootstrap injects it.
-
-Parent side (planning, code, tolerances) imports no torch; `FixState` (child side) does.
-
-| fix | injected by the bootstrap | numerics judged by |
-|---|---|---|
-| `workers=N` | DataLoader(num_workers=N, persistent_workers=True) for loaders made with 0 | same batches (labels), in order |
-| `fast_loader` (image files) | the DataLoader of an ImageFolder iterates `data.fast_loader` on the same files (`datafix`) | same files and labels, image statistics |
-| `persistent_workers` | DataLoader(persistent_workers=True) where workers exist | same batches |
-| `pin_memory` (CUDA) | DataLoader(pin_memory=True), pinned `.to(cuda)` copies non_blocking | same batches |
-| `bf16` (bf16 hardware) | autocast(bf16) around each training forward, output cast back to fp32 | losses, precision tolerance |
-| `fp16` (CUDA) | autocast(fp16) + a GradScaler around backward and the optimizer step | losses, precision tolerance |
-| `channels_last` | model and 4-D inputs in channels_last at the first training forward | losses, fp32 tolerance |
-| `cudnn_benchmark` (CUDA) | torch.backends.cudnn.benchmark = True | losses, fp32 tolerance |
-| `fused_optimizer` | SGD/Adam/AdamW(fused=True), other optimizers foreach=True | losses, fp32 tolerance |
-| `inference_mode` | torch.inference_mode() around no_grad evaluation forwards | losses, fp32 tolerance |
-| `threads=N` | torch.set_num_threads(N), the script's own calls ignored | losses, fp32 tolerance |
-| `compile` (opt-in) | the outermost training module's forward through torch.compile | losses, fp32 tolerance |
+baseline run's findings and this machine's capability), the code a user adds to keep one, and how
+close its losses must stay to the baseline's. The parent plans without torch; how the bootstrap
+injects a fix in the script's process is `injection`'s. What each fix injects and when it is tried:
+the fix table of docs/doctor.md. Numerics: the loader fixes must give the same batches in order,
+`fast_loader` the same files and labels with close image statistics (`datafix`), the others the
+first losses within `TOLERANCES` ("precision" for bf16 / fp16, "math" for the rest).
 """
 from __future__ import annotations
 
@@ -28,7 +15,7 @@ from typing import Any, NamedTuple
 from torchspeed.doctor import datafix
 from torchspeed.doctor.rules import loader_parallelism, training_loaders
 
-__all__ = ["FIX_NAMES", "TOLERANCES", "Plan", "check_names", "plan", "code_for", "label", "numerics", "FixState"]
+__all__ = ["FIX_NAMES", "FUSABLE", "TOLERANCES", "Plan", "check_names", "plan", "code_for", "label", "numerics"]
 
 # relative tolerance on the first NUMERICS_STEPS losses, by kind of fix: the loss before any update
 # (the forward's math) and the one after the first update (backward and optimizer). Later losses are
@@ -306,186 +293,3 @@ def numerics(name: str, base: dict[str, Any], fixed: dict[str, Any]) -> dict[str
     out.update(tolerance=f"relative {tol:g} on the first {NUMERICS_STEPS} losses",
                ok=None if diff is None or k == 0 else diff <= tol)
     return out
-
-
-# ====================================================================== child side: injection
-@dataclass
-class FixState:
-    """The fixes one `--try` run injects; the Recorder's hooks call `forward_pre` / `forward_post` /
-    `scale_loss` / `before_step` / `after_step`; everything else is patched at `install`."""
-
-    spec: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        self._ctx: list[Any] = []  # per outermost forward: the context entered (or None)
-        self._converted: set[int] = set()  # modules made channels_last
-        self._compiled: set[int] = set()
-        self.scaler: Any = None
-        self.compile_window: int | None = None
-        self.notes: dict[str, Any] = {}  # what a fix found while applied (the data fix: same files?)
-
-    def install(self, rec: Any) -> list[Any]:
-        """Apply the global parts of the fixes; returns undo callables."""
-        import torch
-
-        undo: list[Any] = []
-        spec = self.spec
-        if spec.get("threads"):
-            torch.set_num_threads(int(spec["threads"]))
-            orig_set = torch.set_num_threads
-            torch.set_num_threads = lambda n: None  # the script's own setting would undo the fix
-            undo.append(lambda: setattr(torch, "set_num_threads", orig_set))
-        if spec.get("cudnn_benchmark"):
-            orig_flag = torch.backends.cudnn.benchmark
-            torch.backends.cudnn.benchmark = True
-            undo.append(lambda: setattr(torch.backends.cudnn, "benchmark", orig_flag))
-        if spec.get("fp16"):
-            self.scaler = torch.amp.GradScaler("cuda")
-        loader_kw: dict[str, Any] = {}
-        if spec.get("workers"):
-            loader_kw["num_workers"] = int(spec["workers"])
-        if spec.get("persistent_workers"):
-            loader_kw["persistent_workers"] = True
-        if spec.get("pin_memory"):
-            loader_kw["pin_memory"] = True
-            rec.non_blocking = True
-        if loader_kw:
-            undo.append(_patch_dataloader(loader_kw))
-        if spec.get("fast_loader"):
-            undo.append(datafix.install_swap(spec["fast_loader"], self.notes.setdefault("fast_loader", {})))
-        if spec.get("fused_optimizer"):
-            undo.extend(_patch_optimizers())
-        return undo
-
-    # forward hooks (outermost calls only) -----------------------------------------------------
-    def forward_pre(self, rec: Any, module: Any, args: tuple, training: bool) -> tuple | None:
-        import torch
-
-        ctx = None
-        new_args = None
-        if training:
-            p = next(module.parameters(), None)  # where the module runs, whatever its inputs (keywords too)
-            dev = p.device.type if p is not None else "cpu"
-            if self.spec.get("channels_last"):
-                if id(module) not in self._converted:
-                    self._converted.add(id(module))
-                    module.to(memory_format=torch.channels_last)
-                new_args = tuple(a.contiguous(memory_format=torch.channels_last)
-                                 if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point() else a
-                                 for a in args)
-            if self.spec.get("bf16") or self.spec.get("fp16"):
-                ctx = torch.autocast(dev, dtype=torch.bfloat16 if self.spec.get("bf16") else torch.float16)
-            if self.spec.get("compile") and id(module) not in self._compiled:
-                self._compiled.add(id(module))
-                module.forward = torch.compile(module.forward)  # from the next call on
-                self.compile_window = rec.steps  # the window (training step) the compile lands in
-        elif self.spec.get("inference_mode") and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-            ctx = torch.inference_mode()
-        if ctx is not None:
-            ctx.__enter__()
-        self._ctx.append(ctx)
-        return new_args
-
-    def forward_post(self, module: Any, output: Any) -> Any:
-        ctx = self._ctx.pop() if self._ctx else None
-        if ctx is None:
-            return None
-        ctx.__exit__(None, None, None)
-        if self.spec.get("bf16") or self.spec.get("fp16"):
-            return _to_float(output)  # the loss is computed in fp32, as the printed code does
-        return None
-
-    # GradScaler (fp16 on CUDA) -------------------------------------------------------------------
-    def scale_loss(self, tensors: Any) -> Any:
-        import torch
-
-        if self.scaler is None or not isinstance(tensors, torch.Tensor):
-            return tensors
-        return self.scaler.scale(tensors)
-
-    def before_step(self, opt: Any) -> None:
-        """scaler.step(opt) from outside: unscale; on inf/NaN gradients the step runs on no gradients."""
-        if self.scaler is None:
-            return
-        self.scaler.unscale_(opt)
-        found = sum(float(v) for v in self.scaler._found_inf_per_device(opt).values())
-        if found:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-
-    def after_step(self, opt: Any) -> None:
-        if self.scaler is not None:
-            self.scaler.update()
-
-
-def _to_float(out: Any) -> Any:
-    """The floating tensors of a model's output in fp32, as the printed code computes the loss. Dicts are
-    changed in place on purpose: a Hugging Face ModelOutput (a dict subclass) keeps its type and fields."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(_to_float(o) for o in out)
-    if isinstance(out, list):
-        return [_to_float(o) for o in out]
-    if isinstance(out, dict):
-        for k in list(out):
-            out[k] = _to_float(out[k])
-        return out
-    return out
-
-
-def _patch_dataloader(kw: dict[str, Any]) -> Any:
-    """DataLoader.__init__ with `kw` applied: workers only where the script made none; persistent and
-    pinned where it has workers / a CUDA device."""
-    import inspect
-
-    from torch.utils.data import DataLoader
-
-    orig = DataLoader.__init__
-    sig = inspect.signature(orig)
-
-    def init(self, *a, **k):
-        bound = sig.bind(self, *a, **k)
-        args = bound.arguments
-        if "num_workers" in kw and not args.get("num_workers"):
-            args["num_workers"] = kw["num_workers"]
-            args.setdefault("persistent_workers", True)
-        if kw.get("persistent_workers") and args.get("num_workers"):
-            args["persistent_workers"] = True
-        if kw.get("pin_memory"):
-            args["pin_memory"] = True
-        return orig(*bound.args, **bound.kwargs)
-
-    DataLoader.__init__ = init
-    return lambda: setattr(DataLoader, "__init__", orig)
-
-
-def _patch_optimizers() -> list[Any]:
-    """SGD / Adam / AdamW made with fused=True, other torch.optim optimizers with foreach=True, unless
-    the script chose either."""
-    import inspect
-
-    import torch
-
-    undo = []
-    for name in dir(torch.optim):
-        cls = getattr(torch.optim, name)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-            continue
-        params = inspect.signature(cls.__init__).parameters
-        key = "fused" if name in FUSABLE and "fused" in params else "foreach" if "foreach" in params else None
-        if key is None or "__init__" not in vars(cls):
-            continue
-        orig = vars(cls)["__init__"]
-
-        def init(self, *a, __orig=orig, __cls=cls, __key=key, **k):
-            if type(self) is __cls and k.get("fused") is None and k.get("foreach") is None:
-                k[__key] = True
-            return __orig(self, *a, **k)
-
-        setattr(cls, "__init__", init)
-        undo.append(lambda cls=cls, orig=orig: setattr(cls, "__init__", orig))
-    return undo

@@ -6,6 +6,8 @@ of the script, which then runs under runpy as `__main__` with its own argv.
 """
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import re
 import shlex
@@ -17,11 +19,18 @@ import sys
 import tempfile
 from typing import Any
 
+from rich.console import Console
+from rich.markup import escape
+
 from torchspeed.args import progress_fn
-from torchspeed.doctor import instrument
+from torchspeed.atomic import atomic_write, write_json
+from torchspeed.doctor import child_env, trying
 from torchspeed.doctor.fixes import check_names, plan
+from torchspeed.doctor.output import markdown, print_profile
 from torchspeed.doctor.phases import PHASES, verdict
+from torchspeed.doctor.rules import loop_findings
 from torchspeed.measure import OthersLoad, wait_for_quiet_machine
+from torchspeed.outputs import check_output_file, claim_output_dir
 
 __all__ = ["QUIET_WAIT_S", "REPORT_FILES", "TRY_STEPS", "build_payload", "check_interpreter", "child_command", "run_doctor"]
 
@@ -74,11 +83,13 @@ def child_command(command: list[str]) -> list[str]:
         raise ValueError(f"doctor runs Python scripts: the command must start with a Python interpreter, got {exe!r} "
                          "(use: torchspeed doctor -- python your_train.py ARGS)")
     opts, mode, target, args = _python_arguments(rest)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(instrument.__file__))))
-    # Ctrl-C or doctor's --timeout (SIGINT) ends the child with status 130 and no traceback of doctor's
-    # frames; the report of what ran is written before (instrument.main) when the script had started.
-    boot = (f"import sys\ntry:\n    sys.path.insert(0, {root!r}); from torchspeed.doctor.instrument import main; "
-            f"sys.path.remove({root!r}); sys.path.append({root!r}); main()\n"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # this torchspeed is found first, then sys.path is put back before anything else is imported (the
+    # bootstrap's imports resolve as the script's will). Ctrl-C or doctor's --timeout (SIGINT) ends the
+    # child with status 130 and no traceback of doctor's frames; the report of what ran is written
+    # before (bootstrap.main) when the script had started.
+    boot = (f"import sys\ntry:\n    sys.path.insert(0, {root!r}); import torchspeed; sys.path.remove({root!r}); "
+            f"sys.path.append({root!r})\n    from torchspeed.doctor.bootstrap import main; main()\n"
             "except KeyboardInterrupt:\n    sys.exit(130)")
     return [exe, *opts, "-c", boot, mode, target, *args]
 
@@ -121,8 +132,6 @@ def _sum(windows: list[dict[str, Any]]) -> tuple[float, dict[str, float], int]:
 
 def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> dict[str, Any]:
     """The doctor report (the JSON contract) from the child's raw record."""
-    from torchspeed.doctor.rules import loop_findings
-
     windows = raw.get("windows") or []
     settings = raw.get("settings") or {}
     wall, phases, samples = _sum(windows)
@@ -176,8 +185,6 @@ def _no_report(status: int) -> str:
 def _read_raw(tmpdir: str, raw_path: str) -> tuple[dict[str, Any], int]:
     """The child's record, and the number of ranks under torchrun (0 for one process): rank 0's record
     is the report (each rank measures its own loop; they run in lockstep)."""
-    import json
-
     ranks = sorted(f for f in os.listdir(tmpdir) if f.startswith("raw.json.rank"))
     path = raw_path if os.path.exists(raw_path) else os.path.join(tmpdir, "raw.json.rank0")
     raw: dict[str, Any] = {}
@@ -228,8 +235,6 @@ def _die_with_parent() -> Any:
     never leaves the script running (Linux: PR_SET_PDEATHSIG); None where that is not available."""
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         prctl = libc.prctl
@@ -269,7 +274,7 @@ def _run_child(argv: list[str], env: dict[str, str], timeout: float | None,
     _clean_stale_tmpdirs()
     tmpdir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
     raw_path = os.path.join(tmpdir, "raw.json")
-    env = {**env, instrument.ENV_OUT: raw_path}
+    env = {**env, child_env.ENV_OUT: raw_path}
     try:
         proc = subprocess.Popen(argv, env=env, stdout=log if log is not None else _script_stdout(),
                                 stderr=subprocess.STDOUT if log is not None else None,
@@ -319,11 +324,7 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
         raw["others_cores"] = load.cores()
     payload = build_payload(raw, command, status)
     _note_how_it_ended(payload, raw, status, ranks, timeout if timed_out else None, interrupted)
-    con = None
-    if console is not False:
-        from rich.console import Console
-
-        con = console or Console()
+    con = None if console is False else console or Console()
     if measure_fixes:
         _try(payload, raw, command, argv, env, (steps, timeout, requested), con, timed_out or interrupted, (quiet, load))
     # what a person reads: the steady steps (the first step's one-time costs are in the JSON's totals)
@@ -344,13 +345,10 @@ def _claim_outputs(out: str | None, json_path: str | None) -> Any:
     """Check `--out` and `--json` before the script runs, so a bad one costs no run. `--out` is new or a
     folder torchspeed wrote (never one holding a user's file); an earlier doctor report there is
     replaced. Returns the claimed folder (`torchspeed.outputs.OutputDir`) or None."""
-    from torchspeed.outputs import check_output_file, claim_output_dir
-
     if json_path:
         check_output_file(json_path, "--json")
     if not out:
         return None
-
     return claim_output_dir(out, "doctor", overwrite=True, replaces=REPORT_FILES)
 
 
@@ -373,11 +371,11 @@ def _fixes_requested(try_fixes: list[str] | None | bool, steps: int | None) -> t
 def _child_env(steps: int | None, cprofile: bool, trace: bool, out: str | None, seeded: bool) -> dict[str, str]:
     """This process's environment plus what the bootstrap reads: step limit, cProfile, trace path, seed."""
     env = dict(os.environ)
-    env[instrument.ENV_STEPS] = str(steps or "")
-    env[instrument.ENV_CPROFILE] = "1" if cprofile else ""
-    env[instrument.ENV_TRACE] = os.path.abspath(os.path.join(out, "doctor-trace.json")) if trace and out else ""
+    env[child_env.ENV_STEPS] = str(steps or "")
+    env[child_env.ENV_CPROFILE] = "1" if cprofile else ""
+    env[child_env.ENV_TRACE] = os.path.abspath(os.path.join(out, "doctor-trace.json")) if trace and out else ""
     if seeded:
-        env[instrument.ENV_SEED] = "0"  # the baseline run is seeded like the runs it is compared with
+        env[child_env.ENV_SEED] = "0"  # the baseline run is seeded like the runs it is compared with
     return env
 
 
@@ -399,10 +397,6 @@ def _note_how_it_ended(payload: dict[str, Any], raw: dict[str, Any], status: int
 
 def _print_report(con: Any, command: list[str], status: int, payload: dict[str, Any], shown: dict[str, Any],
                   timed_out_after: float | None) -> None:
-    from rich.markup import escape
-
-    from torchspeed.doctor.output import print_profile
-
     con.print(f"[bold]torchspeed doctor[/]: {escape(shlex.join(command))} -> exit status {status}, "
               f"{payload['steps']} training steps seen ({payload['status']})", highlight=False)
     if payload.get("error"):
@@ -411,18 +405,13 @@ def _print_report(con: Any, command: list[str], status: int, payload: dict[str, 
     if payload.get("trace"):
         con.print(f"torch.profiler trace (open in https://ui.perfetto.dev or chrome://tracing): {payload['trace']}")
     if payload.get("try"):
-        from torchspeed.doctor.trying import print_tried
-
-        print_tried(payload["try"], con)
+        trying.print_tried(payload["try"], con)
     if timed_out_after is not None:
         con.print(f"torchspeed doctor: the script ran past --timeout {timed_out_after:g} s and was stopped; the report "
                   "covers the steps it ran (exit status 124, as timeout(1))", highlight=False, markup=False)
 
 
 def _write_report(payload: dict[str, Any], shown: dict[str, Any], json_path: str | None, out: str | None) -> None:
-    from torchspeed.atomic import atomic_write, write_json
-    from torchspeed.doctor.output import markdown
-
     if json_path:
         write_json(json_path, payload)
     if out:
@@ -437,8 +426,6 @@ def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv:
     `how` is (steps per run, timeout per run, the fixes asked for); `machine` is (the `measure.Quiet`
     waited for before the baseline run, the OthersLoad started then), so a busy machine is named
     beside the figures it disturbed."""
-    from torchspeed.doctor import trying
-
     steps, timeout, requested = how
     quiet, load = machine
     if stopped or len(raw.get("windows") or []) < 2:

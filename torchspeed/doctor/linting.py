@@ -1,14 +1,12 @@
 """Model lint: per-layer FLOPs, memory access and measured time from a traced forward pass, and the
 rules that judge them (the ShuffleNet V2 guidelines G1-G4, Conv+BN fusion, channel alignment, the
-output-activation / loss pairing).
+output-activation / loss pairing). "Memory access" is the ShuffleNet V2 paper's MAC (bytes read +
+written by an op), not called MACs here, which usually means multiply-accumulates.
 
-"Memory access" is the ShuffleNet V2 paper's MAC (bytes read + written by an op); it is not called
-MACs here because that name usually means multiply-accumulates.
-
-The trace runs the model under a TorchDispatchMode, so it sees every ATen op the model really runs
-(functional calls included), which module ran it, its FLOPs (torch's own formulas), the bytes it
-touched, and how long it took (synchronised, timed without the tracer's own overhead), and which op
-produced each of its inputs: the dataflow the pairing and fragmentation rules need.
+The trace runs under a TorchDispatchMode, so it sees every ATen op the model really runs (functional
+calls too), the module that ran it, its FLOPs (torch's formulas), the bytes it touched, its time
+(synchronised, without the tracer's overhead) and the producer of each input (for the pairing and
+fragmentation rules).
 """
 from __future__ import annotations
 
@@ -20,10 +18,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
 from torchspeed.doctor.advice import Finding, finding, rank
+from torchspeed.doctor.output import format_lint
 from torchspeed.measure import OthersLoad, busy_warning, wait_for_quiet_machine
 from torchspeed.runtime import process_as_found
 
@@ -46,17 +47,13 @@ _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_pro
            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_attention_math"}
 
 
+_KINDS = (("view", _VIEW), ("conv", _CONV), ("matmul", _MATMUL), ("norm", _NORM), ("elementwise", _ELEMENTWISE))
+
+
 def _kind(name: str) -> str:
-    if name in _VIEW:
-        return "view"
-    if name in _CONV:
-        return "conv"
-    if name in _MATMUL:
-        return "matmul"
-    if name in _NORM:
-        return "norm"
-    if name in _ELEMENTWISE:
-        return "elementwise"
+    kind = next((k for k, names in _KINDS if name in names), None)
+    if kind is not None:
+        return kind
     if "pool" in name or name in ("mean", "sum", "amax"):
         return "pool"
     if name in ("cat", "stack", "constant_pad_nd", "contiguous", "index", "gather"):
@@ -106,8 +103,6 @@ class _Tracer(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         kind = _kind(name)
         flops = 0.0
-        from torch.utils.flop_counter import flop_registry
-
         fn = flop_registry.get(func._overloadpacket)
         if fn is not None:
             try:
@@ -147,8 +142,6 @@ def _trace(model: nn.Module, example_input: Any, loss_fn: Any = None, target: An
             x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
             shapes[name] = {"in": tuple(x.shape) if x is not None else None,
                             "out": tuple(output.shape) if isinstance(output, torch.Tensor) else None}
-
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     h1 = register_module_forward_pre_hook(pre)
     h2 = register_module_forward_hook(post)
@@ -238,8 +231,6 @@ class LintResult:
                 "others_cores": self.others_cores, "busy": self.busy, "waited_s": round(self.waited_s, 2)}
 
     def __str__(self) -> str:
-        from torchspeed.doctor.output import format_lint
-
         return format_lint(self)
 
 

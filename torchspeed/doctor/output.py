@@ -8,22 +8,19 @@ import os
 import shlex
 from typing import Any
 
+from rich.console import Console
+
+from torchspeed.doctor.trying import markdown_tried
 from torchspeed.tables import print_table
 
 __all__ = ["print_profile", "print_findings", "print_lint", "format_lint", "format_profile", "markdown"]
 
 
 def _console(console: Any = None) -> Any:
-    if console is not None:
-        return console
-    from rich.console import Console
-
-    return Console()
+    return console if console is not None else Console()
 
 
 def _capture(fn, *args) -> str:
-    from rich.console import Console
-
     con = Console(width=120, record=True, file=open(os.devnull, "w"))
     fn(*args, con)
     return con.export_text()
@@ -134,8 +131,6 @@ def markdown(d: dict[str, Any], title: str) -> str:
         lines += [f"{i}. **{f['rule']}** ({gain}): {f['message']}", f"   - fix: {f['fix']}",
                   f"   - measure: `{f['command']}`", f"   - gain basis: {f['gain_basis']}"]
     if d.get("try"):
-        from torchspeed.doctor.trying import markdown_tried
-
         lines += [""] + markdown_tried(d["try"])
     if d.get("error"):
         lines += ["", f"The script raised: `{d['error']}`"]

@@ -1,10 +1,8 @@
-"""`profile`: time each phase of a training step on the user's own model, loader and optimizer.
-
-Phases: data (blocked in next(loader)), copy (host-to-device), forward (model + loss), backward,
-optimizer (step + zero_grad), other (the rest of the wall time). On CPU every op is synchronous, so
-host timers measure the work. On CUDA, CUDA events bracket copy/forward/backward/optimizer and time
-the GPU work itself, while the host timer gives the wall time of the step (synchronised once per
-step, so the loop keeps its natural overlap); the GPU's busy share tells launch overhead apart.
+"""`profile`: time each phase of a training step on the user's own model, loader and optimizer: data
+(blocked in next(loader)), copy (host-to-device), forward (model + loss), backward, optimizer (step +
+zero_grad), other (the rest). On CPU ops are synchronous, so host timers measure the work; on CUDA,
+events time the GPU work of each phase, the host the step's wall (one sync per step, so the loop keeps
+its overlap), and the GPU's busy share tells launch overhead apart.
 """
 from __future__ import annotations
 
@@ -18,8 +16,11 @@ from torch import nn
 
 from torchspeed.batches import DICT_KEY_PAIRS, BatchFormat, batch_size, split_batch, to_device
 from torchspeed.doctor.advice import Finding
-from torchspeed.doctor.phases import PHASES, verdict
-from torchspeed.doctor.settings import loader_settings, machine_settings, model_settings
+from torchspeed.doctor.linting import loss_pairing
+from torchspeed.doctor.loop_setup import loader_settings, machine_settings, model_settings
+from torchspeed.doctor.output import format_profile
+from torchspeed.doctor.phases import PHASES, busy_time, verdict
+from torchspeed.doctor.rules import loop_findings
 from torchspeed.measure import PeakMemory
 
 __all__ = ["ProfileResult", "profile"]
@@ -48,8 +49,6 @@ class ProfileResult:
                 "findings": [f.to_dict() for f in self.findings]}
 
     def __str__(self) -> str:
-        from torchspeed.doctor.output import format_profile
-
         return format_profile(self.to_dict())
 
 
@@ -153,8 +152,6 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
         gpu_busy = share * t.wall if share is not None else t.gpu_busy
     v, evidence = verdict(phases, t.wall, gpu_busy)
     settings = _loop_settings(step, loader, warmup + steps, batches.epochs, t.first_batch)
-    from torchspeed.doctor.rules import loop_findings
-
     facts = {"device": dev.type, "steps": steps, "wall_s": t.wall, "phases": phases, "settings": settings, "verdict": v}
     return ProfileResult(
         steps=steps, wall_s=t.wall, phases=phases,
@@ -242,23 +239,17 @@ def _loop_settings(step: _Step, loader: Iterable[Any], batches: int, epochs: int
                              and not x0.is_contiguous()}
     settings["loss_checks"] = []
     if first_batch is not None and isinstance(x0, torch.Tensor):
-        from torchspeed.doctor.linting import loss_pairing
-
         settings["loss_checks"] = [{"rule": f.rule, "message": f.message, "where": f.where}
                                    for f in loss_pairing(step.model, x0[:2], step.loss_fn, _slice(first_batch[1]))]
     return settings
 
 
 def _gpu_busy_share(step: _Step, next_batch: Callable[[], Any], step_s: float) -> float | None:
-    """The share of a training step during which the GPU ran a kernel or a copy: the union of their
-    intervals in one more step run under torch.profiler, over `step_s` (the median measured step,
-    timed without the profiler). None if the profiler gives no device events.
-
-    Why not that step's own wall time: starting the profiler (CUPTI) takes far longer than a step, and
-    its per-op bookkeeping slows the host side, so a wall taken around it would count both and push the
-    verdict towards "overhead-bound"; kernel durations are the GPU's and do not change under it."""
-    from torchspeed.doctor.phases import busy_time
-
+    """The share of a training step the GPU ran a kernel or a copy: the union of their intervals in one
+    more step under torch.profiler, over `step_s` (the median step timed without it); None without
+    device events. Not over that step's own wall: starting the profiler (CUPTI) takes far longer than a
+    step and its bookkeeping slows the host, which would push the verdict towards "overhead-bound";
+    kernel durations are the GPU's and do not change under it."""
     batch = next_batch()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize(step.dev)

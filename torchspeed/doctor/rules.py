@@ -3,7 +3,7 @@ returns a Finding or None. Inputs are plain dicts ("facts"), so the same rules j
 profile and an instrumented script. Model-structure rules live in `lint`.
 
 facts = {"device": "cpu"|"cuda", "steps", "wall_s", "phases": {...}, "settings": {...}} with the
-settings keys documented in `instrument.py`.
+settings the Recorder records (docs/doctor.md).
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def no_pin_memory(f: Facts) -> Finding | None:
 
 @rule
 def host_syncs(f: Facts) -> Finding | None:
-    # counted on CUDA tensors only (instrument): on CPU a host read waits for nothing
+    # counted on CUDA tensors only (patches): on CPU a host read waits for nothing
     if f.get("device") != "cuda" or not f.get("steps"):
         return None
     per_step = f["settings"].get("host_syncs", 0) / f["steps"]

@@ -1,15 +1,12 @@
 """`torchspeed doctor --try`: measure each proposed fix on the user's unchanged script.
 
-After the baseline run (seeded), the same script runs once per fix, the fix injected by the same
-bootstrap that instruments it (`fixes.FixState`), over the same number of steps; the baseline is run
-again after every fix (interleaved: A B A C A ...), so drift of a busy machine shows as spread instead
-of as a gain. Per run the steady steps (the first is warm-up) give a median step time; a fix is
-compared with the baseline runs just before and after it; `spread` is the relative range
-(max - min) / median of the baseline's per-run medians, and a fix counts as a gain only when its
-speed-up exceeds 1 + spread, stays below what removing the phases it changes would give (a larger one
-means the machine's load changed during the runs) and its numerics hold. A fix that passes is run once
-more with a baseline after it, and judged again on both of its runs (so one quiet minute is not a gain). The kept fixes are then measured together, last.
-Imports no torch (the parent only launches, reads and judges).
+After the seeded baseline run the script runs once per fix (injected by the bootstrap, `injection`),
+over as many steps, with the baseline again after every fix (A B A C A ...), so a busy machine's drift
+shows as spread, not gain. A fix is compared with the baseline runs around it; `spread` is
+(max - min) / median of the baseline's per-run medians. A fix is a gain only when its speed-up exceeds
+1 + spread, stays below what removing the phases it changes would give (more means the load changed)
+and its numerics hold; such a fix is run once more and judged on both runs (one quiet minute is not a
+gain), then the kept fixes are measured together. Imports no torch (the parent launches, reads, judges).
 """
 from __future__ import annotations
 
@@ -21,8 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torchspeed.args import progress_fn
-from torchspeed.doctor import fixes as fx
+from torchspeed.doctor import child_env, fixes as fx
+from torchspeed.doctor.advice import SEVERITY_ORDER
 from torchspeed.measure import OthersLoad, Timing, busy_warning
+from torchspeed.tables import print_table
 
 __all__ = ["apply_measured", "launcher", "markdown_tried", "note_load", "print_tried", "step_times", "try_fixes"]
 
@@ -48,20 +47,19 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
     plan, skipped = planned
     say = progress_fn(progress)
     launch = _sampled(launch)
+
+    def run(spec: dict[str, Any], title: str, tag: str) -> dict[str, Any]:
+        raw = launch(spec, title)
+        say(f"[{tag}] {title}: {_summary(raw)}")
+        return raw
+
     runs_total = 1 + 2 * len(plan)
     base_runs = [baseline]
     results: list[tuple[str, Any, dict[str, Any]]] = []
-    i = 1
-    say(f"[{i}/{runs_total}+] baseline: {_summary(baseline)}")
-    for name, value in plan:
-        i += 1
-        raw = launch({name: value}, fx.label(name, value))
-        say(f"[{i}/{runs_total}+] {fx.label(name, value)}: {_summary(raw)}")
-        results.append((name, value, raw))
-        i += 1
-        b = launch({}, "baseline")
-        say(f"[{i}/{runs_total}+] baseline: {_summary(b)}")
-        base_runs.append(b)
+    say(f"[1/{runs_total}+] baseline: {_summary(baseline)}")
+    for k, (name, value) in enumerate(plan):
+        results.append((name, value, run({name: value}, fx.label(name, value), f"{2 * k + 2}/{runs_total}+")))
+        base_runs.append(run({}, "baseline", f"{2 * k + 3}/{runs_total}+"))
     reproducible = _reproducible(base_runs)
     # each fix with the baseline runs just before and just after it
     pairs = [([raw], base_runs[k:k + 2]) for k, (_, _, raw) in enumerate(results)]
@@ -70,10 +68,8 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
     confirm = [k for k, r in enumerate(rows) if r["kept"]]
     for n, k in enumerate(confirm, 1):
         name, value, _ = results[k]
-        raw = launch({name: value}, fx.label(name, value))
-        say(f"[confirm {n}/{len(confirm)}] {fx.label(name, value)}: {_summary(raw)}")
-        b = launch({}, "baseline")
-        say(f"[confirm {n}/{len(confirm)}] baseline: {_summary(b)}")
+        raw = run({name: value}, fx.label(name, value), f"confirm {n}/{len(confirm)}")
+        b = run({}, "baseline", f"confirm {n}/{len(confirm)}")
         pairs[k] = (pairs[k][0] + [raw], pairs[k][1] + [base_runs[-1], b])
         base_runs.append(b)
     if confirm:
@@ -257,9 +253,8 @@ def apply_measured(payload: dict[str, Any], tried: list[dict[str, Any]], command
 def _measured_rank(f: dict[str, Any]) -> tuple[int, int, float, str]:
     """Bugs first; then fixes --try measured as gains, fixes not measured (estimates), fixes measured
     without a gain (within the spread, slower, changed results), each by expected gain; info last."""
-    order = {"bug": 0, "speed": 1, "info": 2}
     tier = 1 if "measured" not in f else 0 if f["measured"] == "kept" else 2
-    return order.get(f["severity"], 3), tier, -f["expected_gain"], f["rule"]
+    return SEVERITY_ORDER.get(f["severity"], 3), tier, -f["expected_gain"], f["rule"]
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -272,8 +267,6 @@ def _numerics_cell(r: dict[str, Any]) -> str:
 
 
 def print_tried(t: dict[str, Any], console: Any) -> None:
-    from torchspeed.tables import print_table
-
     if t.get("error"):
         console.print(f"--try: {t['error']}", highlight=False, markup=False)
         return
@@ -326,15 +319,13 @@ def launcher(argv: list[str], env: dict[str, str], steps: int, timeout: float | 
              run_child: Callable[..., tuple[int, dict[str, Any]]]) -> Callable[[dict[str, Any], str], dict[str, Any]]:
     """A `launch(fixes, title)` for try_fixes: the instrumented script, quiet (its output kept in a log,
     its last lines shown if it fails), seeded, with `fixes` injected."""
-    from torchspeed.doctor import instrument
-
     def launch(spec: dict[str, Any], title: str) -> dict[str, Any]:
         e = dict(env)
-        e[instrument.ENV_STEPS] = str(steps)
-        e[instrument.ENV_SEED] = "0"
-        e[instrument.ENV_FIXES] = json.dumps(spec) if spec else ""
-        e[instrument.ENV_TRACE] = ""
-        e[instrument.ENV_CPROFILE] = ""
+        e[child_env.ENV_STEPS] = str(steps)
+        e[child_env.ENV_SEED] = "0"
+        e[child_env.ENV_FIXES] = json.dumps(spec) if spec else ""
+        e[child_env.ENV_TRACE] = ""
+        e[child_env.ENV_CPROFILE] = ""
         with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as log:
             status, raw = run_child(argv, e, timeout, log)
             if status not in (0, None) and raw.get("status") != "stopped":

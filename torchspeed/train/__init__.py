@@ -8,30 +8,26 @@ from typing import TYPE_CHECKING
 from torchspeed._lazy import lazy_getattr
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on first use
-    from torchspeed.train.acceleration import (
-        AccelerateOptions,
-        Accelerated,
-        AccelerateResult,
-        TrialRow,
-        accelerate,
-    )
+    from torchspeed.train.acceleration import accelerate
     from torchspeed.train.callbacks import Callback, Checkpoint, EarlyStopping
     from torchspeed.train.checkpoint import CheckpointError, last_checkpoint, load_file
+    from torchspeed.train.choices import AccelerateOptions, AccelerateResult, TrialRow
     from torchspeed.train.loader_choice import (
         LoaderStepResult,
         LoaderStepRow,
         choose_loader_with_step,
         step_candidates,
     )
+    from torchspeed.train.prepared import Accelerated
     from torchspeed.train.trainer import Trainer
 
 # public name -> module that defines it; modules load on first use
 _EXPORTS = {
     "accelerate": "acceleration",
-    "Accelerated": "acceleration",
-    "AccelerateOptions": "acceleration",
-    "AccelerateResult": "acceleration",
-    "TrialRow": "acceleration",
+    "Accelerated": "prepared",
+    "AccelerateOptions": "choices",
+    "AccelerateResult": "choices",
+    "TrialRow": "choices",
     "Trainer": "trainer",
     "Callback": "callbacks",
     "EarlyStopping": "callbacks",

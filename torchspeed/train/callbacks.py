@@ -9,6 +9,8 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from torchspeed.train import checkpoint as ckpt
+
 if TYPE_CHECKING:
     from torchspeed.train.trainer import Trainer
 
@@ -93,19 +95,15 @@ class EarlyStopping(Callback):
 
 class Checkpoint(Callback):
     """Save the full training state to `directory` every `every_n_steps` optimizer steps, after every
-    epoch and at the end of the run (a run that stops at `max_steps` mid-epoch can be continued from
-    where it stopped), keeping the newest `keep_last` of this run.
+    epoch and at the end of the run (also one stopped at `max_steps` mid-epoch), keeping the newest
+    `keep_last` of this run. The model, optimizer, GradScaler, scheduler, every RNG, the position and the
+    loader's, so `Trainer.fit(resume="last")` continues with the next unseen batch and gives the same
+    parameters as an uninterrupted run (under deterministic mode); atomic, verified writes (`checkpoint`).
 
-    The state holds the model, optimizer, GradScaler, scheduler, every RNG (python, numpy, torch,
-    each CUDA device), epoch, step and the loader position, so `Trainer.fit(resume="last")` continues
-    with the next unseen batch and gives the same parameters as an uninterrupted run (under
-    deterministic mode). Writes are atomic and verified; see torchspeed.train.checkpoint.
-
-    The directory belongs to one run (its id is in `run.json` and in every checkpoint). A fit that
-    does not resume is a new run: it refuses a directory holding another run's checkpoints (a
-    ValueError naming it, raised before any data is read) unless `overwrite=True`, which deletes
-    those checkpoints first. `resume="last"` continues the directory's own run (refused when the
-    directory holds none of its checkpoints); pruning deletes only this run's checkpoints.
+    The directory belongs to one run (its id in `run.json` and every checkpoint). A fit that does not
+    resume is a new run: a directory holding another run's checkpoints is a ValueError before any data
+    is read, unless `overwrite=True` (they are deleted). `resume="last"` continues the directory's own
+    run (refused when it holds none of its checkpoints); pruning deletes only this run's checkpoints.
     """
 
     def __init__(self, directory: str | os.PathLike, every_n_steps: int | None = None, keep_last: int = 3,
@@ -123,10 +121,8 @@ class Checkpoint(Callback):
 
     def claim(self, run_id: str, resuming: bool = False) -> None:
         """Take the directory for run `run_id` (the Trainer calls this at the start of fit, on rank 0)."""
-        from torchspeed.train.checkpoint import claim
-
         if self._lock is None:
-            self._lock = claim(self.directory, run_id, overwrite=self.overwrite, resuming=resuming)
+            self._lock = ckpt.claim(self.directory, run_id, overwrite=self.overwrite, resuming=resuming)
 
     def release(self) -> None:
         """Let the directory go (the Trainer calls this when fit ends, however it ends)."""
@@ -140,9 +136,7 @@ class Checkpoint(Callback):
         if path and path not in self.saved:
             self.saved.append(path)
         if trainer.is_main:
-            from torchspeed.train.checkpoint import prune
-
-            prune(self.directory, self.keep_last, run_id=trainer.run_id)
+            ckpt.prune(self.directory, self.keep_last, run_id=trainer.run_id)
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         if self.every_n_steps and step % self.every_n_steps == 0:
@@ -160,6 +154,4 @@ class Checkpoint(Callback):
 
     def last(self) -> str | None:
         """The newest complete checkpoint of the directory's run (None if there is none)."""
-        from torchspeed.train.checkpoint import last_checkpoint
-
-        return last_checkpoint(self.directory)
+        return ckpt.last_checkpoint(self.directory)

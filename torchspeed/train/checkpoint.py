@@ -1,34 +1,26 @@
 """Checkpoint files: atomic, pickle-free, verified, and owned by one run.
 
-A checkpoint is `torch.save` of tensors and plain types only, read back through
-`torchspeed.safeload.load_torch_file` (`weights_only=True`: no code can run from a checkpoint file;
-one holding pickled objects is refused). It is written to a temp file, fsynced and renamed
-(torchspeed.atomic), so a crash mid-write leaves at most a hidden `.step-*.tmp` file, never a file
-under the final name; those temp files are removed when the next run takes the directory.
+A checkpoint is `torch.save` of tensors and plain types only, read back with `weights_only=True`
+(`safeload`: no code runs from a checkpoint file). It is written to a temp file, fsynced and renamed
+(`atomic`), so a crash mid-write leaves at most a hidden `.step-*.tmp` file, removed when the next run
+takes the directory.
 
-**Verified.** While a checkpoint is written its bytes are hashed (sha256, streamed: no second pass);
-the hash, the size, the step and the run id go into a record beside it, `step-NNNNNNNN.pt.json`.
-A checkpoint without its record, or whose size differs from it, is not complete and is never listed;
-`load_file` hashes the whole file again and refuses one whose bytes changed (a flipped block, a torn
-write), naming it (`CheckpointError`). Every checkpoint is checked, whatever its size.
+**Verified.** Its bytes are hashed (sha256) while they are written, and the hash, size, step and run id
+go into a record beside it, `step-NNNNNNNN.pt.json`. A checkpoint without its record, or of another
+size, is incomplete and never listed; `load_file` hashes it again and refuses one whose bytes changed,
+naming it (`CheckpointError`).
 
-**Owned by a run.** Each run has a run id, written in every checkpoint (its state and its record)
-and in the directory's run file `run.json`. `claim()` gives a directory to a run: a new run refuses
-a directory that holds another run's checkpoints (unless `overwrite=True`, which deletes them: only
-torchspeed's own files, `step-*`, their records and `run.json`), a resumed run continues its own.
-Listing, "last" and pruning see only the checkpoints of the directory's run, so a run never deletes
-or resumes another's, and a save never replaces another run's checkpoint (`foreign`); a resume with
-nothing of the directory's run to continue is refused, naming what is there (`resumable`). While a
-run trains it holds an exclusive lock on `DIR/.lock` (flock, released by the kernel when the process
-dies), so two live processes never write into one directory, and any temp file found when the lock
-is taken is a dead process's (or this one's) and is removed.
+**Owned by a run.** The run id is in every checkpoint, its record and the directory's `run.json`.
+`claim()` gives a directory to a run: a new run refuses one holding another run's checkpoints (unless
+`overwrite=True`, which deletes only torchspeed's own files), a resumed run continues its own. Listing,
+"last" and pruning see only the directory's run, so a run never deletes, resumes or replaces another's
+(`foreign`, `resumable`). A training run holds a flock on `DIR/.lock` (dropped by the kernel when the
+process dies), so two live processes never write into one directory and any temp file found then is stale.
 
-Under FSDP each rank holds a shard, so the model and optimizer go through
-`torch.distributed.checkpoint` (DCP) into a directory `step-NNNNNNNN/` (written as a hidden temp
-directory and renamed by rank 0 once every rank has finished); its record, `checksums.json` inside
-it, hashes every file of it. The one exception to "no pickle": DCP's own `.metadata` file, which
-torch writes with pickle; load such checkpoints only from sources you trust. The rest of the state
-(`state.pt`) is pickle-free as above.
+Under FSDP the model and optimizer go through `torch.distributed.checkpoint` (DCP) into a directory
+`step-NNNNNNNN/` (a hidden temp directory renamed by rank 0 once every rank finished), whose record,
+`checksums.json`, hashes every file of it. DCP's own `.metadata` is pickled by torch: load such
+checkpoints only from sources you trust; the rest of the state (`state.pt`) is pickle-free.
 """
 from __future__ import annotations
 
@@ -44,13 +36,21 @@ import time
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from torchspeed.atomic import atomic_write, fsync_dir, write_json
 from torchspeed.safeload import load_torch_file
 
+try:
+    import fcntl
+except ImportError:  # no flock on this platform: no lock, no cleaning of others' temp files
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["checkpoint_name", "list_checkpoints", "candidates", "last_checkpoint", "save_file", "load_file", "verify",
-           "claim", "holds_run", "read_run", "new_run_id", "prune", "foreign", "resumable", "CheckpointError", "FORMAT",
-           "RUN_FILE"]
+           "load_newest", "claim", "holds_run", "read_run", "new_run_id", "prune", "foreign", "resumable",
+           "CheckpointError", "FORMAT", "RUN_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +155,8 @@ def _sizes_match(path: str, rec: dict[str, Any]) -> bool:
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
-    """Hash every file of checkpoint `path` and compare with its record; returns the record.
-
-    CheckpointError (naming the file) when the record is missing, or a file is missing, has another
-    size or other bytes than when it was written."""
+    """Hash every file of checkpoint `path` and compare with its record; returns the record. CheckpointError
+    (naming the file) when the record or a file is missing, or a file's size or bytes changed."""
     path = os.fspath(path)
     base, rec_file = _files_of(path)
     rec = _read_record(path)
@@ -199,11 +197,9 @@ def read_run(directory: str | os.PathLike) -> str | None:
 
 
 def list_checkpoints(directory: str | os.PathLike, run_id: str | None = None) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint of one run in `directory`, oldest first.
-
-    `run_id`: the run whose checkpoints are listed; None for the directory's run (its `run.json`;
-    every run when it has none). Complete: its record is there and every file has the recorded size
-    (the bytes themselves are hashed when it is loaded)."""
+    """(step, path) of every complete checkpoint (its record there, every file of the recorded size; the
+    bytes are hashed when it is loaded) of run `run_id` in `directory`, oldest first; `run_id` None: the
+    directory's run (its `run.json`; every run when it has none)."""
     return [(step, path) for step, path in candidates(directory, run_id)
             if (rec := _read_record(path)) is not None and _sizes_match(path, rec)]
 
@@ -216,14 +212,14 @@ def candidates(directory: str | os.PathLike, run_id: str | None = None) -> list[
         return []
     if run_id is None:
         run_id = read_run(directory)
-    found = []
-    for name in os.listdir(directory):
-        m = _NAME.match(name)
-        if m:
-            rec = _read_record(os.path.join(directory, name))
-            if rec is not None and (run_id is None or rec.get("run_id") == run_id):
-                found.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(found)
+    return [(step, path) for step, path, rec in _named(directory)
+            if rec is not None and (run_id is None or rec.get("run_id") == run_id)]
+
+
+def _named(directory: str) -> list[tuple[int, str, dict[str, Any] | None]]:
+    """(step, path, record or None) of every file or directory in `directory` named as a checkpoint, oldest first."""
+    found = [(int(m.group(1)), os.path.join(directory, n)) for n in os.listdir(directory) if (m := _NAME.match(n))]
+    return [(step, path, _read_record(path)) for step, path in sorted(found)]
 
 
 def last_checkpoint(directory: str | os.PathLike, run_id: str | None = None) -> str | None:
@@ -237,19 +233,11 @@ def foreign(directory: str | os.PathLike, run_id: str | None) -> list[tuple[int,
     """(step, path) of the checkpoints in `directory` that are not run `run_id`'s, oldest first: another
     run's (its record names another run), or no known run's (no readable record; every one when
     `run_id` is None). They are never resumed, and a save never replaces one."""
-    directory = os.fspath(directory)
     try:
-        names = os.listdir(directory)
+        named = _named(os.fspath(directory))
     except OSError:
         return []
-    found = []
-    for name in names:
-        m = _NAME.match(name)
-        if m:
-            rec = _read_record(os.path.join(directory, name))
-            if run_id is None or rec is None or rec.get("run_id") != run_id:
-                found.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(found)
+    return [(step, path) for step, path, rec in named if run_id is None or rec is None or rec.get("run_id") != run_id]
 
 
 def _whose(path: str) -> str:
@@ -261,11 +249,9 @@ def _whose(path: str) -> str:
 
 
 def resumable(directory: str | os.PathLike, asked: str, instead: str) -> list[tuple[int, str]]:
-    """(step, path) of the checkpoints of `directory`'s own run (its run.json) that resume may try.
-
-    A resume with nothing of the run to continue is refused, never turned into a new run silently:
-    FileNotFoundError saying what `asked` for (e.g. "--resume") found, naming every checkpoint of
-    another run there (never resumed, never overwritten), and `instead` (what to do)."""
+    """(step, path) of the checkpoints of `directory`'s own run (its run.json) that resume may try. With
+    nothing of the run to continue, never a new run silently: FileNotFoundError saying what `asked` (e.g.
+    "--resume") found, naming any other run's checkpoints there (never resumed or overwritten), and `instead`."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{asked}: {directory!r} does not exist, so there is no checkpoint to continue "
@@ -299,11 +285,8 @@ def holds_run(directory: str | os.PathLike) -> bool:
 # ---------------------------------------------------------------- writing
 def save_file(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """torch.save `state` atomically (temp file beside `path`, fsync, rename), hashed as it is written,
-    and its record beside it (`path` + ".json").
-
-    Rewriting a checkpoint under the same name (the same step saved again at the epoch's end) keeps
-    the old bytes valid in the record until the rename, so a crash at any point leaves a pair that
-    verifies."""
+    with its record beside it (`path` + ".json"). Rewriting the same name (a step saved again at the
+    epoch's end) keeps the old bytes valid in the record until the rename: a crash leaves a pair that verifies."""
     path = os.fspath(path)
     name = os.path.basename(path)
     _refuse_foreign(path, state.get("run_id"))
@@ -348,6 +331,25 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     return _load_state(os.path.join(path, "state.pt") if os.path.isdir(path) else path)
 
 
+def load_newest(found: list[tuple[int, str]], directory: str) -> tuple[str, dict[str, Any]]:
+    """(path, state) of the newest of `found` ((step, path), oldest first) that passes its check: one
+    that fails (damaged, torn) is skipped with a warning naming it and the one before is loaded;
+    CheckpointError listing them when none of `directory`'s passes."""
+    failed = []
+    for _, path in reversed(found):
+        try:
+            state = load_file(path)
+        except CheckpointError as e:
+            failed.append(str(e))
+            log.warning("%s; resuming from the checkpoint before it instead", e)
+            continue
+        if failed:
+            log.warning("resuming from %s (%d newer checkpoint(s) failed their check)", path, len(failed))
+        return path, state
+    raise CheckpointError(f"no checkpoint in {directory!r} passes its check, so there is nothing to resume "
+                          f"from: {'; '.join(failed)}")
+
+
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -385,10 +387,6 @@ def save_sharded(directory: str, step: int, model: torch.nn.Module, optimizer: A
                  is_main: bool) -> str:
     """FSDP: every rank writes its shards with DCP into a temp dir; rank 0 adds state.pt and the record
     (hashes of every file) and renames."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     final = os.path.join(directory, checkpoint_name(step, sharded=True))
     tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp")
     if is_main:
@@ -421,9 +419,6 @@ def save_sharded(directory: str, step: int, model: torch.nn.Module, optimizer: A
 
 def load_sharded(path: str, model: torch.nn.Module, optimizer: Any) -> None:
     """FSDP: load this rank's shards of model and optimizer from a DCP checkpoint directory."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise ValueError(f"{path!r} is not a sharded (FSDP) checkpoint directory; it has no DCP .metadata")
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -441,9 +436,7 @@ class RunLock:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_FILE)
         self.fd: int | None = None
-        try:
-            import fcntl
-        except ImportError:  # no flock on this platform: no lock, no cleaning of others' temp files
+        if fcntl is None:
             return
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
@@ -473,10 +466,8 @@ class RunLock:
 
 
 def clean_stale(directory: str) -> list[str]:
-    """Remove the hidden temp files and directories of interrupted checkpoint writes in `directory`.
-
-    Call it only while holding the directory's RunLock: then no other live process writes there, and
-    every temp file is a dead process's or this one's. Returns the names removed."""
+    """Remove the hidden temp files and directories of interrupted checkpoint writes in `directory`; returns
+    their names. Only while holding its RunLock: then every temp file is a dead process's or this one's."""
     removed = []
     for name in os.listdir(directory):
         if _TEMP.match(name):
@@ -489,13 +480,10 @@ def clean_stale(directory: str) -> list[str]:
 
 
 def claim(directory: str | os.PathLike, run_id: str, overwrite: bool = False, resuming: bool = False) -> RunLock:
-    """Give `directory` to run `run_id` for as long as it trains; returns the lock (release() it at the end).
-
-    The directory is locked, stale temp files are removed, and then: a directory whose run file names
-    `run_id` is this run's (continued); one with no checkpoints (empty, or only the run file of a run
-    that ended before its first checkpoint) becomes this run's; one holding another run's checkpoints
-    is refused with a ValueError naming it, unless `overwrite` (its torchspeed files, `step-*`, their
-    records and `run.json`, are deleted first; nothing else in it is touched)."""
+    """Give `directory` to run `run_id` while it trains; returns the lock (release() it at the end). Locked,
+    stale temp files removed, then: one whose run file names `run_id` is continued; one with no checkpoints
+    (empty, or only a run file) becomes this run's; one holding another run's checkpoints is a ValueError
+    naming it, unless `overwrite` (its `step-*` files, their records and `run.json` deleted, nothing else)."""
     directory = os.fspath(directory)
     try:
         os.makedirs(directory, exist_ok=True)

@@ -1,12 +1,8 @@
-"""What `accelerate()` measured, applied to a Lightning run.
-
-`import torchspeed.train` never imports Lightning; this module does (it needs the `lightning`
-package: `pip install lightning`). Lightning owns its own loop, so of accelerate's choices it takes
-the precision (as Lightning's precision plugin) and channels_last (the LightningModule converted);
-TF32 / cudnn.benchmark are process-wide switches accelerate() has already set in this process
-(under DDP, rank 0's are set on every rank).
-torch.compile, DDP and FSDP stay Lightning's to do (`Trainer(strategy=...)`, `torch.compile` on the
-module); measure with `accelerate(model, strategy=None, compile=False, ...)`.
+"""What `accelerate()` measured, applied to a Lightning run (this module imports Lightning; `import
+torchspeed.train` does not). Lightning owns its loop, so it takes the precision (as Lightning's
+precision plugin), channels_last (the LightningModule converted) and rank 0's TF32 / cudnn.benchmark
+switches; torch.compile, DDP and FSDP stay Lightning's: measure with `accelerate(model, strategy=None,
+compile=False, ...)`.
 
     acc = ts.train.accelerate(model, strategy=None, compile=False, example_batch=batch, loss_fn=loss)
     trainer = lightning.Trainer(callbacks=[AcceleratedCallback(acc)], ...)
@@ -16,22 +12,28 @@ from __future__ import annotations
 
 import functools
 import logging
+from types import ModuleType
 from typing import Any
 
 import torch
 
-try:
-    from lightning.pytorch import Callback as _LightningCallback
-    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-except ImportError:  # the standalone package of older set-ups
-    try:
-        from pytorch_lightning import Callback as _LightningCallback
-        from pytorch_lightning.plugins.precision import MixedPrecision, Precision
-    except ImportError:
-        raise ImportError("torchspeed.train.lightning needs Lightning: pip install lightning") from None
-
-from torchspeed.train.acceleration import Accelerated, AccelerateResult, apply_cudnn_benchmark, apply_tf32
+from torchspeed.optional import optional
+from torchspeed.train.choices import AccelerateResult
+from torchspeed.train.mixed_precision import grad_scaler
+from torchspeed.train.prepared import Accelerated
+from torchspeed.train.trials import apply_cudnn_benchmark, apply_tf32
 from torchspeed.train.wrapping import inputs_in_layout
+
+
+def _lightning(submodule: str) -> ModuleType:
+    """`lightning.pytorch.<submodule>`, else the standalone pytorch_lightning's (older set-ups)."""
+    try:
+        return optional(f"lightning.pytorch.{submodule}", "pip install lightning", "torchspeed.train.lightning")
+    except ImportError:
+        return optional(f"pytorch_lightning.{submodule}", "pip install lightning", "torchspeed.train.lightning")
+
+
+_Callback, _plugins = _lightning("callbacks").Callback, _lightning("plugins.precision")
 
 __all__ = ["AcceleratedCallback", "lightning_precision", "trainer_kwargs"]
 
@@ -65,18 +67,13 @@ def trainer_kwargs(acc: Accelerated | AccelerateResult) -> dict[str, Any]:
             else "cpu"}
 
 
-class AcceleratedCallback(_LightningCallback):
-    """Applies accelerate()'s precision and channels_last to a Lightning run.
-
-    At `setup` (before Lightning moves and wraps the module): the LightningModule goes to
-    channels_last when that was measured faster (convolutions then run NHWC), the inputs entering the
-    model accelerate() measured (given as the `Accelerated`, and part of the LightningModule) are put
-    in the chosen memory format where they enter it, as the model accelerate() returns does, and the
-    measured mixed precision becomes the precision plugin, unless the
-    Trainer was given a precision of its own (anything but the default "32-true"): the user's is kept,
-    with a warning when it differs. Under DDP every rank takes rank 0's choices (timings may differ
-    between ranks; the model must not). Strategies with their own precision plugins (FSDP, DeepSpeed)
-    keep theirs: pass `**trainer_kwargs(acc)` to the Trainer there.
+class AcceleratedCallback(_Callback):  # type: ignore[misc]
+    """Applies accelerate()'s precision and channels_last to a Lightning run, at `setup` (before
+    Lightning moves and wraps the module), every rank taking rank 0's choices: the LightningModule in
+    channels_last when measured faster (inputs entering the model accelerate() measured, when given the
+    `Accelerated`, put in that format), and the measured precision as the precision plugin unless the
+    Trainer has one of its own (not "32-true": kept, with a warning when it differs). Strategies with
+    their own plugins (FSDP, DeepSpeed) keep theirs: pass `**trainer_kwargs(acc)` to the Trainer there.
     """
 
     def __init__(self, acc: Accelerated | AccelerateResult):
@@ -101,13 +98,12 @@ class AcceleratedCallback(_LightningCallback):
         have = getattr(plugin, "precision", None)
         if have == want:
             return
-        if type(plugin) is not Precision:  # the user's choice (or a strategy's own plugin): kept
+        if type(plugin) is not _plugins.Precision:  # the user's choice (or a strategy's own plugin): kept
             log.warning("accelerate() measured %s fastest (Lightning precision=%r); this Trainer uses %r, kept",
                         self.precision, want, have)
             return
         device = "cuda" if self.device.startswith("cuda") else "cpu"
-        scaler = torch.amp.GradScaler("cuda") if want == "16-mixed" else None
-        trainer.strategy.precision_plugin = MixedPrecision(want, device, scaler=scaler)
+        trainer.strategy.precision_plugin = _plugins.MixedPrecision(want, device, scaler=grad_scaler(self.precision))
         log.info("Lightning precision set to %r, as accelerate() measured", want)
 
     def teardown(self, trainer: Any, pl_module: torch.nn.Module, stage: str) -> None:

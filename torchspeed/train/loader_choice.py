@@ -1,44 +1,40 @@
 """A loader's worker/thread counts chosen with the training step in the loop.
 
-`fast_loader(..., num_workers="auto")` keeps the counts that make batches fastest with the loader
-alone. A training step needs the same cores: on a small machine the loader's threads (or worker
-processes) then slow the step down more than their batches speed training up. Whoever knows the step
-(accelerate() given the loader, the Trainer, the recipe, the bench) times the setting measured alone
-and the less parallel ones below it, each feeding a few real training steps, interleaved, and keeps
-a more parallel one only when its steps are faster by a margin.
+`fast_loader(..., num_workers="auto")` keeps the counts fastest for the loader alone, but a training
+step needs the same cores: on a small machine the loader's threads (or workers) can slow the step more
+than their batches help. So whoever knows the step (accelerate() given the loader, the Trainer, the
+recipe, the bench) times the setting measured alone and the less parallel ones, each feeding a few
+real steps, interleaved, and keeps a more parallel one only when it is faster by a margin.
 
-`choose_counts` is that choice for a loader that can be rebuilt with other counts (duck-typed: it
-has `with_counts(num_workers, threads)` and its `settings` say the counts were measured alone; train
-never imports torchspeed.data): the model, optimizer, GradScaler and every RNG are put back exactly
-afterwards, the choice is remembered (`torchspeed.remembered`, kind "loader_step"), and under
-torchrun rank 0's choice is every rank's. `step_candidates`, `time_fed_steps` and
-`choose_loader_with_step` are the mechanism, for callers that build their loaders themselves.
+`choose_counts` does it for a `loader_contract.Recountable` whose `settings` say its counts were
+measured alone (train never imports torchspeed.data), puts the model, optimizer, GradScaler and every
+RNG back, remembers the choice (kind "loader_step") and gives rank 0's to every rank under torchrun.
+`step_candidates`, `time_fed_steps` and `choose_loader_with_step` serve callers that build their own loaders.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import os
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchspeed import remembered
+from torchspeed import ranks, remembered
 from torchspeed.args import progress_fn
+from torchspeed.loader_contract import Recountable, Resumable, conforms, release_workers
 from torchspeed.measure import OthersLoad, busy_warning, wait_for_quiet_machine
-from torchspeed.runtime import rng_state, set_rng_state, synchronize, usable_cores
-from torchspeed.train import distributed
+from torchspeed.runtime import synchronize, usable_cores
+from torchspeed.train.step_timer import trial_state_kept
 from torchspeed.train.wrapping import DeviceLoader
 
 __all__ = ["LoaderStepResult", "LoaderStepRow", "alone_counts", "choose_counts", "choose_loader_with_step",
-           "data_identity", "release_workers", "step_candidates", "time_fed_steps", "training_state_kept"]
+           "data_identity", "step_candidates", "time_fed_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -124,27 +120,15 @@ def step_candidates(num_workers: int, threads: int) -> list[tuple[int, int]]:
     return [(0, 1)] + [(w, 1) for w in ladder(num_workers)]
 
 
-def release_workers(loader: Any) -> None:
-    """Stop a loader's worker processes now instead of whenever it is collected, so the next candidate
-    is timed on quiet cores (a FastLoader's DataLoader is its `dataloader`; a loader of threads has none)."""
-    dl = getattr(loader, "dataloader", loader)
-    it = getattr(dl, "_iterator", None)
-    if it is not None and hasattr(it, "_shutdown_workers"):
-        it._shutdown_workers()
-        dl._iterator = None
-
-
 def time_fed_steps(contenders: Mapping[str, tuple[Any, Callable[[Any], Any]]], *, steps: int = 2, rounds: int = 2,
                    device: Any = None) -> tuple[dict[str, list[float]], float | None]:
-    """Seconds per training step of each contender, a (loader, step) pair, timed interleaved.
+    """Seconds per training step of each contender, a (loader, step) pair, timed interleaved: (each
+    contender's seconds per step in each round, the cores other processes used meanwhile).
 
-    Each round runs every contender in turn (the order rotated round by round) on a fresh pass of its
-    loader: its first batch is taken untimed (the pipeline starting), then `steps` steps are timed, each
-    followed by taking the loader's next batch (the wait for data the step did not hide); the pass is
-    then closed, so a paused loader's threads or workers never run while another contender is timed (a
-    loader left running would fill its queue on the next contender's cores and start its own next
-    round with batches made for free). Returns the seconds per step of each contender in each round,
-    and the cores other processes used meanwhile."""
+    Each round runs every contender in turn (the order rotated) on a fresh pass of its loader: the first
+    batch untimed, then `steps` steps each followed by the next batch (the wait the step did not hide);
+    the pass is then closed, so no loader's threads fill its queue on the next contender's cores (and
+    start its own next round with batches made for free)."""
     names = list(contenders)
     times: dict[str, list[float]] = {n: [] for n in names}
     others = OthersLoad()
@@ -180,16 +164,13 @@ def choose_loader_with_step(make_loader: Callable[[int, int], Any], step: Callab
                             built: Mapping[tuple[int, int], Any] | None = None,
                             progress: bool | Callable[[str], Any] = False,
                             agree: Callable[[int], int] | None = None) -> tuple[Any, LoaderStepResult]:
-    """The loader setting under which `step(batch)` (one real training step) runs fastest, timed with
-    `time_fed_steps` (candidates interleaved, each `rounds` x `steps` steps) after one untimed step
-    (first-step costs: an optimizer's state, kernels chosen, a compile, are no candidate's).
-
-    `candidates`: (num_workers, threads) pairs, least parallel first (`step_candidates`); a more
-    parallel one is kept only when its steps are faster by more than `margin`, so noise never buys
-    threads that compete with the step. `make_loader(num_workers, threads)` builds a candidate unless
-    `built` has it. `agree(index)` turns this process's choice into the one every process takes
-    (under torchrun: rank 0's). Returns (the chosen loader, the result); the other loaders' workers
-    are stopped. The steps change the model: the caller puts it back (`training_state_kept`)."""
+    """(The loader under which `step(batch)`, one real training step, runs fastest, the result), timed
+    by `time_fed_steps` after one untimed step (first-step costs are no candidate's); the other loaders'
+    workers are stopped. `candidates`: (num_workers, threads), least parallel first (`step_candidates`);
+    a more parallel one is kept only when faster by more than `margin` (noise never buys threads that
+    compete with the step). `make_loader(num_workers, threads)` builds one unless `built` has it;
+    `agree(index)` makes this process's choice every process's (rank 0's under torchrun). The steps
+    change the model: the caller puts it back (`step_timer.trial_state_kept`)."""
     say = progress_fn(progress)
     built = built or {}
     loaders = {c: built[c] if c in built else make_loader(*c) for c in candidates}
@@ -231,40 +212,15 @@ def choose_loader_with_step(make_loader: Callable[[int, int], Any], step: Callab
     return loaders[(best.num_workers, best.threads)], result
 
 
-@contextlib.contextmanager
-def training_state_kept(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                        scaler: Any = None) -> Iterator[None]:
-    """Real training steps run inside (the model in train mode); afterwards the weights, buffers,
-    optimizer state (momentum, step counts), GradScaler, every RNG and the train/eval mode are put back
-    and the gradients cleared, so timing steps changes nothing about training."""
-    saved = (copy.deepcopy(model.state_dict()),
-             copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None,
-             copy.deepcopy(scaler.state_dict()) if scaler is not None else None, rng_state(), model.training)
-    model.train()
-    try:
-        yield
-    finally:
-        model.load_state_dict(saved[0])
-        if optimizer is not None:
-            optimizer.load_state_dict(saved[1])
-            optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.load_state_dict(saved[2])
-        for p in model.parameters():
-            p.grad = None
-        set_rng_state(saved[3])
-        model.train(saved[4])
-
-
 def alone_counts(loader: Any) -> tuple[int, int] | None:
     """(num_workers, threads) of a loader whose counts were measured alone and that can be rebuilt
-    with others (`with_counts`, and `settings` not None); None for counts the user fixed, a loader of
-    another kind, or one whose counts were chosen with the step already."""
+    with others (a `Recountable` whose `settings`, the measurement, are not None); None for counts the
+    user fixed, a loader of another kind, or one whose counts were chosen with the step already."""
     inner = _inner(loader)
     settings = getattr(inner, "settings", None)
-    if settings is None or not callable(getattr(inner, "with_counts", None)) or inner in _CHOSEN:
+    if settings is None or not conforms(inner, Recountable) or inner in _CHOSEN:
         return None
-    workers = int(getattr(inner, "num_workers", getattr(settings, "num_workers", 0)))
+    workers = int(inner.num_workers)
     threads = int(getattr(inner, "threads", getattr(settings, "threads", 1))) if workers == 0 else 1
     return workers, threads
 
@@ -274,33 +230,10 @@ def _inner(loader: Any) -> Any:
     return loader.loader if isinstance(loader, DeviceLoader) else loader
 
 
-def _where(dataset: Any) -> str | None:
-    """The folder or store a dataset reads (through a subset's or wrapper's `source`/`dataset`)."""
-    for _ in range(4):
-        for name in ("root", "path"):
-            value = getattr(dataset, name, None)
-            if isinstance(value, (str, os.PathLike)):
-                return os.path.abspath(value)
-        dataset = getattr(dataset, "source", None) or getattr(dataset, "dataset", None)
-        if dataset is None:
-            return None
-    return None
-
-
-def data_identity(loader: Any) -> dict[str, Any]:
-    """What a remembered choice knows the data by: the loader's own `identity()` when it has one, else
-    its kind, its dataset's kind, size and folder, the batch, the decoder and the device."""
-    identity = getattr(loader, "identity", None)
-    if callable(identity):
-        return {"identity": identity()}
-    dataset = getattr(loader, "dataset", None)
-    try:
-        samples = len(dataset) if dataset is not None else None
-    except TypeError:
-        samples = None
-    return {"loader": type(loader).__qualname__, "dataset": type(dataset).__qualname__, "samples": samples,
-            "where": _where(dataset), "batch_size": getattr(loader, "batch_size", None), "batches": len(loader),
-            "decoder": str(getattr(loader, "decoder", None)), "device": str(getattr(loader, "device", None))}
+def data_identity(loader: Recountable) -> dict[str, Any]:
+    """What a remembered choice knows the data by: the loader's own `identity()` (the data, batch,
+    crop, decoder and device its batches depend on)."""
+    return {"identity": _inner(loader).identity()}
 
 
 def _possible(setting: Any) -> bool:
@@ -311,84 +244,69 @@ def _possible(setting: Any) -> bool:
 
 def _position(loader: Any) -> Any:
     """The loader's position (its state_dict) when it keeps one, so the timing passes leave no trace."""
-    return loader.state_dict() if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") else None
+    return loader.state_dict() if conforms(loader, Resumable) else None
 
 
 def choose_counts(loader: Any, step: Callable[[Any], Any], parts: Mapping[str, Any], *, model: nn.Module,
                   optimizer: torch.optim.Optimizer | None, scaler: Any = None, device: Any = None,
                   steps: int = 2, rounds: int = 2, refresh: bool = False,
                   progress: bool | Callable[[str], Any] = False) -> tuple[Any, LoaderStepResult]:
-    """`loader` (see `alone_counts`) with the counts under which `step(batch)`, one real training step
-    of `model` with `optimizer`, runs fastest: the setting measured alone and the less parallel ones
-    (`step_candidates`), each a `with_counts` of it, timed by `choose_loader_with_step`.
+    """(The loader to train with, the result): `loader` (see `alone_counts`) with the counts under which
+    `step(batch)`, one real training step of `model` with `optimizer`, runs fastest among the setting
+    measured alone and the less parallel ones (`step_candidates`, each a `with_counts` of it), timed by
+    `choose_loader_with_step`; the model, optimizer, `scaler`, RNG and loader position put back.
 
-    `parts`: what the step's time depends on (model, batch shapes, precision, ...), the key of the
-    remembered decision with the loader's alone setting and `data_identity`; a remembered choice is
-    taken at once (no pass, no step) unless `refresh`; a choice timed on a busy machine is not
-    remembered. The model, optimizer, `scaler`, RNG and the loader's position are put back as they
-    were. Under torchrun rank 0's alone setting makes every rank's candidates, every rank times them
-    in step (a DDP step needs them all), and rank 0's choice is every rank's.
-    Returns (the loader to train with, the result)."""
+    `parts` (what the step's time depends on) with the alone setting and `data_identity` key the
+    remembered choice, taken at once unless `refresh`; one timed on a busy machine is not remembered.
+    Under torchrun rank 0's alone setting makes every rank's candidates, all ranks time them in step
+    (a DDP step needs them all), and rank 0's choice is every rank's."""
     say = progress_fn(progress)
-    e = distributed.env()
+    e = ranks.env()
     own = alone_counts(loader)
     if own is None:
         raise ValueError("choose_counts needs a loader whose counts were measured alone (with_counts and settings)")
-    alone = tuple(distributed.broadcast_ints(list(own))) if e.distributed else own
+    alone = tuple(ranks.broadcast_ints(list(own))) if e.distributed else own
     position = _position(loader)
     left = len(loader) - (position["batches_done"] if isinstance(position, Mapping)
                           and isinstance(position.get("batches_done"), int) else 0)
     # a pass needs steps + 1 batches: a shorter epoch keeps the setting measured alone
     candidates = step_candidates(*alone) if left > steps + 1 else [alone]
-    key = {**parts, "alone": list(alone), "data": data_identity(loader)}
-    chosen = _recalled(key, refresh or len(candidates) == 1, e)
-    if chosen is not None:
-        setting, said = chosen
-        result = LoaderStepResult(*setting, remembered=said, alone=alone)
-        log.info("loader with the step in the loop: %s", said)
-        say(f"loader with the step in the loop: {result.describe()}")
+    timed: dict[str, Any] = {}  # the loader chosen by timing (none when the choice was remembered)
+
+    def measure() -> LoaderStepResult:
+        timing = trial_state_kept(model, optimizer, scaler) if len(candidates) > 1 else contextlib.nullcontext()
+        with timing:
+            timed["loader"], result = choose_loader_with_step(
+                lambda w, t: loader.with_counts(w, t), step, candidates, steps=steps, rounds=rounds, device=device,
+                built={own: loader} if own == alone else None, progress=progress,
+                agree=(lambda index: ranks.broadcast_ints([index])[0]) if e.distributed else None)
+        return result
+
+    def decode(memory: remembered.Memory) -> LoaderStepResult | None:
+        setting = memory.decision.get("setting")
+        return LoaderStepResult(*setting, remembered=memory.describe()) if _possible(setting) else None
+
+    def encode(result: LoaderStepResult) -> tuple[dict[str, Any], str]:
+        best = next(r for r in result.table if (r.num_workers, r.threads) == (result.num_workers, result.threads))
+        return {"setting": [result.num_workers, result.threads]}, f"{result.setting}, {best.step_s:.3g} s/step"
+
+    key = {**parts, "alone": list(alone), "data": data_identity(loader)} if len(candidates) > 1 else None
+    result, memory = remembered.recall_or_measure(KIND, key, measure, decode=decode, encode=encode,
+                                                  busy=lambda r: r.busy_warning, refresh=refresh,
+                                                  what="loader with the step in the loop")
+    result.alone = alone
+    if memory is None:  # timed: the loaders timed are put back at the position
+        picked = timed["loader"]
+        touched = list({id(loader): loader, id(picked): picked}.values())
+    else:  # remembered: no pass, no step
+        setting = (result.num_workers, result.threads)
         picked = loader if setting == own else loader.with_counts(*setting)
+        touched = [] if picked is loader else [picked]
         if picked is not loader:
             release_workers(loader)
-            if position is not None:
-                picked.load_state_dict(position)
-        _CHOSEN.add(_inner(picked))
-        return picked, result
-
-    def agree(index: int) -> int:
-        return distributed.broadcast_ints([index])[0]
-
-    timing = training_state_kept(model, optimizer, scaler) if len(candidates) > 1 else contextlib.nullcontext()
-    with timing:
-        picked, result = choose_loader_with_step(
-            lambda w, t: loader.with_counts(w, t), step, candidates, steps=steps, rounds=rounds, device=device,
-            built={own: loader} if own == alone else None, progress=progress, agree=agree if e.distributed else None)
-    result.alone = alone
     if position is not None:
-        for each in {id(loader): loader, id(picked): picked}.values():
+        for each in touched:
             each.load_state_dict(position)
     say(f"loader with the step in the loop: {result.describe()}")
-    if len(candidates) > 1:
-        if result.busy_warning:
-            log.warning("loader with the step in the loop: not remembered (timed on a busy machine)")
-        elif e.is_main:
-            best = next(r for r in result.table if (r.num_workers, r.threads) == (result.num_workers, result.threads))
-            remembered.remember(KIND, key, {"setting": [result.num_workers, result.threads]},
-                                f"{result.setting}, {best.step_s:.3g} s/step")
     _CHOSEN.add(_inner(picked))
     return picked, result
-
-
-def _recalled(key: Mapping[str, Any], skip: bool, e: distributed.DistEnv) -> tuple[tuple[int, int], str] | None:
-    """The remembered setting and its line, or None (measure); under torchrun rank 0's finding is every
-    rank's."""
-    memory = None if skip else remembered.recall(KIND, key)
-    ok = memory is not None and _possible(memory.decision.get("setting"))
-    setting = tuple(memory.decision["setting"]) if ok else (0, 1)
-    said = memory.describe() if ok else ""
-    if e.distributed:
-        found, w, t = distributed.broadcast_ints([int(ok), *setting])
-        if not found:
-            return None
-        return (w, t), said if e.is_main else "as rank 0 remembered"
-    return (setting, said) if ok else None

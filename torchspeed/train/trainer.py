@@ -1,51 +1,48 @@
-"""Trainer: a small training loop that calls accelerate() and adds what every run needs.
+"""Trainer: a small training loop that calls accelerate() and adds what every run needs: gradient
+accumulation, clipping, LR scheduling, callbacks, progress with samples/s, metrics to CSV or JSONL,
+NaN/inf detection, exact resume and torchrun (DDP / FSDP2). It takes a plain DataLoader (batches moved
+to the device here) or any `loader_contract.DeviceBatches` loader (a FastLoader's are already there).
 
-Gradient accumulation, clipping, LR scheduling, callbacks, a progress bar with samples/s, metrics
-to CSV or JSONL, NaN/inf detection, exact resume, and torchrun (DDP / FSDP2) support. It accepts a
-plain DataLoader (batches are moved to the device here) or any loader whose class says
-`yields_device_batches = True` (a FastLoader: batches arrive on the device, normalised).
-
-The training step is the one `Accelerated` gives every plain loop (`autocast()`, `backward()`,
-`step()`): no scaling code of its own. The loss stays on the device between reading points (every
-`log_every_n_steps` optimizer steps, the end of an epoch, a checkpoint, the end of the run): reading
-it every step would make the host wait for the device each step.
+One concept, the loop, kept whole because its parts share one run's state; what it hands off lives
+beside it: checkpoints and resume (`resume.py`), metrics and progress (`loop_metrics.py`), each rank's
+shard (`data_order.py`), the loader's counts (`loader_choice.py`). The step is `Accelerated`'s
+(`autocast()`, `backward()`, `step()`). The loss stays on the device until a reading point (every
+`log_every_n_steps` optimizer steps, an epoch's end, a checkpoint, the run's end): reading it every
+step would make the host wait for the device each step.
 """
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
 import logging
 import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchspeed.atomic import atomic_write
+from torchspeed import ranks
 from torchspeed.batches import BatchFormat, to_device
+from torchspeed.loader_contract import yields_device_batches
 from torchspeed.metrics import correct_top1
-from torchspeed.runtime import resolve_device, rng_state, set_rng_state
+from torchspeed.runtime import resolve_device
+from torchspeed.tables import print_table
 from torchspeed.train import checkpoint as ckpt
 from torchspeed.train import distributed
-from torchspeed.train.acceleration import (
-    AccelerateOptions,
-    Accelerated,
-    AccelerateResult,
-    accelerate_with,
-    autocast_for,
-    check_class_outputs,
-    forget_prepared,
-    release_step_guard,
-    step_parts,
-)
-from torchspeed.train.callbacks import Callback, Checkpoint
+from torchspeed.train.acceleration import accelerate_with, step_parts
+from torchspeed.train.callbacks import Callback
+from torchspeed.train.choices import AccelerateOptions, AccelerateResult
+from torchspeed.train.data_order import shard_loader
 from torchspeed.train.loader_choice import LoaderStepResult, alone_counts, choose_counts
+from torchspeed.train.loop_metrics import LossMeter, MetricsLog, Progress, Span, epoch_line
+from torchspeed.train.mixed_precision import autocast_for
+from torchspeed.train.prepared import Accelerated, forget_prepared, release_step_guard
+from torchspeed.train.resume import ExactResume, Trained
+from torchspeed.train.step_timer import check_class_outputs, loss_of
 from torchspeed.train.wrapping import class_count, example_batch_of
 
 __all__ = ["Trainer"]
@@ -53,183 +50,6 @@ __all__ = ["Trainer"]
 log = logging.getLogger(__name__)
 
 _MAX_UNREAD = 1024  # losses kept on the device before they are read anyway (a very long log interval)
-
-_LOG_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_acc", "lr", "samples_per_s")
-
-
-class _MetricsLog:
-    """Rows of metrics kept in memory and rewritten atomically to CSV or JSONL (by the extension)."""
-
-    def __init__(self, path: str | os.PathLike | None):
-        self.path = os.fspath(path) if path else None
-        if self.path and not self.path.endswith((".csv", ".jsonl")):
-            raise ValueError(f"log_path {self.path!r} must end in .csv or .jsonl")
-        self.rows: list[dict[str, Any]] = []
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-
-    def restore(self, up_to_step: int) -> None:
-        """On resume: keep the rows already logged up to the checkpoint's step."""
-        if not self.path or not os.path.isfile(self.path):
-            return
-        with open(self.path, encoding="utf-8") as f:
-            if self.path.endswith(".jsonl"):
-                rows = [json.loads(line) for line in f if line.strip()]
-            else:
-                rows = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f)]
-        self.rows = [r for r in rows if r.get("step") is not None and r["step"] <= up_to_step]
-
-    def flush(self) -> None:
-        if not self.path:
-            return
-        with atomic_write(self.path, "w") as f:
-            if self.path.endswith(".jsonl"):
-                for r in self.rows:
-                    f.write(json.dumps(r) + "\n")
-            else:
-                w = csv.DictWriter(f, fieldnames=_LOG_COLUMNS, extrasaction="ignore")
-                w.writeheader()
-                w.writerows(self.rows)
-
-
-def _number(text: str | None) -> int | float | None:
-    """A CSV cell as it was written: an int stays an int (epoch, step), a float a float, empty is None."""
-    if text in ("", None):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
-class _LossMeter:
-    """Training losses kept on the device, read to the host in one transfer at reading points.
-
-    Each micro-batch's loss is kept (detached, 0-d) with where it happened; `read()` stacks the
-    pending ones, reads them at once, raises FloatingPointError naming the first NaN/inf one (unless
-    a GradScaler handles those: then they are skipped and left out of the means), and adds the rest
-    to the epoch's and the log interval's sample-weighted sums.
-    """
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[torch.Tensor, int, tuple[int, int, int]]] = []
-        self.epoch_sum = self.since_sum = 0.0
-        self.epoch_n = self.since_n = 0
-
-    def add(self, loss: torch.Tensor, samples: int, where: tuple[int, int, int]) -> None:
-        """`where` = (optimizer step, epoch, batch), 1-based, for the error message."""
-        self.pending.append((loss.detach().float().reshape(()), samples, where))
-
-    def read(self, nonfinite_is_error: bool) -> None:
-        if not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        values = torch.stack([t for t, _, _ in pending]).tolist()
-        for v, (_, k, (step, epoch, batch)) in zip(values, pending):
-            if not math.isfinite(v):
-                if nonfinite_is_error:
-                    raise FloatingPointError(
-                        f"loss is {v} at step {step} (epoch {epoch}, batch {batch}); lower the learning rate, "
-                        "clip gradients (max_grad_norm=...), or check the inputs for NaN/inf (the loss is read "
-                        "every log_every_n_steps steps and at epoch ends, so training went on until then)")
-                continue
-            self.epoch_sum += v * k
-            self.since_sum += v * k
-            self.epoch_n += k
-            self.since_n += k
-
-    def interval_mean(self) -> float:
-        """Mean loss since the previous call (NaN when every loss since was skipped); restarts the interval."""
-        mean = self.since_sum / self.since_n if self.since_n else math.nan
-        self.since_sum, self.since_n = 0.0, 0
-        return mean
-
-    def start_epoch(self) -> None:
-        """A new epoch: its sums and the first log interval start at zero (the epoch's row was the last)."""
-        self.epoch_sum, self.epoch_n = 0.0, 0
-        self.since_sum, self.since_n = 0.0, 0
-
-
-class _Progress:
-    """Progress on rank 0: a rich bar (progress=True), short text lines to a callable, or nothing."""
-
-    def __init__(self, progress: bool | Callable[[str], None]):
-        self.bar = None
-        self.say = progress if callable(progress) else None
-        if progress is True:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False)
-            self.bar.start()
-        self.task = None
-
-    def epoch(self, description: str, total: int | None, done: int) -> None:
-        if self.bar is not None:
-            self.task = self.bar.add_task(description, total=total, completed=done, info="")
-
-    def advance(self) -> None:
-        if self.bar is not None and self.task is not None:
-            self.bar.update(self.task, advance=1)
-
-    def report(self, epoch: int, step: int, loss: float, rate: float) -> None:
-        """At a reading point: the loss and samples/s since the previous one."""
-        if self.bar is not None and self.task is not None:
-            self.bar.update(self.task, info=f"loss {loss:.4f}  {rate:,.0f} samples/s")
-        if self.say is not None:
-            self.say(f"epoch {epoch} step {step} loss {loss:.4g} {rate:,.0f} samples/s")
-
-    def line(self, text: str) -> None:
-        if self.say is not None:
-            self.say(text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
-@dataclass
-class _Span:
-    """Samples trained on since `t0` (an epoch, an optimizer step, a metrics row) and their rate."""
-
-    samples: int = 0
-    t0: float = field(default_factory=time.perf_counter)
-
-    def rate(self, world_size: int, now: float) -> float:
-        """Samples per second over every rank (each rank trains as many)."""
-        return self.samples * world_size / max(now - self.t0, 1e-9)
-
-
-def _epoch_line(row: dict[str, Any]) -> str:
-    """'epoch 1 step 8 train_loss 0.693 val_loss 0.65 val_acc 0.75 ...': an epoch's row as one line."""
-    return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-
-
-def _generator_of(loader: Any) -> torch.Generator | None:
-    """The loader's own torch.Generator (a DataLoader's shuffling draws from it), if it has one."""
-    gen = getattr(loader, "generator", None)
-    return gen if isinstance(gen, torch.Generator) else None
-
-
-def _own_rng(state: dict[str, Any], e: distributed.DistEnv) -> dict[str, Any]:
-    """The checkpoint's state with this rank's generators where resuming reads them (`rng`, and
-    `epoch_start["rng"]` mid-epoch).
-
-    A checkpoint holds each rank's generators once, in `rng_ranks`; a world of the size that wrote it
-    takes its own entry, any other world rank 0's (only an epoch-end checkpoint may be resumed by
-    another number of ranks). Checkpoints of older versions also kept rank 0's at the top level:
-    those are used as written when the world differs."""
-    ranks = state.get("rng_ranks") or []
-    if len(ranks) != e.world_size:
-        if "rng" in state or not ranks:
-            return state
-        ranks = ranks[:1] * e.world_size
-    mine = ranks[e.rank]
-    start = state.get("epoch_start")
-    if start is not None and mine.get("epoch_start_rng") is not None:
-        start = dict(start, rng=mine["epoch_start_rng"])
-    return dict(state, rng=mine["rng"], epoch_start=start)
 
 
 def _check_agrees(acc: Accelerated, options: AccelerateOptions) -> None:
@@ -291,26 +111,22 @@ class Trainer:
 
     Batches are `(x, y)` tuples, dict batches (`{"image", "label"}`..., or Hugging Face style
     `{"pixel_values": ..., "labels": ...}`: the label key is the target, every other key a keyword
-    input) or whatever `batch_format` (`torchspeed.batches.BatchFormat` or a dict of its fields) says;
-    the model is called with the inputs (a dict as keyword arguments) and the loss gets the logits of
-    its output (the tensor, `.logits` or `["logits"]`; `BatchFormat(logits=lambda out: out)` passes
-    the whole output).
+    input) or what `batch_format` (a `torchspeed.batches.BatchFormat` or a dict of its fields) says;
+    the model gets the inputs (a dict as keywords), the loss the logits of its output (the tensor,
+    `.logits` or `["logits"]`; `BatchFormat(logits=lambda out: out)` passes the whole output).
 
     `model` may be a model `accelerate()` returned, or the `Accelerated` itself: its choices are used
-    as they are (nothing is measured again; `optimizer` may then be left out). Settings given here
-    that contradict them are an error; "auto" ones follow them. precision, channels_last, compile,
-    strategy, device and `accelerate_kwargs` (accelerate()'s other keywords) make the Trainer's
-    `options`, an `AccelerateOptions`.
-    `loss_fn` may instead take `(outputs, targets, inputs)` when it has `needs_inputs = True`
-    (distillation). `scheduler` steps every optimizer step (`scheduler_interval="step"`) or epoch.
-    `grad_accum_steps` micro-batches make one optimizer step; `max_grad_norm` clips gradients.
-    `log_path` (.csv or .jsonl) receives train_loss / lr / samples_per_s every `log_every_n_steps`
-    steps and val_loss / val_acc after each validation; the train_loss of a row is the mean over the
-    batches since the previous row. `progress`: True for a progress bar and a summary table, a
-    callable to receive short text lines ("epoch 1 step 50 loss 2.31 840 samples/s") at the same
-    points, False for silence. Under torchrun the loaders are sharded, the
-    model wrapped (DDP, or FSDP2 with `strategy="fsdp"`), metrics all-reduced, checkpoints written
-    by rank 0 (sharded through torch.distributed.checkpoint under FSDP).
+    as they are (nothing measured again; `optimizer` may be left out); settings here that contradict
+    them are an error. precision, channels_last, compile, strategy, device and `accelerate_kwargs`
+    (accelerate()'s other keywords) make `options`, an `AccelerateOptions`. `loss_fn` may take
+    `(outputs, targets, inputs)` when it has `needs_inputs = True` (distillation). `scheduler` steps
+    every optimizer step (`scheduler_interval="step"`) or epoch; `grad_accum_steps` micro-batches make
+    one optimizer step; `max_grad_norm` clips gradients. `log_path` (.csv or .jsonl) gets train_loss
+    (the mean since the previous row) / lr / samples_per_s every `log_every_n_steps` steps and
+    val_loss / val_acc after each validation. `progress`: True for a bar and a summary table, a
+    callable for short text lines ("epoch 1 step 50 loss 2.31 840 samples/s"), False for silence.
+    Under torchrun the loaders are sharded, the model wrapped (DDP, or FSDP2 with `strategy="fsdp"`),
+    metrics all-reduced, checkpoints written by rank 0 (sharded through DCP under FSDP).
     """
 
     def __init__(
@@ -349,14 +165,14 @@ class Trainer:
                 raise ValueError(f"callbacks must be torchspeed.train.Callback instances, got {type(cb).__name__}")
         self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
-        self.log = _MetricsLog(log_path)
+        self.log = MetricsLog(log_path)
         self.log_every_n_steps = max(1, int(log_every_n_steps))
         if not (isinstance(progress, bool) or callable(progress)):
             raise ValueError(f"progress must be True, False or a callable taking a text line, got {progress!r}")
         self.progress = progress
         self.acc: Accelerated | None = prepared
-        self.dist = distributed.env()
-        self._losses = _LossMeter()
+        self.dist = ranks.env()
+        self._losses = LossMeter()
         # loop state (all of it goes into a checkpoint)
         self.epoch = 0
         self.batches_done = 0       # batches consumed in the current epoch
@@ -365,13 +181,8 @@ class Trainer:
         self.should_stop = False
         self.history: list[dict[str, Any]] = []
         self.run_id: str | None = None  # this run's id: in every checkpoint and in the checkpoint directory
-        self._epoch_start: dict[str, Any] | None = None
-        self._epoch_finished = False
+        self._resume = ExactResume(self.callbacks)  # checkpoints and resumes: the rest of the state
         self._loader: Any = None
-        self._resume_state: dict[str, Any] | None = None  # the loaded checkpoint's state, this rank's generators
-        # an epoch continued by another number of ranks than began it: its order, what was read, where
-        # this world's count of batches starts, the loader of this rank's part (see _continue_elsewhere)
-        self._rest: dict[str, Any] | None = None
         self._classes: int | None = None  # the classes the training data names, when it does
         self._outputs_checked = False  # the model's class outputs checked against the labels (first batch)
         self._own_preparation = False  # accelerate() run by this Trainer (not a prepared model given to it)
@@ -418,7 +229,7 @@ class Trainer:
                                    progress=self._say_progress())
         forget_prepared(self.acc.model)
         self._own_preparation = True
-        self.dist = distributed.env()
+        self.dist = ranks.env()
 
     def _say_progress(self) -> bool | Callable[[str], Any]:
         """progress= for what the Trainer measures before training: lines to a callable on rank 0 only."""
@@ -451,7 +262,7 @@ class Trainer:
         def step(batch: Any) -> None:
             x, y = self._split(batch)
             with self.acc.autocast():
-                loss = self._loss(self._forward(self.model, x), y, x)
+                loss = loss_of(self.loss_fn, self._forward(self.model, x), y, x)
             self.acc.backward(loss)
             self.acc.step(self.optimizer, max_grad_norm=self.max_grad_norm)
 
@@ -469,7 +280,7 @@ class Trainer:
         return chosen
 
     def _shard(self, loader: Any) -> Any:
-        return distributed.shard_loader(loader, self.dist) if self.dist.distributed else loader
+        return shard_loader(loader, self.dist) if self.dist.distributed else loader
 
     # ---------------------------------------------------------------- batches
     def _split(self, batch: Any) -> tuple[Any, Any]:
@@ -478,7 +289,7 @@ class Trainer:
             keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
             raise ValueError(f"the batch has no target to train or evaluate on (it has {keys}); name the label "
                              "with batch_format=BatchFormat(target=KEY)")
-        if not getattr(self._loader, "yields_device_batches", False):
+        if not yields_device_batches(self._loader):
             x = to_device(x, self.device, self.acc.channels_last)
             y = to_device(y, self.device)
         elif isinstance(x, torch.Tensor) and x.dim() == 4:  # on the device already: only the chosen layout
@@ -493,20 +304,13 @@ class Trainer:
         """The model called on the inputs as the batch format says; its logits."""
         return self.batch_format.logits_of(self.batch_format.forward(model, x))
 
-    def _loss(self, out: Any, y: Any, x: Any) -> torch.Tensor:
-        return self.loss_fn(out, y, x) if getattr(self.loss_fn, "needs_inputs", False) else self.loss_fn(out, y)
-
     def _no_sync(self, syncing: bool) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce on accumulation micro-steps (DDP's no_sync, FSDP2's flag)."""
         m = self.acc.module if self.acc.report.strategy == "fsdp" else self.acc.wrapped
-        if syncing:
-            if hasattr(m, "set_requires_gradient_sync"):
-                m.set_requires_gradient_sync(True)
-            return contextlib.nullcontext()
-        if hasattr(m, "no_sync"):
+        if not syncing and hasattr(m, "no_sync"):
             return m.no_sync()
         if hasattr(m, "set_requires_gradient_sync"):
-            m.set_requires_gradient_sync(False)
+            m.set_requires_gradient_sync(syncing)
         return contextlib.nullcontext()
 
     # ---------------------------------------------------------------- evaluation
@@ -531,7 +335,7 @@ class Trainer:
                     if i == 0:
                         check_class_outputs(out, y, self.loss_fn, class_count(loader))
                     k = self._count(y)
-                    loss_sum += float(self._loss(out, y, x).float()) * k
+                    loss_sum += float(loss_of(self.loss_fn, out, y, x).float()) * k
                     if classify and isinstance(out, torch.Tensor) and out.dim() == 2 and isinstance(y, torch.Tensor) \
                             and y.dim() == 1 and not y.is_floating_point():
                         correct += correct_top1(out, y)
@@ -549,15 +353,22 @@ class Trainer:
             metrics["val_acc"] = correct / n
         return metrics
 
-    # ---------------------------------------------------------------- checkpoints
-    def _position(self) -> tuple[int, int]:
-        return (self.epoch + 1, 0) if self._epoch_finished else (self.epoch, self.batches_done)
+    # ---------------------------------------------------------------- checkpoints (see resume.py)
+    def _trained(self) -> Trained:
+        return Trained(self.module, self.optimizer, self.acc.scaler, self.scheduler, self.acc.report.strategy == "fsdp")
 
-    def _rng_of_this_rank(self) -> dict[str, Any]:
-        """This process's generators now and at the start of the epoch (each rank has its own: under
-        DDP, rank r's dropout draws from cuda:r's generator, which only rank r's process holds)."""
-        start = None if self._epoch_finished or self._epoch_start is None else self._epoch_start["rng"]
-        return {"rng": rng_state(), "epoch_start_rng": start}
+    def _position(self) -> dict[str, Any]:
+        """The loop's counters as a checkpoint holds them."""
+        return {"epoch": self.epoch, "batches_done": self.batches_done, "global_step": self.global_step,
+                "skipped_steps": self.skipped_steps, "history": self.history, "run_id": self.run_id}
+
+    def _continue_from(self, state: dict[str, Any]) -> None:
+        """The loop's counters (and the metrics rows up to its step) from a restored checkpoint's state."""
+        self.epoch, self.batches_done = state["epoch"], state["batches_done"]
+        self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
+        self.history = list(state.get("history") or [])
+        self.run_id = state.get("run_id") or self.run_id
+        self.log.restore(self.global_step)
 
     def state_dict(self, include_model: bool = True, rng_ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors and plain types only.
@@ -565,164 +376,16 @@ class Trainer:
         `rng_ranks`: every rank's generators, now and at the epoch's start, one entry per rank (the
         only place they are kept; `save_checkpoint` gathers them from all ranks); by default this
         process's only."""
-        epoch, done = self._position()
-        loader = self._loader
-        state: dict[str, Any] = {
-            "format": ckpt.FORMAT,
-            "epoch": epoch,
-            "batches_done": done,
-            "global_step": self.global_step,
-            "skipped_steps": self.skipped_steps,
-            "rng_ranks": rng_ranks if rng_ranks is not None else [self._rng_of_this_rank()],
-            "generator": gen.get_state() if (gen := _generator_of(loader)) is not None else None,
-            # the loader's generator when this epoch's iterator was made (the RNG's: rng_ranks)
-            "epoch_start": None if self._epoch_finished or self._epoch_start is None
-            else {"generator": self._epoch_start["generator"]},
-            "loader": loader.state_dict() if (loader is not None and not self._epoch_finished
-                                               and hasattr(loader, "load_state_dict")) else None,
-            "scaler": self.acc.scaler.state_dict() if self.acc.scaler is not None else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "callbacks": [cb.state_dict() for cb in self.callbacks],
-            "history": self.history,
-            "world_size": self.dist.world_size,
-            # how this epoch's samples are ordered and how many of them were read: another number of
-            # ranks continues the epoch from it (None at an epoch's end, or for an order it cannot map)
-            "order": None if self._epoch_finished else self._order_now(),
-            "run_id": self.run_id,
-        }
-        if include_model:
-            state["model"] = self.module.state_dict()
-            state["optimizer"] = self.optimizer.state_dict()
-        return state
-
-    def _order_now(self) -> dict[str, Any] | None:
-        """This epoch's order (`distributed.sampler_order`) with the samples of it read so far."""
-        if self._rest is not None:
-            r = self._rest
-            read = self.dist.world_size * (self.batches_done - r["first"]) * r["batch_size"]
-            return {**r["order"], "consumed": r["consumed"] + read, "remapped": True}
-        order = distributed.sampler_order(self._loader)
-        if order is None:
-            return None
-        return {**order, "consumed": order["world_size"] * self.batches_done * order["batch_size"]}
-
-    def _continue_elsewhere(self, loader: Any, n_batches: int | None) -> None:
-        """A checkpoint written mid-epoch by another number of ranks (or during such an epoch): this
-        rank reads its part of the samples nobody had read (`distributed.remaining_share`), through
-        the loader's settings, and the epoch's batch count is this world's (its first batches counted
-        as done). Its last batch may be smaller, drop_last or not: no remaining sample is left out."""
-        from torch.utils.data import DataLoader
-
-        order, path = self._rest["order"], self._rest["path"]
-        takes_rest = hasattr(getattr(loader, "sampler", None), "rest") and hasattr(loader, "load_state_dict")
-        if not (takes_rest or isinstance(loader, DataLoader) and loader.batch_size) or n_batches is None:
-            raise ValueError(
-                f"checkpoint {path!r} was written by {order['world_size']} processes mid-epoch; continuing that "
-                f"epoch with {self.dist.world_size} maps the samples left to the ranks through a torch DataLoader "
-                f"or a FastLoader, and this loader is a {type(loader).__name__}: resume with {order['world_size']} "
-                "processes, or from an epoch-end checkpoint")
-        share = distributed.remaining_share(order, order["consumed"], self.dist.world_size, self.dist.rank)
-        b = loader.batch_size
-        left = -(-len(share) // b)  # a last, smaller batch rather than samples left out (even under drop_last)
-        self.batches_done = max(0, n_batches - left)
-        self._rest = {"order": order, "consumed": order["consumed"], "first": self.batches_done, "batch_size": b,
-                      "share": share, "left": left}
-        if not takes_rest:  # a DataLoader: one with its settings reads this rank's part
-            self._rest["loader"] = distributed.with_sampler(loader, share, drop_last=False)
-        log.info("continuing epoch %d (begun by %d process(es)) with %d: %d of its samples read, %d batch(es) left "
-                 "on each rank", self.epoch + 1, order["world_size"], self.dist.world_size,
-                 min(order["consumed"], order["n"]), left)
+        return self._resume.state(self._position(), self._loader, self._trained(), include_model, rng_ranks)
 
     def save_checkpoint(self, directory: str | os.PathLike) -> str:
         """Write a full checkpoint into `directory` (rank 0; every rank under FSDP). Returns its path.
 
         The pending losses are read first, so a checkpoint never holds weights trained past a NaN loss."""
-        directory = os.fspath(directory)
         self._read_losses()
         if self.run_id is None:
             self.run_id = ckpt.new_run_id()
-        ranks = distributed.gather_states(self._rng_of_this_rank())  # every rank takes part
-        if self.acc.report.strategy == "fsdp":
-            return ckpt.save_sharded(directory, self.global_step, self.module, self.optimizer,
-                                     self.state_dict(include_model=False, rng_ranks=ranks), self.is_main)
-        path = os.path.join(directory, ckpt.checkpoint_name(self.global_step))
-        if self.is_main:
-            ckpt.save_file(path, self.state_dict(rng_ranks=ranks))
-        distributed.barrier()
-        return path
-
-    def _checkpoint_callbacks(self) -> list[Checkpoint]:
-        return [cb for cb in self.callbacks if isinstance(cb, Checkpoint)]
-
-    def _claim(self, resuming: bool) -> None:
-        """Rank 0 takes every Checkpoint directory for this run (refusing another run's, see Checkpoint)."""
-        if self.is_main:
-            for cb in self._checkpoint_callbacks():
-                cb.claim(self.run_id, resuming=resuming)
-
-    def _refuse_foreign_ahead(self, last_step: float) -> None:
-        """Before the first batch: a checkpoint of another run under a step this run may save
-        (after its current step, up to `last_step`) is named and refused, never overwritten."""
-        if not self.is_main:
-            return
-        for cb in self._checkpoint_callbacks():
-            ahead = [p for s, p in ckpt.foreign(cb.directory, self.run_id) if self.global_step < s <= last_step]
-            if ahead:
-                raise ValueError(
-                    f"checkpoint directory {cb.directory!r} holds {os.path.basename(ahead[0])}, which is not this "
-                    f"run's (run {self.run_id}), under a step this run would write: it is never overwritten; move "
-                    "it out of that directory, or write this run's checkpoints elsewhere")
-
-    def _release(self) -> None:
-        for cb in self._checkpoint_callbacks():
-            cb.release()
-
-    def _resume(self, resume: str | os.PathLike) -> str:
-        """Load the checkpoint `resume` names; returns its path.
-
-        A directory or "last": its run's newest checkpoint that passes its check; one that fails
-        (damaged, torn) is skipped with a warning naming it, and the previous one is loaded; when none
-        passes, CheckpointError lists them. "last" with no checkpoint of the directory's run is refused
-        (FileNotFoundError naming any other run's checkpoints there). An explicit file is loaded or
-        refused, never replaced."""
-        resume = os.fspath(resume)
-        if resume == "last":
-            directory, found = self._last_of_run()
-            candidates = [p for _, p in reversed(found)]
-        elif os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, ".metadata")):
-            directory = resume
-            candidates = [p for _, p in reversed(ckpt.candidates(resume))]
-            if not candidates:
-                raise FileNotFoundError(f"no complete checkpoint (step-*.pt with its record) in {resume!r}")
-        else:
-            if not os.path.exists(resume):
-                raise FileNotFoundError(f"checkpoint {resume!r} does not exist")
-            self.load_checkpoint(resume)
-            return resume
-        failed = []
-        for path in candidates:
-            try:
-                state = ckpt.load_file(path)
-            except ckpt.CheckpointError as e:
-                failed.append(str(e))
-                log.warning("%s; resuming from the checkpoint before it instead", e)
-                continue
-            if failed:
-                log.warning("resuming from %s (%d newer checkpoint(s) failed their check)", path, len(failed))
-            self._restore(path, state)
-            return path
-        raise ckpt.CheckpointError(f"no checkpoint in {directory!r} passes its check, so there is nothing to resume "
-                                   f"from: {'; '.join(failed)}")
-
-    def _last_of_run(self) -> tuple[str, list[tuple[int, str]]]:
-        """resume='last': (the Checkpoint callback's directory, its run's checkpoints); refused when
-        there is none (see checkpoint.resumable)."""
-        dirs = [cb.directory for cb in self._checkpoint_callbacks()]
-        if not dirs:
-            raise ValueError("resume='last' needs a Checkpoint callback (its directory is searched); "
-                             "or pass the checkpoint's path")
-        return dirs[0], ckpt.resumable(dirs[0], "resume='last'", "fit without resume to start a new run there "
-                                       "(Checkpoint(..., overwrite=True) deletes the checkpoints it holds)")
+        return self._resume.save(os.fspath(directory), self._position(), self._loader, self._trained())
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by save_checkpoint; training continues from it.
@@ -730,100 +393,9 @@ class Trainer:
         It is verified against its record first (CheckpointError naming the file when its bytes changed
         or it is incomplete) and read with weights_only=True (pickled objects refused)."""
         path = os.fspath(path)
-        self._restore(path, ckpt.load_file(path))
-
-    def _restore(self, path: str, state: dict[str, Any]) -> None:
-        if not state.get("rng_ranks") and "rng" not in state:
-            raise ValueError(f"checkpoint {path!r} holds no RNG state, so training cannot continue exactly from it "
-                             "(written by another version of torchspeed?); start a new run")
-        order = state.get("order")
-        self._rest = None
-        if state.get("epoch_start") is not None and (state.get("world_size", 1) != self.dist.world_size
-                                                     or (order or {}).get("remapped")):
-            if order is None:
-                raise ValueError(f"checkpoint {path!r} was written by {state['world_size']} processes mid-epoch, "
-                                 "by a loader whose order cannot be mapped to another number of processes (a "
-                                 "DistributedSampler's can: a DataLoader under torchrun); resume it with the same "
-                                 f"number ({self.dist.world_size} now), or from an epoch-end checkpoint")
-            self._rest = {"order": order, "path": path}
-        if self.acc.report.strategy == "fsdp" or "model" not in state:
-            # sharded: DCP reshards for this world (any number of ranks, FSDP or not, or one process)
-            ckpt.load_sharded(path, self.module, self.optimizer)
-        else:
-            try:
-                self.module.load_state_dict(state["model"])
-            except RuntimeError as e:
-                raise ValueError(f"checkpoint {path!r} does not fit this model: {str(e)[:300]}") from None
-            self.optimizer.load_state_dict(state["optimizer"])
-        if state["scaler"] is not None and self.acc.scaler is not None:
-            self.acc.scaler.load_state_dict(state["scaler"])
-        if state["scheduler"] is not None and self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if len(state["callbacks"]) == len(self.callbacks):
-            for cb, s in zip(self.callbacks, state["callbacks"]):
-                cb.load_state_dict(s)
-        self.epoch, self.batches_done = state["epoch"], state["batches_done"]
-        self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
-        self.history = list(state.get("history") or [])
-        self.run_id = state.get("run_id") or self.run_id
-        self._resume_state = _own_rng(state, self.dist)
-        self.log.restore(self.global_step)
+        self._continue_from(self._resume.restore(path, ckpt.load_file(path), self._trained()))
 
     # ---------------------------------------------------------------- training
-    def _epoch_iterator(self, loader: Any, epoch: int, resume: dict[str, Any] | None) -> Iterator[Any]:
-        """This epoch's batches; on a mid-epoch resume, continue with the next unseen batch."""
-        skip = self.batches_done if resume else 0
-        gen = _generator_of(loader)
-        if resume and self._rest is not None:  # another number of ranks: this rank's part of what is left
-            self._set_epoch(loader, epoch)
-            set_rng_state(resume["rng"])
-            self._epoch_start = {"rng": rng_state(), "generator": gen.get_state() if gen is not None else None}
-            if "loader" in self._rest:
-                return iter(self._rest["loader"])
-            if not self._rest["left"]:
-                return iter(())
-            # a loader that reads a given part itself (a FastLoader: its sampler's `rest`, from batch `first` on)
-            loader.load_state_dict({**loader.state_dict(), "epoch": self._rest["order"]["epoch"],
-                                    "batches_done": self._rest["first"]})
-            loader.sampler.rest = self._rest["share"]
-            return iter(loader)
-        if resume:
-            if resume.get("loader") is not None and hasattr(loader, "load_state_dict"):
-                loader.load_state_dict(resume["loader"])  # a FastLoader knows its own position
-                self._epoch_start = resume.get("epoch_start")
-                set_rng_state(resume["rng"])
-                n = len(loader) if hasattr(loader, "__len__") else None
-                return iter(()) if n is not None and skip >= n else iter(loader)  # done: validate next
-            if skip and resume.get("epoch_start") is not None:
-                start = resume["epoch_start"]  # generators as they were when this epoch's iterator was made
-                set_rng_state(start["rng"])
-                if start.get("generator") is not None and gen is not None:
-                    gen.set_state(start["generator"])
-            else:  # at an epoch boundary the checkpoint's generators are this epoch's starting point
-                set_rng_state(resume["rng"])
-                if resume.get("generator") is not None and gen is not None:
-                    gen.set_state(resume["generator"])
-        self._set_epoch(loader, epoch)
-        self._epoch_start = {"rng": rng_state(), "generator": gen.get_state() if gen is not None else None}
-        it = iter(loader)
-        for i in range(skip):  # replay the batches already trained on (same order, same augmentation)
-            try:
-                next(it)
-            except StopIteration:
-                raise ValueError(f"cannot resume at batch {skip} of epoch {epoch}: the loader has only {i}") from None
-        if resume and skip:
-            set_rng_state(resume["rng"])  # then every generator exactly as at the checkpoint
-            if resume.get("generator") is not None and gen is not None:
-                gen.set_state(resume["generator"])
-        return it
-
-    @staticmethod
-    def _set_epoch(loader: Any, epoch: int) -> None:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
-            loader.sampler.set_epoch(epoch)
-
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)
@@ -844,64 +416,44 @@ class Trainer:
             max_steps: int | None = None, resume: str | os.PathLike | None = None) -> dict[str, Any]:
         """Train for `epochs` (or until `max_steps` optimizer steps / a callback stops); returns final metrics.
 
-        `resume`: a checkpoint path, a directory of checkpoints, "last" (the newest complete one
-        of the run in the Checkpoint callback's directory; FileNotFoundError when that directory holds
-        none of its run: a resume never silently becomes a new run), or "auto" ("last" when the
-        directory holds a checkpoint of its run, else a new run, logged at INFO: one script that
-        starts or continues, as every attempt torchrun restarts runs it). A directory or "last" skips a
-        checkpoint that fails its check (bit flip, torn write) with a warning naming it and loads the
-        one before; CheckpointError when none passes. A checkpoint path given explicitly is loaded or
-        refused (CheckpointError naming it), never replaced. Another number of ranks than wrote the
-        checkpoint may resume it: DDP's state is whole, FSDP's is resharded, and an epoch begun by the
-        other world is continued with each unread sample read once (for a DataLoader under torchrun or
-        a FastLoader; docs/train.md says what cannot be exact). Another run's checkpoint in the directory
-        is never loaded or overwritten: one under a step this run would write refuses the run first.
+        `resume`: a checkpoint path, a directory of checkpoints, "last" (the newest complete one of the
+        run in the Checkpoint callback's directory; FileNotFoundError when it holds none: a resume never
+        silently becomes a new run), or "auto" ("last" when the directory holds a checkpoint of its run,
+        else a new run, logged at INFO: one script starts or continues, as torchrun restarts it). A
+        directory or "last" skips a checkpoint that fails its check (bit flip, torn write) with a warning
+        and loads the one before (CheckpointError when none passes); an explicit path is loaded or
+        refused, never replaced. Another number of ranks may resume: DDP's state is whole, FSDP's is
+        resharded, an epoch begun by the other world is continued with each unread sample read once (a
+        DataLoader under torchrun or a FastLoader; docs/train.md says what cannot be exact).
 
-        Without `resume` this is a new run (unless this Trainer has run before): a Checkpoint
-        directory holding another run's checkpoints is refused before any data is read, unless the
-        callback has `overwrite=True`.
+        Without `resume` this is a new run (unless this Trainer has run before): a Checkpoint directory
+        holding another run's checkpoints is refused before any data is read (unless `overwrite=True`).
+        Another run's checkpoint is never loaded or overwritten: one under a step this run would write
+        refuses the run first.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}")
         if resume is not None and os.fspath(resume) == "auto":
-            resume = self._auto_resume()
+            resume = self._resume.auto()
         try:
             return self._fit(train_loader, val_loader, epochs, max_steps, resume)
         finally:
-            self._release()
+            self._resume.release()
             if self._own_preparation and self.acc is not None and self.acc.scaler is not None:
                 release_step_guard(self.optimizer)  # fp16: the optimizer steps plainly again after the run
 
-    def _auto_resume(self) -> str | None:
-        """resume='auto': "last" when the Checkpoint directory holds a checkpoint of its run, else None
-        (a new run, which still refuses another run's checkpoints there), saying which."""
-        dirs = [cb.directory for cb in self._checkpoint_callbacks()]
-        if not dirs:
-            raise ValueError("resume='auto' needs a Checkpoint callback (its directory is searched)")
-        try:
-            ckpt.resumable(dirs[0], "resume='auto'", "starting a new run")
-        except FileNotFoundError as e:
-            log.info("%s", e)
-            return None
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        log.info("resume='auto': continuing the run in %s (run %s) from its newest checkpoint%s", dirs[0],
-                 ckpt.read_run(dirs[0]), f" (torchrun restart {restart} of job {os.environ.get('TORCHELASTIC_RUN_ID')})"
-                 if restart and restart != "0" else "")
-        return "last"
-
     def _fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int,
              max_steps: int | None, resume: str | os.PathLike | None) -> dict[str, Any]:
-        loader, n_batches, resume_state = self._start_run(train_loader, epochs, max_steps, resume)
-        bar = _Progress(self.progress if self.is_main else False)
-        run = _Span()
+        loader, n_batches = self._start_run(train_loader, epochs, max_steps, resume)
+        bar = Progress(self.progress if self.is_main else False)
+        run = Span()
         last: dict[str, Any] = {}
         self._call("on_train_start")
         try:
             while self.epoch < epochs and not self.should_stop and not self._reached(max_steps):
-                epoch, stopped_mid_epoch = self._train_epoch(loader, n_batches, epochs, max_steps, resume_state, bar)
-                resume_state = None
+                epoch, stopped_mid_epoch = self._train_epoch(loader, n_batches, epochs, max_steps, bar)
                 run.samples += epoch.samples
                 if stopped_mid_epoch:
                     break  # no validation, the position stays mid-epoch
@@ -915,19 +467,19 @@ class Trainer:
         return bool(max_steps) and self.global_step >= max_steps
 
     def _start_run(self, train_loader: Iterable[Any], epochs: int, max_steps: int | None,
-                   resume: str | os.PathLike | None) -> tuple[Any, int | None, dict[str, Any] | None]:
+                   resume: str | os.PathLike | None) -> tuple[Any, int | None]:
         """Before the first batch: a new run's checkpoint directories claimed, or a resume's checked
         (both before any data is read), the loader sharded, accelerate() run on one batch, the
         checkpoint `resume` names loaded, another run's checkpoints in the way refused.
-        Returns (the loader, its batches per epoch or None, the state to resume from or None)."""
-        self.dist = distributed.env()
+        Returns (the loader, its batches per epoch or None)."""
+        self.dist = ranks.env()
         new_id = resume is None and self.run_id is None
         if resume is None:  # a new run, or this Trainer's own run going on: the directory is checked now
             if new_id:
                 self.run_id = ckpt.new_run_id()
-            self._claim(resuming=False)
+            self._resume.claim(self.run_id, resuming=False)
         elif os.fspath(resume) == "last":
-            self._last_of_run()  # nothing of the run to continue: refused before any data is read
+            self._resume.last_of_run()  # nothing of the run to continue: refused before any data is read
         loader = self._shard(train_loader)
         try:
             n_batches = len(loader)  # type: ignore[arg-type]
@@ -938,38 +490,36 @@ class Trainer:
         self._prepare(loader, max_steps or (n_batches * epochs // self.grad_accum_steps if n_batches else None))
         loader = self._with_chosen_counts(loader)  # before the first epoch: counts measured alone, with the step
         if new_id and self.dist.distributed:  # one run id on every rank: rank 0's, which claimed the directory
-            hi, lo = distributed.broadcast_ints([int(self.run_id[:8], 16), int(self.run_id[8:], 16)])
+            hi, lo = ranks.broadcast_ints([int(self.run_id[:8], 16), int(self.run_id[8:], 16)])
             self.run_id = f"{hi:08x}{lo:08x}"
         planned = -(-n_batches // self.grad_accum_steps) * epochs if n_batches else None  # optimizer steps
-        self._resume_state = None
-        self._rest = None
+        self._resume.loaded = self._resume.rest = None
         if resume is not None:
-            self._resume(resume)
-            if self._rest is not None:
-                self._continue_elsewhere(loader, n_batches)
+            self._continue_from(self._resume.load(resume, self._trained())[1])
+            if self._resume.rest is not None:
+                self.batches_done = self._resume.continue_elsewhere(loader, n_batches, self.epoch)
             if self.run_id is None:
                 self.run_id = ckpt.new_run_id()
-            self._claim(resuming=True)
-        self._refuse_foreign_ahead(min(s for s in (max_steps, planned, math.inf) if s))
+            self._resume.claim(self.run_id, resuming=True)
+        self._resume.refuse_foreign_ahead(self.run_id, self.global_step,
+                                          min(s for s in (max_steps, planned, math.inf) if s))
         self.should_stop = False
         self._loader = loader
-        self._losses = _LossMeter()
-        return loader, n_batches, self._resume_state
+        self._losses = LossMeter()
+        return loader, n_batches
 
     def _train_epoch(self, loader: Any, n_batches: int | None, epochs: int, max_steps: int | None,
-                     resume_state: dict[str, Any] | None, bar: _Progress) -> tuple[_Span, bool]:
+                     bar: Progress) -> tuple[Span, bool]:
         """One pass over the loader (a mid-epoch resume continues with the next unseen batch). Returns
         the samples it trained on and whether it stopped mid-epoch at `max_steps`."""
-        self._epoch_finished = False
+        self._resume.finished = False
         self._call("on_epoch_start")
         self.model.train()
-        done_before = self.batches_done if resume_state else 0
-        it = self._epoch_iterator(loader, self.epoch, resume_state)
-        bar.epoch(f"epoch {self.epoch + 1}/{epochs}", n_batches, done_before)
-        self.batches_done = done_before
+        it, self.batches_done = self._resume.epoch_iterator(loader, self.epoch, self.batches_done)
+        bar.epoch(f"epoch {self.epoch + 1}/{epochs}", n_batches, self.batches_done)
         self._losses.start_epoch()
-        epoch, step = _Span(), _Span()
-        row = _Span(t0=step.t0)
+        epoch, step = Span(), Span()
+        row = Span(t0=step.t0)
         micro, exhausted = 0, True
         for batch in it:
             micro += 1
@@ -1004,7 +554,7 @@ class Trainer:
                 if not self._outputs_checked:  # once per run: it reads the largest label
                     check_class_outputs(out, y, self.loss_fn, self._classes)
                     self._outputs_checked = True
-                loss = self._loss(out, y, x)
+                loss = loss_of(self.loss_fn, out, y, x)
             self.acc.backward(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss)
         self.batches_done += 1
         self._losses.add(loss, samples, (self.global_step + 1, self.epoch + 1, self.batches_done))
@@ -1012,7 +562,7 @@ class Trainer:
             self._read_losses()
         return loss, samples, sync
 
-    def _step(self, loss: torch.Tensor, step: _Span, row: _Span, bar: _Progress) -> None:
+    def _step(self, loss: torch.Tensor, step: Span, row: Span, bar: Progress) -> None:
         """The optimizer step that ends an accumulation group, then a metrics row at a reading point,
         the progress bar and the callbacks' on_step_end."""
         if not self._optimizer_step():
@@ -1035,12 +585,12 @@ class Trainer:
         # train_loss: this step's loss as a 0-d tensor on the device (float() it to read it)
         self._call("on_step_end", self.global_step, {"train_loss": loss.detach(), "lr": lr, "samples_per_s": rate})
 
-    def _end_epoch(self, val_loader: Iterable[Any] | None, epoch: _Span, bar: _Progress) -> dict[str, Any]:
+    def _end_epoch(self, val_loader: Iterable[Any] | None, epoch: Span, bar: Progress) -> dict[str, Any]:
         """After a full pass: the epoch's row (mean training loss of the epoch over every rank, then
         validation), the epoch-wise scheduler, one stop decision for all ranks, on_epoch_end; the
         position moves to the next epoch. Returns the row."""
         self._read_losses()
-        self._epoch_finished = True
+        self._resume.finished = True
         rate = epoch.rate(self.dist.world_size, time.perf_counter())
         s, n = distributed.all_reduce_sums([self._losses.epoch_sum, float(self._losses.epoch_n)])
         row = {"epoch": self.epoch + 1, "step": self.global_step, "train_loss": s / n if n else math.nan,
@@ -1051,7 +601,7 @@ class Trainer:
             self._call("on_validation_end", val)
         self.log.add(dict(row))
         self.history.append(dict(row))
-        bar.line(_epoch_line(row))
+        bar.line(epoch_line(row))
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             self.scheduler.step()
         self.should_stop = distributed.any_rank(self.should_stop)
@@ -1060,11 +610,11 @@ class Trainer:
             self.log.flush()
         self.epoch += 1
         self.batches_done = 0
-        self._epoch_finished = False
-        self._rest = None
+        self._resume.finished = False
+        self._resume.rest = None
         return row
 
-    def _end_run(self, run: _Span, last: dict[str, Any], bar: _Progress) -> dict[str, Any]:
+    def _end_run(self, run: Span, last: dict[str, Any], bar: Progress) -> dict[str, Any]:
         """on_train_end, the metrics file, and the run's final metrics (also shown as a summary)."""
         self._call("on_train_end")
         if self.is_main:
@@ -1081,8 +631,6 @@ class Trainer:
         return result
 
     def _summary(self, result: dict[str, Any]) -> None:
-        from torchspeed.tables import print_table
-
         rows = [(k, v) for k, v in result.items() if isinstance(v, (int, float, bool))]
         r = self.acc.report
         rows.append(("setup", f"{r.precision}, channels_last={r.channels_last}, compile={r.compile}, "

@@ -1,48 +1,27 @@
-"""The user's model and loader wrapped so that an unchanged loop runs the way accelerate() chose.
-
-`AcceleratedModel` is the model accelerate() returns: where inputs enter it they are moved to the
-device and the chosen memory format, its forward runs under autocast at the chosen precision (entered
-only when autocast is not already on at that dtype, so the explicit `with acc.autocast()` style
-still works), and floating outputs come back in fp32 for the loss (as Hugging Face Accelerate's
-`convert_outputs_to_fp32` and Lightning Fabric's `_FabricModule` do). Its state_dict, parameter
-names and attributes are the user's model's (no `module.` / `_orig_mod.` prefixes from DDP or
-torch.compile), so a checkpoint loads into the plain model and back.
-
-`DeviceLoader` is the loader accelerate() returns: the user's loader, its batches moved to the device
-(non_blocking; from pinned memory on CUDA) in the chosen memory format; everything else a loader is
-asked for (len, set_epoch, state_dict, batch_size, dataset, sampler, ...) is the user's loader's.
-Train never imports torchspeed.data: loaders are read by duck typing.
-"""
+"""The user's model and loader wrapped so that an unchanged loop runs the way accelerate() chose
+(`AcceleratedModel`, `DeviceLoader`). Train never imports torchspeed.data: a loader is known by the
+protocols of `torchspeed.loader_contract`."""
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from torchspeed.batches import map_tensors, to_device
-from torchspeed.runtime import precision_dtype, rng_state, set_rng_state
+from torchspeed.loader_contract import Stateful, conforms
+from torchspeed.runtime import rng_state, set_rng_state
+from torchspeed.train.mixed_precision import autocast_once
 
-__all__ = ["AcceleratedModel", "DeviceLoader", "autocast_once", "class_count", "example_batch_of",
-           "inputs_in_layout", "outputs_fp32", "warn_if_unsharded"]
+__all__ = ["AcceleratedModel", "DeviceLoader", "class_count", "example_batch_of", "inputs_in_layout", "outputs_fp32",
+           "warn_if_unsharded"]
 
 log = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def autocast_once(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
-    """Autocast at `precision` on `device`, unless it is already on at that dtype (a caller's own
-    `with acc.autocast()` around the model): nested autocast would only add overhead. fp32: nothing."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = precision_dtype(precision)
-    if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == dtype:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def inputs_in_layout(module: nn.Module, args: Any, kwargs: Any, channels_last: bool = True) -> tuple[Any, Any]:
@@ -67,12 +46,13 @@ def outputs_fp32(out: Any) -> Any:
 
 
 class AcceleratedModel(nn.Module):
-    """The user's model, run at the precision and memory format accelerate() chose (see the module's
-    docstring). `module` is the user's model; `wrapped` what runs the forward (the user's model, or
-    its DDP / FSDP / torch.compile wrapper). Attribute reads and writes the wrapper does not have go
-    to the user's model (`model.fc`, `model.fc = nn.Linear(...)`). A model that is a container
-    (nn.Sequential, ModuleList, ModuleDict: it has len() and iteration) keeps them: `len(model)`,
-    `for layer in model` and `model[i]` are the user's model's."""
+    """The user's model (`module`) run at the precision and memory format accelerate() chose: inputs moved
+    to the device and memory format where they enter, the forward under autocast (unless already on at
+    that dtype), floating outputs in fp32 for the loss (as Accelerate's `convert_outputs_to_fp32` and
+    Fabric's `_FabricModule` do). `wrapped` runs the forward (the model or its DDP / FSDP / compile
+    wrapper). State_dict, parameter names and attributes the wrapper lacks are the user's model's (no
+    `module.` / `_orig_mod.` prefixes; `model.fc = nn.Linear(...)` reaches it), so checkpoints load both
+    ways; a container (nn.Sequential, ModuleList, ModuleDict) keeps `len`, iteration and `model[i]`."""
 
     def __new__(cls, module: nn.Module | None = None, *args: Any, **kwargs: Any) -> AcceleratedModel:
         container = cls is AcceleratedModel and hasattr(type(module), "__len__") and hasattr(type(module), "__iter__")
@@ -188,11 +168,9 @@ def example_batch_of(loader: Any) -> Any:
     saved = rng_state()
     gen = getattr(loader, "generator", None)
     gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
-    position = loader.state_dict() if hasattr(loader, "load_state_dict") and hasattr(loader, "state_dict") else None
+    position = loader.state_dict() if conforms(loader, Stateful) else None
     try:
-        it = iter(loader)
-        batch = next(it)
-        del it
+        batch = next(iter(loader))  # the iterator is let go at once (a DataLoader's workers with it)
     except StopIteration:
         raise ValueError("the training loader is empty") from None
     finally:
@@ -212,8 +190,6 @@ def class_count(loader: Any) -> int | None:
 
 def warn_if_unsharded(loader: Any, world_size: int) -> None:
     """Under torchrun a DataLoader without a DistributedSampler gives every rank all the data: say so."""
-    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
-
     if world_size <= 1 or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return
     samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))

@@ -6,21 +6,13 @@ A suite module defines:
     def run(quick: bool, progress: bool | Callable[[str], None] = False) -> dict
 
 `run` returns the suite's JSON: the figures it is judged by at the top level (e.g. `ratio`), "rows",
-its table as `torchspeed.bench.rows.Row` objects written out (`Row.to_dict`), and optionally "notes"
-(list of str) and "limits" (its goals against the machine's limits, met or not, and why). A row has
-one meaning per column: technique, the measured median with its min and max and unit (e.g. "img/s"
-or "ms"), ratio (speed-up over plain PyTorch, >1 is faster), cumulative, metric_drop (accuracy lost
-vs the fp32 baseline) and what (one line, what it is); `headline` marks the row that sums the suite up
-in the report's summary (default: the row with the largest cumulative or ratio). Rows of the data,
-train and infer suites also name the ceiling they are judged against ("decode", "fp32", "bf16",
-"int8") and, for compute, the work per item (`flops_per_item`, counted with
-torch.utils.flop_counter; `batch` for "ms" rows): the orchestrator adds `achieved` and
-`pct_of_ceiling` (see `torchspeed.bench.ceilings`).
-
-`progress` follows the library's convention: a callable receives messages ("packing the store"),
-True prints them, False is silent. `quick=True` must keep the suite within its share of
-`torchspeed bench --quick`'s 8 minutes: a suite reads its share from `torchspeed.bench.budget` and
-fits its measurement windows into what is left (`torchspeed.bench.suite_kit`).
+its table as `torchspeed.bench.rows.Row` objects written out (`Row.to_dict`; one meaning per column),
+and optionally "notes" (list of str) and "limits" (its goals against the machine's limits, met or not,
+and why). Rows of the data, train and infer suites name the ceiling they are judged against and, for
+compute, the work per item: the orchestrator adds `achieved` and `pct_of_ceiling` (`bench.ceilings`).
+`progress` follows the library's convention (a callable, True prints, False is silent). `quick=True`
+keeps the suite within its share of `torchspeed bench --quick`'s 8 minutes: a suite reads its share
+from `torchspeed.bench.budget` and fits its windows into what is left (`torchspeed.bench.suite_kit`).
 """
 from __future__ import annotations
 

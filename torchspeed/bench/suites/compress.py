@@ -1,23 +1,18 @@
 """Compression benchmark: structural pruning + a short fine-tune, and knowledge distillation, on CPU.
 
-The teacher is the shared demo ResNet-18 (trained on the demo photos; evaluated, like every model
-here, in fp32 on the 1000 held-out images, whole, at its input size).
+The teacher is the shared demo ResNet-18; every model is evaluated in fp32 on the 1000 held-out images.
+- Pruning: 50% of every layer's channels removed (Torch-Pruning; counts rounded to multiples of 8, the
+  classifier's outputs kept), then a short fine-tune through the Trainer distilling from the unpruned
+  model. Latency: batch 1 at the demo input size, fp32, both models timed interleaved.
+- Distillation: a half-width ResNet-18 trained from scratch for the same steps on the same batches, with
+  the teacher (Hinton KD) and on the labels alone, over several seeds; `kd_gain` is the mean held-out
+  accuracy gain, with its standard deviation over seeds.
 
-- Pruning: 50% of the channels of every layer removed through Torch-Pruning's dependency graph
-  (channel counts rounded to multiples of 8, the classifier's outputs kept), then a short
-  fine-tune through the Trainer, distilling from the unpruned model. Latency: batch 1 at the demo
-  input size, fp32, original and pruned timed interleaved by torchspeed.measure.
-- Distillation: a half-width ResNet-18 (every layer's channels halved, randomly initialised)
-  trained from scratch for the same steps on the same batches, once with the teacher (Hinton KD)
-  and once on the labels alone, over several seeds; `kd_gain` is the mean held-out accuracy gain,
-  with its standard deviation over seeds.
-
-Training sees whole images at the demo model's input size with random flips and translations.
-Above MAX_TRAIN_SIDE px it would be too slow for a CPU, so it then trains on random native-scale
-crops (objects as many pixels wide as at test time; a convolutional net with global pooling applies
-unchanged to the whole image) and re-estimates BatchNorm statistics on whole images afterwards
-(`torchspeed.compress.recalibrate_bn`). The first run of each part lets the Trainer measure its
-settings ("auto"); the later runs of that part reuse what it chose, so trials are paid once.
+Training sees whole images with random flips and translations; above MAX_TRAIN_SIDE px, too slow for a
+CPU, it trains on random native-scale crops (objects as wide as at test time; a convolutional net with
+global pooling applies unchanged to the whole image), then re-estimates BatchNorm statistics on whole
+images. A part's first run lets the Trainer measure its settings ("auto"); its later runs reuse that
+choice, so trials are paid once.
 """
 from __future__ import annotations
 
@@ -73,10 +68,9 @@ def half_width_resnet18(num_classes: int, example: torch.Tensor) -> nn.Module:
 
 def _settings(setup: dict[str, Any] | None) -> dict[str, Any]:
     """Trainer settings: measured ("auto") on a part's first run, then that choice reused."""
-    base = dict(compile=False, strategy=None, progress=False, device="cpu")
-    if setup is None:
-        return dict(base, precision="auto", channels_last="auto")
-    return dict(base, precision=setup["precision"], channels_last=setup["channels_last"])
+    setup = {"precision": "auto", "channels_last": "auto"} if setup is None else setup
+    return dict(compile=False, strategy=None, progress=False, device="cpu", precision=setup["precision"],
+                channels_last=setup["channels_last"])
 
 
 def _sgd(model: nn.Module, lr: float, steps: int) -> tuple[torch.optim.Optimizer, Any]:
@@ -173,12 +167,11 @@ def _kd_part(demo: Any, quick: bool, say: Callable[[str], Any], seconds: float |
         runs.append(row)
     gains = [r["gain"] for r in runs]
     n_classes = int(demo.train_labels.max()) + 1
-    return {"learned": students_learned(runs, n_classes),
-        "runs": runs, "teacher_acc": demo.accuracy, "steps": steps, "seeds": seeds, "size": demo.input_size,
-        "kd_gain": statistics.mean(gains), "kd_gain_std": statistics.stdev(gains) if len(gains) > 1 else 0.0,
-        "temperature": TEMPERATURE, "alpha": ALPHA, "setup": setup,
-        "student_params": sum(p.numel() for p in half_width_resnet18(10, example).parameters()),
-    }
+    return {"learned": students_learned(runs, n_classes), "runs": runs, "teacher_acc": demo.accuracy,
+            "steps": steps, "seeds": seeds, "size": demo.input_size, "kd_gain": statistics.mean(gains),
+            "kd_gain_std": statistics.stdev(gains) if len(gains) > 1 else 0.0, "temperature": TEMPERATURE,
+            "alpha": ALPHA, "setup": setup,
+            "student_params": sum(p.numel() for p in half_width_resnet18(10, example).parameters())}
 
 
 def students_learned(runs: list[dict[str, Any]], n_classes: int, margin: float = 0.05) -> bool:

@@ -1,20 +1,14 @@
 """Data suite: images/s from JPEG files to model-ready batches, plain torchvision vs torchspeed.
 
 One concept, one file: every row times the same work on the same photos, interleaved with the others;
-its contenders and peers are set up here so that what each row measures is read in one place.
-
-Every contender yields the same thing per batch: 64 images, RandomResizedCrop to 128x128 + random
-horizontal flip, float32 NCHW (contiguous) normalised with ImageNet mean/std, plus int64 labels.
-Contenders run one after another in this process on the same demo photos (500x375 JPEG q90);
-each figure is the median of 3 passes, epochs repeated as needed, the passes of all contenders
-interleaved (round-robin) so that background load hits them alike; a pass lasts what the suite's time
-budget leaves for it (0.5-5 s; `torchspeed.bench.budget`). Peers (DALI's CPU pipeline, LitData) run on
-the same photos resized offline, at their best thread/worker count; every row is set against the
-decode-only ceiling. The quick report leaves out the raw-pixel, full-size and folder variants and
-the resized torchvision loader; the full report adds scale rows (4k and 50k photos) and the formats users
-already keep their photos in: the same resized photos as WebDataset tar shards and as a Hugging Face dataset,
-read by torchspeed's pipeline and by each format's own usual loader (webdataset's pipeline; `datasets`'
-with_transform + DataLoader) at its best worker count.
+its contenders and peers are set up here so that what each row measures is read in one place. From the
+demo photos (500x375 JPEG q90) each yields per batch 64 RandomResizedCrop 128 + flip images, float32 NCHW
+(contiguous) normalised, and int64 labels. Each figure is the median of 3 passes, the passes of all
+contenders interleaved (round-robin) so that background load hits them alike, each as long as the budget
+leaves (0.5-5 s). Peers (DALI, LitData) run on the photos resized offline, at their best thread/worker
+count; every row is set against the decode-only ceiling. The full report adds the raw-pixel, full-size and
+folder variants, the resized torchvision loader, scale rows (4k and 50k photos) and the formats users keep
+photos in (WebDataset shards, a Hugging Face dataset), each read by torchspeed and by its own usual loader.
 """
 from __future__ import annotations
 
@@ -28,27 +22,12 @@ from typing import Any
 from torchspeed.args import progress_fn
 from torchspeed.bench.budget import Budget
 from torchspeed.bench.rows import ContenderRow, Row, to_json
+from torchspeed.loader_contract import release_workers
 
 TITLE = "Data loading: images/s into the model (64 x RandomResizedCrop 128 + flip, float32 NCHW normalised)"
 
 BATCH, CROP, SHORT_SIDE = 64, 128, 160
 SHARDS = 64  # WebDataset shards of the photos: more than the workers any machine here runs
-
-
-def _subset_folder(src: str, n: int) -> str:
-    """A cached ImageFolder of symlinks to the first `n` images of `src` (for --quick)."""
-    from torchspeed.atomic import build_directory
-    from torchspeed.images import scan_folder
-    from torchspeed.runtime import cache_dir
-
-    def build(tmp: str) -> None:
-        classes, samples = scan_folder(src)
-        for c in classes:
-            os.makedirs(os.path.join(tmp, c))
-        for path, label in sorted(samples, key=lambda s: os.path.basename(s[0]))[:n]:
-            os.symlink(path, os.path.join(tmp, classes[label], os.path.basename(path)))
-
-    return build_directory(os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-first{n}"), build)
 
 
 def _resize_files(job: tuple[list[tuple[str, str]], int]) -> None:
@@ -89,15 +68,11 @@ def _cached_store(src: str, name: str, **pack_kwargs: Any) -> str:
     return path
 
 
-def _torchvision(folder: str) -> Any:
+def torchvision_folder(folder: str) -> Any:
+    """The baseline: torchvision's ImageFolder with the transforms every row matches (the train suite's too)."""
     from torchvision import datasets
-    from torchvision import transforms as T
 
-    from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
-
-    tf = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    return datasets.ImageFolder(folder, tf)
+    return datasets.ImageFolder(folder, _Transform().tf)
 
 
 def _check_output(name: str, batch: Any) -> None:
@@ -127,14 +102,8 @@ def _best(label: str, make: Callable[[int], Any], counts: list[int], seconds: fl
     best = max(rates, key=rates.__getitem__)
     for n, loader in loaders.items():
         if n != best:
-            _close(loader)
+            release_workers(loader)
     return best, loaders[best], rates
-
-
-def _close(loader: Any) -> None:
-    from torchspeed.loader_contract import release_workers
-
-    release_workers(loader)
 
 
 def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], add: Callable[..., None],
@@ -317,9 +286,10 @@ def _why(e: BaseException) -> str:
     return f"failed here: {type(e).__name__}{': ' + first if first else ''}"
 
 
-def _scale_folder(src: str, n: int) -> str:
-    """A cached ImageFolder of `n` images: symlinks cycling over the demo photos of `src` (each file a distinct
-    entry, so packing and loading do the full work per image; building it costs no image generation)."""
+def _linked_folder(src: str, n: int, name: str) -> str:
+    """A cached ImageFolder of `n` symlinks cycling over the photos of `src` in name order: --quick's first `n`,
+    or the scale rows' larger copies (each file a distinct entry, so packing and loading do the full work per
+    image; building it costs no image generation)."""
     from torchspeed.atomic import build_directory
     from torchspeed.images import scan_folder
     from torchspeed.runtime import cache_dir
@@ -333,7 +303,7 @@ def _scale_folder(src: str, n: int) -> str:
             path, label = samples[i % len(samples)]
             os.symlink(path, os.path.join(tmp, classes[label], f"img_{i:07d}.jpg"))
 
-    return build_directory(os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-scale{n}"), build)
+    return build_directory(os.path.join(cache_dir("bench-data"), f"{os.path.basename(src)}-{name}{n}"), build)
 
 
 def _scale(src: str, decoder: str, num_workers: int, threads: int, sizes: tuple[int, ...], window_s: float,
@@ -345,7 +315,7 @@ def _scale(src: str, decoder: str, num_workers: int, threads: int, sizes: tuple[
     out = []
     for n in sizes:
         say(f"scale: a folder of {n:,} photos (cached)")
-        folder = _scale_folder(src, n)
+        folder = _linked_folder(src, n, "scale")
         work = tempfile.mkdtemp(prefix="torchspeed-bench-scale-")
         try:
             say(f"scale: packing {n:,} photos")
@@ -357,7 +327,7 @@ def _scale(src: str, decoder: str, num_workers: int, threads: int, sizes: tuple[
             # three passes, the median kept: one pass of a few seconds moves with any background work
             t = time_iterable(lambda: loader, name=f"scale {n}", warmup_items=1, passes=3, min_pass_s=window_s,
                               unit="img", measure_memory=True)
-            _close(loader)
+            release_workers(loader)
             out.append({"images": n, "pack_s": rep.seconds, "pack_s_per_1k": 1000 * rep.seconds / n,
                         "img_s": sorted(t.rates)[1], "img_s_passes": t.rates,
                         "peak_rss_mib": (t.peak_mem_bytes or 0) / 2**20,
@@ -418,7 +388,7 @@ class _DataSuite:
         say("demo photos (generated once)")
         self.src = demo_folder(4000)
         if quick:
-            self.src = _subset_folder(self.src, self.n_images)
+            self.src = _linked_folder(self.src, self.n_images, "first")
         say("resized copy of the folder (short side 160, cached)")
         self.resized = _resized_folder(self.src, SHORT_SIDE)
         if not quick:
@@ -447,25 +417,25 @@ class _DataSuite:
     def plain(self, folder: str, num_workers: int) -> Any:
         from torch.utils.data import DataLoader
 
-        return DataLoader(_torchvision(folder), BATCH, shuffle=True, drop_last=True, num_workers=num_workers,
+        return DataLoader(torchvision_folder(folder), BATCH, shuffle=True, drop_last=True, num_workers=num_workers,
                           persistent_workers=num_workers > 0)
 
     def tuned_workers(self, folder: str) -> int:
         from torchspeed.data import tune_loader
 
         self.say(f"tuning torchvision num_workers on {os.path.basename(folder)}")
-        s = tune_loader(_torchvision(folder), BATCH, num_workers=list(range(self.cores + 1)), tune_seconds=self.tune_s,
-                        device="cpu", prefetch_factor=(2,), persistent_workers=(True,), refresh=True)
+        s = tune_loader(torchvision_folder(folder), BATCH, num_workers=list(range(self.cores + 1)),
+                        tune_seconds=self.tune_s, device="cpu", prefetch_factor=(2,), persistent_workers=(True,),
+                        refresh=True)
         return s.num_workers
 
     def add_baselines(self) -> None:
         """torchvision's loader with num_workers=0, tuned, and (full report) tuned on the resized photos."""
-        cores = self.cores
         self.add("baseline", self.plain(self.src, 0),
                  "torchvision ImageFolder + PIL + RandomResizedCrop/flip/ToTensor/Normalize, num_workers=0")
         self.w_tuned = self.tuned_workers(self.src)
         self.add("baseline_tuned", self.plain(self.src, self.w_tuned),
-                 f"the same, num_workers={self.w_tuned} (best of 0..{cores}, measured)")
+                 f"the same, num_workers={self.w_tuned} (best of 0..{self.cores}, measured)")
         self.w_resized = None
         if not self.quick:
             self.w_resized = self.tuned_workers(self.resized)
@@ -484,8 +454,7 @@ class _DataSuite:
         ts_loader = fast_loader(self.store, BATCH, crop=CROP, device="cpu", channels_last=False, num_workers="auto",
                                 tune_seconds=self.tune_s, refresh=True)  # a benchmark measures, never recalls
         self.settings, self.decoder, self.decoder_table = ts_loader.settings, ts_loader.decoder, ts_loader.decoder_table
-        self.w, self.threads = self.settings.num_workers, self.settings.threads
-        w, threads = self.w, self.threads
+        self.w, self.threads = w, threads = self.settings.num_workers, self.settings.threads
         where = (f"{threads} threads of the main process, each normalising its own batch" if w == 0 else
                  f"{w} worker processes + normalisation in the prefetch thread")
         self.add("torchspeed", ts_loader,
@@ -532,7 +501,7 @@ class _DataSuite:
         """One row per contender (median, min and max of its passes), its loader closed; then the peers
         that did not run."""
         for name, (loader, what, columns) in self.contenders.items():
-            _close(loader)
+            release_workers(loader)
             columns = {"headline": name == "torchspeed", "ceiling": "decode", **columns}
             others = self.others.get(name)
             self.rows.append(ContenderRow(technique=name, median=rates[name][1], min=rates[name][0],

@@ -108,7 +108,21 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(torch, quick, say, batch, hw, warm, reps, min_t, cool)
+        rows: list[Row] = []
+        experiments: dict[str, Any] = {}
+        for name, exp in _models(torch).items():
+            say(f"{name.upper()}: {exp['guideline']}")
+            exp_rows, holds = _experiment_rows(torch, name, exp, batch, hw, warm, reps, min_t, cool)
+            experiments[name] = {"guideline": exp["guideline"], "paper": exp["paper"], "holds": holds,
+                                 "rows": to_json(exp_rows)}
+            rows += exp_rows
+        return {
+            "rows": to_json(rows), "experiments": experiments, "holds": {k: v["holds"] for k, v in experiments.items()},
+            "settings": {"batch": batch, "spatial": hw, "blocks": 10, "dtype": "float32", "mode": "inference",
+                         "threads": torch.get_num_threads(), "repeats": reps, "quick": quick},
+            "notes": [f"{k.upper()} ({v['guideline']}): paper says {v['paper']}; "
+                      f"{'holds' if v['holds'] else 'does NOT hold'} on this machine" for k, v in experiments.items()],
+        }
     finally:
         torch.set_num_threads(threads)
 
@@ -147,22 +161,3 @@ def _experiment_rows(torch: Any, name: str, exp: dict[str, Any], batch: int, hw:
     # the console table shows only rows: say the paper's direction and the verdict on the reference row
     rows[0].technique += f" - paper: {exp['short']}; here: {'holds' if holds else 'does not hold'}"
     return rows, holds
-
-
-def _run(torch: Any, quick: bool, say: Callable[[str], Any], batch: int, hw: int, warm: int, reps: int,
-         min_t: float, cool: float) -> dict[str, Any]:
-    rows: list[Row] = []
-    experiments: dict[str, Any] = {}
-    for name, exp in _models(torch).items():
-        say(f"{name.upper()}: {exp['guideline']}")
-        exp_rows, holds = _experiment_rows(torch, name, exp, batch, hw, warm, reps, min_t, cool)
-        experiments[name] = {"guideline": exp["guideline"], "paper": exp["paper"], "holds": holds,
-                             "rows": to_json(exp_rows)}
-        rows += exp_rows
-    return {
-        "rows": to_json(rows), "experiments": experiments, "holds": {k: v["holds"] for k, v in experiments.items()},
-        "settings": {"batch": batch, "spatial": hw, "blocks": 10, "dtype": "float32", "mode": "inference",
-                     "threads": torch.get_num_threads(), "repeats": reps, "quick": quick},
-        "notes": [f"{k.upper()} ({v['guideline']}): paper says {v['paper']}; "
-                  f"{'holds' if v['holds'] else 'does NOT hold'} on this machine" for k, v in experiments.items()],
-    }

@@ -2,14 +2,13 @@
 
 Latency is timed at 224x224, batch 1 and 8, with the same explicit thread count for every runtime.
 ResNet-18 is the trained demo model, so its lossy variants (bf16, INT8) are also judged by held-out
-top-1 accuracy (the drop must stay <= 0.01). Rows carry the FLOPs per image (torch.utils.flop_counter)
-and the ceiling of their precision; the runtimes a user would set up by hand (OpenVINO with its
-LATENCY hint, ONNX Runtime defaults) are timed interleaved with the chosen variant. The quick report
-times ResNet-18 only. The demo model is trained and evaluated at its own small
-input size (training at 224 does not fit the build budget) and exported models have fixed spatial
+top-1 accuracy (the drop must stay <= 0.01). Rows carry the FLOPs per image and the ceiling of their
+precision; the runtimes a user would set up by hand (OpenVINO with its LATENCY hint, ONNX Runtime
+defaults) are timed interleaved with the chosen variant. The quick report times ResNet-18 only. The
+demo model is trained and evaluated at its own small input size and exported models have fixed spatial
 sizes, so each variant is built twice: at the demo size, where the accuracy guard judges it, and at
-224, where it is timed; a variant counts as passed only if both pass. MobileNetV3-Small and timm's
-vit_tiny_patch16_224 are random initialisations (nothing is downloaded), guarded by output
+224, where it is timed; a variant passes only if both pass. The full report's MobileNetV3-Small and
+timm's vit_tiny_patch16_224 are random initialisations (nothing is downloaded), guarded by output
 agreement with fp32. INT8 calibration at 224 uses the demo images upsampled.
 """
 from __future__ import annotations
@@ -250,19 +249,10 @@ def _summary(results: dict[str, Any], accuracy: float, rows: list[Row], notes: l
     eager8 = cands["eager fp32"]["latency_ms"]["8"]["p50_ms"]
     passed8 = [c for c in r18["candidates"] if c["status"] == "ok" and "8" in c["latency_ms"]]
     best8 = min(passed8, key=lambda c: c["latency_ms"]["8"]["p50_ms"])
-    return {
-        "eager_fp32_ms": eager8,
-        "best_ms": best8["latency_ms"]["8"]["p50_ms"],
-        "best_variant": best8["name"],
-        "ratio": eager8 / best8["latency_ms"]["8"]["p50_ms"],
-        "metric_drop": best8["metric_drop"],
-        "accuracy_fp32": accuracy,
-        "max_metric_drop": MAX_METRIC_DROP,
-        "models": results,
-        "rows": to_json(rows),
-        "notes": notes,
-        "limits": limits,
-    }
+    best_ms = best8["latency_ms"]["8"]["p50_ms"]
+    return {"eager_fp32_ms": eager8, "best_ms": best_ms, "best_variant": best8["name"], "ratio": eager8 / best_ms,
+            "metric_drop": best8["metric_drop"], "accuracy_fp32": accuracy, "max_metric_drop": MAX_METRIC_DROP,
+            "models": results, "rows": to_json(rows), "notes": notes, "limits": limits}
 
 
 def _merge_guard(res: Any, guard: Any) -> None:

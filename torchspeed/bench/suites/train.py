@@ -1,30 +1,22 @@
 """Train suite: training samples/s of ResNet-18 (10 classes, 128x128, batch 64) on the demo photos.
 
-One concept, one file: the suite's rows build on each other (same model, photos, loaders and budget),
-so a reader follows the cumulative table from plain PyTorch to the fastest row here, in order.
-
-Rows are cumulative: each adds one technique to the row above, and the ratio is to the first row
-(plain PyTorch: fp32, NCHW, torchvision ImageFolder loader with num_workers=0, a hand-written loop).
-Every figure is the median over calls of K training steps (the first call, which carries one-off
-costs, excluded), as many calls as fit the row's share of the suite's time budget (at least 2;
-`torchspeed.bench.budget`), timed by torchspeed.measure. Rows carry the FLOPs per sample (counted by
-torch.utils.flop_counter) so the orchestrator can set them against the fp32 GEMM ceiling, and one step of the
-chosen layout is profiled per op to show where the time goes. A precision this CPU only emulates (its
-GEMM ceiling below fp32's) is not run. The fast pipeline's loader setting is chosen with the training
-step in the loop (`train.loader_choice.choose_loader_with_step`: the loader's threads share the cores with the
-step, so the setting fastest alone can make the step slower). A row slower than the row above is timed
-again, interleaved with it, and on a batch in memory, and says what that found (`Row.vs_above`). The
-full report also measures the tuned torchvision loader, channels_last and torch.compile rows and
-evaluation under inference_mode against autograd left on (time and peak memory); both measure the
-Trainer's overhead against a hand-written loop with the same settings (same in-memory batches,
-interleaved) and the epochs early stopping saves on a task whose validation loss plateaus.
+One concept, one file: the rows build on each other (same model, photos, loaders and budget), each
+adding one technique to the row above, from plain PyTorch (fp32, NCHW, torchvision ImageFolder with
+num_workers=0, a hand-written loop) to the Trainer on "auto"; ratios are to that first row. Each figure
+is the median over calls of K steps (the first call excluded), as many as fit the row's share of the
+budget (`torchspeed.bench.budget`). Rows carry their FLOPs per sample for the GEMM ceiling, and one step
+is profiled per op to show where the time goes; a precision this CPU only emulates is not run. The fast
+pipeline's loader setting is chosen with the step in the loop (its threads share the cores with the step,
+so the setting fastest alone can make the step slower). A row slower than the row above is timed again,
+interleaved with it, and says what that found (`Row.vs_above`). Also measured: the Trainer's overhead
+against a hand-written loop and the epochs early stopping saves; the full report adds the tuned
+torchvision loader, channels_last, torch.compile and evaluation under inference_mode.
 """
 from __future__ import annotations
 
 import copy
+import itertools
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,14 +38,10 @@ def _subset(n_images: int, quick: bool) -> list[int]:
 
 def _torchvision_dataset(folder: str, indices: list[int]) -> Any:
     import torch
-    from torchvision import datasets
-    from torchvision import transforms as T
 
-    from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
+    from torchspeed.bench.suites.data import torchvision_folder
 
-    tf = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    ds = datasets.ImageFolder(folder, tf)
+    ds = torchvision_folder(folder)
     return torch.utils.data.Subset(ds, indices) if len(indices) < len(ds) else ds
 
 
@@ -66,17 +54,11 @@ def _cached_store(folder: str, indices: list[int]) -> str:
     from torchspeed.runtime import cache_dir
 
     final = os.path.join(cache_dir("bench-train"), f"{os.path.basename(folder)}-n{len(indices)}-short{SHORT_SIDE}")
-    if os.path.isdir(final):
-        return final
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=".store-")
-    try:
+    if not os.path.isdir(final):  # pack writes atomically: a store there is whole
         ds = datasets.ImageFolder(folder)
         src = folder if len(indices) == len(ds) else torch.utils.data.Subset(ds, indices)
-        pack(src, os.path.join(tmp, "store"), short_side=SHORT_SIDE, format="jpeg", quality=90, progress=False,
-             overwrite=True, **({} if isinstance(src, str) else {"classes": ds.classes}))
-        os.rename(os.path.join(tmp, "store"), final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        pack(src, final, short_side=SHORT_SIDE, format="jpeg", quality=90, progress=False,
+             **({} if isinstance(src, str) else {"classes": ds.classes}))
     return final
 
 
@@ -84,18 +66,16 @@ class _Stream:
     """Endless batches from a re-iterable loader (a new pass starts when one ends)."""
 
     def __init__(self, loader: Iterable[Any]):
-        self.loader, self.it = loader, None
+        self.loader, self.it = loader, iter(())
 
     def close(self) -> None:
         """End the pass under way (its threads stop); the next batch starts a new one."""
         close = getattr(self.it, "close", None)
         if close is not None:
             close()
-        self.it = None
+        self.it = iter(())
 
     def next(self) -> Any:
-        if self.it is None:
-            self.it = iter(self.loader)
         try:
             return next(self.it)
         except StopIteration:
@@ -156,17 +136,6 @@ def _hand_loop(step: Callable[[Any], None], source: Callable[[], Any], k: int) -
         for _ in range(k):
             step(source())
     return chunk
-
-
-class _Repeat:
-    """The same batch, endlessly: a step timed on a batch in memory (no loader in the loop)."""
-
-    def __init__(self, batch: Any):
-        self.batch = batch
-
-    def __iter__(self) -> Any:
-        while True:
-            yield self.batch
 
 
 class _OnDevice(list):
@@ -423,20 +392,6 @@ def speedups(rows: list[Row], plain: float) -> None:
             above = r
 
 
-def _cycling(items: list[Any]) -> Callable[[], Any]:
-    """A source handing out `items` in turn, starting over at the end."""
-    it: Any = iter(())
-
-    def next_item() -> Any:
-        nonlocal it
-        try:
-            return next(it)
-        except StopIteration:
-            it = iter(items)
-            return next(it)
-    return next_item
-
-
 class _TrainSuite:
     """One run of the suite: its stages share the model, the data, the budget, the rows and the JSON.
 
@@ -523,13 +478,11 @@ class _TrainSuite:
             f.stream.close()  # a pass of each loader at a time: the re-measure starts fresh ones
         quiet = wait_for_quiet_machine(max_s=3.0)
         steps, rounds = 2, 3  # single steps vary too much on a loaded machine to name a cause
-        fed, others = time_fed_steps({"above": (above_feed.stream.loader, above_feed.step),
-                                      "this": (feed.stream.loader, feed.step)}, steps=steps, rounds=rounds,
-                                     device=self.device)
-        batches = {k: next(iter(f.stream.loader)) for k, f in (("above", above_feed), ("this", feed))}
-        alone, _ = time_fed_steps({"above": (_Repeat(batches["above"]), above_feed.step),
-                                   "this": (_Repeat(batches["this"]), feed.step)}, steps=steps, rounds=rounds,
-                                  device=self.device)
+        feeds = {"above": above_feed, "this": feed}
+        fed, others = time_fed_steps({k: (f.stream.loader, f.step) for k, f in feeds.items()}, steps=steps,
+                                     rounds=rounds, device=self.device)
+        in_memory = {k: (itertools.repeat(next(iter(f.stream.loader))), f.step) for k, f in feeds.items()}
+        alone, _ = time_fed_steps(in_memory, steps=steps, rounds=rounds, device=self.device)
         med = {k: statistics.median(v) for k, v in fed.items()}
         solo = {k: statistics.median(v) for k, v in alone.items()}
         first, rate = row.median, BATCH / med["this"]
@@ -777,7 +730,7 @@ class _TrainSuite:
         batches, prec = self.batches, self.auto_prec
         mh, _ = self.fresh(channels_last=True)
         oh = torch.optim.SGD(mh.parameters(), lr=0.05, momentum=0.9, fused=True)
-        hand = _hand_loop(_hand_step(mh, oh, prec, True), _cycling(batches), len(batches))
+        hand = _hand_loop(_hand_step(mh, oh, prec, True), _Stream(batches).next, len(batches))
         mt, ot = self.fresh(channels_last=True)
         tr2 = Trainer(mt, ot, torch.nn.functional.cross_entropy, precision=prec, channels_last=True,
                       compile=False, strategy=None, progress=False)

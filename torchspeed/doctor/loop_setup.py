@@ -1,11 +1,15 @@
-"""The settings the rules judge: loader, model, machine and torch's global switches, as plain dicts
-(shared by `profile`, run in-process, and the instrumented script under `doctor`)."""
+"""The set-up of a training loop as the rules judge it: its loader, model, machine and torch's global
+switches, read into the plain dicts of a report's `settings` (by `profile`, in-process, and by the
+Recorder in the script under `doctor`)."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
+
+from torchspeed.runtime import cpu_flags, usable_cores
 
 __all__ = ["loader_settings", "machine_settings", "model_settings"]
 
@@ -23,8 +27,6 @@ def loader_settings(loader: Any, name: str = "loader") -> dict[str, Any] | None:
 
 def machine_settings() -> dict[str, Any]:
     """What the rules need to know about this machine and torch's global switches."""
-    from torchspeed.runtime import cpu_flags, usable_cores
-
     s: dict[str, Any] = {"cores": usable_cores(), "torch_threads": torch.get_num_threads(),
                          "cpu_bf16": bool({"avx512_bf16", "amx_bf16"} & cpu_flags()),
                          "cpu_amx": "amx_bf16" in cpu_flags(),
@@ -39,13 +41,9 @@ def machine_settings() -> dict[str, Any]:
 def model_settings(model: nn.Module) -> dict[str, Any]:
     p = next(model.parameters(), None)
     mods = list(model.modules())
-    parallel = "none"
-    if isinstance(model, nn.DataParallel):
-        parallel = "DataParallel"
-    elif isinstance(model, nn.parallel.DistributedDataParallel):
-        parallel = "DistributedDataParallel"
-    elif _is_fsdp(model):
-        parallel = "FSDP"
+    parallel = ("DataParallel" if isinstance(model, nn.DataParallel)
+                else "DistributedDataParallel" if isinstance(model, nn.parallel.DistributedDataParallel)
+                else "FSDP" if _is_fsdp(model) else "none")
     return {"class": type(getattr(model, "module", model)).__name__,
             # a lazy module's parameters have no size until its first forward (the one being observed)
             "params": int(sum(q.numel() for q in model.parameters()
@@ -57,9 +55,7 @@ def model_settings(model: nn.Module) -> dict[str, Any]:
 
 
 def _is_fsdp(model: nn.Module) -> bool:
-    """A module sharded by FSDP2's `fully_shard` (or wrapped by FSDP1)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
+    """A module sharded by FSDP2's `fully_shard` (or wrapped by FSDP1). Read from `sys.modules`: a sharded
+    model imported FSDP, so doctor imports it for no other (nor fails on a torch without distributed)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, (fsdp.FSDPModule, fsdp.FullyShardedDataParallel))

@@ -1,0 +1,498 @@
+"""The Recorder: what doctor records in the script's process, and the record the parent reads. The
+patches (`patches.PATCHES`, applied by `install()`) report each event through its public methods.
+
+Step boundaries: each backward and each optimizer step closes a segment; a step is the segments up to
+an optimizer step (gradient accumulation is one step), or up to a backward in a loop with no
+torch.optim optimizer (manual `p.data` updates); with a step limit the script is stopped after that
+many. On CUDA each phase change records an event on the loop's current stream (no host sync) and each
+step boundary synchronises once; a step's phases are read on the GPU's timeline (`timeline_phases`),
+so queued GPU work is charged to the phase that queued it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchspeed.doctor.injection import FixState
+from torchspeed.doctor.loop_setup import machine_settings, model_settings
+from torchspeed.doctor.patches import PATCHES
+from torchspeed.doctor.phases import EXTRA_PHASES, PHASES, PhaseClock
+from torchspeed.measure import PeakMemory
+from torchspeed.runtime import FLOAT_PRECISIONS, default_precision, precision_dtype
+
+__all__ = ["KEEP_LOSSES", "TRACE_STEPS", "Recorder", "StopScript", "image_stats", "timeline_phases"]
+
+KEEP_LOSSES = 5  # first losses (and batch fingerprints) kept for the numerics check
+TRACE_STEPS = 3  # steps recorded by --trace, after the first (warm-up) step
+
+
+class StopScript(SystemExit):
+    """Raised after the last requested step; a SystemExit so `except Exception` in the script lets it pass."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+class Recorder:
+    """Accumulates phase times per step window and the settings seen."""
+
+    def __init__(self, max_steps: int | None = None, trace_path: str | None = None):
+        self.pid = os.getpid()
+        self.loop_thread = threading.get_ident()  # the script's thread: the training loop runs here
+        self._enabled = True
+        self.clock = PhaseClock()
+        self.max_steps = max_steps
+        self.trace_path = trace_path
+        self._trace_prof: Any = None
+        self.cprofile: Any = None
+        self.in_loop = False
+        self.t_start = time.perf_counter()
+        self.steps = 0
+        self.segments: list[dict[str, Any]] = []  # closed by a backward or an optimizer step
+        self.opt_steps = 0
+        self.optimizers_made = 0
+        self.losses: list[Any] = []  # first KEEP_LOSSES losses, detached on their device
+        self.batch_prints: list[list[Any]] = []  # integer contents (labels) of the first batches
+        self.batch_stats: list[Any] = []  # image statistics of the first batches (`image_stats`)
+        self._samples = 0
+        self.fix: Any = None  # doctor --try: the fixes.FixState this run injects
+        self.non_blocking = False  # --try pin_memory: pinned copies to CUDA made non_blocking
+        self._fwd_stack: list[bool] = []
+        self._pending_eval_grad = False
+        self._bn_cache: dict[int, bool] = {}
+        self._last_loader: int | None = None
+        self._loss_checks_left = 2
+        self._cuda_seen = False
+        self._marks: list[tuple[Any, str | None]] | None = None  # CUDA: (event, phase running from it) this step
+        self._marks_whole = False  # the marks cover the whole step window (not only since CUDA was first seen)
+        self.loaders: dict[int, dict[str, Any]] = {}
+        self.s: dict[str, Any] = {
+            "autocast": False, "autocast_precision": None, "grad_scaler": False, "compiled": False,
+            "parallel": "none", "eval_forwards_with_grad": 0, "train_mode_eval_forwards": 0,
+            "host_syncs": 0, "copies": {"count": 0, "bytes": 0, "non_blocking": True, "from_pinned": True},
+            "input": None, "model": None, "optimizers": [], "optimizer_options": {}, "loss_checks": [],
+            "backward_calls": 0,
+        }
+        self._undo: list[tuple[str, Callable[[], None]]] = []  # (patch name, its undo), in install order
+
+    @property
+    def enabled(self) -> bool:
+        """Recording is on, and this is the loop's thread: what loader threads (a prefetcher, decoding
+        threads) do overlaps the step and must not enter the loop's phases (one phase stack)."""
+        return self._enabled and threading.get_ident() == self.loop_thread
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = value
+
+    # ---------------------------------------------------------------- events: loaders
+    def loader_pass(self, loader: Any, kind: str, **settings: Any) -> None:
+        """A new pass over `loader`: its record (made on the first pass) counts an epoch."""
+        info = self.loaders.get(id(loader))
+        if info is None:
+            info = self.loaders[id(loader)] = {
+                "name": f"{kind} #{len(self.loaders) + 1}", **settings, "dataset": type(loader.dataset).__name__,
+                "batches": 0, "epochs": 0, "startup_s": [], "data_s": 0.0, "training": False}
+        info["epochs"] += 1
+        info["_t_iter"], info["_first"] = time.perf_counter(), True
+
+    def next_batch(self, fetch: Callable[[], Any], key: int | None) -> Any:
+        """The loop waits for its next batch from loader `key`: `fetch()` timed as phase `data`."""
+        t0 = time.perf_counter()
+        self.enter("data")
+        try:
+            batch = fetch()
+        finally:
+            self.exit()
+        info = self.loaders.get(key)  # type: ignore[arg-type]
+        if info is None:
+            return batch
+        now = time.perf_counter()
+        info["batches"] += 1
+        info["data_s"] += now - t0
+        if len(self.batch_prints) < KEEP_LOSSES and batch is not None:
+            self.batch_prints.append(_fingerprint(batch))
+            self.batch_stats.append(image_stats(batch))
+        if info.pop("_first", False):
+            info["startup_s"].append(now - info.pop("_t_iter", t0))
+        self._last_loader = key
+        return batch
+
+    # ---------------------------------------------------------------- events: phases
+    def enter(self, phase: str) -> None:
+        self.in_loop = True
+        self.clock.enter(phase)
+        self._mark()
+
+    def exit(self) -> None:
+        self.clock.exit()
+        self._mark()
+
+    def unwind(self, depth: int) -> None:
+        """Close the phases an exception left open, down to `depth`."""
+        self.clock.unwind(depth)
+        self._mark()
+
+    def phase(self, phase: str) -> _Phase:
+        """`with rec.phase(name):` the block runs as phase `name`."""
+        return _Phase(self, phase)
+
+    def forward_begin(self, module: Any, args: tuple) -> tuple | None:
+        """A module's forward begins (torch's global pre-hook): the outermost one of the loop is phase
+        `forward` (autograd on) or `eval`; returns the arguments a --try fix replaces, or None."""
+        # inside loading, backward, a copy: not a forward of the loop; inside optimizer.step(closure) it is
+        if self._fwd_stack or self.clock.current not in (None, "optimizer"):
+            self._fwd_stack.append(False)
+            return None
+        is_loss = isinstance(module, nn.modules.loss._Loss)
+        # autograd on means a training forward (even in eval mode, e.g. frozen BatchNorm fine-tuning)
+        training = grad = torch.is_grad_enabled()
+        if not is_loss:
+            if self._pending_eval_grad:  # the previous eval-mode forward had no backward after it
+                self.s["eval_forwards_with_grad"] += 1
+                self._pending_eval_grad = False
+            self._observe_model(module, args, training)
+            if grad and not module.training:
+                self._pending_eval_grad = True  # cancelled if a backward follows
+            if not grad and module.training and self._has_bn_dropout(module):
+                self.s["train_mode_eval_forwards"] += 1
+        self._fwd_stack.append(True)
+        self.enter("forward" if training else "eval")
+        if self.fix is not None:
+            return self.fix.forward_pre(self, module, args, training and not is_loss)
+        return None
+
+    def forward_end(self, module: Any, output: Any) -> Any:
+        """A module's forward ended (torch's global hook): the output a --try fix replaces, or None."""
+        if not self._fwd_stack or not self._fwd_stack.pop():
+            return None
+        new = self.fix.forward_post(module, output) if self.fix is not None else None
+        self.exit()
+        return new
+
+    def backward_begin(self, loss: Any) -> tuple[Any, int]:
+        """A backward call on `loss` begins (phase `backward`): the loss to run it on (scaled where --try's
+        fp16 fix holds a GradScaler), and the phase depth to `unwind` to when it returns or raises."""
+        self._pending_eval_grad = False
+        self.s["backward_calls"] += 1
+        if self._last_loader in self.loaders:
+            self.loaders[self._last_loader]["training"] = True
+        if len(self.losses) < KEEP_LOSSES and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.losses.append(loss.detach().clone())  # read after the run: no sync now
+        scaled = self.fix.scale_loss(loss) if self.fix is not None else loss
+        depth = self.clock.depth
+        self.enter("backward")
+        return scaled, depth
+
+    def backward_end(self) -> None:
+        """A backward call returned: the segment (and in a loop without an optimizer, the step) ends."""
+        self._segment_end("backward")
+
+    def optimizer_step_begin(self, opt: Any) -> None:
+        """`opt.step()` begins (torch's global optimizer pre-hook): phase `optimizer`."""
+        name = type(opt).__name__
+        if name not in self.s["optimizers"]:
+            self.s["optimizers"].append(name)
+            self.s["optimizer_options"][name] = {k: opt.defaults.get(k) for k in ("fused", "foreach")
+                                                 if k in opt.defaults}
+        self.enter("optimizer")
+        if self.fix is not None:
+            self.fix.before_step(opt)
+
+    def optimizer_step_end(self, opt: Any) -> None:
+        """`opt.step()` ended: the segment (and in a loop with an optimizer, the step) ends."""
+        if self.fix is not None:
+            self.fix.after_step(opt)
+        self.exit()
+        self._segment_end("optimizer")
+
+    def in_loop_itself(self) -> bool:
+        """Recording, in the loop, in no phase but the optimizer's: a copy made now is the loop's own."""
+        return self.enabled and self.in_loop and self.clock.current in (None, "optimizer")
+
+    def copied(self, t: Any, out: Any, non_blocking: bool) -> None:
+        """The loop copied `t` to `out`: counted when it changed device."""
+        if isinstance(out, torch.Tensor) and out.device != t.device:
+            c = self.s["copies"]
+            c["count"] += 1
+            c["bytes"] += t.numel() * t.element_size()
+            if out.is_cuda:
+                self._cuda_on()
+                c["non_blocking"] &= non_blocking
+                c["from_pinned"] &= bool(t.is_pinned())
+
+    def loss_input(self, x: Any, rule: str) -> None:
+        """cross_entropy / nll_loss got `x` (first calls only): softmax output, i.e. non-negative rows
+        summing to 1 over dim 1, is a finding."""
+        if self._loss_checks_left <= 0 or not isinstance(x, torch.Tensor):
+            return
+        self._loss_checks_left -= 1
+        if x.dim() < 2 or not x.is_floating_point() or x.shape[1] < 2:
+            return
+        with torch.no_grad():
+            v = x.detach().float()
+            tol = 1e-3 if x.dtype in (torch.float32, torch.float64) else 2e-2  # bf16/fp16 softmax rows round
+            probs = bool((v.min() >= 0) & (v.max() <= 1 + tol) & ((v.sum(1) - 1).abs().max() < tol))
+        if probs:
+            self._loss_checks_left = 0  # one finding is enough
+            what = "CrossEntropyLoss / F.cross_entropy" if rule == "double-softmax" else "NLLLoss / F.nll_loss"
+            self.s["loss_checks"].append({"rule": rule, "where": [], "message": (
+                f"{what} is fed probabilities (non-negative rows summing to 1, i.e. softmax output)"
+                + (": it applies log_softmax again, so gradients shrink and training can stall"
+                   if rule == "double-softmax" else ": it expects log-probabilities from log_softmax"))})
+
+    # ---------------------------------------------------------------- step windows
+    def _mark(self) -> None:
+        """Once CUDA is seen: an event on the current stream where the running phase changes (no sync)."""
+        if self._marks is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((event, self.clock.current))
+
+    @property
+    def step_source(self) -> str:
+        """What ends a training step: "optimizer" (torch.optim steps) or "backward" (a loop without a
+        torch.optim optimizer, e.g. manual SGD on p.data: each backward call is a step)."""
+        return "optimizer" if self.opt_steps or self.optimizers_made else "backward"
+
+    @property
+    def windows(self) -> list[dict[str, Any]]:
+        """Per training step: wall, phases, samples (segments merged up to each step's end; a trailing
+        incomplete step is left out)."""
+        src = "optimizer" if self.opt_steps else "backward"
+        out: list[dict[str, Any]] = []
+        acc: dict[str, Any] | None = None
+        for seg in self.segments:
+            if acc is None:
+                acc = {"wall": seg["wall"], "phases": dict(seg["phases"]), "samples": seg["samples"]}
+            else:
+                acc["wall"] += seg["wall"]
+                acc["samples"] += seg["samples"]
+                for k, v in seg["phases"].items():
+                    acc["phases"][k] = acc["phases"].get(k, 0.0) + v
+            if seg["end"] == src:
+                out.append(acc)
+                acc = None
+        return out
+
+    def _segment_end(self, kind: str) -> None:
+        """A backward call or an optimizer step ended: close the segment; count a step if `kind` is
+        what ends steps in this script."""
+        marks = self._marks
+        if marks is not None:
+            self._mark()  # the step's end on the GPU's timeline
+            torch.cuda.synchronize()  # the one host sync of the step: every mark is reached now
+        res = self.clock.boundary()
+        if marks is not None:
+            whole, self._marks, self._marks_whole = self._marks_whole, marks[-1:], True
+        if res is None:
+            return
+        wall, phases = res
+        if marks is not None and whole:
+            phases = timeline_phases(marks, lambda a, b: a.elapsed_time(b) / 1e3, wall)
+        self.segments.append({"wall": wall, "phases": phases, "samples": self._samples, "end": kind})
+        self._samples = 0
+        if kind == "optimizer":
+            self.opt_steps += 1
+            if self.opt_steps == 1:
+                self.steps = 0  # backward calls counted before an optimizer was known were not steps
+        if kind != self.step_source:
+            return
+        self.steps += 1
+        if self.steps == 1 and self.cprofile is not None:
+            self.cprofile.enable()  # hot spots of the steady loop, not of imports and set-up
+        self._trace_tick()
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            raise StopScript()
+
+    def _trace_tick(self) -> None:
+        if not self.trace_path:
+            return
+        if self.steps == 1 and self._trace_prof is None:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self._cuda_seen:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._trace_prof = torch.profiler.profile(activities=acts)
+            self._trace_prof.__enter__()
+        elif self._trace_prof is not None and self.steps == 1 + TRACE_STEPS:
+            self._finish_trace()
+
+    def _finish_trace(self) -> None:
+        prof, self._trace_prof = self._trace_prof, None
+        if prof is None:
+            return
+        prof.__exit__(None, None, None)
+        tmp = self.trace_path + ".tmp.json"
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, self.trace_path)
+
+    # ---------------------------------------------------------------- install
+    def install(self) -> None:
+        """Apply every patch of `PATCHES`, in order; `uninstall()` undoes them in reverse."""
+        if self._undo:
+            raise RuntimeError("this Recorder is already installed")
+        os.register_at_fork(after_in_child=self._disable)  # loader workers inherit patches: keep them quiet
+        try:
+            for patch in PATCHES:
+                undo = patch.apply(self)
+                if undo is not None:
+                    self._undo.append((patch.name, undo))
+        except BaseException:
+            self.uninstall()
+            raise
+
+    @property
+    def installed(self) -> list[str]:
+        """Names of the patches in place (those of `PATCHES` this torch has), in installation order."""
+        return [name for name, _ in self._undo]
+
+    def uninstall(self) -> None:
+        """Put back every original object the patches replaced, and remove the global hooks."""
+        while self._undo:
+            _, undo = self._undo.pop()
+            undo()
+
+    def inject(self, fixes: dict[str, Any]) -> None:
+        """doctor --try: inject `fixes` ({fix name: value}) into the run; `uninstall()` undoes them too."""
+        self.fix = FixState(fixes)
+        self._undo.extend(("fix", undo) for undo in self.fix.install(self))
+
+    def _disable(self) -> None:
+        self.enabled = False
+
+    def _cuda_on(self) -> None:
+        if not self._cuda_seen:
+            self._cuda_seen = True
+            self._marks, self._marks_whole = [], False  # this step window began before: timed on the host
+            self._mark()
+
+    def _has_bn_dropout(self, module: Any) -> bool:
+        key = id(module)
+        if key not in self._bn_cache:
+            self._bn_cache[key] = any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout))
+                                      for m in module.modules())
+        return self._bn_cache[key]
+
+    def _observe_model(self, module: Any, args: tuple, training: bool) -> None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is not None and x.is_cuda:
+            self._cuda_on()
+        if not training:
+            return
+        if x is not None:
+            self._samples += int(x.shape[0]) if x.dim() else 1
+        dev = x.device.type if x is not None else "cpu"
+        if torch.is_autocast_enabled(dev):
+            self.s["autocast"] = True
+            self.s["autocast_precision"] = _precision_name(torch.get_autocast_dtype(dev))
+        if self.s["model"] is None:
+            self.s["model"] = model_settings(module)
+            self.s["parallel"] = self.s["model"]["parallel"]
+            if x is not None:
+                self.s["input"] = {"shape": list(x.shape), "dtype": str(x.dtype), "device": str(x.device),
+                                   "channels_last": x.dim() == 4 and not x.is_contiguous()
+                                   and x.is_contiguous(memory_format=torch.channels_last)}
+
+    # ---------------------------------------------------------------- results
+    def results(self) -> dict[str, Any]:
+        if self._trace_prof is not None:
+            try:
+                self._finish_trace()
+            except Exception:  # a trace is a bonus; the report matters more
+                pass
+        if self._pending_eval_grad:
+            self.s["eval_forwards_with_grad"] += 1
+            self._pending_eval_grad = False
+        s = dict(self.s)
+        s.update(machine_settings())
+        s["cudnn_benchmark"] = bool(torch.backends.cudnn.benchmark)
+        s["loaders"] = [{k: v for k, v in ld.items() if not k.startswith("_")} for ld in self.loaders.values()]
+        s["device"] = "cuda" if self._cuda_seen else "cpu"
+        s["step_source"] = "optimizer" if self.opt_steps else "backward"
+        s["optimizers_made"] = self.optimizers_made
+        try:
+            s["mixed_precision"] = default_precision(s["device"]).to_dict()  # the capability, read first
+        except Exception:  # noqa: BLE001 - a capability probe must not cost the report
+            s["mixed_precision"] = {"name": "fp32", "reason": "capability unknown"}
+        peak = PeakMemory("cuda" if self._cuda_seen else "cpu").peak()  # never reset: the script's whole run
+        losses = [float(t.float()) for t in self.losses]
+        return {"steps_run": self.steps, "windows": self.windows, "settings": s, "peak_memory_bytes": peak,
+                "losses": losses, "batch_prints": self.batch_prints, "batch_stats": self.batch_stats,
+                "fixes": self.fix.spec if self.fix is not None else {},
+                "fix_notes": self.fix.notes if self.fix is not None else {},
+                "compile_window": self.fix.compile_window if self.fix is not None else None,
+                "script_s": time.perf_counter() - self.t_start, "trace": self.trace_path if self.trace_path
+                and os.path.exists(self.trace_path) else None}
+
+
+class _Phase:
+    """What `Recorder.phase` returns (a class: @contextmanager's frames would show in --cprofile's hot spots)."""
+
+    def __init__(self, rec: Recorder, name: str):
+        self.rec, self.name = rec, name
+
+    def __enter__(self) -> None:
+        self.rec.enter(self.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rec.exit()
+
+
+def timeline_phases(marks: list[tuple[Any, str | None]], seconds_between: Callable[[Any, Any], float],
+                    wall: float) -> dict[str, float]:
+    """A step's seconds per phase on the device's timeline: between consecutive marks (each a point
+    where the running phase changed, with the phase running from it; None: no phase), the time goes to
+    that phase; `other` is the rest of `wall`. Shares are kept and scaled to `wall` should the device's
+    clock read a little longer than the host's."""
+    out = dict.fromkeys(PHASES[:-1] + EXTRA_PHASES, 0.0)
+    for (a, phase), (b, _) in zip(marks, marks[1:]):
+        if phase is not None:
+            out[phase] = out.get(phase, 0.0) + max(0.0, seconds_between(a, b))
+    busy = sum(out.values())
+    if busy > wall > 0:
+        out = {k: v * wall / busy for k, v in out.items()}
+        busy = wall
+    out["other"] = max(0.0, wall - busy)
+    return out
+
+
+def _fingerprint(batch: Any) -> list[Any]:
+    """The integer tensors of a batch (labels, token ids) as lists, other tensors by shape: equal for the
+    same samples in the same order whatever random augmentation drew."""
+    out: list[Any] = []
+    for v in _items(batch):
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point() or v.numel() > 4096:
+                out.append(list(v.shape))
+            else:
+                out.append(torch._C.TensorBase.tolist(torch._C.TensorBase.cpu(v)))  # unpatched: not a loop read
+    return out
+
+
+def image_stats(batch: Any) -> dict[str, Any] | None:
+    """Per-image channel means and the per-channel pixel std of a batch's images (its first floating
+    4-D tensor): what `datafix.numerics` compares, since random crops never give the same pixels twice."""
+    x = next((v for v in _items(batch) if isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point()), None)
+    if x is None or x.shape[0] == 0:
+        return None
+    with torch.no_grad():
+        x = x.detach().float()
+        means = x.mean(dim=(2, 3))
+        std = x.transpose(0, 1).reshape(x.shape[1], -1).std(dim=1)
+    read = torch._C.TensorBase  # unpatched reads: doctor's own, not the loop's host syncs
+    return {"means": read.tolist(read.cpu(means)), "std": read.tolist(read.cpu(std))}
+
+
+def _items(batch: Any) -> Any:
+    return batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]
+
+
+def _precision_name(dtype: Any) -> str:
+    """fp32 / bf16 / fp16 for a floating dtype (the package's precision spelling), else the dtype's name."""
+    return {precision_dtype(p): p for p in FLOAT_PRECISIONS}.get(dtype, str(dtype).replace("torch.", ""))

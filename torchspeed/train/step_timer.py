@@ -1,0 +1,183 @@
+"""Real training steps timed on one batch (`StepTimer`, read through the training's batch format; its
+`preflight` makes a batch the model or loss cannot take, or too few class logits, one clear ValueError
+before any trial), and the model, optimizer, GradScaler and every RNG put back after such trials
+(`trial_state_kept`: accelerate's trials and the loader's counts chosen with the step alike)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchspeed import measure
+from torchspeed.batches import BatchFormat, to_device
+from torchspeed.runtime import rng_state, set_rng_state, synchronize
+from torchspeed.train.mixed_precision import autocast_for
+
+__all__ = ["StepTimer", "check_class_outputs", "check_class_width", "default_loss", "loss_of", "trial_state_kept"]
+
+
+def default_loss(outputs: Any, targets: Any) -> torch.Tensor:
+    """For timing only: cross-entropy for class logits, else the mean output (same backward cost)."""
+    if (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2
+            and targets.dtype == torch.int64 and targets.dim() == 1):
+        return nn.functional.cross_entropy(outputs.float(), targets)
+    out = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    return out.float().mean()
+
+
+def loss_of(loss_fn: Callable[..., torch.Tensor], out: Any, y: Any, x: Any) -> torch.Tensor:
+    """`loss_fn(out, y)`, or `loss_fn(out, y, x)` for a loss with `needs_inputs = True` (distillation)."""
+    return loss_fn(out, y, x) if getattr(loss_fn, "needs_inputs", False) else loss_fn(out, y)
+
+
+def _indexes_by_label(loss_fn: Any) -> bool:
+    """Whether the loss picks each sample's logit by its label (cross-entropy, NLL), so a label past
+    the logits' width fails inside it."""
+    fn = getattr(loss_fn, "func", loss_fn)  # a functools.partial of one
+    return isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss)) or fn in (
+        nn.functional.cross_entropy, nn.functional.nll_loss, default_loss)
+
+
+def check_class_outputs(logits: Any, targets: Any, loss_fn: Any, classes: int | None = None) -> None:
+    """Refuse class logits narrower than the labels need, before the loss indexes past them (an IndexError
+    deep in torch on the CPU, a device-side assert that ends the process on CUDA), for class labels under a
+    loss that indexes by them; `classes`: how many the data names. One host read: on a first batch only."""
+    if isinstance(logits, torch.Tensor) and logits.dim() == 2:
+        check_class_width(logits.shape[1], targets, loss_fn, classes)
+
+
+def check_class_width(width: int | None, targets: Any, loss_fn: Any, classes: int | None) -> None:
+    """check_class_outputs on the logits' width alone (a remembered decision keeps the width, so a
+    recalled accelerate() checks the labels without running the model)."""
+    if not (width is not None and _indexes_by_label(loss_fn) and isinstance(targets, torch.Tensor)
+            and targets.dim() == 1 and not targets.is_floating_point() and targets.numel()):
+        return
+    top = int(targets.max())
+    need = max(top + 1, classes or 0)
+    if width < need:
+        data = f"the data has {classes} classes" if classes and classes > top else f"a label is {top}"
+        raise ValueError(f"the model gives {width} output(s) per sample (its logits' width) but {data}: a "
+                         f"classifier needs one output per class; build it with {need} outputs (e.g. "
+                         f"num_classes={need}), or check the labels")
+
+
+def _shapes(x: Any) -> str:
+    """A batch part's shapes for a message: '(32, 3, 64, 64) float32', dicts and tuples of them."""
+    if isinstance(x, torch.Tensor):
+        return f"({', '.join(map(str, x.shape))}) {str(x.dtype).replace('torch.', '')}"
+    if isinstance(x, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_shapes(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (tuple, list)):
+        return "[" + ", ".join(_shapes(v) for v in x) + "]"
+    return type(x).__name__
+
+
+@contextlib.contextmanager
+def trial_state_kept(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                     scaler: Any = None) -> Iterator[None]:
+    """Real training steps run inside (the model in train mode); afterwards the weights, buffers
+    (BatchNorm statistics), optimizer state (momentum, step counts), GradScaler, every RNG and the
+    train/eval mode are put back and the gradients cleared, so timing steps changes nothing."""
+    saved = (copy.deepcopy(model.state_dict()),
+             copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None,
+             copy.deepcopy(scaler.state_dict()) if scaler is not None else None, rng_state(), model.training)
+    model.train()
+    try:
+        yield
+    finally:
+        model.load_state_dict(saved[0])
+        if optimizer is not None:
+            optimizer.load_state_dict(saved[1])
+            optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.load_state_dict(saved[2])
+        for p in model.parameters():
+            p.grad = None
+        set_rng_state(saved[3])
+        model.train(saved[4])
+
+
+class StepTimer:
+    """Times training steps (forward, loss, backward) of a model on one example batch, read through
+    the batch format (inputs, target, logits) the training itself uses."""
+
+    def __init__(self, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, steps: int,
+                 batch_format: BatchFormat | None = None, classes: int | None = None):
+        self.device, self.steps, self.classes = device, steps, classes
+        self.others: list[float] = []  # cores other processes used during each timing
+        self.loss_fn = loss_fn or default_loss
+        self.fmt = batch_format or BatchFormat()
+        try:
+            self.inputs, self.targets = self.fmt.split(batch)
+        except ValueError as e:
+            raise ValueError(f"example_batch: {e}; give one batch from the training loader") from None
+
+    def step_fn(self, model: nn.Module, precision: str, channels_last: bool) -> Callable[[], None]:
+        x = to_device(self.inputs, self.device, channels_last)
+        y = to_device(self.targets, self.device)
+        fmt = self.fmt
+        checked = False
+
+        def step() -> None:
+            nonlocal checked
+            with autocast_for(self.device, precision):
+                out = fmt.logits_of(fmt.forward(model, x))
+                if not checked:  # the first call only: it reads the largest label
+                    check_class_outputs(out, y, self.loss_fn, self.classes)
+                    checked = True
+                loss = loss_of(self.loss_fn, out, y, x)
+            loss.backward()
+            for p in model.parameters():
+                p.grad = None
+        return step
+
+    def preflight(self, model: nn.Module) -> int | None:
+        """One forward and loss on the example batch before any trial, so that a batch the model cannot
+        take, or class logits narrower than the labels, is one clear ValueError naming both sides (not
+        an error inside a timed trial). Returns the logits' width (kept with the decision), or None."""
+        x, y = to_device(self.inputs, self.device), to_device(self.targets, self.device)
+        try:
+            with torch.no_grad():
+                out = self.fmt.logits_of(self.fmt.forward(model, x))
+        except Exception as e:
+            raise ValueError(f"the model cannot take the training batch (inputs {_shapes(x)}): "
+                             f"{type(e).__name__}: {e}") from e
+        check_class_outputs(out, y, self.loss_fn, self.classes)
+        try:
+            with torch.no_grad():
+                loss_of(self.loss_fn, out, y, x)
+        except Exception as e:
+            raise ValueError(f"loss_fn cannot take the model's outputs {_shapes(out)} and the batch's targets "
+                             f"{_shapes(y)}: {type(e).__name__}: {e}") from e
+        return int(out.shape[1]) if isinstance(out, torch.Tensor) and out.dim() == 2 else None
+
+    def measure(self, step: Callable[[], None]) -> tuple[float, float]:
+        """(median step seconds, first-call seconds): the first call carries one-off costs."""
+        t0 = time.perf_counter()
+        step()
+        synchronize(self.device)
+        first = time.perf_counter() - t0
+        others = measure.OthersLoad()
+        t = measure.time_callable(step, name="trial", warmup=1, repeats=self.steps, device=self.device)
+        self._record(others.cores())
+        return t.median_s, first
+
+    def compare(self, steps: dict[str, Callable[[], None]]) -> dict[str, float]:
+        """Median step seconds of each option, timed interleaved (drifts hit all alike)."""
+        c = measure.compare(steps, warmup=1, repeats=self.steps, cooldown_s=0.05, device=self.device)
+        self._record(c.others_cores)
+        return {name: c[name].median_s for name in steps}
+
+    def _record(self, others_cores: float | None) -> None:
+        if others_cores is not None:
+            self.others.append(others_cores)
+
+    @property
+    def others_cores(self) -> float | None:
+        """The most cores other processes used during any one timing (None where none could tell)."""
+        return max(self.others, default=None)
