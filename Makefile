@@ -5,13 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-slow test-gpu test-install install lock clean
+.PHONY: demo test test-slow test-busy test-gpu test-install install lock clean
 
 # constraints.txt pins every package of this repository's own environment (reproducible tests and
 # figures, and pip has nothing to resolve); the package itself asks only for ranges, so
 # `pip install torchspeed` keeps a user's torch. `make lock` rewrites it from the current .venv.
 # torchspeed/data/_crops.c is compiled by the install (an editable install builds it in place).
 $(STAMP): pyproject.toml constraints.txt torchspeed/data/_crops.c
+	@echo "installing torchspeed with every extra into $(VENV): 3-4 minutes on a fresh 2-core machine, once"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all,turbojpeg,peers,dev]'
 	touch $(STAMP)
@@ -26,8 +27,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -X faulthandler -m pytest -q
 
+# The slow tests, then the whole suite again on a busy machine (test-busy).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+	@$(MAKE) --no-print-directory test-busy
+
+# `make test` beside two CPU-bound processes, as on a CI runner or a laptop that shares its cores: no test
+# may depend on the machine being quiet or fast (tests/conftest.py reads other processes' load as none
+# unless a test measures it; tests that judge which timed choice wins time fakes on tests/helpers.py's
+# FakeClock). The spinners end with the run, whatever its result.
+test-busy: $(STAMP)
+	@$(PY) -c 'while True: pass' & a=$$!; $(PY) -c 'while True: pass' & b=$$!; \
+	trap 'kill $$a $$b' EXIT; echo "two CPU-bound processes spinning beside the suite (pids $$a $$b)"; \
+	$(PY) -X faulthandler -m pytest -q
 
 # The CUDA suite. It fails (one line naming why) where no CUDA device can run a kernel, instead of passing
 # with every test skipped; it prints the driver, CUDA, cuDNN, ONNX Runtime and TensorRT versions it runs on.
@@ -49,11 +61,21 @@ test-gpu: $(STAMP)
 # environment that already has torch:
 # torch must stay, and doctor, optimize (torch + ONNX Runtime) and fast_loader must run there.
 test-install: $(STAMP)
-	$(PY) -m pytest -q -m install tests/test_packaging.py
+	$(PY) -m pytest -q -m install tests/test_packaging.py tests/test_gpu_check.py
+
+# The GPU check on a machine that has its own torch and reaches no package index (the lent GPU machine, a
+# cluster node): `make gpu-wheels` where an index is reachable (the few missing wheels into .whl/, for
+# Python 3.12 and this one), carry .whl/ there, then `make gpu-check PYTHON=python3` (no .venv: that
+# interpreter's torch is used). Logs, `torchspeed info`, the CUDA tests and a quick report go to gpu-check/.
+gpu-wheels:
+	scripts/gpu-wheels.sh
+
+gpu-check:
+	scripts/gpu-check.sh $(PYTHON)
 
 lock: $(STAMP)
 	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable --disable-pip-version-check | grep -v '^torchspeed'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 clean:
-	rm -rf $(VENV) torchspeed-report .pytest_cache
+	rm -rf $(VENV) torchspeed-report .pytest_cache .gpu-site gpu-check
