@@ -31,8 +31,7 @@ class _ShortPauses(types.ModuleType):
     """`time` for torchspeed.measure with its sleeps cut to 10 ms: the cool-downs between timed runs and the
     windows of waiting for a quiet machine buy measurement quality, which no test judges (a test of the
     waiting passes its own fakes), while every measuring call in the suite paid them, on a busy machine the
-    whole wait. A 10 ms window is too short for `OthersLoad` to judge, so `wait_for_quiet_machine` returns
-    at once; the cores others used while something was timed are still measured (tests/test_busy_machine.py)."""
+    whole wait."""
 
     def __getattr__(self, name):
         return getattr(time, name)
@@ -47,6 +46,25 @@ def _short_measuring_pauses(monkeypatch):
     from torchspeed import measure
 
     monkeypatch.setattr(measure, "time", _ShortPauses("time"))
+
+
+@pytest.fixture(autouse=True)
+def _a_quiet_machine(request, monkeypatch):
+    """Other processes read as using no cores (`OthersLoad`, through which every measuring call and every
+    wait for a quiet machine reads the load): what a test asserts must not depend on whether the machine
+    running the suite is busy (a CI runner shares its cores; `make test-busy` runs the suite beside two
+    spinning processes). A choice timed "on a busy machine" is not remembered, so on a busy machine
+    every test of remembering would measure again. A test of the load reading itself is marked
+    `real_load` (it starts its own spinning process: tests/helpers.py `another_process_spinning`)."""
+    if request.node.get_closest_marker("real_load") is None:
+        from torchspeed.measure import OthersLoad
+
+        monkeypatch.setattr(OthersLoad, "cores", lambda self: 0.0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_load: reads the real load of other processes (conftest's "
+                                       "_a_quiet_machine leaves OthersLoad alone)")
 
 
 @pytest.fixture(scope="session")

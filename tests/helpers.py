@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 from collections.abc import Iterator
 
 import torch
@@ -64,3 +66,41 @@ def another_process_spinning() -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+class FakeClock(types.ModuleType):
+    """`time` for a module whose timing a test judges: `perf_counter()` and `monotonic()` read a clock that
+    only `sleep(s)` moves on, at once, so a contender timed is exactly as slow as the fake it runs says,
+    on a quiet or a busy machine alike, and no real time passes. Each reading also moves it on 1 us, so a
+    loop that waits for time to pass always ends. Patched in with `fake_clock(monkeypatch, module, ...)`;
+    the fakes call `clock.sleep`. Sleeps of several threads add up (as if one after the other)."""
+
+    TICK_S = 1e-6
+
+    def __init__(self) -> None:
+        super().__init__("time")
+        self.now = 0.0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self.now += max(0.0, seconds)
+
+    def perf_counter(self) -> float:
+        with self._lock:
+            self.now += self.TICK_S
+            return self.now
+
+    monotonic = perf_counter
+
+
+def fake_clock(monkeypatch, *modules: types.ModuleType, clock: FakeClock | None = None) -> FakeClock:
+    """A FakeClock (`clock`, or a new one) patched in as the `time` of each of `modules` (those that time what
+    the test judges)."""
+    clock = clock or FakeClock()
+    for module in modules:
+        monkeypatch.setattr(module, "time", clock)
+    return clock

@@ -18,6 +18,7 @@ from torchspeed.runtime import cache_dir
 from torchspeed.train import Accelerated, accelerate
 from torchspeed.train.acceleration import AccelerateResult
 from torchspeed.train.mixed_precision import autocast_once
+from torchspeed.train.step_timer import StepTimer
 from torchspeed.train.wrapping import warn_if_unsharded
 
 GIVEN = dict(precision="fp32", channels_last=False, compile=False)
@@ -124,7 +125,8 @@ def test_the_example_batch_is_taken_from_the_loader_without_moving_rng_or_positi
     torch.manual_seed(5)
     gen_state, expected = base.generator.get_state(), torch.rand(3)
     torch.manual_seed(5)
-    acc = accelerate(model, None, base, channels_last=False, compile=False, trial_steps=1)
+    # channels_last "auto" is timed on every machine (precision "auto" only where the CPU has native bf16)
+    acc = accelerate(model, None, base, precision="fp32", channels_last="auto", compile=False, trial_steps=1)
     assert torch.equal(torch.rand(3), expected) and torch.equal(base.generator.get_state(), gen_state)
     assert any(r.step_s for r in acc.report.candidates)  # measured on the loader's batch
 
@@ -197,11 +199,13 @@ def test_progress_says_one_line_per_trial_and_waits_for_a_quiet_machine(monkeypa
     assert len(waits) == 1 and waits[0]["max_s"] <= 5
 
 
-def test_compile_is_not_tried_without_expected_steps():
+def test_compile_without_expected_steps_is_weighed_against_the_default_horizon(monkeypatch):
+    monkeypatch.setattr(StepTimer, "measure", lambda self, step: (0.002, 0.002))  # 2 ms a step: 2 s in 1000
     rep = accelerate(tiny_convnet(), None, precision="fp32", channels_last=False,
                      example_batch=separable_images(16)).report
-    row = [r for r in rep.candidates if r.setting == "compile"][0]
-    assert row.decision == "not tried: give expected_steps to weigh compile's one-off cost" and not rep.compile
+    row = [r for r in rep.candidates if r.setting == "compile" and r.value == "True"][0]
+    assert row.decision.startswith("not tried: expected run ~") and "1000 steps: the default horizon" in row.decision
+    assert not rep.compile
 
 
 class _Named(TensorDataset):

@@ -2,10 +2,11 @@
 measurement, rows' % of ceiling arithmetic, the int8 route chosen among those that work, time windows."""
 import dataclasses
 import json
-import time
 
 import pytest
+from helpers import fake_clock
 
+from torchspeed import measure
 from torchspeed.bench import budget, ceilings
 from torchspeed.bench.rows import Row
 
@@ -63,6 +64,84 @@ def test_get_reads_the_cache_and_refresh_keeps_the_best(cache, monkeypatch):
     assert ceilings.load_cached(dict(MACHINE))["items"]["fp32"]["value"] == 150.0
 
 
+def test_a_ceiling_measured_on_a_busy_machine_is_never_cached(cache, monkeypatch):
+    """The load reading is injected: a measurement beside 1.6 busy cores judges only the report it was taken
+    for (marked busy), is not cached, and the next run measures again; once quiet, it is kept."""
+    import torchspeed.runtime as rt
+
+    monkeypatch.setattr(rt, "describe", lambda: dict(MACHINE))
+    busy = dict(_ceilings(fp32=76.0), others_cores=1.6)
+    monkeypatch.setattr(ceilings, "measure", lambda progress=None: busy)
+    got = ceilings.get()
+    assert got["source"] == "measured" and got["busy_cores"] == 1.6 and ceilings.busy_cores(got) == 1.6
+    assert got["items"]["fp32"]["value"] == 76.0
+    assert ceilings.load_cached(dict(MACHINE)) is None  # not the machine's ceiling
+
+    calls = []
+    monkeypatch.setattr(ceilings, "measure", lambda progress=None: calls.append(1) or dict(_ceilings(), others_cores=0.1))
+    got = ceilings.get()  # measured again (nothing cached), quiet this time: kept
+    assert calls == [1] and ceilings.busy_cores(got) is None and got["source"] == "measured"
+    assert ceilings.load_cached(dict(MACHINE))["items"]["fp32"]["value"] == 150.0
+
+    # a refresh beside a busy process keeps the quiet cache, and says it did not keep the new one
+    monkeypatch.setattr(ceilings, "measure", lambda progress=None: dict(_ceilings(fp32=500.0), others_cores=1.2))
+    got = ceilings.get(refresh=True)
+    assert got["source"] == "cache" and ceilings.busy_cores(got) is None and got["items"]["fp32"]["value"] == 150.0
+    assert "1.2 cores" in got["not_kept"]["why"] and "not kept" in got["not_kept"]["why"]
+    assert ceilings.load_cached(dict(MACHINE))["items"]["fp32"]["value"] == 150.0  # the busy 500 never cached
+    # a cache file claiming a busy reading (hand-edited, or another tool's) is not trusted either
+    ceilings.save(dict(_ceilings(), busy_cores=1.0))
+    assert ceilings.load_cached(dict(MACHINE)) is None
+
+
+def test_measuring_the_ceilings_records_the_cores_others_used(monkeypatch):
+    """`measure` reads the load other processes put on the cores over its whole measurement (injected here)."""
+    import torch
+
+    from torchspeed import measure as timing
+
+    class Load:
+        def cores(self):
+            return 1.25
+
+    monkeypatch.setattr(timing, "OthersLoad", Load)
+    fake = {"value": 1.0, "unit": "x", "what": "fake"}
+    monkeypatch.setattr(ceilings, "gemm_gflops", lambda name, budget_s: dict(fake))
+    monkeypatch.setattr(ceilings, "int8_gops", lambda budget_s: dict(fake))
+    monkeypatch.setattr(ceilings, "memory_bandwidth", lambda budget_s: dict(fake))
+    monkeypatch.setattr(ceilings, "decode_samples", lambda: [b""])
+    monkeypatch.setattr(ceilings, "decode_rate", lambda samples, budget_s: dict(fake, route="fake", cores=2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    threads = torch.get_num_threads()
+    try:
+        got = ceilings.measure()
+    finally:
+        torch.set_num_threads(threads)
+    assert got["others_cores"] == 1.25 and got["items"]["decode"]["value"] == 2.0
+
+
+def test_a_share_of_a_busy_ceiling_says_so_and_judges_no_goal():
+    from torchspeed.bench import report
+
+    row = Row(technique="torchspeed", median=600.0, unit="img/s", ceiling="decode", achieved=600.0, pct_of_ceiling=62.0,
+              ratio=2.0, headline=True)
+    assert ceilings.ceiling_cell(row) == "decode: 600 of 968 img/s (62%)"
+    assert ceilings.ceiling_cell(row, busy=True) == "decode: 600 of 968 img/s (62%, busy ceiling)"
+    lims = [{"goal": "data >= 60% of the decode-only ceiling (all cores)", "measured": "62%", "met": True, "why": ""},
+            {"goal": ">= 2x DALI's CPU pipeline on the same photos", "measured": "2.1x", "met": True, "why": ""}]
+    results = {"data": {"rows": [row.to_dict()], "limits": lims, "others_cores": 0.0},
+               "ceilings": dict(_ceilings(), busy_cores=1.4)}
+    table = "\n".join(report.limits_section(results))
+    ceiling_goal = next(line for line in table.splitlines() if "decode-only ceiling" in line)
+    assert "not judged: busy ceiling" in ceiling_goal and "| yes |" not in ceiling_goal
+    assert "| yes |" in next(line for line in table.splitlines() if "DALI" in line)  # not set against a ceiling
+    assert report.suite_cells(results["data"], busy_ceiling=True) == ("600 img/s", "2.00x", "62% decode (busy)", "quiet")
+    assert "busy ceiling" in report.suite_table(results["data"], busy_ceiling=True)
+    assert any("Busy ceilings" in line for line in report.ceilings_section(results["ceilings"]))
+    quiet = dict(results, ceilings=_ceilings())
+    assert "| yes |" in "\n".join(report.limits_section(quiet)).split("DALI")[0]
+
+
 def test_pct_of_ceiling_arithmetic():
     c = _ceilings()
     train = Row(median=28.7, unit="samples/s", ceiling="fp32", flops_per_item=3.57e9)
@@ -85,14 +164,16 @@ def test_pct_of_ceiling_arithmetic():
 
 
 def test_int8_ceiling_takes_the_fastest_route_that_works(monkeypatch):
+    clock = fake_clock(monkeypatch, measure)  # each route takes exactly its fake's time, on a busy machine too
+
     def broken(n):
         raise ImportError("no such runtime")
 
     def fast(n):
-        return lambda: time.sleep(0.0005)
+        return lambda: clock.sleep(0.0005)
 
     def slow(n):
-        return lambda: time.sleep(0.002)
+        return lambda: clock.sleep(0.002)
 
     monkeypatch.setattr(ceilings, "INT8_ROUTES", {"a": broken, "b": slow, "c": fast})
     monkeypatch.setattr(ceilings, "_grow", lambda make: (64, make(64)))
@@ -104,27 +185,29 @@ def test_int8_ceiling_takes_the_fastest_route_that_works(monkeypatch):
     assert ceilings.int8_gops(budget_s=0.1)["value"] is None
 
 
-def test_grow_stops_at_the_first_size_slow_enough_to_time():
+def test_grow_stops_at_the_first_size_slow_enough_to_time(monkeypatch):
+    clock = fake_clock(monkeypatch, measure)
     sizes = []
 
     def make(n):
         sizes.append(n)
-        return lambda: time.sleep(0.03 if n >= 1024 else 0)
+        return lambda: clock.sleep(0.03 if n >= 1024 else 0)
 
     n, _ = ceilings._grow(make, min_call_s=0.02)
     assert n == 1024 and sizes == [256, 512, 1024]
 
 
-def test_time_window_is_respected_with_a_tiny_budget():
+def test_time_window_is_respected_with_a_tiny_budget(monkeypatch):
+    clock = fake_clock(monkeypatch, measure, budget)
     calls = []
 
     def fn():
         calls.append(1)
-        time.sleep(0.02)
+        clock.sleep(0.02)
 
-    t0 = time.perf_counter()
+    t0 = clock.perf_counter()
     t = budget.time_in_window(fn, 0.1, name="x", items=4, min_repeats=2, max_repeats=50)
-    took = time.perf_counter() - t0
+    took = clock.perf_counter() - t0
     assert 2 <= len(t.times_s) <= 5 and len(calls) == len(t.times_s) + 1   # warm-up call + what fits
     assert took < 0.1 + 3 * 0.05 and t.extra["first_s"] >= 0.02 and t.throughput > 0
     t = budget.time_in_window(fn, 0.0, name="y", min_repeats=2)              # never fewer than min_repeats
@@ -140,7 +223,17 @@ def test_budget_shares_what_is_left(monkeypatch):
     assert budget.Budget.of("train", quick=True).seconds == 7.0
     monkeypatch.delenv(budget.ENV)
     assert budget.seconds_for("train", True) < budget.seconds_for("train", False)
-    assert sum(budget.QUICK_S.values()) <= 8 * 60 - 30  # the quick report's 8 minutes, less process start-ups
+
+
+def test_every_quick_part_has_a_share_and_the_shares_fit_the_quick_report():
+    """`make demo`'s 10 minutes: every part of the quick report (a new suite included) has its share, and the
+    shares add up to at most QUICK_LIMIT_S; the one-off preparation has an estimate for the plan."""
+    from torchspeed.bench import orchestration, suites
+
+    assert set(suites.SUITE_NAMES) | {"ceilings"} <= set(budget.QUICK_S)
+    assert sum(budget.QUICK_S.values()) <= budget.QUICK_LIMIT_S
+    assert set(orchestration.PREPARE) == set(budget.PREPARE_S)
+    assert budget.CACHED_S["ceilings"] < budget.QUICK_S["ceilings"]
 
 
 def test_conv_bound_times_every_convolution_alone_and_counts_their_flops():

@@ -3,7 +3,7 @@ still run; each peer is run at its best measured count."""
 import sys
 
 import pytest
-from helpers import tiny_convnet
+from helpers import fake_clock, tiny_convnet
 
 from torchspeed.bench import peers
 
@@ -77,18 +77,19 @@ def test_dali_loader_starts_a_fresh_epoch_when_the_last_pass_left_one_ending():
     assert next(iter(loader))[0] == 4
 
 
-def test_peer_runs_at_its_best_count():
+def test_peer_runs_at_its_best_count(monkeypatch):
+    from torchspeed import measure
     from torchspeed.bench.suites import data
+
+    clock = fake_clock(monkeypatch, measure)  # a batch takes exactly its fake's time, on a busy machine too
 
     class Loader:
         def __init__(self, n):
             self.n, self.closed = n, False
 
         def __iter__(self):
-            import time
-
             for _ in range(50):
-                time.sleep(0.004 / self.n if self.n != 2 else 0.0005)  # 2 is the fastest count
+                clock.sleep(0.004 / self.n if self.n != 2 else 0.0005)  # 2 is the fastest count
                 yield [0] * 8, [0] * 8
 
     best, loader, rates = data._best("fake", Loader, [1, 2, 3], 0.05, lambda s: None)

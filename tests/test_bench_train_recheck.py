@@ -1,12 +1,17 @@
 """The train suite's rows are cumulative: a row slower than the row above is timed again, interleaved with
-it and on a batch in memory, and says what that found. Fake rows (sleeps) stand in for training steps."""
-import time
-
+it and on a batch in memory, and says what that found. Fake rows (sleeps on a fake clock: each takes exactly
+what it says, on a busy machine too) stand in for training steps."""
 import pytest
+from helpers import FakeClock, fake_clock
 
+from torchspeed import measure as timing
+from torchspeed.bench import budget, suite_kit
 from torchspeed.bench.budget import Budget
 from torchspeed.bench.suite_kit import Windows
 from torchspeed.bench.suites import train
+from torchspeed.train import loader_choice
+
+CLOCK = FakeClock()  # the time of every fake row, and of what times them (patched in by `suite`)
 
 
 class Loader:
@@ -17,12 +22,12 @@ class Loader:
 
     def __iter__(self):
         while True:
-            time.sleep(self.wait_s)
+            CLOCK.sleep(self.wait_s)
             yield "batch"
 
 
 def sleeper(seconds):
-    return lambda batch: time.sleep(seconds)
+    return lambda batch: CLOCK.sleep(seconds)
 
 
 load = {"cores": 0.0}  # other processes' cores during a re-measure, as the suite sees them
@@ -31,6 +36,7 @@ load = {"cores": 0.0}  # other processes' cores during a re-measure, as the suit
 @pytest.fixture
 def suite(monkeypatch):
     load["cores"] = 0.0
+    fake_clock(monkeypatch, timing, budget, suite_kit, loader_choice, clock=CLOCK)
     monkeypatch.setattr(train, "BATCH", 1)
     monkeypatch.setattr("torchspeed.measure.wait_for_quiet_machine",
                         lambda max_s=10.0, **k: type("Q", (), {"waited_s": 0.0, "others_cores": 0.0, "busy": False})())
@@ -73,7 +79,7 @@ def test_a_row_slower_only_in_its_first_window_is_not_slower_after_all(suite, mo
     slow = {"on": True}
 
     def noisy(batch):  # slow while its window is timed, then as fast as the row above
-        time.sleep(0.03 if slow["on"] else 0.01)
+        CLOCK.sleep(0.03 if slow["on"] else 0.01)
 
     recheck = suite.recheck
 

@@ -1,13 +1,15 @@
 """fast_loader, DevicePrefetcher, augmentation, decoders, tune_loader: behaviour and numerics."""
 import os
-import time
 
 import numpy as np
 import pytest
 import torch
+from helpers import fake_clock
 
+from torchspeed import measure
 from torchspeed.data import (IMAGENET_MEAN, IMAGENET_STD, DevicePrefetcher, fast_loader, pack, tune_loader)
 from torchspeed.data.augment import RandomResizedCropFlip, ResizeCenterCrop, sample_rng
+from torchspeed.data import tune
 from torchspeed.data.decode import available_decoders, get_decoder, jpeg_size
 
 
@@ -281,10 +283,11 @@ def test_in_memory_loader_matches_disk(photo_store):
 
 
 class Paced:
-    """A fake loader factory whose throughput depends on num_workers: 1 is best until 4."""
+    """A fake loader factory whose throughput depends on num_workers: 1 is best until 4. Its batches take
+    their time on `clock` (a FakeClock: the throughput timed is exactly theirs, on a busy machine too)."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, clock):
+        self.calls, self.clock = [], clock
 
     def __call__(self, workers, prefetch, persistent, pin):
         self.calls.append(workers)
@@ -292,7 +295,7 @@ class Paced:
 
         def batches():
             for _ in range(5):
-                time.sleep(delay)
+                self.clock.sleep(delay)
                 yield torch.zeros(4), torch.zeros(4)
 
         class It:
@@ -302,8 +305,8 @@ class Paced:
         return It()
 
 
-def test_tune_loader_picks_the_fastest_and_stops_when_throughput_falls():
-    build = Paced()
+def test_tune_loader_picks_the_fastest_and_stops_when_throughput_falls(monkeypatch):
+    build = Paced(fake_clock(monkeypatch, measure, tune))
     s = tune_loader(build, 4, num_workers=range(6), tune_seconds=0.1, device="cpu", prefetch_factor=(2,),
                     persistent_workers=(True,))
     assert s.num_workers == 1

@@ -7,8 +7,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import fake_clock
 
-from torchspeed.data import DevicePrefetcher, tune_loader
+from torchspeed import measure
+from torchspeed.data import DevicePrefetcher, tune, tune_loader
 from torchspeed.data.prefetch import BufferPool
 from torchspeed.data.store import PackedDataset
 from torchspeed.data.threads import ThreadedBatches
@@ -98,26 +100,27 @@ def test_store_reads_from_many_threads_match_serial_reads(photo_store):
 
 
 class PacedThreads:
-    """A fake fast_loader factory: 2 threads beat 1 worker process, which beats 2."""
+    """A fake fast_loader factory: 2 threads beat 1 worker process, which beats 2. Its batches take their
+    time on `clock` (a FakeClock: the throughput timed is exactly theirs, on a busy machine too)."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, clock):
+        self.calls, self.clock = [], clock
 
     def __call__(self, workers, prefetch, persistent, pin, threads=1):
         self.calls.append((workers, threads))
-        delay = {(0, 2): 0.002, (1, 1): 0.006}.get((workers, threads), 0.012)
+        delay, clock = {(0, 2): 0.002, (1, 1): 0.006}.get((workers, threads), 0.012), self.clock
 
         class It:
             def __iter__(self):
                 for _ in range(5):
-                    time.sleep(delay)
+                    clock.sleep(delay)
                     yield torch.zeros(4), torch.zeros(4)
 
         return It()
 
 
-def test_tune_loader_tries_threads_in_process_then_workers_and_keeps_the_fastest():
-    build = PacedThreads()
+def test_tune_loader_tries_threads_in_process_then_workers_and_keeps_the_fastest(monkeypatch):
+    build = PacedThreads(fake_clock(monkeypatch, measure, tune))
     s = tune_loader(build, 4, num_workers=[0, 1, 2], threads=[1, 2], tune_seconds=0.05, device="cpu", prefetch_factor=(2,),
                     persistent_workers=(True,))
     assert (s.num_workers, s.threads) == (0, 2)

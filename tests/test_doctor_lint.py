@@ -142,6 +142,7 @@ def _timed_lint():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
+@pytest.mark.real_load
 def test_lint_names_a_busy_machine_beside_its_timed_forward():
     with another_process_spinning():
         r = _timed_lint()

@@ -220,3 +220,76 @@ def test_an_unwritable_json_path_fails_before_any_command_runs(tmp_path, monkeyp
         assert main([*argv, "--json", str(tmp_path)]) == 2, name
         assert "is a folder" in capsys.readouterr().err, name
     assert blocked.read_text() == "not a folder" and sorted(os.listdir(tmp_path)) == ["file.txt"]
+
+
+# ----------------------------------------------------------------------------------------- numbers, limits, one line
+@pytest.mark.parametrize("argv", [
+    ["tune-loader", "demo", "--tune-seconds", "{}"],
+    ["train", "--data", "demo", "--model", "resnet18", "--epochs", "1", "--lr", "{}"],
+    ["select", "--candidates", "resnet18", "--input-shape", "1,3,32,32", "--budget-ms", "{}"],
+], ids=["tune-seconds", "lr", "budget-ms"])
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "NaN", "1e999"])
+def test_numeric_options_are_finite_and_positive(argv, value, capsys):
+    """Issue 37: `tune-loader --tune-seconds nan` (or inf) never ended."""
+    with pytest.raises(SystemExit) as e:
+        main([a.replace("{}", value) for a in argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert repr(value) in err and ("a measuring budget must be a positive number of seconds" in err
+                                   if "--tune-seconds" in argv else "positive, finite number" in err), err
+
+
+def test_the_api_refuses_non_finite_budgets_with_the_rule():
+    from torchspeed.args import SECONDS_RULE, positive_number
+
+    for bad in (float("nan"), float("inf"), -float("inf"), 0, -1.5, True, "1", None):
+        with pytest.raises(ValueError, match=f"tune_seconds = .*: {SECONDS_RULE}"):
+            positive_number(bad, "tune_seconds")
+    assert positive_number(0.5, "tune_seconds") == 0.5 and positive_number(0, "x", zero=True) == 0.0
+    with pytest.raises(ValueError, match="lr = nan: it must be a positive, finite number$"):
+        positive_number(float("nan"), "lr", None)
+    import torch
+
+    import torchspeed as ts
+
+    for bad in (float("nan"), float("inf")):  # the API's budgets: refused before anything is timed or built
+        with pytest.raises(ValueError, match=f"min_time_s = {bad}: {SECONDS_RULE}"):
+            ts.infer.optimize(torch.nn.Linear(4, 2), torch.randn(1, 4), min_time_s=bad, runtimes="torch")
+        with pytest.raises(ValueError, match=f"min_time_s = {bad}: {SECONDS_RULE}"):
+            ts.measure.time_callable(lambda: pytest.fail("timed"), min_time_s=bad, warmup=0)
+        with pytest.raises(ValueError, match=f"cooldown_s = {bad}: {SECONDS_RULE}"):
+            ts.measure.compare({"a": lambda: pytest.fail("timed")}, cooldown_s=bad, warmup=0)
+
+
+def test_an_error_is_one_line_when_stderr_is_piped_and_columns_unset(tmp_path, monkeypatch, capsys):
+    """Issue 37: rich wrapped errors at 80 columns when stderr was not a terminal and COLUMNS unset."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    missing = tmp_path / ("a-folder-with-a-long-name-" * 4)
+    assert main(["tune-loader", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and len(err) > 100 and str(missing) in err, err
+
+
+@pytest.mark.parametrize("raised, says", [
+    (MemoryError(), "out of memory"),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 120000000000 bytes."),
+     "out of memory (DefaultCPUAllocator: can't allocate memory"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore text"), "out of memory (CUDA out of memory"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3456 vs 3424\nframe #0: ..."),
+     "a file could not be written (. unexpected pos 3456 vs 3424): the disk is full"),
+])
+def test_running_out_of_memory_or_disk_is_one_line(monkeypatch, capsys, raised, says):
+    """Wherever the command line writes or allocates, torch's RuntimeError for a full disk or an
+    allocation that failed is one line saying what to do; any other RuntimeError keeps its traceback."""
+    import torchspeed.cli.data as data_cli
+
+    def fails(args):
+        raise raised
+
+    monkeypatch.setattr(data_cli, "run_tune_loader", fails)
+    assert main(["tune-loader", "demo"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and says in err and "Traceback" not in err, err
+    monkeypatch.setattr(data_cli, "run_tune_loader", lambda args: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["tune-loader", "demo"])

@@ -79,7 +79,7 @@ def test_a_sigkilled_doctor_stops_its_script_and_the_next_run_cleans_its_leftove
         assert leftovers
         doctor.send_signal(signal.SIGKILL)
         doctor.wait(timeout=30)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # generous: a busy machine delivers the signal and reaps late
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(child), "the script kept running after doctor was killed"

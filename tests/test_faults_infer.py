@@ -466,3 +466,205 @@ def test_a_killed_optimize_leaves_its_temporaries_where_the_next_run_removes_the
 
     gc.collect()
     assert os.listdir(cache / "tmp") == []
+
+
+# ----------------------------------------------------------------------------------------- saved programs bounded
+def _program_net():
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).mean((2, 3)))
+
+    return Net().eval()
+
+
+@pytest.fixture(scope="module")
+def program_file(tmp_path_factory):
+    import torch
+
+    from torchspeed.infer.program import load_program, save_program
+
+    path = tmp_path_factory.mktemp("program") / "program.pt2"
+    save_program(_program_net(), torch.randn(2, 3, 8, 8), str(path))
+    load_program(path)(torch.randn(3, 3, 8, 8))  # the program as saved loads and runs at another batch size
+    return path.read_bytes()
+
+
+def _crafted(tmp_path, program_file, change):
+    """program.pt2 with its entries (names under the root folder) changed by `change`; a value may be
+    (bytes, compression) for a member written compressed."""
+    path = tmp_path / "program.pt2"
+    path.write_bytes(program_file)
+    with zipfile.ZipFile(path) as z:
+        entries = {n: z.read(n) for n in z.namelist()}
+    root = next(iter(entries)).split("/", 1)[0]
+    changed = change({n.split("/", 1)[1]: v for n, v in entries.items()})
+    with zipfile.ZipFile(path, "w") as z:
+        for n, v in changed.items():
+            data, compression = v if isinstance(v, tuple) else (v, zipfile.ZIP_STORED)
+            z.writestr(zipfile.ZipInfo(f"{root}/{n}"), data, compress_type=compression)
+    return str(path)
+
+
+def _graph_edit(fn):
+    def change(entries):
+        graph = json.loads(entries["models/model.json"])
+        fn(graph)
+        entries["models/model.json"] = json.dumps(graph).encode()
+        return entries
+    return change
+
+
+def _an_expression(expr):
+    """Every shape expression of the graph (its dynamic batch size) replaced by `expr`."""
+    def fn(graph):
+        def walk(o):
+            if isinstance(o, dict):
+                for k, v in o.items():
+                    if k == "expr_str":
+                        o[k] = expr
+                    else:
+                        walk(v)
+            elif isinstance(o, list):
+                for v in o:
+                    walk(v)
+        walk(graph)
+        graph["range_constraints"] = {expr: v for v in graph["range_constraints"].values()}
+    return _graph_edit(fn)
+
+
+@pytest.mark.parametrize("expr", [
+    "Pow(Integer(9), Pow(Integer(9), Pow(Integer(9), Integer(9))))",
+    "9**9**9**9",
+    "Symbol('s0', integer=True, positive=True)**99999999",
+    "Float('1.5', precision=999999999)",
+    "Float('1.5', 999999999)",
+    "LShift(Integer(1), Integer(99999999999))",
+    "PowByNatural(Symbol('s0', positive=True), Integer(99999999))",
+    "Mul(Integer(" + "9" * 40 + "), Symbol('s0', positive=True))",
+    "Float('1e999999999')",
+    "Add(" + ", ".join(["Integer(1)"] * 3000) + ")",
+    "Pow(" * 5 + "Integer(9)" + ", Integer(64))" * 5,
+    "Pow(Integer(9), Float('1e300'))",
+], ids=["nested-pow", "star-star", "symbol-star-star", "precision-keyword", "precision-positional", "huge-shift",
+        "huge-natural-pow", "huge-literal", "huge-float-exponent", "too-long", "small-powers-nested", "float-power"])
+def test_a_program_whose_shape_expressions_would_not_end_is_refused(tmp_path, program_file, expr):
+    """Issue 37: `**` and precision arguments let a crafted program hang its load or its first call."""
+    from torchspeed.infer.program import load_program
+    from torchspeed.safeload import UnsafeFileError
+
+    path = _crafted(tmp_path, program_file, _an_expression(expr))
+    with pytest.raises(UnsafeFileError, match="program.pt2.*shape expression.*not plain arithmetic"):
+        load_program(path)
+
+
+@pytest.mark.parametrize("guard", ["L['x'].size()[0] ** 9 ** 9 ** 9 > 1", "L['x'].size()[0] < 9" + "9" * 40,
+                                   "L['x'].size()[0] << 99999999 > 1"])
+def test_a_program_whose_guard_would_not_end_is_refused(tmp_path, program_file, guard):
+    from torchspeed.infer.program import load_program
+    from torchspeed.safeload import UnsafeFileError
+
+    path = _crafted(tmp_path, program_file, _graph_edit(lambda g: g.__setitem__("guards_code", [guard])))
+    with pytest.raises(UnsafeFileError, match="program.pt2.*guard"):
+        load_program(path)
+
+
+def test_an_unreferenced_member_is_refused_before_it_is_read(tmp_path, program_file):
+    """Issue 37: a weight member no tensor uses (zeros, tiny compressed) was read whole and copied."""
+    import tracemalloc
+
+    from torchspeed.infer.program import load_program
+
+    def bomb(entries):
+        entries["data/weights/weight_999"] = (bytes(64 << 20), zipfile.ZIP_DEFLATED)  # 64 MiB in ~64 KiB
+        return entries
+
+    path = _crafted(tmp_path, program_file, bomb)
+    assert os.path.getsize(path) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"program.pt2.*damaged.*data/weights/weight_999, which no tensor uses"):
+            load_program(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+
+
+def _first_weight(entries):
+    config = json.loads(entries["data/weights/model_weights_config.json"])
+    name, meta = next(iter(config["config"].items()))
+    return config, name, meta
+
+
+@pytest.mark.parametrize("how", ["empty-member-declaring-2**28-floats", "member-half-its-tensor", "member-missing"])
+def test_declared_sizes_are_checked_against_the_members_before_any_allocation(tmp_path, program_file, how,
+                                                                             monkeypatch):
+    """Issue 37: an empty weight member declaring 2^28 floats was allocated in full by torch."""
+    import torch
+
+    from torchspeed.infer.program import load_program
+
+    def change(entries):
+        config, name, meta = _first_weight(entries)
+        member = f"data/weights/{meta['path_name']}"
+        if how.startswith("empty"):
+            meta["tensor_meta"]["sizes"] = [{"as_int": 1 << 28}]
+            meta["tensor_meta"]["strides"] = [{"as_int": 1}]
+            entries[member] = b""
+        elif how.startswith("member-half"):
+            entries[member] = entries[member][: len(entries[member]) // 2]
+        else:
+            meta["path_name"] = "weight_77"
+        entries["data/weights/model_weights_config.json"] = json.dumps(config).encode()
+        return entries
+
+    path = _crafted(tmp_path, program_file, change)
+    monkeypatch.setattr(torch.export, "load", lambda *a, **k: pytest.fail("torch read the program"))
+    said = "weight_77, which is missing" if how == "member-missing" else "declares .* bytes but .* holds"
+    with pytest.raises(ValueError, match=f"program.pt2.*damaged.*{said}"):
+        load_program(path)
+
+
+def test_a_program_over_the_parse_time_limit_or_entry_limits_is_refused(tmp_path, program_file, monkeypatch):
+    from torchspeed.infer import program
+
+    path = _crafted(tmp_path, program_file, lambda entries: entries)
+    monkeypatch.setattr(program, "PARSE_LIMIT_S", 1e-9)  # any program: over the limit
+    with pytest.raises(ValueError, match="program.pt2.*would take torch over"):
+        program.load_program(path)
+    monkeypatch.undo()
+    monkeypatch.setattr(program, "_JSON_LIMIT", 100)
+    with pytest.raises(ValueError, match="program.pt2.*over the limit of 100"):
+        program.load_program(path)
+    monkeypatch.undo()
+    (tmp_path / "deep").mkdir()
+    deep = _crafted(tmp_path / "deep", program_file, _graph_edit(lambda g: g.__setitem__("x", "DEEP")))
+    with zipfile.ZipFile(deep) as z:
+        entries = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(deep, "w") as z:
+        for n, v in entries.items():
+            z.writestr(n, v.replace(b'"DEEP"', b"[" * 100_000 + b"]" * 100_000) if n.endswith("model.json") else v)
+    with pytest.raises(ValueError, match="program.pt2.*damaged.*not valid JSON"):
+        program.load_program(deep)
+    assert program.load_program(path) is not None  # the program itself is sound
+
+
+# ----------------------------------------------------------------------------------------- memory guard
+def test_optimize_input_shape_too_large_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """Issue 37: `optimize --input-shape 1,3,100000,100000` ended in an allocation traceback."""
+    import torchspeed.runtime
+
+    spec = os.path.join(os.path.dirname(__file__), "helpers.py") + ":tiny_convnet"
+    assert main(["optimize", spec, "--input-shape", "1,3,100000,100000", "--out", str(tmp_path / "best")]) == 2
+    _one_line_error(capsys, "--input-shape 1,3,100000,100000", "GiB")
+    monkeypatch.setattr(torchspeed.runtime, "free_memory", lambda device: 64 << 20)  # 64 MiB free
+    assert main(["optimize", spec, "--input-shape", "1,3,1024,1024"]) == 2  # 12 MiB, but 8 rows (96 MiB) verified
+    _one_line_error(capsys, "--input-shape 1,3,1024,1024", "batches of 8")

@@ -486,3 +486,122 @@ def test_a_model_with_too_few_class_outputs_is_named_before_training(tmp_path, p
         err = _one_line(capsys)
         assert f"gives {width} output(s) per sample" in err and "the data has 3 classes" in err
         assert "Traceback" not in err and not (tmp_path / f"w{width}" / "model.pt").exists()
+
+
+# ------------------------------------------------------------------ a full disk, a changed model, a refused run
+def _error_lines(capsys):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.startswith("torchspeed: error:")]
+
+
+def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_the_older_checkpoints_stay(
+        tmp_path, photo_folder, monkeypatch, capsys):
+    """Issue 37: a full disk gave a 56-line traceback ending in "[enforce fail at inline_container.cc:672]
+    unexpected pos". The disk fills during the second checkpoint (torch.save's own writes fail)."""
+    import contextlib
+    import errno
+
+    real, saves = ckpt.atomic_write, []
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, b):
+            self.written += memoryview(b).nbytes
+            if self.written > 1024:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    @contextlib.contextmanager
+    def full_after_the_first(path, mode="wb"):
+        with real(path, mode) as f:
+            checkpoint = os.path.basename(path).startswith("step-") and path.endswith(".pt")
+            saves.extend([path] if checkpoint else [])
+            yield Full(f) if checkpoint and len(saves) > 1 else f
+
+    monkeypatch.setattr(ckpt, "atomic_write", full_after_the_first)
+    out = tmp_path / "run"
+    argv = ["-q", "train", "--data", str(photo_folder), "--epochs", "2", "--out", str(out), *TINY, '{"classes": 3}',
+            *FAST]
+    assert main(argv) == 2
+    (line,) = _error_lines(capsys)
+    assert repr(saves[1]) in line and "No space left on device" in line and "--resume" in line, line
+    assert len(saves) == 2 and load_file(saves[0])["global_step"] == 2  # the checkpoint before it is whole
+    assert not os.path.exists(saves[1]) and not [n for n in os.listdir(out / "checkpoints") if n.endswith(".tmp")]
+    monkeypatch.undo()  # space freed: the run continues from the checkpoint before
+    assert main([*argv, "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["step"] == 4
+
+
+def test_resume_with_a_changed_model_is_one_line_naming_the_file_and_the_first_mismatch(tmp_path, photo_folder,
+                                                                                         capsys):
+    out = tmp_path / "run"
+    argv = ["-q", "train", "--data", str(photo_folder), "--out", str(out), *FAST, *TINY]
+    assert main([*argv, '{"classes": 3}', "--epochs", "1"]) == 0
+    capsys.readouterr()
+    assert main([*argv, '{"classes": 3, "width": 4}', "--epochs", "2", "--resume"]) == 2
+    (line,) = _error_lines(capsys)
+    assert "step-00000002.pt" in line and "does not fit this model" in line, line
+    assert "'0.weight' is [8, 3, 3, 3] in it and [4, 3, 3, 3] in the model" in line, line
+
+
+def test_a_refused_train_leaves_its_out_as_it_found_it(tmp_path, photo_folder, capsys):
+    """Issue 37: a refused `train` left --out behind with the marker and an empty checkpoints/."""
+    import pathlib
+
+    one_class = tmp_path / "one-class" / "cat"
+    one_class.mkdir(parents=True)
+    shutil.copy(next(pathlib.Path(photo_folder).glob("*/*.jpg")), one_class)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for data, model, says in ((one_class.parent, TINY + ['{"classes": 3}'], str(one_class.parent)),
+                              (photo_folder, ["--model", "no_such_model"], "no_such_model")):
+        for out in (tmp_path / "new", mine):
+            assert main(["-q", "train", "--data", str(data), "--epochs", "1", "--out", str(out), *model, *FAST]) == 2
+            (line,) = _error_lines(capsys)
+            assert says in line, line
+            assert not (tmp_path / "new").exists() and os.listdir(mine) == []
+
+
+def test_a_learning_rate_of_nan_or_inf_is_refused():
+    from torchspeed.recipes import ClassifierOptions
+
+    for lr in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="--lr = .*: it must be a positive, finite number"):
+            ClassifierOptions(epochs=1, lr=lr)
+
+
+@pytest.mark.parametrize("edit", ["no-files", "other-file-only", "outside", "absolute", "deep", "not-a-hash",
+                                  "huge", "nan", "list"])
+def test_a_damaged_checkpoint_record_is_never_taken_as_verified(task, tmp_path, edit):
+    """A record is read as data: one that lists no file of its checkpoint (which would verify nothing),
+    names a file outside it, or is malformed, deeply nested or huge makes its checkpoint incomplete:
+    never listed, and `load_file` names it."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x" * 10)
+    d = tmp_path / "ck"
+    tr, train, val = task.build(d, every=1)
+    tr.fit(train, val, epochs=1, max_steps=2)
+    two = d / "step-00000002.pt"
+    record = d / "step-00000002.pt.json"
+    rec = json.loads(record.read_text())
+    entry = rec["files"]["step-00000002.pt"]
+    text = {"no-files": lambda: json.dumps({**rec, "files": {}}),
+            "other-file-only": lambda: json.dumps({**rec, "files": {"step-00000001.pt": entry}}),
+            "outside": lambda: json.dumps({**rec, "files": {**rec["files"], "../outside.bin": entry}}),
+            "absolute": lambda: json.dumps({**rec, "files": {**rec["files"], str(outside): entry}}),
+            "deep": lambda: "[" * 100_000 + "]" * 100_000,
+            "not-a-hash": lambda: json.dumps({**rec, "files": {"step-00000002.pt": {**entry, "sha256": "abc"}}}),
+            "huge": lambda: json.dumps({**rec, "padding": " " * (2 << 20)}),
+            "nan": lambda: json.dumps(rec).replace(f'"bytes": {entry["bytes"]}', '"bytes": NaN'),
+            "list": lambda: "[]"}[edit]()
+    record.write_text(text)
+    assert last_checkpoint(d) == str(d / "step-00000001.pt")  # the damaged one is never listed
+    with pytest.raises(ckpt.CheckpointError, match="cannot be verified") as e:
+        load_file(two)
+    assert repr(str(two)) in str(e.value)

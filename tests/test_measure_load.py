@@ -12,7 +12,8 @@ from helpers import another_process_spinning
 
 from torchspeed import measure
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc"),
+              pytest.mark.real_load]  # the load of other processes, as it is (conftest fakes a quiet machine)
 
 
 def test_another_process_spinning_during_compare_is_counted():
@@ -23,16 +24,21 @@ def test_another_process_spinning_during_compare_is_counted():
 
 
 def test_this_process_trees_own_work_is_not_counted_as_others():
+    """This process and a child spin; what OthersLoad calls other processes' is the machine's busy time over
+    the same seconds less this tree's own (os.times: this process and its reaped child), however busy the
+    machine is."""
+    t0, machine0, mine0 = time.perf_counter(), measure.machine_busy_cpu_seconds(), os.times()
     load = measure.OthersLoad()
     child = subprocess.Popen([sys.executable, "-c", "import time; t = time.time()\nwhile time.time() - t < 0.6: pass"])
-    t0 = time.process_time()
-    while time.process_time() - t0 < 0.6:  # this process spins too
+    spun = time.process_time()
+    while time.process_time() - spun < 0.6:  # this process spins too
         pass
     child.wait()
-    own = load.cores()
-    assert own is not None
-    # both spinners are ours: what is left is other processes' load, well under the ~2 cores we just used
-    assert own < 1.5
+    others = load.cores()
+    wall, machine, mine = time.perf_counter() - t0, measure.machine_busy_cpu_seconds() - machine0, os.times()
+    own = sum(b - a for a, b in zip(mine0[:4], mine[:4]))  # user + system, of this process and its children
+    assert others is not None and own >= 0.6
+    assert others * wall == pytest.approx(machine - own, abs=0.25)  # the ~1 CPU-second we spun is not others'
 
 
 def test_busy_warning_words_only_real_load():
@@ -51,25 +57,43 @@ def test_the_job_is_torchruns_agent_tree_when_it_started_several_local_ranks(mon
     assert measure.job_root_pid() == os.getpid()  # a single local rank: its own tree is the job
 
 
-# an "agent" starting a spinning rank and a measuring rank, as torchrun starts local ranks
+# an "agent" starting a spinning rank and a measuring rank, as torchrun starts local ranks. The measuring rank
+# reads the load twice over the same seconds, as a torchrun rank (TORCHELASTIC_RUN_ID set: the agent's tree is
+# the job) and as a plain process, and reads the spinning sibling's own CPU time: the load of the machine's other
+# processes (a busy machine's included) is the same in both readings, so they differ by the sibling alone,
+# whose CPU time the rank waits for (a busy machine gives it a small share of a core).
+_RANK = r"""
+import os, time
+from torchspeed import measure
+sibling = int(os.environ["SIBLING"])
+time.sleep(0.3)
+os.environ["TORCHELASTIC_RUN_ID"] = "run"
+job = measure.OthersLoad()
+del os.environ["TORCHELASTIC_RUN_ID"]
+alone = measure.OthersLoad()
+t0, spun0 = time.perf_counter(), measure.process_tree_cpu_seconds(sibling)
+spun = 0.0
+while spun < 0.5 and time.perf_counter() - t0 < 60:  # until the sibling used half a CPU-second, busy machine or not
+    time.sleep(0.25)
+    spun = measure.process_tree_cpu_seconds(sibling) - spun0
+under_torchrun, plain, wall = job.cores(), alone.cores(), time.perf_counter() - t0
+print(plain * wall, under_torchrun * wall, spun)  # CPU-seconds over the same wall time
+"""
 _AGENT = r"""
 import os, subprocess, sys
-env = dict(os.environ, LOCAL_WORLD_SIZE="2", **({"TORCHELASTIC_RUN_ID": "run"} if sys.argv[1] == "torchrun" else {}))
-spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"], env=env)
-rank = subprocess.run([sys.executable, "-c", "import time\nfrom torchspeed import measure\ntime.sleep(0.5)\n"
-                       "load = measure.OthersLoad()\ntime.sleep(1.5)\nprint(load.cores())"],
-                      env=env, capture_output=True, text=True, check=True)
-spin.wait()
+spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+try:
+    rank = subprocess.run([sys.executable, "-c", sys.argv[1]], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, LOCAL_WORLD_SIZE="2", SIBLING=str(spin.pid)))
+finally:
+    spin.kill()
 print(rank.stdout.strip())
 """
 
 
 def test_other_local_ranks_are_the_jobs_own_load_not_other_processes():
-    def others(mode: str) -> float:
-        out = subprocess.run([sys.executable, "-c", _AGENT, mode], capture_output=True, text=True, check=True,
-                             timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        return float(out.stdout.strip().splitlines()[-1])
-
-    plain, under_torchrun = others("plain"), others("torchrun")
-    assert plain > 0.5  # the spinning sibling: another process's core
-    assert under_torchrun < plain - 0.5  # the same sibling as a local rank of the same torchrun job
+    out = subprocess.run([sys.executable, "-c", _AGENT, _RANK], capture_output=True, text=True, check=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    plain, under_torchrun, sibling = map(float, out.stdout.split())  # CPU-seconds
+    assert sibling >= 0.5  # the sibling spun
+    assert plain - under_torchrun == pytest.approx(sibling, abs=0.15)  # the same sibling, the job's own as a rank

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import tiny_convnet
+from helpers import fake_clock, tiny_convnet
 
 from torchspeed.recipes import ClassifierOptions, prepare_classifier, train_classifier
 
@@ -50,7 +50,7 @@ def test_bad_input_is_refused_before_any_data_is_read(small_photo_folder, tmp_pa
     blocked.write_text("not a directory")
     with pytest.raises(OSError, match="cannot be written"):
         train_classifier(small_photo_folder, "resnet18", epochs=1, out=blocked / "run", progress=False)
-    for bad, match in (({"lr": 0.0}, "--lr must be > 0"), ({"precision": "fp8"}, "precision must be"),
+    for bad, match in (({"lr": 0.0}, "--lr = 0.0: it must be a positive"), ({"precision": "fp8"}, "precision must be"),
                        ({"epochs": 0}, "epochs must be a positive integer")):
         with pytest.raises(ValueError, match=match):
             ClassifierOptions(**{"epochs": 1, **bad})
@@ -97,12 +97,14 @@ def test_the_loader_is_chosen_with_the_training_step_in_the_loop(photo_folder, t
     assert [c["setting"] for c in result.to_dict()["accelerate"]["candidates"]].count("loader") == 2
 
 
-def test_a_more_parallel_loader_is_kept_only_when_its_steps_are_faster_beyond_the_margin():
-    """Fake loaders: the step waits for the data as long as its loader says; every pass is closed after
-    its round (no loader runs while another is timed)."""
-    import time
-
+def test_a_more_parallel_loader_is_kept_only_when_its_steps_are_faster_beyond_the_margin(monkeypatch):
+    """Fake loaders: the step waits for the data as long as its loader says, on a fake clock (what is timed
+    is exactly the waits, on a busy machine too); every pass is closed after its round (no loader runs
+    while another is timed)."""
+    from torchspeed.train import loader_choice
     from torchspeed.train.loader_choice import choose_loader_with_step, step_candidates, time_fed_steps
+
+    clock = fake_clock(monkeypatch, loader_choice)
 
     assert step_candidates(0, 3) == [(0, 1), (0, 3)] and step_candidates(0, 1) == [(0, 1)]
     assert step_candidates(4, 1) == [(0, 1), (1, 1), (2, 1), (4, 1)]
@@ -122,7 +124,7 @@ def test_a_more_parallel_loader_is_kept_only_when_its_steps_are_faster_beyond_th
 
     def step(wait_s):
         assert len(open_passes) == 1  # the contender timed is the only loader running
-        time.sleep(wait_s)
+        clock.sleep(wait_s)
 
     times, _ = time_fed_steps({"a": (Loader(0.001), step), "b": (Loader(0.02), step)}, steps=2, rounds=3)
     assert [len(v) for v in times.values()] == [3, 3] and min(times["b"]) > max(times["a"])

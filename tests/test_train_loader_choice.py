@@ -3,12 +3,13 @@ Trainer with real training steps in the loop: the less parallel setting wins whe
 compete with the step, the model, optimizer and RNG are exactly as before, the choice is remembered (a
 second call times nothing) and counts the user fixed are left alone; under torchrun rank 0's choice is
 every rank's. Also: the fp16 step guard is removed when its preparation is let go, and a container
-model keeps len() and iteration. Fake loaders: each batch waits as long as its counts say."""
+model keeps len() and iteration. Fake loaders: each batch waits as long as its counts say, on a fake clock
+(the steps are timed by what the loaders wait, not by how busy the machine running the tests is)."""
 import logging
-import time
 
 import pytest
 import torch
+from helpers import fake_clock
 from torch import nn
 
 import torchspeed.train.loader_choice as loader_choice
@@ -28,7 +29,8 @@ class Settings:
 
 
 class FakeLoader:
-    """Six (images, labels) batches of a fixed set; each batch takes as long as `delays[counts]`; rebuilt
+    """Six (images, labels) batches of a fixed set; each batch takes as long as `delays[counts]` (on the clock
+    loader_choice times with: the real one, or the `quiet` fixture's fake); rebuilt
     with other counts by `with_counts` (the calls logged in `log`); keeps its position like a FastLoader."""
 
     def __init__(self, num_workers=0, threads=2, delays=None, settings="measured", log=None, batches=6):
@@ -54,7 +56,7 @@ class FakeLoader:
         self.log["passes"] += 1
         start, self.done = self.done, 0
         for i in range(start, self.batches):
-            time.sleep(self.delays[(self.num_workers, self.threads)])
+            loader_choice.time.sleep(self.delays[(self.num_workers, self.threads)])
             yield self.x[4 * i:4 * i + 4], self.y[4 * i:4 * i + 4]
 
     def identity(self):
@@ -115,9 +117,11 @@ def assert_same(before, model, opt):
 
 @pytest.fixture
 def quiet(monkeypatch):
-    """A quiet machine (the choice is remembered) without waiting for one."""
+    """A quiet machine (the choice is remembered) without waiting for one, and a fake clock: a step takes
+    exactly what its loader waits (tests/helpers.py FakeClock)."""
     monkeypatch.setattr(loader_choice.LoaderStepResult, "busy_warning", property(lambda self: None))
     monkeypatch.setattr(loader_choice, "wait_for_quiet_machine", lambda **k: None)
+    fake_clock(monkeypatch, loader_choice)
 
 
 def test_accelerate_picks_the_less_parallel_loader_and_leaves_no_trace(quiet, caplog):

@@ -1,5 +1,6 @@
 """What a batch is, in one place: splitting it into inputs and targets, walking the tensors inside it,
-moving it to a device, counting its samples, and reading logits out of a model's output.
+moving it to a device, counting its samples, and reading logits (and a loss the model computed) out of a
+model's output.
 
 A batch is `(inputs, targets)` (a tuple or list; extra items are ignored) or a dict with a known pair
 of keys (`image`/`label`, `images`/`labels`, `input`/`target`, `inputs`/`targets`). `BatchFormat` says
@@ -17,8 +18,8 @@ import torch
 
 from torchspeed.runtime import free_memory
 
-__all__ = ["random_input", "BatchFormat", "split_batch", "map_tensors", "to_device", "batch_size", "logits_of", "DICT_KEY_PAIRS",
-           "LABEL_KEYS"]
+__all__ = ["random_input", "BatchFormat", "split_batch", "map_tensors", "to_device", "batch_size", "logits_of",
+           "output_loss", "DICT_KEY_PAIRS", "LABEL_KEYS"]
 
 DICT_KEY_PAIRS = (("image", "label"), ("images", "labels"), ("input", "target"), ("inputs", "targets"))
 
@@ -86,6 +87,21 @@ def logits_of(output: Any) -> Any:
         return torch.from_numpy(np.asarray(output))
     except (TypeError, ValueError):
         raise ValueError(f"cannot find logits in a model output of type {type(output).__name__}") from None
+
+
+def output_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed and returned with its output, else None: the output itself when it is a
+    0-d float tensor, `output.loss` / `output["loss"]` (Hugging Face style), or the first 0-d float tensor of
+    a tuple or list (a GPT's `(logits, loss)`; `(logits, None)` has none)."""
+    def scalar(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()
+
+    if scalar(output):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if scalar(t)), None)
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if scalar(loss) else None
 
 
 LABEL_KEYS = ("labels", "label", "targets", "target")

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torchspeed.args import positive_number
+
 __all__ = ["Timing", "Comparison", "PeakMemory", "OthersLoad", "time_callable", "time_iterable", "compare",
            "process_tree_cpu_seconds", "job_root_pid", "machine_busy_cpu_seconds", "busy_warning", "wait_until_quiet",
            "wait_for_quiet_machine", "Quiet"]
@@ -181,6 +183,7 @@ def time_callable(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    positive_number(min_time_s, "min_time_s", zero=True)  # inf would never end, nan fails late
     mem = PeakMemory(device or "cpu") if measure_memory else None
     if mem:
         mem.reset()
@@ -291,6 +294,7 @@ def compare(
     """
     if not contenders:
         raise ValueError("compare() needs at least one contender")
+    positive_number(cooldown_s, "cooldown_s", zero=True)
     baseline = baseline or next(iter(contenders))
     if baseline not in contenders:
         raise ValueError(f"baseline {baseline!r} is not among the contenders {list(contenders)}")
@@ -435,6 +439,8 @@ def wait_for_quiet_machine(max_s: float = 10.0, window_s: float = 0.5, quiet_cor
     """Before timing: wait (at most `max_s`) until processes other than this one and its children use at
     most `quiet_cores` cores, looking in windows of `window_s`. Returns what was seen; a caller whose
     machine stayed busy times anyway and says so (`busy_warning`), rather than waiting forever."""
+    positive_number(max_s, "max_s", zero=True)  # inf would wait forever
+    positive_number(window_s, "window_s")
     t0 = time.perf_counter()
     seen: float | None = None
     while True:

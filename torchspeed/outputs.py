@@ -46,7 +46,7 @@ def _read_marker(path: str) -> list[str] | None:
     try:
         with open(os.path.join(path, MARKER), encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past the interpreter's limit
         return None
     written = data.get("written") if isinstance(data, dict) else None
     if not isinstance(written, list) or not all(isinstance(n, str) for n in written):

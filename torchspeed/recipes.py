@@ -11,6 +11,7 @@ OUT/summary.json. It runs unchanged under torchrun.
 
 OUT is claimed through `torchspeed.outputs` before any data is read: it is new or torchspeed's own,
 so a file of the user's there is never replaced; `resume` continues only a run OUT holds a checkpoint of.
+A run refused before its first step (bad data, model or settings) leaves OUT as it found it.
 
 `prepare_classifier` does everything before the first step (a bad input fails before any data is
 read where it can) and returns a `ClassifierRun`, whose `fit()` trains; `train_classifier` is the two
@@ -29,8 +30,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchspeed import ranks
-from torchspeed.args import progress_fn
-from torchspeed.atomic import atomic_write, write_json
+from torchspeed.args import positive_number, progress_fn
+from torchspeed.atomic import write_json
 from torchspeed.data import fast_loader, train_val_split
 from torchspeed.models import build, is_factory_spec, load_weights
 from torchspeed.outputs import MARKER, OutputDir, claim_output_dir, is_temporary
@@ -38,7 +39,7 @@ from torchspeed.runtime import resolve_device, seed_everything
 from torchspeed.train import distributed
 from torchspeed.train.acceleration import AccelerateOptions, AccelerateResult
 from torchspeed.train.callbacks import Checkpoint, EarlyStopping
-from torchspeed.train.checkpoint import RUN_FILE, holds_run, read_run, resumable
+from torchspeed.train.checkpoint import RUN_FILE, holds_run, read_run, resumable, write_torch_file
 from torchspeed.train.loader_choice import LoaderStepResult
 from torchspeed.train.trainer import Trainer
 
@@ -86,8 +87,8 @@ class ClassifierOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs must be a positive integer, got {self.epochs!r}")
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.lr is not None:
+            positive_number(self.lr, "--lr", None)  # nan or inf would train to nothing
         if self.resume not in (False, True, "last", "auto"):
             raise ValueError(f"resume must be False, True, 'last' or 'auto', got {self.resume!r}")
         if self.resume and self.overwrite:
@@ -182,8 +183,7 @@ class ClassifierRun:
         weights = _full_state_dict(self.trainer.module)  # collective under FSDP: every rank takes part
         if self.is_main:
             result.weights = os.path.join(os.fspath(o.out), "model.pt")
-            with atomic_write(result.weights, "wb") as f:
-                torch.save(weights, f)
+            write_torch_file(result.weights, weights)  # a full disk: one line naming it
             self._record("model.pt")
             write_json(os.path.join(os.fspath(o.out), "summary.json"), result.to_dict())
             self._record("summary.json")
@@ -211,7 +211,23 @@ def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options:
     if not os.path.exists(data) and not is_factory_spec(data.strip()):
         raise FileNotFoundError(f"--data {data!r} does not exist: give an ImageFolder directory, a packed store "
                                 "or a Dataset factory (package.module:factory or path/file.py:factory)")
-    output, ckdir = _claim_out(os.fspath(options.out), options.resume, options.overwrite)
+    out = os.fspath(options.out)
+    try:
+        before = set(os.listdir(out)) if os.path.isdir(out) else None
+    except OSError:  # unreadable: claiming it says so
+        before = set()
+    output, ckdir = _claim_out(out, options.resume, options.overwrite)
+    try:
+        return _prepared(data, model, options, progress, output, ckdir)
+    except BaseException:
+        if output is not None:  # a run refused before its first step leaves OUT as it found it
+            _unclaim(out, ckdir, before)
+        raise
+
+
+def _prepared(data: str, model: str | nn.Module, options: ClassifierOptions, progress: bool | Callable[[str], Any],
+              output: OutputDir | None, ckdir: str) -> ClassifierRun:
+    """`prepare_classifier` once OUT is claimed."""
     seed_everything(options.seed)
     # The process group first, so the loaders shard themselves per rank.
     denv, device = (distributed.setup(resolve_device("auto")) if options.strategy not in (None, "none")
@@ -311,6 +327,21 @@ def _claim_out(out: str, resume: bool | str, overwrite: bool) -> tuple[OutputDir
         raise OSError(f"--out {out!r}: its checkpoint folder {ckdir!r} cannot be made: {e.strerror or e}") from None
     output.record(CHECKPOINTS)
     return output, ckdir
+
+
+def _unclaim(out: str, ckdir: str, before: set[str] | None) -> None:
+    """Put `out` back as it was before it was claimed (`before`: its entries then, None: no folder), for
+    a run refused before its first step: the empty checkpoints/ and the marker the claim made removed,
+    and the folder when the claim made it. Anything written there since stays, and so does the rest."""
+    try:
+        if CHECKPOINTS not in (before or ()):
+            os.rmdir(ckdir)  # not empty: something was written, all stays
+        if MARKER not in (before or ()):
+            os.remove(os.path.join(out, MARKER))
+        if before is None:
+            os.rmdir(out)
+    except OSError:
+        pass
 
 
 def _adopt(out: str, ckdir: str) -> None:

@@ -13,7 +13,12 @@ Measured (all cores, the torch thread count the suites use):
   against the CPU's: one without a GPU ceiling says so.
 
 A ceiling is an upper bound, so a new measurement keeps the best of it and the cached one, cached per
-machine description (CPU, cores, ISA, GPUs, torch). Every timing goes through `torchspeed.measure`.
+machine description (CPU, cores, ISA, GPUs, torch). Only a quiet measurement becomes the machine's
+ceiling: one taken while other processes held the cores (`measure.OthersLoad`) reads low and is never
+cached. It judges the report it was measured for only when no quiet ceiling exists, marked busy there
+(`busy_cores`: "busy ceiling" beside every share, no goal judged "met" against it), and the next run
+measures again. Every timing goes through `torchspeed.measure`; this module imports torch only where
+it measures, so the orchestrator can read and judge ceilings before torch is loaded.
 """
 from __future__ import annotations
 
@@ -25,10 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torchspeed.bench.rows import Row
-from torchspeed.runtime import machine_key, precision_dtype
+from torchspeed.measure import busy_warning
 
 TITLE = "Ceilings: what this machine's cores reach at best"
-VERSION = 1
+VERSION = 2             # 2: cached only when measured quiet (a version-1 cache may hold a busy reading)
 SHORT_SIDE = 160        # the stores' image size (bench data and train suites)
 DECODE_SAMPLES = 128
 # which ceiling a row's precision is judged against
@@ -40,13 +45,16 @@ NO_GPU_CEILING = "no GPU ceiling measured"
 
 
 def cache_path(machine: dict[str, Any]) -> str:
-    from torchspeed.runtime import cache_dir
+    from torchspeed.runtime import cache_dir, machine_key
 
     return os.path.join(cache_dir("ceilings"), f"{machine_key(machine)}.json")
 
 
 def load_cached(machine: dict[str, Any]) -> dict[str, Any] | None:
-    """The cached ceilings of this machine, or None (none cached, another version, another machine, damaged)."""
+    """The cached ceilings of this machine, or None (none cached, another version, another machine, damaged,
+    or measured busy: never written so, but then measured again)."""
+    from torchspeed.runtime import machine_key
+
     path = cache_path(machine)
     try:
         with open(path, encoding="utf-8") as f:
@@ -54,7 +62,7 @@ def load_cached(machine: dict[str, Any]) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("items"), dict) \
-            or machine_key(data.get("machine") or {}) != machine_key(machine):
+            or machine_key(data.get("machine") or {}) != machine_key(machine) or data.get("busy_cores") is not None:
         return None
     return data
 
@@ -138,6 +146,8 @@ def _torch_mm(dtype_name: str) -> Callable[[int], Callable[[], Any]]:
     def make(n: int) -> Callable[[], Any]:
         import torch
 
+        from torchspeed.runtime import precision_dtype
+
         dtype = precision_dtype(dtype_name)
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         return lambda: torch.mm(a, b)
@@ -149,6 +159,8 @@ def _torch_conv1x1(dtype_name: str) -> Callable[[int], Callable[[], Any]]:
     CPU convolutions use (on some CPUs well above what torch.mm's BLAS reaches)."""
     def make(n: int) -> Callable[[], Any]:
         import torch
+
+        from torchspeed.runtime import precision_dtype
 
         dtype = precision_dtype(dtype_name)
         hw = max(1, n // 32)
@@ -351,11 +363,14 @@ def gpu_ceilings() -> dict[str, dict[str, Any]]:
 
 
 def measure(progress: Callable[[str], Any] | None = None, budget_s: float = 12.0) -> dict[str, Any]:
-    """Measure every ceiling now (about `budget_s` seconds on a CPU, plus building the decode samples)."""
+    """Measure every ceiling now (about `budget_s` seconds on a CPU, plus building the decode samples), with
+    the cores other processes used meanwhile (`others_cores`)."""
     import torch
 
+    from torchspeed.measure import OthersLoad
     from torchspeed.runtime import describe, usable_cores
 
+    others_load = OthersLoad()
     say = progress or (lambda s: None)
     torch.set_num_threads(usable_cores())
     items: dict[str, dict[str, Any]] = {}
@@ -385,21 +400,42 @@ def measure(progress: Callable[[str], Any] | None = None, budget_s: float = 12.0
         items["bf16"]["emulated"] = True
         items["bf16"]["what"] += f" (emulated: {b / f:.3g}x fp32)"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    others = others_load.cores()
     return {"version": VERSION, "machine": describe(), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_avg_1min": load, "seconds": round(time.perf_counter() - t0, 1), "items": items}
+            "load_avg_1min": load, "others_cores": round(others, 2) if others is not None else None,
+            "seconds": round(time.perf_counter() - t0, 1), "items": items}
 
 
 def get(refresh: bool = False, progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """This machine's ceilings: the cached ones, or measured now (and cached) when `refresh` or none is cached."""
+    """This machine's ceilings: the cached ones, or measured now when `refresh` or none is cached. A quiet
+    measurement is kept (the best of it and the cache); a busy one (`busy_warning` of the cores other
+    processes used meanwhile) never is: the cached ceilings stand if there are any, else it serves this
+    report alone, marked with `busy_cores`, and the next run measures again."""
     from torchspeed.runtime import describe
 
     machine = describe()
     cached = load_cached(machine)
     if cached is not None and not refresh:
         return dict(cached, source="cache")
-    result = merge(measure(progress), cached)
+    new = measure(progress)
+    others = new.get("others_cores")
+    if busy_warning(others):
+        if cached is not None:
+            return dict(cached, source="cache", not_kept={
+                "measured_at": new.get("measured_at"), "others_cores": others,
+                "why": f"measured again while other processes used {others:.1f} cores: not kept, the cached "
+                       "quiet ceilings judge this report"})
+        return dict(new, source="measured", busy_cores=others)
+    result = merge(new, cached)
     save(result)
     return dict(result, source="measured")
+
+
+def busy_cores(ceilings: dict[str, Any] | None) -> float | None:
+    """The cores other processes used while the ceilings judging a report were measured, when that made them
+    a busy reading (never cached, see `get`); None for quiet or cached ceilings."""
+    value = (ceilings or {}).get("busy_cores")
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def run(quick: bool, progress: Callable[[str], Any] | bool = False) -> dict[str, Any]:
@@ -470,6 +506,7 @@ def annotate(results: dict[str, Any], ceilings: dict[str, Any] | None) -> None:
 
 ABOVE_CEILING_NOTE = ("* above 100%: a ceiling is the fastest route timed on its reference kernel, not a hard limit, "
                       "or it was timed at a busier moment (`--refresh-ceilings` on a quiet machine)")
+BUSY_MARK = ", busy ceiling"  # beside a share judged against a ceiling measured on a busy machine
 
 
 def ceiling_unit(ceiling: str | None) -> str:
@@ -478,9 +515,10 @@ def ceiling_unit(ceiling: str | None) -> str:
             "gpu_mem_bw": "GB/s", "h2d": "GB/s"}.get(ceiling or "", "GFLOP/s")
 
 
-def ceiling_cell(row: Row) -> str:
+def ceiling_cell(row: Row, busy: bool = False) -> str:
     """A row against the ceiling of its own precision, achieved first: "bf16: 133 of 215 GFLOP/s (62%)",
-    starred above 100% (the table carries `ABOVE_CEILING_NOTE` once); "" for a row without one."""
+    starred above 100% (the table carries `ABOVE_CEILING_NOTE` once), "busy ceiling" beside the share when
+    the ceiling was a busy reading (`busy_cores`); "" for a row without one."""
     from torchspeed.tables import format_number
 
     p, got = row.pct_of_ceiling, row.achieved
@@ -488,7 +526,7 @@ def ceiling_cell(row: Row) -> str:
         return f"{row.ceiling}: {NO_GPU_CEILING}" if str(row.ceiling or "").startswith("gpu_") else ""
     star = "*" if p > 100 else ""
     return (f"{row.ceiling}: {format_number(got)} of {format_number(100 * got / p)} {ceiling_unit(row.ceiling)} "
-            f"({p:.0f}%{star})")
+            f"({p:.0f}%{star}{BUSY_MARK if busy else ''})")
 
 
 def ceiling_rows(ceilings: dict[str, Any]) -> list[tuple[str, str, str, str]]:

@@ -5,9 +5,20 @@ Each suite runs in its own Python process, so a native crash in one suite is rep
 failure while the others still run, and one suite's runtime thread pools cannot share the cores with
 the next suite's timings. The parent writes `results.json` after every suite and renders the report
 from it, as `render_report(DIR)` (`torchspeed bench --report-only DIR`) does again.
+
+A machine's first run builds what the suites share (the demo photos, the demo model) before them, each
+in its own process like a suite, so that no suite's time budget pays for it (`PREPARE`).
+
+The console reads at 80 columns as well as wider: the plan first, from the first second (each part
+and its budget: this module imports torch only after printing it), then a line per phase (the
+preparation, each suite as it starts and as it ends with its headline; a suite's own progress on a
+live status line, or as lines where the output is not a terminal), then the summary, one line per
+suite, and where the report is. Every suite's table is in the report; the console shows them too with
+`verbose` or when it is at least `WIDE` columns wide.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -16,62 +27,84 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from torchspeed.atomic import write_json
-from torchspeed.measure import OthersLoad, wait_for_quiet_machine
 from torchspeed.bench import suites
-from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, annotate, ceiling_cell
-from torchspeed.bench.budget import seconds_for
+from torchspeed.bench.budget import CACHED_S, PREPARE_S, seconds_for
+from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, annotate, busy_cores, ceiling_cell, ceiling_rows, load_cached
+from torchspeed.bench.report import (IN_SHORT, WHAT, console_summary, over_budget, over_budget_parts, suite_cells,
+                                     write_report)
 from torchspeed.bench.rows import rows_of
-from torchspeed.tables import print_table
+from torchspeed.measure import OthersLoad, busy_warning, wait_for_quiet_machine
+from torchspeed.tables import format_number, print_table
 
 RESULTS = "results.json"
 QUIET_WAIT_S = 5.0  # before each suite, the most it waits for other processes to leave the cores
+WIDE = 150          # a console at least this wide shows every suite's table after the summary
 _MARK = "\x1etorchspeed-bench-progress:"  # a progress line on the child's stdout
+# One-off work of a machine's first run, done before the suites that need it and outside their budgets:
+# step -> (the modules that need it, the function of PREPARE_MODULE that builds it, run like a suite)
+PREPARE_MODULE = "torchspeed.bench.demo_model"
+PREPARE = {
+    "demo photos": (("torchspeed.bench.ceilings", "torchspeed.bench.suites.data", "torchspeed.bench.suites.train",
+                     "torchspeed.bench.suites.infer", "torchspeed.bench.suites.compress"), "prepare_photos"),
+    "demo model": (("torchspeed.bench.suites.infer", "torchspeed.bench.suites.compress"), "prepare_model"),
+}
 
 
 def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed-report",
                json_path: str | None = None, console: Console | None = None,
-               command: str = "torchspeed bench", refresh_ceilings: bool = False) -> dict[str, Any]:
+               command: str = "torchspeed bench", refresh_ceilings: bool = False,
+               verbose: bool = False) -> dict[str, Any]:
     """Run each suite in turn, each in its own process (a suite given as an object that is not a module runs
     in this one); a failing or crashing suite is recorded with its error and the others still run. Writes
     `results.json` (after each suite; `json_path` at the end), `report.md` and the plots into `out`. The
     ceilings come first when suites judged against them run: from the cache in quick mode unless
-    `refresh_ceilings`, measured again (keeping the best) otherwise."""
-    from torchspeed.runtime import describe, describe_line
-
+    `refresh_ceilings`, measured again (keeping the best) otherwise. `verbose`: every suite's table on the
+    console too, after the summary."""
     console = console or Console()
+    todo = list(names)
+    if any(n in suites.UNDER_CEILINGS for n in todo):  # measured (or read from the cache) before the suites
+        todo.insert(0, "ceilings")
+    expected = {n: seconds_for(n, quick) for n in todo}
+    print_plan(todo, expected, quick, console)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise OSError(f"cannot create the report directory {out!r}: {e.strerror}") from None
+    from torchspeed.runtime import describe, describe_line
+
     machine = describe()
-    console.print(f"[bold]Machine:[/] {describe_line(machine)}")
+    console.print(Text(f"Machine: {describe_line(machine)}"))
     results: dict[str, Any] = {"machine": machine, "quick": quick, "command": command}
-    todo = list(names)
-    if any(n in suites.UNDER_CEILINGS for n in todo):  # measured (or read from the cache) before the suites
-        todo.insert(0, "ceilings")
     modules = {n: suites.load(n) for n in todo}
-    expected = {n: seconds_for(n, quick) for n in todo}
+    measuring = "ceilings" in todo and _measures_ceilings(machine, quick, refresh_ceilings)
+    if "ceilings" in todo and not measuring:
+        expected["ceilings"] = min(expected["ceilings"], CACHED_S["ceilings"])
     start = time.perf_counter()
     results_path = os.path.join(out, RESULTS)
     try:
+        prepared = prepare(preparations(todo, modules, measuring), quick, console)
+        if prepared:
+            results["prepared"] = prepared
         for i, name in enumerate(todo, 1):
             mode = quick and not (name == "ceilings" and refresh_ceilings)  # the ceilings measure in full mode
             results[name], title = _run_suite(name, modules[name], mode, console, f"[{i}/{len(todo)}]",
                                               expected[name], sum(expected[n] for n in todo[i:]))
             if name == "ceilings":
-                print_ceilings(results[name], console)
+                _print_ceilings_line(results[name], console)
                 continue
             annotate({name: results[name]}, results.get("ceilings"))
-            print_suite(name, results[name], console, title)
+            _print_end_line(name, results[name], busy_cores(results.get("ceilings")) is not None, console)
             write_json(results_path, results)  # after each suite: a crash later keeps the rest
     except KeyboardInterrupt:
         results["interrupted"] = True
@@ -83,32 +116,105 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
     write_json(results_path, results)
     if json_path:
         write_json(json_path, results)
-    render_report(out, console, command=command)  # from the file, as --report-only does
+    render_report(out, console, command=command, verbose=verbose)  # from the file, as --report-only does
     return results
+
+
+# ---------------------------------------------------------------- the plan and the phases
+
+def print_plan(todo: Sequence[str], expected: dict[str, float], quick: bool, console: Console) -> None:
+    """What will be measured and how long each part may take, before anything is (and before torch loads)."""
+    total = sum(expected.values())
+    _line(console, f"torchspeed bench{' --quick' if quick else ''}: {len(todo)} parts, about {total / 60:.1f} min "
+                   "(each part's budget:)", style="bold")
+    for name in todo:
+        _line(console, f"  {name:<9}{expected[name]:>4.0f} s  {IN_SHORT.get(name, '')}")
+
+
+def _measures_ceilings(machine: dict[str, Any], quick: bool, refresh: bool) -> bool:
+    """Whether the ceilings will be measured in this run (else read from this machine's cache)."""
+    return not quick or refresh or load_cached(machine) is None
+
+
+def preparations(todo: Sequence[str], modules: dict[str, Any], measuring_ceilings: bool) -> list[str]:
+    """The one-off steps of `PREPARE` this run needs and the cache lacks (only the real suites need any)."""
+    users = {getattr(modules[n], "__name__", None) for n in todo if n != "ceilings" or measuring_ceilings}
+    steps = [step for step, (needers, _) in PREPARE.items() if users & set(needers)]
+    if not steps:
+        return []
+    ready = importlib.import_module(PREPARE_MODULE).ready()
+    return [step for step in steps if not ready.get(step)]
+
+
+def prepare(steps: Sequence[str], quick: bool, console: Console) -> dict[str, Any]:
+    """Build what the suites share before them, each step in its own process like a suite; a step that fails
+    is reported and left to the suites (they build it themselves, inside their budgets)."""
+    done: dict[str, Any] = {}
+    if steps:
+        about = sum(PREPARE_S.get(s, 60) for s in steps)
+        _line(console, f"First run on this machine: about {about / 60:.1f} min more, to build what the suites share "
+                       "(once, outside their budgets)")
+    for i, step in enumerate(steps, 1):
+        budget = PREPARE_S.get(step, 60)
+        _line(console, f"[prepare {i}/{len(steps)}] {step} (about {budget:.0f} s)")
+        t0 = time.perf_counter()
+        with _phase(console, f"{step}:", budget, 0.0) as progress:
+            result, _ = run_in_child(step, PREPARE_MODULE, quick, progress, console, step,
+                                     timeout_s=hang_timeout(budget), entry=PREPARE[step][1])
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        if "error" in result:
+            console.print(Text(f"{step} failed: {result['error']}; the suites that need it build it themselves",
+                               style="red"))
+        else:
+            accuracy = result.get("accuracy")
+            extra = f", held-out top-1 {accuracy:.3f}" if isinstance(accuracy, (int, float)) else ""
+            _line(console, f"      {step} ready in {result['seconds']:.0f} s{extra}")
+        done[step] = result
+    return done
+
+
+def _line(console: Console, text: str, style: str | None = None) -> None:
+    """One line, cut to the console's width (a phase line never wraps)."""
+    console.print(Text(text, style=style or ""), no_wrap=True, overflow="ellipsis", crop=True)
+
+
+@contextlib.contextmanager
+def _phase(console: Console, label: str, budget_s: float, left_after: float) -> Iterator[Callable[[str], None]]:
+    """The progress callback of one part: a live status line on a terminal (with the time spent and the time
+    left to the whole run), else each message as a line (a pipe, CI)."""
+    t0 = time.perf_counter()
+
+    def text(message: str) -> Text:
+        elapsed = time.perf_counter() - t0
+        left = max(budget_s - elapsed, 0.0) + left_after
+        return Text(f"{label} {message}  ({elapsed:.0f} s; ~{left / 60:.1f} min left)", no_wrap=True,
+                    overflow="ellipsis")
+
+    if console.is_terminal:
+        with console.status(text("starting")) as status:
+            yield lambda message: status.update(text(message))
+    else:
+        yield lambda message: _line(console, f"      {time.perf_counter() - t0:4.0f} s  {message}")
 
 
 def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str, budget_s: float,
                left_after: float) -> tuple[dict[str, Any], str]:
-    """One suite (or the ceilings) under a live status line: (its JSON, with its seconds and budget, and its
-    title). `step` is "[i/n]"; `left_after` the budget of the suites still to come, for the time-left estimate."""
+    """One suite (or the ceilings) with its phase lines: (its JSON, with its seconds and budget, and its title).
+    `step` is "[i/n]"; `left_after` the budget of the suites still to come, for the time-left estimate."""
     title = getattr(module, "TITLE", name)
-    with console.status(f"{step} {name}: waiting for a quiet machine (a few seconds at most)"):
-        quiet = wait_for_quiet_machine(max_s=QUIET_WAIT_S)  # the previous suite's processes, or others, leave the cores
+    _line(console, f"{step} {name} ({budget_s:.0f} s; about {(budget_s + left_after) / 60:.1f} min left): "
+                   f"{IN_SHORT.get(name, title)}", style="bold")
+    quiet = wait_for_quiet_machine(max_s=QUIET_WAIT_S)  # the previous suite's processes, or others, leave the cores
     t0 = time.perf_counter()
     load = OthersLoad()  # other processes' use of the cores while the suite (and its process) runs
-    with console.status(f"{step} {name}: starting") as status:
-        def progress(text: str) -> None:
-            elapsed = time.perf_counter() - t0
-            left = max(budget_s - elapsed, 0) + left_after
-            status.update(f"{step} {name}: {text}  ({elapsed:.0f} s in suite, ~{left / 60:.1f} min left)")
-
+    with _phase(console, f"{name}:", budget_s, left_after) as progress:
         if isinstance(module, ModuleType):
             result, title = run_in_child(name, module.__name__, quick, progress, console, title,
                                          timeout_s=hang_timeout(budget_s))
         else:
             result = _run_here(module, quick, progress)
     if "error" in result:
-        console.print(f"[red]suite {name} failed:[/] {result['error']}", highlight=False)
+        console.print(Text(f"suite {name} failed: {result['error']}", style="red"))
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["budget_s"] = budget_s
     others = load.cores()
@@ -118,12 +224,44 @@ def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str,
     return result, title
 
 
+def _print_end_line(name: str, result: dict[str, Any], busy_ceiling: bool, console: Console) -> None:
+    """A suite's last line: its time against its budget and its headline (the summary's cells)."""
+    if "error" in result:
+        return
+    measured, speedup, share, machine = suite_cells(result, busy_ceiling)
+    over = ": over it" if over_budget(result) else ""
+    figures = ", ".join(c for c in (measured, speedup and f"{speedup} plain", share, machine != "quiet" and machine)
+                        if c)
+    _line(console, f"      {name} done in {result['seconds']:.0f} s (budget {result['budget_s']:.0f} s{over}): "
+                   f"{figures}")
+
+
+def _print_ceilings_line(result: dict[str, Any], console: Console) -> None:
+    """The ceilings in one line (the table is in the report), and what a busy measurement means for them."""
+    if "error" in result:
+        return
+    items = result.get("items") or {}
+    shown = [f"{n} {format_number(items[n]['value'])} {items[n].get('unit', '')}".strip()
+             for n in ("fp32", "bf16", "int8", "decode") if isinstance((items.get(n) or {}).get("value"), (int, float))]
+    source = "measured now" if result.get("source") == "measured" else f"cached {result.get('measured_at', '')}".strip()
+    _line(console, f"      ceilings ({source}): {', '.join(shown) or 'none measured'}")
+    busy = busy_cores(result)
+    if busy is not None:
+        console.print(Text(f"The ceilings were measured while other processes used {busy:.1f} cores: not kept as "
+                           "this machine's, measured again next run; every share below is marked busy and judges "
+                           "no goal.", style="yellow"))
+    elif result.get("not_kept"):
+        console.print(Text(f"Ceilings {result['not_kept']['why']}.", style="yellow"))
+
+
 def _run_here(module: Any, quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
     try:
         return module.run(quick=quick, progress=progress)
     except Exception as e:  # noqa: BLE001 - one suite's failure must not lose the others
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
+
+# ---------------------------------------------------------------- a suite in its own process
 
 def _death(status: int) -> str:
     """Why a child process ended, in words."""
@@ -151,19 +289,17 @@ def hang_timeout(budget_s: float) -> float:
 
 
 def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[str], None], console: Console,
-                 title: str = "", timeout_s: float | None = None) -> tuple[dict[str, Any], str]:
-    """Run the suite module `module_name` in a fresh Python process: (its JSON, its title). Its progress
-    lines drive `progress`, its other output is passed on; a child that dies (a signal, an exit without a
-    report) gives a result whose "error" says how; one still running after `timeout_s` (hung: e.g. a
-    deadlocked worker process) is killed with its process group and reported as such."""
-    import threading
-
+                 title: str = "", timeout_s: float | None = None, entry: str = "run") -> tuple[dict[str, Any], str]:
+    """Run `entry` (a suite's `run`) of the module `module_name` in a fresh Python process: (its JSON, its
+    title). Its progress lines drive `progress`, its other output is passed on; a child that dies (a signal,
+    an exit without a report) gives a result whose "error" says how; one still running after `timeout_s`
+    (hung: e.g. a deadlocked worker process) is killed with its process group and reported as such."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    tmp = tempfile.mkdtemp(prefix=f"torchspeed-bench-{name}-")
+    tmp = tempfile.mkdtemp(prefix=f"torchspeed-bench-{name.replace(' ', '-')}-")
     result_path = os.path.join(tmp, "suite.json")
     code = (f"import sys; sys.path.append({root!r}); "
             "from torchspeed.bench.orchestration import child_main; child_main()")
-    argv = [sys.executable, "-c", code, module_name, name, result_path, "quick" if quick else "full"]
+    argv = [sys.executable, "-c", code, module_name, name, result_path, "quick" if quick else "full", entry]
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=_child_env(),
                                 start_new_session=True)
@@ -196,7 +332,6 @@ def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[s
         return _child_result(result_path, status, title)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
 
 def _follow(proc: subprocess.Popen, progress: Callable[[str], None], console: Console) -> int:
     """The child's output until it exits (progress lines to `progress`, the rest printed); its exit status."""
@@ -243,12 +378,12 @@ def _child_result(result_path: str, status: int, title: str) -> tuple[dict[str, 
 
 
 def child_main(argv: Sequence[str] | None = None) -> None:
-    """The child side of `run_in_child`: argv is MODULE NAME RESULT_PATH quick|full."""
+    """The child side of `run_in_child`: argv is MODULE NAME RESULT_PATH quick|full [ENTRY] (default `run`)."""
     import faulthandler
 
     if not faulthandler.is_enabled():
         faulthandler.enable()
-    module_name, name, result_path, mode = list(argv if argv is not None else sys.argv[1:])
+    module_name, name, result_path, mode, *entry = list(argv if argv is not None else sys.argv[1:])
 
     def progress(text: str) -> None:
         sys.stdout.write(_MARK + " ".join(str(text).split("\n")) + "\n")
@@ -258,7 +393,7 @@ def child_main(argv: Sequence[str] | None = None) -> None:
     try:
         module = importlib.import_module(module_name)
         title = getattr(module, "TITLE", name)
-        result = module.run(quick=mode == "quick", progress=progress)
+        result = getattr(module, entry[0] if entry else "run")(quick=mode == "quick", progress=progress)
         if not isinstance(result, dict):
             raise TypeError(f"suite {name} returned {type(result).__name__}, not a dict")
     except Exception as e:  # noqa: BLE001 - recorded as the suite's failure
@@ -285,42 +420,71 @@ def read_results(out: str) -> dict[str, Any]:
     return results
 
 
-def render_report(out: str, console: Console | None = None, command: str | None = None) -> dict[str, Any]:
-    """Write `out/report.md` and the plots from `out/results.json` and print the summary; returns the results."""
-    from torchspeed.bench.report import busy_lines, summary_rows, write_report
+# ---------------------------------------------------------------- the report and the console's summary
 
+def render_report(out: str, console: Console | None = None, command: str | None = None,
+                  verbose: bool = False) -> dict[str, Any]:
+    """Write `out/report.md` and the plots from `out/results.json`, print the summary (one line per suite) and
+    where the report is, then, with `verbose` or on a console `WIDE` enough, every suite's table; returns the
+    results."""
     console = console or Console()
     results = read_results(out)
-    summary = summary_rows(results)
     report = write_report(results, out, command=command or results.get("command") or "torchspeed bench")
-    print_table("Summary: speed-up of each technique over plain PyTorch on this machine",
-                ["suite", "technique", "measured", "speed-up", "accuracy", "achieved of ceiling"], summary, console)
-    if any("%*)" in row[-1] for row in summary):
-        console.print(ABOVE_CEILING_NOTE, highlight=False, markup=False)
-    for line in busy_lines(results):
-        console.print(f"[yellow]busy machine:[/] {line}", highlight=False)
+    print_summary(results, console)
     took = f" ({results['seconds'] / 60:.1f} min)" if results.get("seconds") is not None else ""
-    console.print(f"report: {report}{took}")
+    console.print(Text(f"Full report: {report}{took}", style="bold"))
+    if verbose or console.width >= WIDE:
+        print_tables(results, console)
     return results
 
 
-def print_suite(name: str, result: dict[str, Any], console: Console, title: str | None = None) -> None:
-    """A suite's table on the console, as it finishes."""
+def print_summary(results: dict[str, Any], console: Console) -> None:
+    """One line per suite: its headline's figure, speed-up over plain PyTorch, share of its ceiling and
+    whether other processes used the cores meanwhile; then the suites over their budget."""
+    rows = console_summary(results)
+    if rows:
+        print_table("Summary: each suite's best against plain PyTorch on this machine",
+                    ["suite", "measured", "speed-up", "of ceiling", "machine"], rows, console)
+    if any("*" in row[3] for row in rows):
+        console.print(Text("* above its ceiling: see the report"))
+    if busy_cores(results.get("ceilings")) is not None:
+        console.print(Text("(busy): the ceilings were measured on a busy machine; shares against them judge no "
+                           "goal. Measure them again on a quiet one: torchspeed bench --refresh-ceilings"))
+    if any(busy_warning(results[n].get("others_cores")) for n in suites.SUITE_NAMES
+           if isinstance(results.get(n), dict)):
+        console.print(Text("busy: other processes used the cores while that suite ran, so its figures may be off; "
+                           "measure again on a quiet machine"))
+    late = [f"{n} {seconds:.0f} s of {budget:.0f}" for n, seconds, budget in over_budget_parts(results)]
+    if late:
+        console.print(Text(f"Over their time budget: {', '.join(late)}"))
+
+
+def print_tables(results: dict[str, Any], console: Console) -> None:
+    """Every suite's table and the ceilings', as in the report (`verbose`, or a wide console)."""
+    if isinstance(results.get("ceilings"), dict):
+        print_ceilings(results["ceilings"], console)
+    for name in suites.SUITE_NAMES:
+        if isinstance(results.get(name), dict):
+            print_suite(name, results[name], console, busy_ceiling=busy_cores(results.get("ceilings")) is not None)
+
+
+def print_suite(name: str, result: dict[str, Any], console: Console, title: str | None = None,
+                busy_ceiling: bool = False) -> None:
+    """A suite's table on the console."""
     if "error" in result:
         return
-    rows = [(r.technique, r.median, r.unit, r.ratio, r.cumulative, r.metric_drop, ceiling_cell(r))
+    rows = [(r.technique, r.median, r.unit, r.ratio, r.cumulative, r.metric_drop, ceiling_cell(r, busy_ceiling))
             for r in rows_of(result)]
-    if title is None:
-        title = getattr(suites.load(name), "TITLE", name)
-    print_table(title, ["technique", "median", "unit", "ratio", "cumulative", "metric drop", "achieved of ceiling"], rows,
+    print_table(title or f"{name}: {WHAT.get(name, name)}",
+                ["technique", "median", "unit", "ratio", "cumulative", "metric drop", "achieved of ceiling"], rows,
                 console)
+    if any("%*" in row[-1] for row in rows):
+        console.print(Text(ABOVE_CEILING_NOTE))
 
 
 def print_ceilings(result: dict[str, Any], console: Console) -> None:
-    """The machine's ceilings on the console, before the suites judged against them."""
+    """The machine's ceilings on the console."""
     if "error" in result:
         return
-    from torchspeed.bench.ceilings import ceiling_rows
-
     print_table(f"Ceilings of this machine ({result.get('source', '')}, measured {result.get('measured_at', '?')})",
                 ["ceiling", "value", "route", "what"], ceiling_rows(result), console)

@@ -1,7 +1,8 @@
-"""The report: `report.md` (machine, summary, one table per suite), PNG plots and the summary table.
+"""The report: `report.md` (machine, summary, one table per suite), PNG plots, and the console's summary.
 
 Input is the dict `orchestration.run_suites` collects: {"machine": ..., "<suite>": suite JSON, ...},
-each suite JSON holding "rows" as described in `torchspeed.bench.suites`, read back as `Row`s.
+each suite JSON holding "rows" as described in `torchspeed.bench.suites`, read back as `Row`s. The
+console gets one line per suite (`console_summary`, 80 columns wide); the tables are the report's.
 """
 from __future__ import annotations
 
@@ -12,18 +13,31 @@ from typing import Any
 
 from torchspeed.atomic import atomic_write
 from torchspeed.bench import suites
-from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, ceiling_cell
+from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, busy_cores, ceiling_cell
 from torchspeed.bench.rows import Row, rows_of
 from torchspeed.measure import busy_warning
 from torchspeed.tables import format_number
 
+# each part's heading in the report
 WHAT = {
     "data": "Data loading: images/s delivered to the model, ready to use",
     "train": "Training: samples/s of a ResNet-18 step, techniques added one by one",
     "infer": "Inference: latency of each variant, with its accuracy effect",
     "compress": "Compression: structured pruning and distillation",
     "design": "Model design: the ShuffleNet V2 guidelines measured on this machine",
+    "gpt": "Training a small GPT: tokens/s, techniques added one by one",
 }
+# each part in a few words, for the console's plan and phase lines
+IN_SHORT = {
+    "ceilings": "this machine's ceilings (measured once, then cached)",
+    "data": "images/s delivered to the model",
+    "train": "ResNet-18 training samples/s, technique by technique",
+    "infer": "inference latency per variant, accuracy kept",
+    "compress": "structured pruning and distillation",
+    "design": "the ShuffleNet V2 design guidelines",
+    "gpt": "small-GPT training tokens/s, technique by technique",
+}
+OVER_BUDGET = 1.15  # a part is over its budget beyond this factor (and a few seconds of process start-up)
 
 
 def _times(ratio: float | None) -> str:
@@ -55,6 +69,7 @@ NOT_IN_SUMMARY = ("design",)
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     """(suite, technique, measured, speed-up, accuracy, achieved of ceiling) per suite."""
+    busy = busy_cores(results.get("ceilings")) is not None
     out = []
     for name in suites.SUITE_NAMES:
         result = results.get(name)
@@ -66,8 +81,49 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str,
             continue
         row = headline(result)
         if row is not None:
-            out.append((name, row.technique, _median(row), _times(row.speedup), _accuracy(row), ceiling_cell(row)))
+            out.append((name, row.technique, _median(row), _times(row.speedup), _accuracy(row),
+                        ceiling_cell(row, busy)))
     return out
+
+
+def suite_cells(result: dict[str, Any], busy_ceiling: bool = False) -> tuple[str, str, str, str]:
+    """A suite in four short cells: its headline's figure, its speed-up over plain PyTorch, its share of the
+    ceiling it is judged against ("(busy)" when that ceiling was a busy reading) and whether other processes
+    used the cores while it ran ("" where that cannot be told)."""
+    others = result.get("others_cores")
+    machine = "" if others is None else f"busy: {others:.1f} cores" if busy_warning(others) else "quiet"
+    if "error" in result:
+        return "failed (see the report)", "", "", machine
+    holds = result.get("holds")
+    if isinstance(holds, dict) and holds:  # the design suite: guidelines, not a speed-up
+        return f"{sum(bool(v) for v in holds.values())} of {len(holds)} rules hold", "", "", machine
+    row = headline(result)
+    if row is None:
+        return "", "", "", machine
+    share = ""
+    if isinstance(row.pct_of_ceiling, (int, float)) and row.pct_of_ceiling > 0:
+        share = (f"{row.pct_of_ceiling:.0f}%{'*' if row.pct_of_ceiling > 100 else ''} {row.ceiling}"
+                 + (" (busy)" if busy_ceiling else ""))
+    return _median(row) or _accuracy(row), _times(row.speedup), share, machine
+
+
+def console_summary(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(suite, measured, speed-up, of ceiling, machine): one short line per suite that ran (`suite_cells`)."""
+    busy = busy_cores(results.get("ceilings")) is not None
+    return [(name, *suite_cells(results[name], busy)) for name in suites.SUITE_NAMES
+            if isinstance(results.get(name), dict)]
+
+
+def over_budget(result: dict[str, Any]) -> bool:
+    """Whether a part took clearly longer than its budget (its `seconds` against its `budget_s`)."""
+    seconds, budget = result.get("seconds"), result.get("budget_s")
+    return isinstance(seconds, (int, float)) and isinstance(budget, (int, float)) and seconds > OVER_BUDGET * budget + 5
+
+
+def over_budget_parts(results: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """(part, seconds, budget) of each part of a run that was over its budget (`over_budget`)."""
+    return [(n, results[n]["seconds"], results[n]["budget_s"]) for n in ("ceilings", *suites.SUITE_NAMES)
+            if isinstance(results.get(n), dict) and over_budget(results[n])]
 
 
 def busy_lines(results: dict[str, Any]) -> list[str]:
@@ -90,7 +146,7 @@ def _md_table(columns: list[str], rows: list[tuple[Any, ...]]) -> str:
 
 def _with_note(table: str, cells: list[str]) -> str:
     """A table, with the above-the-ceiling footnote once when one of its cells is starred."""
-    return table + ("\n\n" + ABOVE_CEILING_NOTE if any("%*)" in c for c in cells) else "")
+    return table + ("\n\n" + ABOVE_CEILING_NOTE if any("%*" in c for c in cells) else "")
 
 
 def _median(row: Row) -> str:
@@ -120,10 +176,11 @@ def _what(row: Row) -> str:
     return row.what
 
 
-def suite_table(result: dict[str, Any]) -> str:
-    """A suite's rows as a markdown table (the ceiling column only when a row reaches one)."""
+def suite_table(result: dict[str, Any], busy_ceiling: bool = False) -> str:
+    """A suite's rows as a markdown table (the ceiling column only when a row reaches one; each share marked
+    when the ceiling was a busy reading)."""
     table = rows_of(result)
-    cells = [ceiling_cell(r) for r in table]
+    cells = [ceiling_cell(r, busy_ceiling) for r in table]
     with_ceiling = any(cells)
     rows = [(r.technique, _median(r), "" if r.is_accuracy else _spread(r), _times(r.ratio), _times(r.cumulative),
              _accuracy(r), *((cell,) if with_ceiling else ()), _what(r)) for r, cell in zip(table, cells)]
@@ -139,21 +196,32 @@ def ceilings_section(ceilings: dict[str, Any]) -> list[str]:
     if "error" in ceilings:
         return ["## Ceilings of this machine", "", f"Not measured: {ceilings['error'].splitlines()[0]}"]
     load = ceilings.get("load_avg_1min")
-    return [
+    busy = busy_cores(ceilings)
+    lines = [
         "## Ceilings of this machine", "",
         "The best throughput this machine's cores reach on each kind of work (every figure all cores unless "
-        "it says one thread; a ceiling keeps the best of its measurements on this machine). Train and infer rows "
-        "count their FLOPs with torch.utils.flop_counter and are judged against the ceiling of their precision; "
-        "data rows against the decode-only ceiling.", "",
+        "it says one thread; a ceiling keeps the best of its quiet measurements on this machine). Train and infer "
+        "rows count their FLOPs with torch.utils.flop_counter and are judged against the ceiling of their "
+        "precision; data rows against the decode-only ceiling.", "",
         _md_table(["ceiling", "value", "route", "what"], ceiling_rows(ceilings)), "",
         f"Measured {ceilings.get('measured_at', '?')}"
         + (f" (1-minute load average {load:.1f} then)" if isinstance(load, (int, float)) else "")
         + ("; read from this machine's cache for this report" if ceilings.get("source") == "cache" else ""),
     ]
+    if busy is not None:
+        lines += ["", f"**Busy ceilings:** other processes used {busy:.1f} cores while these were measured, so they "
+                      "read low. They are not kept as this machine's ceilings (the next run measures again), every "
+                      "share against them is marked \"busy ceiling\", and no goal below is judged against them. "
+                      "Measure them on a quiet machine: `torchspeed bench --refresh-ceilings`."]
+    elif isinstance(ceilings.get("not_kept"), dict):
+        lines += ["", f"Ceilings {ceilings['not_kept'].get('why', 'measured again: not kept')}."]
+    return lines
 
 
 def limits_section(results: dict[str, Any]) -> list[str]:
-    """Each suite's goals against the machine's limits, met or not, with the measured reason."""
+    """Each suite's goals against the machine's limits, met or not, with the measured reason; a goal set
+    against a ceiling (its text names one) is not judged against a busy reading of the ceilings."""
+    busy = busy_cores(results.get("ceilings"))
     rows = []
     for name in suites.SUITE_NAMES:
         result = results.get(name)
@@ -161,15 +229,15 @@ def limits_section(results: dict[str, Any]) -> list[str]:
             continue
         for lim in result.get("limits", []) or []:
             met = lim.get("met")
-            rows.append((name, lim.get("goal", ""), lim.get("measured", ""),
-                         "yes" if met else ("no" if met is False else "not measured"), lim.get("why", "")))
+            verdict = "yes" if met else ("no" if met is False else "not measured")
+            if busy is not None and "ceiling" in str(lim.get("goal", "")):
+                verdict = f"not judged: busy ceiling (others used {busy:.1f} cores while it was measured)"
+            rows.append((name, lim.get("goal", ""), lim.get("measured", ""), verdict, lim.get("why", "")))
     if not rows:
         return []
     return ["## How close to the limits", "",
             _md_table(["suite", "goal", "measured here", "met", "why (measured)"], rows)]
 
-
-# ---------------------------------------------------------------- plots
 
 # colour = the ceiling (precision) a row is judged against; no red, which reads as "bad"
 PRECISION_COLOURS = {"decode": "#4C72B0", "fp32": "#55A868", "bf16": "#DD8452", "fp16": "#CCB974",
@@ -365,10 +433,19 @@ def summary_section(results: dict[str, Any]) -> list[str]:
     if shown:
         parts += ["", f"Not in the summary ({', '.join(shown)}): no plain-PyTorch baseline to compare with; "
                       "see its own section below."]
+    late = [f"{n} {seconds:.0f} s (budget {budget:.0f} s)" for n, seconds, budget in over_budget_parts(results)]
+    if late:
+        parts += ["", f"Over their time budget (`torchspeed.bench.budget`): {', '.join(late)}."]
+    prepared = results.get("prepared")
+    if isinstance(prepared, dict) and prepared:
+        done = [f"{step} {r['seconds']:.0f} s" + (" (failed: the suites built it)" if "error" in r else "")
+                for step, r in prepared.items() if isinstance(r, dict) and isinstance(r.get("seconds"), (int, float))]
+        parts += ["", "First run on this machine: built before the suites, outside their budgets: "
+                      f"{', '.join(done)}."]
     return parts
 
 
-def _suite_section(name: str, result: dict[str, Any], out: str) -> list[str]:
+def _suite_section(name: str, result: dict[str, Any], out: str, busy_ceiling: bool = False) -> list[str]:
     """A suite's heading, table, plots, figures and notes (or its error)."""
     parts = ["", f"## {name}: {WHAT.get(name, '')}", ""]
     if "error" in result:
@@ -377,7 +454,7 @@ def _suite_section(name: str, result: dict[str, Any], out: str) -> list[str]:
     warning = busy_warning(result.get("others_cores"))
     if warning:
         parts += [f"**Note:** {warning}.", ""]
-    parts.append(suite_table(result))
+    parts.append(suite_table(result, busy_ceiling))
     try:
         images = plot_suite(name, result, out)
     except ImportError:
@@ -409,7 +486,7 @@ def write_report(results: dict[str, Any], out: str, command: str = "torchspeed b
         parts += [""] + limits
     for name in suites.SUITE_NAMES:
         if isinstance(results.get(name), dict):
-            parts += _suite_section(name, results[name], out)
+            parts += _suite_section(name, results[name], out, busy_cores(results.get("ceilings")) is not None)
     path = os.path.join(out, "report.md")
     with atomic_write(path, "w") as f:
         f.write("\n".join(parts) + "\n")

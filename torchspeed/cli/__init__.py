@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 from torchspeed import __version__
+from torchspeed.args import SECONDS_RULE, positive_number
 from torchspeed.deprecated import FLAGS
 
 # Modules that define `register(subparsers)`; order is the order of `--help`.
@@ -47,9 +48,45 @@ def error(message: str) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]torchspeed: error:[/] {escape(message)}", highlight=False,
-                               markup=True)
+    message = " ".join(line.strip() for line in str(message).splitlines() if line.strip())  # one line
+    # soft_wrap: one line whatever the width (piped, COLUMNS unset, rich would wrap at 80 columns)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]torchspeed: error:[/] {escape(message)}", highlight=False,
+                                               markup=True)
     return 2
+
+
+# How torch says a machine's limit was reached: its allocators and its file writer raise RuntimeError
+# (never MemoryError or OSError), the writer's "unexpected pos" being a write that failed, e.g. on a full disk.
+_NO_MEMORY = ("can't allocate memory", "out of memory", "not enough memory", "failed to allocate")
+_NO_DISK = ("unexpected pos", "PytorchStreamWriter failed", "No space left on device", "Disk quota exceeded")
+
+
+def machine_limit(e: BaseException) -> str | None:
+    """One line for memory or disk running out (MemoryError, or the RuntimeError torch raises for it),
+    saying what to do; None for any other error (a bug: its traceback is shown)."""
+    text = str(e)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+    first = first.split("] ", 1)[1] if first.startswith("[enforce fail at") and "] " in first else first
+    if isinstance(e, MemoryError) or any(w in text for w in _NO_MEMORY):
+        return (f"out of memory ({first[:200]}): give a smaller --input-shape or --batch-size, or a smaller model, "
+                "or free memory")
+    if any(w in text for w in _NO_DISK):
+        return (f"a file could not be written ({first[:200]}): the disk is full or over quota? free space (what "
+                "torchspeed wrote before stays whole)")
+    return None
+
+
+def positive_float(unit: str | None = "seconds") -> Callable[[str], float]:
+    """argparse type: a finite number above 0 (nan and inf refused: `args.positive_number`)."""
+    def parse(text: str) -> float:
+        try:
+            return positive_number(float(text), "", unit)
+        except ValueError:
+            of = f" of {unit}" if unit else ""
+            rule = SECONDS_RULE if unit == "seconds" else f"expected a positive, finite number{of}"
+            raise argparse.ArgumentTypeError(f"{rule}, got {text!r}") from None
+
+    return parse
 
 
 class _LogHandler(logging.Handler):
@@ -115,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         return error(f"{e.strerror or e}{where}")
+    except (RuntimeError, MemoryError) as e:
+        line = machine_limit(e)
+        if line is None or args.debug:
+            raise
+        return error(line)
     finally:
         logging.getLogger("torchspeed").removeHandler(handler)
         logging.getLogger("torchspeed").setLevel(previous_level)

@@ -18,8 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "is still written.")
     p.add_argument("suite", nargs="?", default="all", choices=(*SUITE_NAMES, "all"), help="which suite (default all)")
     p.add_argument("--quick", action="store_true",
-                   help="fewer contenders and shorter measurement windows, each suite within its share of about 8 "
-                        "minutes of measured time; the ceilings are read from this machine's cache (what `make demo` runs)")
+                   help="fewer contenders and shorter measurement windows, each suite within its share of a few "
+                        "minutes (the plan printed first gives each budget); the ceilings are read from this machine's "
+                        "cache (what `make demo` runs)")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="print every suite's table after the summary, as in the report (shown anyway on a console "
+                        "at least 150 columns wide)")
     p.add_argument("--refresh-ceilings", action="store_true",
                    help="measure this machine's ceilings again even with --quick (a ceiling keeps the best of its "
                         "measurements: run it on a quiet machine)")
@@ -37,13 +41,13 @@ def run(args: argparse.Namespace) -> int:
                             "--refresh-ceilings or --json")
         from torchspeed.bench.orchestration import render_report
 
-        render_report(args.report_only)
+        render_report(args.report_only, verbose=getattr(args, "verbose", False))
         return 0
     from torchspeed.bench.orchestration import run_suites
 
     names = SUITE_NAMES if args.suite == "all" else (args.suite,)
     results = run_suites(names, quick=args.quick, out=args.out, json_path=args.json, command=_command(args),
-                         refresh_ceilings=args.refresh_ceilings)
+                         refresh_ceilings=args.refresh_ceilings, verbose=getattr(args, "verbose", False))
     failed = [n for n in names if isinstance(results.get(n), dict) and "error" in results[n]]
     return 1 if failed else 0
 

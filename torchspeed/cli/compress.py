@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from torchspeed.cli import add_json_option, add_model_options, build_model, fraction, int_tuple, positive_int
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of milliseconds, got {text!r}")
-    return value
+from torchspeed.cli import (add_json_option, add_model_options, build_model, fraction, int_tuple, positive_float,
+                            positive_int)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(package.module:factory, file.py:factory)")
     p.add_argument("--input-shape", required=True, type=int_tuple, metavar="N,C,H,W",
                    help="input batch shape, e.g. 1,3,224,224")
-    p.add_argument("--budget-ms", type=_positive_float, metavar="MS", help="latency budget per batch; marks which fit")
+    p.add_argument("--budget-ms", type=positive_float("milliseconds"), metavar="MS", help="latency budget per batch; marks which fit")
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="batch size (replaces N of --input-shape)")
     p.add_argument("--precision", default="auto", metavar="NAME",
                    help="auto (default): time fp32 and the device's mixed precision, keep the faster; "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from torchspeed.cli import add_json_option, non_negative_int, positive_int
+from torchspeed.cli import add_json_option, non_negative_int, positive_float, positive_int
 
 
 def counts(minimum: int) -> Callable[[str], str | int | list[int]]:
@@ -74,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=counts(1), default="auto", metavar="auto|N,M,...",
                    help="batch-making threads tried at num_workers=0: auto (1..cores+1, default), a number (fixed) "
                         "or a comma list such as 1,2")
-    p.add_argument("--tune-seconds", type=float, default=1.0, metavar="S", help="length of each timed pass in seconds (default 1.0)")
+    p.add_argument("--tune-seconds", type=positive_float("seconds"), default=1.0, metavar="S", help="length of each timed pass in seconds (default 1.0)")
     p.add_argument("--refresh", action="store_true",
                    help="measure again instead of using the settings remembered from an earlier run on this machine")
     add_json_option(p)
@@ -122,8 +122,6 @@ def run_tune_loader(args: argparse.Namespace) -> int:
     from torchspeed.data.sources import DatasetSource, is_dataset_spec, spec_for_tuning
     from torchspeed.tables import print_table
 
-    if args.tune_seconds <= 0:
-        raise ValueError(f"--tune-seconds must be positive, got {args.tune_seconds}")
     console = Console()
     data = spec_for_tuning(args.data) if is_dataset_spec(args.data) else args.data
     pipeline = isinstance(data, (str, DatasetSource))  # else the Dataset's own samples, in a plain DataLoader

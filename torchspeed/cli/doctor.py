@@ -38,7 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("model", metavar="MODEL",
                    help="resnet18 (torchvision), timm:NAME, or your own package.module:factory / file.py:factory")
     add_model_options(q)
-    q.add_argument("--input-shape", type=int_tuple, metavar="N,C,H,W", help="example input shape (default: the model's own, else 1,3,224,224)")
+    q.add_argument("--input-shape", type=int_tuple, metavar="N,C,H,W",
+                   help="example input shape (default: the model's own, else 1,3,224,224; for a model that reads "
+                        "tokens, N,T token ids, default 1 x up to 128)")
     q.add_argument("--num-classes", type=positive_int, metavar="N", help="classifier width (default: the model's)")
     q.add_argument("--loss", choices=("ce", "nll", "none"), default="ce",
                    help="loss the output feeds, for the activation/loss pairing check (default ce)")
@@ -76,15 +78,19 @@ def run_lint(args: argparse.Namespace) -> int:
     from torchspeed.batches import random_input
     from torchspeed.doctor.linting import lint
     from torchspeed.doctor.output import print_lint
+    from torchspeed.doctor.transformer_lint import token_input
     from torchspeed.models import default_input_shape
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model = build_model(args.model, args, num_classes=args.num_classes)
-    shape = args.input_shape or default_input_shape(model) or (1, 3, 224, 224)
     device = torch.device(args.device)
     model = model.to(device)
-    x = random_input(tuple(shape), device, name="--input-shape")
+    x = token_input(model, args.input_shape, device)  # token ids for a model that reads them, else None
+    if x is None:
+        x = random_input(tuple(args.input_shape or default_input_shape(model) or (1, 3, 224, 224)), device,
+                         name="--input-shape")
+    shape = tuple(x.shape)
     loss = {"ce": nn.CrossEntropyLoss(), "nll": nn.NLLLoss(), "none": None}[args.loss]
     try:
         result = lint(model, x, loss_fn=loss)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from torchspeed.cli import UserError, add_json_option, add_model_options, fraction, int_tuple, positive_int
@@ -128,8 +129,28 @@ def _claim_out(args: argparse.Namespace) -> Any:
     return claim_output_dir(args.out, "optimize", overwrite=args.overwrite, replaces=ARTIFACT_FILES)
 
 
-def run(args: argparse.Namespace) -> int:
+def _example(shape: tuple[int, ...], batch_sizes: tuple[int, ...], device: Any) -> Any:
+    """A random example input of `shape` on the CPU, refused in one line naming --input-shape before any
+    work when it, or optimize's largest batch of it (verification takes 8 rows, timing the largest
+    --batch-sizes), would not fit in the memory free on the CPU or `device` (the memory guard lint,
+    prune and select have)."""
     import torch
+
+    from torchspeed.batches import random_input
+    from torchspeed.runtime import free_memory
+
+    rows = max(8, shape[0], *batch_sizes) if len(shape) > 1 else 1
+    needed = math.prod(shape[1:] if len(shape) > 1 else shape) * rows * 4
+    for where in dict.fromkeys(("cpu", str(device))):
+        free = free_memory(torch.device(where))
+        if free is not None and needed > free:
+            raise UserError(f"--input-shape {','.join(map(str, shape))}: optimize's batches of {rows} need "
+                            f"{needed / 2**30:,.1f} GiB and {where} has {free / 2**30:,.1f} GiB free: give a smaller "
+                            "shape (or smaller --batch-sizes)")
+    return random_input(shape, "cpu", name="--input-shape")
+
+
+def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from torchspeed.atomic import write_json
@@ -140,13 +161,14 @@ def run(args: argparse.Namespace) -> int:
     out = _claim_out(args)
     resolved, demo = _resolve(args)
     shape = resolved.input_shape
-    calib, eval_fn = _judging_data(args, shape, demo)
     try:
         device = resolve_device(args.device)
     except RuntimeError as e:
         raise UserError(f"--device {args.device!r}: {e}") from None
+    example = _example(shape, args.batch_sizes, device)  # before any data is read
+    calib, eval_fn = _judging_data(args, shape, demo)
     with console.status("optimize: starting") as status:
-        result = optimize(resolved.model, torch.randn(shape), calib_data=calib, eval_fn=eval_fn,
+        result = optimize(resolved.model, example, calib_data=calib, eval_fn=eval_fn,
                           max_metric_drop=args.max_metric_drop, device=device, runtimes=args.runtimes,
                           precisions=args.precisions, batch_sizes=args.batch_sizes, objective=args.objective,
                           max_calib_samples=args.max_calib_samples, refresh=args.refresh,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchspeed.cli import UserError, add_json_option, add_model_options, fraction, positive_int
+from torchspeed.cli import UserError, add_json_option, add_model_options, fraction, positive_float, positive_int
 from torchspeed.cli.data import counts
 
 
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default="auto", choices=("auto", "ddp", "fsdp", "none"),
                    help="under torchrun: ddp (auto) or fsdp")
     p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="per-process batch size (default 64)")
-    p.add_argument("--lr", type=float, default=None, metavar="LR", help="peak learning rate of SGD+momentum, cosine schedule "
+    p.add_argument("--lr", type=positive_float(None), default=None, metavar="LR", help="peak learning rate of SGD+momentum, cosine schedule "
                                                           "(default 0.1 x batch/256 x processes)")
     p.add_argument("--crop", type=positive_int, default=224, metavar="N", help="training crop side (default 224)")
     p.add_argument("--val-fraction", type=fraction(), default=0.1, metavar="F",

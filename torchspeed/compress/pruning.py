@@ -363,7 +363,7 @@ def _read_pruned_meta(meta_path: str) -> tuple[ModelSpec, dict[str, dict[str, An
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
         spec, sizes = ModelSpec.from_dict(meta["spec"], where=meta_path), meta["sizes"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise ValueError(f"{meta_path}: not a pruned model written by torchspeed ({e}); run `torchspeed prune` "
                          "again") from None
     sizes_ok = isinstance(sizes, dict) and all(

@@ -10,7 +10,7 @@
  * The pixels are those of the Python path (data/libturbojpeg.py's region decode, then
  * data/augment.py's `render`): the same decode, the same region arithmetic, and OpenCV's resize
  * coordinates (INTER_LINEAR, INTER_AREA past a 2x shrink) in integer arithmetic of its own: within one
- * level of OpenCV's (tests/test_native_crops.py).
+ * level of OpenCV's (tests/test_native_crops.py). What it does not render is handed back by its status.
  *
  * Plain C, no Python headers: loaded with ctypes. libturbojpeg is opened by path at run time
  * (ts_crops_load), the library the Python side already uses, so the handles it made work here.
@@ -30,7 +30,8 @@
 #define TJPARAM_FASTDCT 10
 #define TJPF_RGB 0
 
-enum { OK = 0, SIZE_REFUSED = 1, BAD_HEADER = 2, BAD_DATA = 3, BAD_REGION = 4, NO_MEMORY = 5 };
+enum { OK = 0, SIZE_REFUSED = 1, BAD_HEADER = 2, BAD_DATA = 3, BAD_REGION = 4, NO_MEMORY = 5, BAD_BOX = 6,
+       SIZE_MISMATCH = 7, CANNOT_CROP = 8, MIXED_SCALE = 9 };
 
 typedef struct { int num, denom; } tj_scale;
 typedef struct { int x, y, w, h; } tj_region;
@@ -44,7 +45,10 @@ static int (*tj_set_scale)(void *, tj_scale);
 static int (*tj_set_crop)(void *, tj_region);
 static int (*tj_decode)(void *, const unsigned char *, size_t, unsigned char *, int, int);
 
-static const int MCU_WIDTH[7] = {8, 16, 16, 8, 8, 32, 8}; /* by TJSAMP: 444, 422, 420, GRAY, 440, 411, 441 */
+/* The column grid of a crop's left edge by TJSAMP (444, 422, 420, GRAY, 440, 411, 441): the iMCU width, but 32
+ * for 4:4:4, which libjpeg-turbo also calls a JPEG whose components share factors other than 1x1 (all 2x1: an
+ * iMCU of 16 columns); 32 is a multiple of every such width (data/libturbojpeg.py's _MCU_WIDTH). */
+static const int MCU_WIDTH[7] = {32, 16, 16, 8, 8, 32, 8};
 
 /* 0 when libturbojpeg at `path` has every function used here. */
 int ts_crops_load(const char *path) {
@@ -87,23 +91,14 @@ static int axis_alloc(axis_t *a, int out, int k) {
 
 static void axis_free(axis_t *a) { free(a->idx); free(a->wt); a->idx = NULL; a->wt = NULL; }
 
-/* OpenCV's INTER_LINEAR coordinates (area = 0), or its INTER_AREA ones for an axis that does not
- * shrink while the other does (area = 1): two taps, the border replicated. */
-static int axis_linear(axis_t *a, int src, int dst, int area) {
+/* OpenCV's INTER_LINEAR coordinates: two taps, the border replicated. */
+static int axis_linear(axis_t *a, int src, int dst) {
     if (axis_alloc(a, dst, 2)) return -1;
-    double scale = (double)src / dst, inv = (double)dst / src;
+    double scale = (double)src / dst;
     for (int d = 0; d < dst; d++) {
-        double f;
-        int s;
-        if (area) {
-            s = (int)floor(d * scale);
-            f = (d + 1) - (s + 1) * inv;
-            f = f <= 0 ? 0 : f - floor(f);
-        } else {
-            f = (d + 0.5) * scale - 0.5;
-            s = (int)floor(f);
-            f -= s;
-        }
+        double f = (d + 0.5) * scale - 0.5;
+        int s = (int)floor(f);
+        f -= s;
         if (s < 0) { f = 0; s = 0; }
         if (s >= src - 1) { f = 0; s = src - 1; }
         a->idx[2 * d] = s;
@@ -271,15 +266,19 @@ static void to_hwc(const uint8_t *px, int ow, uint8_t *o) {
 }
 
 /* Resize the h x w RGB region at `src` (row stride `stride` bytes; 8 bytes readable from each pixel on)
- * to oh x ow, flipped left-right if asked, into `to`. 0, or -1 without memory. */
+ * to oh x ow, flipped left-right if asked, into `to`. 0, -1 without memory, -2 for a mixed scale (below). */
 static int resize_into(const uint8_t *src, int stride, int h, int w, int oh, int ow, int flip, const target_t *to,
                        uint8_t *scratch) {
     axis_t ax = {0}, ay = {0};
     int area = h > 2 * oh || w > 2 * ow, shrink = h >= oh && w >= ow, rc = 0;
     const uint16_t *taps[MAX_TAPS];
     uint16_t w15[MAX_TAPS];
-    if ((area && shrink ? (axis_area(&ax, w, ow) || axis_area(&ay, h, oh))
-                        : (axis_linear(&ax, w, ow, area) || axis_linear(&ay, h, oh, area))) ||
+    /* a shrink past 2x on one axis and a growth on the other: OpenCV's INTER_AREA then follows rules of its own
+     * version (5.0 differs from 4.x by up to 200 levels here), so that rare box is left to it (a fancy crop box;
+     * RandomResizedCrop's aspect ratios never make one) */
+    if (area && !shrink) return -2;
+    if ((area ? (axis_area(&ax, w, ow) || axis_area(&ay, h, oh))
+              : (axis_linear(&ax, w, ow) || axis_linear(&ay, h, oh))) ||
         ay.k > MAX_TAPS) { /* a shrink of over 250x after DCT scaling: left to the caller */
         rc = -1;
         goto done;
@@ -404,8 +403,10 @@ static int grow(void **buf, size_t *cap, size_t need) {
  * given, into `fout` (float slots) normalised as x * norm_scale[c] + norm_shift[c]. Sample i: JPEG bytes
  * data[offsets[i]:offsets[i+1]]; info[7i..7i+6] = stored height, width, then its box's top, left,
  * height, width and flip. status[i] = 0 when rendered, else why not (its slot is left as it was;
- * the caller decodes it again in Python for the message). Returns how many failed, or -1 when no
- * decompressor could be made. The thread's decompressor is replaced after a failure: a libjpeg-turbo 3.0
+ * the caller decodes it again in Python for the message, or whole): a box that is empty or leaves the
+ * stored size, a JPEG whose size is not the stored one, a size over `max_pixels`, a chroma layout the
+ * TurboJPEG API does not name (no column grid to crop on), data that does not decode. Returns how
+ * many failed, -1 when no decompressor could be made, -2 for an output of no pixels. The thread's decompressor is replaced after a failure: a libjpeg-turbo 3.0
  * decompressor that failed to read a header keeps the old image's size for the next. */
 int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const int32_t *info, int oh, int ow,
                     int chw, int64_t max_pixels, uint8_t *out, float *fout, const float *norm_scale,
@@ -413,6 +414,7 @@ int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const in
     scratch_t *scratch = thread_scratch();
     if (scratch && !scratch->handle) scratch->handle = new_handle();
     void *handle = scratch ? scratch->handle : NULL;
+    if (n < 0 || oh <= 0 || ow <= 0) return -2; /* no output to render into */
     float *rowwise = fout && !chw ? malloc(sizeof(float) * 6 * ow) : NULL;
     int failed = 0;
     size_t slot = (size_t)3 * oh * ow;
@@ -428,12 +430,18 @@ int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const in
         const uint8_t *jpeg = data + offsets[i];
         size_t len = (size_t)(offsets[i + 1] - offsets[i]);
         int st = OK;
+        /* a box of at least one pixel inside the stored size (the renderer is public: boxes are not only ours) */
+        if (h <= 0 || w <= 0 || bh <= 0 || bw <= 0 || top < 0 || left < 0 || top > h - bh || left > w - bw) {
+            st = BAD_BOX;
+            goto next;
+        }
         /* needed_size: the smallest power-of-two DCT scale on which the box still covers the output */
         int s = dct_factor(h, w, (int)ceil((double)h * oh / bh), (int)ceil((double)w * ow / bw));
         int min_h = s > 1 ? ceil_div(h, s) : 0, min_w = s > 1 ? ceil_div(w, s) : 0;
         if (tj_header(handle, jpeg, len) != 0) { st = BAD_HEADER; goto next; }
         int width = tj_get(handle, TJPARAM_JPEGWIDTH), height = tj_get(handle, TJPARAM_JPEGHEIGHT);
         if (width <= 0 || height <= 0 || (int64_t)width * height > max_pixels) { st = SIZE_REFUSED; goto next; }
+        if (width != w || height != h) { st = SIZE_MISMATCH; goto next; } /* the stored size is the JPEG's */
         int scale = (min_h > 0 || min_w > 0) ? dct_factor(height, width, min_h, min_w) : 1;
         tj_region whole = {0, 0, 0, 0};
         tj_scale sf = {1, scale};
@@ -441,7 +449,9 @@ int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const in
         int fh = ceil_div(height, scale), fw = ceil_div(width, scale);
         /* the part the box needs, one pixel of margin each side, left edge on an iMCU column */
         int subsamp = tj_get(handle, TJPARAM_SUBSAMP);
-        int mcu = (subsamp >= 0 && subsamp < 7) ? ceil_div(MCU_WIDTH[subsamp], scale) : fw;
+        /* a chroma layout it does not name has no column grid to crop on: the Python path decodes it whole */
+        if (subsamp < 0 || subsamp >= 7) { st = CANNOT_CROP; goto next; }
+        int mcu = ceil_div(MCU_WIDTH[subsamp], scale);
         int y0 = imin(fh - 1, imax(0, (int)((int64_t)top * fh / height) - 1));
         int x0 = imin(fw - 1, imax(0, (int)((int64_t)left * fw / width) - 1)) / mcu * mcu;
         int ph = imin(fh, (int)(((int64_t)(top + bh) * fh + height - 1) / height) + 1) - y0;
@@ -465,10 +475,9 @@ int ts_crops_render(int n, const uint8_t *data, const int64_t *offsets, const in
         rw = imin(rw, pw - l);
         target_t to = {chw, fout ? NULL : out + slot * i, fout ? fout + slot * i : NULL, norm_scale, norm_shift,
                        rowwise, rowwise ? rowwise + 3 * ow : NULL};
-        if (grow(&scratch->rows, &scratch->rows_cap, resize_scratch(rh, ow)) ||
-            resize_into(img + ((size_t)t * pw + l) * 3, pw * 3, rh, rw, oh, ow, flip, &to, scratch->rows)) {
-            st = NO_MEMORY;
-        }
+        if (grow(&scratch->rows, &scratch->rows_cap, resize_scratch(rh, ow))) { st = NO_MEMORY; goto next; }
+        int resized = resize_into(img + ((size_t)t * pw + l) * 3, pw * 3, rh, rw, oh, ow, flip, &to, scratch->rows);
+        if (resized) st = resized == -2 ? MIXED_SCALE : NO_MEMORY;
     next:
         status[i] = st;
         failed += st != OK;

@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from torchspeed.data.format_guard import DatasetError, checked_labels, damage_named
 from torchspeed.data.record import Record, encoded_record
+from torchspeed.images import read_image_file
 from torchspeed.optional import optional
 
 __all__ = ["ArrowImages", "pyarrow_module", "binary_views", "file_identity", "label_values"]
@@ -61,24 +63,41 @@ class ArrowImages:
     `load()` returns (image column, label values, row map or None): it is called again in each process
     that unpickles the source (a spawned worker), so the memory-mapped files are opened there rather than
     copied through a pipe. `where` names the data in errors; `identity` is what remembered loader
-    decisions know it by; `row_name(i)` names row i (a key, an original row number).
+    decisions know it by; `row_name(i)` names row i (a key, an original row number); `repair` says what to
+    do about damage; `label_hint`, about a label that is not a class index. Labels are checked against
+    `classes` (or a bound, where there are none) by the guard every format opens through (format_guard.py).
     """
 
     def __init__(self, load: Callable[[], tuple[Any, Sequence[int], Sequence[int] | None]], classes: Sequence[str],
-                 where: str, identity: dict[str, Any], row_name: Callable[[int], str] | None = None):
+                 where: str, identity: dict[str, Any], row_name: Callable[[int], str] | None = None,
+                 repair: str = "write the dataset again", label_hint: str = ""):
         self._load, self.where, self._identity, self._row_name = load, where, identity, row_name
+        self.repair = repair
         self._open()
-        self.classes = list(classes) or [str(c) for c in range(max(self.targets, default=-1) + 1)]
+        self.targets, self.classes = checked_labels(self.targets, classes, self.name, label_hint)
 
     def _open(self) -> None:
-        column, labels, rows = self._load()
-        self._views = binary_views(column)
-        sizes = [len(o) - 1 for o, _, _, _ in self._views]
-        self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._rows = None if rows is None else np.asarray(rows, dtype=np.int64)  # sample -> table row
-        self.targets = [int(y) for y in labels] if self._rows is None else [int(labels[r]) for r in self._rows]
-        if any(y is None for y in self.targets):
-            raise ValueError(f"{self.where} has rows without a label")
+        with damage_named(self.where, self.repair):  # a library's error inside names the data, not a traceback
+            column, labels, rows = self._load()
+            self._views = binary_views(column)
+            sizes = [len(o) - 1 for o, _, _, _ in self._views]
+            self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            labels = np.asarray(labels)
+            if len(labels) != int(self._starts[-1]):
+                raise DatasetError(f"{self.where} has {int(self._starts[-1])} images but {len(labels)} labels; it is "
+                                   f"damaged, {self.repair}")
+            if rows is not None:  # sample -> table row, each checked to be a row of the table
+                rows = np.asarray(rows)
+                if rows.dtype.kind not in "iu":
+                    raise DatasetError(f"{self.where}: its row map holds {rows.dtype}, not row numbers; it is "
+                                       f"damaged, {self.repair}")
+                outside = rows[(rows >= len(labels)) | (rows < 0 if rows.dtype.kind == "i" else False)]
+                if len(outside):
+                    raise DatasetError(f"{self.where}: its row map names row {outside[0]}, but the table has "
+                                       f"{len(labels)} rows; it is damaged, {self.repair}")
+                rows = rows.astype(np.int64)
+            self._rows = rows
+            self.targets = (labels if rows is None else labels[rows]).tolist()
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -105,8 +124,7 @@ class ArrowImages:
                 path = paths[local] if paths is not None else None
                 if not path:
                     raise ValueError("its image is missing (null)")
-                with open(path, "rb") as f:
-                    payload: Any = f.read()
+                payload: Any = read_image_file(path)  # a regular file: a FIFO there is refused, not waited on
             else:
                 payload = memoryview(data[int(offsets[local]):int(offsets[local + 1])])
             return encoded_record(payload, self.targets[index], self.name(index))
@@ -132,13 +150,14 @@ def file_identity(paths: Sequence[str]) -> str:
     return hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
 
 
-def label_values(table: Any, column: str, where: str) -> list[int]:
-    """An integer label column as Python ints, checked: a clear error for names or floats."""
+def label_values(table: Any, column: str, where: str) -> np.ndarray:
+    """An integer label column as a numpy array, checked: a clear error for names, floats or empty rows (the
+    values themselves are checked against the classes by ArrowImages)."""
     pa = pyarrow_module()
     col = table.column(column)
     if not pa.types.is_integer(col.type):
-        raise ValueError(f"the label column {column!r} of {where} holds {col.type}, not integer class indices; "
-                         "name the right one with label_column=")
+        raise DatasetError(f"the label column {column!r} of {where} holds {col.type}, not integer class indices; "
+                           "name the right one with label_column=")
     if col.null_count:
-        raise ValueError(f"the label column {column!r} of {where} has {col.null_count} empty rows")
-    return col.to_numpy().tolist()
+        raise DatasetError(f"the label column {column!r} of {where} has {col.null_count} empty rows")
+    return col.to_numpy()

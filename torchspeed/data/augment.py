@@ -203,11 +203,17 @@ def render(img: np.ndarray, box: Box, out: np.ndarray, tmp: np.ndarray | None = 
     elif tmp is None:
         tmp = np.empty((oh, ow, c), np.uint8)
     fh, fw = full or img.shape[:2]
+    if box.height <= 0 or box.width <= 0 or box.top < 0 or box.left < 0:
+        raise ValueError(f"the crop box (top {box.top}, left {box.left}, height {box.height}, width {box.width}) is "
+                         "empty or starts outside the image")
     t, l = int(box.top * scale_h), int(box.left * scale_w)
     h = max(1, min(fh - t, int(round(box.height * scale_h))))
     w = max(1, min(fw - l, int(round(box.width * scale_w))))
     t, l = t - origin[0], l - origin[1]
-    region = img[t:t + h, l:l + w]
+    region = img[max(t, 0):t + h, max(l, 0):l + w]
+    if region.shape[:2] != (h, w):  # before OpenCV, whose error on an empty region names nothing
+        raise ValueError(f"the crop box (top {box.top}, left {box.left}, height {box.height}, width {box.width}) "
+                         f"leaves the {fh}x{fw} decoded image (is the stored size the image's?)")
     if (h, w) == (oh, ow):
         tmp[...] = region
     else:

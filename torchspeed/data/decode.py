@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from torchspeed.images import image_size_error, rgb_image
-from torchspeed.data.libturbojpeg import TurboJpeg, dct_factor
+from torchspeed.data.libturbojpeg import CannotCrop, TurboJpeg, dct_factor
 from torchspeed.data.native_crops import native_crops
 from torchspeed.optional import optional
 from torchspeed.runtime import process_as_found
@@ -30,7 +30,19 @@ from torchspeed.runtime import process_as_found
 log = logging.getLogger(__name__)
 
 __all__ = ["Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder", "jpeg_size",
-           "jpeg_info", "check_jpeg_size", "decode_jpeg_batch_cuda", "jpeg_is_complete", "decoding_stream"]
+           "jpeg_info", "jpeg_sampling", "turbojpeg_reads", "check_jpeg_size", "decode_jpeg_batch_cuda",
+           "jpeg_is_complete", "decoding_stream", "DECODING"]
+
+
+class _Decoding(threading.local):
+    """What this thread is decoding, for the one message that needs it and has no other way to know: the
+    DEBUG line of a whole-image fallback (`Decoder.decode`). The loader sets `image` (a callable returning the
+    sample's name, called only for that line) before each decode; None: "a JPEG"."""
+
+    image: Callable[[], str] | None = None
+
+
+DECODING = _Decoding()
 
 
 class Decoder:
@@ -41,10 +53,28 @@ class Decoder:
 
     name = "base"
     crops: Any = None  # a NativeCrops when whole batches of crops can be rendered in one native call
+    # built on libjpeg-turbo's TurboJPEG API, which cannot read every chroma layout libjpeg can (see
+    # `turbojpeg_reads`): such an image is decoded whole by PIL instead (`whole_by_pil`)
+    turbojpeg_api = False
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
         check_jpeg_size(buf)
-        return self._decode(buf, min_h, min_w)
+        try:
+            return self._decode(buf, min_h, min_w)
+        except Exception as e:
+            return self.whole_by_pil(buf, min_h, min_w, e)
+
+    def whole_by_pil(self, buf: Any, min_h: int, min_w: int, error: Exception) -> np.ndarray:
+        """After this decoder failed with `error`: the image decoded whole by PIL (DCT-scaled alike) when its
+        chroma layout is one the TurboJPEG API may not read (4:1:0, Y 2x2 / Cb 1x2 / Cr 1x1, ...: libjpeg itself,
+        which PIL uses, reads them; see `turbojpeg_reads`), named in a DEBUG line; else `error` is raised."""
+        sampling = jpeg_sampling(buf) if self.turbojpeg_api else None
+        if sampling is None or turbojpeg_reads(sampling):
+            raise error
+        layout = ", ".join(f"{c} {h}x{v}" for c, (h, v) in zip(("Y", "Cb", "Cr", "K"), sampling))
+        log.debug("%s: its chroma layout (%s) is one the TurboJPEG API cannot read (%s); decoded whole by PIL",
+                  DECODING.image() if DECODING.image is not None else "a JPEG", layout, error)
+        return get_decoder("pil").decode(buf, min_h, min_w)
 
     def _decode(self, buf: Any, min_h: int, min_w: int) -> np.ndarray:
         raise NotImplementedError
@@ -62,6 +92,8 @@ class Decoder:
 
 
 class SimpleJpegDecoder(Decoder):
+    turbojpeg_api = True
+
     def __init__(self, fast: bool = False):
         self._sj = optional("simplejpeg", "data", "the simplejpeg decoder")
         self.fast = fast
@@ -120,17 +152,28 @@ class TurboJpegDecoder(Decoder):
     handle per thread, and `decode_region`, which decodes only the part of the image a crop needs."""
 
     name = "turbojpeg"
+    turbojpeg_api = True
 
     def __init__(self) -> None:
         self._tj = TurboJpeg()
         self.crops = native_crops(self._tj.path)  # None where torchspeed's native part was not compiled
 
     def decode(self, buf: Any, min_h: int = 0, min_w: int = 0) -> np.ndarray:
-        return self._tj.decode(buf, min_h, min_w, check=image_size_error)[0]
+        try:
+            return self._tj.decode(buf, min_h, min_w, check=image_size_error)[0]
+        except ValueError as e:
+            return self.whole_by_pil(buf, min_h, min_w, e)
 
     def decode_region(self, buf: Any, min_h: int, min_w: int,
                       region: tuple[int, int, int, int]) -> tuple[np.ndarray, int, int, int, int]:
-        return self._tj.decode(buf, min_h, min_w, region, check=image_size_error)
+        try:
+            return self._tj.decode(buf, min_h, min_w, region, check=image_size_error)
+        except CannotCrop as e:  # a chroma layout it reads whole only: the whole image, named at DEBUG
+            log.debug("%s: %s; decoded whole", DECODING.image() if DECODING.image is not None else "a JPEG", e)
+            img = self.decode(buf, min_h, min_w)
+        except ValueError as e:
+            img = self.whole_by_pil(buf, min_h, min_w, e)
+        return img, 0, 0, img.shape[0], img.shape[1]
 
 
 class NvjpegDecoder(Decoder):
@@ -204,8 +247,8 @@ def jpeg_size(buf: Any) -> tuple[int, int]:
     return jpeg_info(buf)[:2]
 
 
-def jpeg_info(buf: Any) -> tuple[int, int, int]:
-    """(height, width, colour components) from a JPEG's SOF marker, without decoding (4: CMYK or YCCK)."""
+def _frame_header(buf: Any) -> tuple[memoryview, int]:
+    """JPEG data as a memoryview and the offset of its frame header (SOF marker); ValueError without one."""
     data = memoryview(buf)
     if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
         raise ValueError("not JPEG data (no SOI marker)")
@@ -218,11 +261,44 @@ def jpeg_info(buf: Any) -> tuple[int, int, int]:
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7 or marker == 0xFF:
             i += 1 if marker == 0xFF else 2
             continue
-        length = (data[i + 2] << 8) | data[i + 3]
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8], data[i + 9]
-        i += 2 + length
+            return data, i
+        i += 2 + ((data[i + 2] << 8) | data[i + 3])
     raise ValueError("JPEG data has no frame header (truncated or corrupt)")
+
+
+def jpeg_info(buf: Any) -> tuple[int, int, int]:
+    """(height, width, colour components) from a JPEG's SOF marker, without decoding (4: CMYK or YCCK)."""
+    data, i = _frame_header(buf)
+    return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8], data[i + 9]
+
+
+def jpeg_sampling(buf: Any) -> tuple[tuple[int, int], ...] | None:
+    """Each colour component's (horizontal, vertical) sampling factors from the JPEG's frame header, or None
+    when there is no readable frame header."""
+    try:
+        data, i = _frame_header(buf)
+    except ValueError:
+        return None
+    components = data[i + 9]
+    if i + 10 + 3 * components > len(data):
+        return None
+    return tuple((data[i + 11 + 3 * c] >> 4, data[i + 11 + 3 * c] & 15) for c in range(components))
+
+
+# Y's factors (Cb and Cr 1x1) of the layouts the TurboJPEG API names: 4:4:4, 4:2:2, 4:2:0, 4:4:0, 4:1:1, 4:4:1
+_TURBOJPEG_LUMA = {(1, 1), (2, 1), (2, 2), (1, 2), (4, 1), (1, 4)}
+
+
+def turbojpeg_reads(sampling: Sequence[tuple[int, int]]) -> bool:
+    """Whether a JPEG of these sampling factors has a layout libjpeg-turbo's TurboJPEG API names: grey, or YCbCr
+    with Cb and Cr 1x1 and Y one of 4:4:4, 4:2:2, 4:2:0, 4:4:0, 4:1:1, 4:4:1. Others are valid JPEGs that libjpeg
+    itself reads, which that API refuses (some versions: "Could not determine subsampling level" for 4:1:0 or Y
+    2x2 with Cb 1x2 and Cr 1x1), reads whole only, or calls 4:4:4 though its column grid is wider (all
+    components 2x1: libturbojpeg.py crops 4:4:4 on a grid every such width divides)."""
+    if len(sampling) == 1:
+        return True
+    return len(sampling) == 3 and sampling[1] == sampling[2] == (1, 1) and sampling[0] in _TURBOJPEG_LUMA
 
 
 def check_jpeg_size(buf: Any) -> None:

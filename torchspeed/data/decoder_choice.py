@@ -43,13 +43,14 @@ class CropWork(NamedTuple):
         return out
 
     def render_native(self, dec: Decoder, samples: Sequence[Any], part: Sequence[int]) -> np.ndarray:
-        """Samples `part` rendered in the decoder's one native call (`Decoder.crops`), as a loader thread does."""
+        """Samples `part` rendered in the decoder's one native call (`Decoder.crops`), as a loader thread does: a
+        sample the call cannot render (a chroma layout it does not crop, say) rendered again the Python way."""
         out = np.empty((len(part), 3, self.size, self.size), np.uint8)
         status = dec.crops.render([samples[i] for i in part], [self.heights[i] for i in part],
                                   [self.widths[i] for i in part], [self.boxes[i] for i in part], out, True,
                                   max_pixels=MAX_IMAGE_PIXELS)
-        if status.any():
-            raise ValueError(f"{int((status != 0).sum())} of the JPEGs could not be rendered")
+        for j in np.flatnonzero(status).tolist():
+            out[j] = self.render_one(dec, samples[part[j]], part[j])
         return out
 
 

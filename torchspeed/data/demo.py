@@ -208,6 +208,10 @@ def make_photo_folder(
 
 def demo_folder(n_images: int = 2000, n_classes: int = 10, seed: int = 0, size: tuple[int, int] = (500, 375)) -> str:
     """The cached demo ImageFolder for these settings, generated once (atomically) into the cache."""
-    name = f"photos-v2-n{n_images}-c{n_classes}-s{seed}-{size[0]}x{size[1]}"
-    return build_directory(os.path.join(cache_dir("data"), name),
+    return build_directory(demo_folder_path(n_images, n_classes, seed, size),
                            lambda tmp: _fill(tmp, n_images, n_classes, seed, size, 90, None, atomic=False))
+
+
+def demo_folder_path(n_images: int = 2000, n_classes: int = 10, seed: int = 0, size: tuple[int, int] = (500, 375)) -> str:
+    """Where `demo_folder` keeps the demo ImageFolder for these settings (generated or not yet)."""
+    return os.path.join(cache_dir("data"), f"photos-v2-n{n_images}-c{n_classes}-s{seed}-{size[0]}x{size[1]}")

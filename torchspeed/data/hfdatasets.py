@@ -8,16 +8,18 @@ integer column named label, labels, target or cls; `image_column=` / `label_colu
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from torchspeed.data.arrow import ArrowImages, file_identity, label_values, pyarrow_module
+from torchspeed.data.format_guard import DatasetError, damage_named, inside, read_json
 from torchspeed.images import quoted
 
 __all__ = ["hf_images", "is_hf_dataset", "is_hf_folder"]
 
 LABEL_NAMES = ("label", "labels", "target", "targets", "cls", "class", "fine_label")
+SAVE_AGAIN = "save the dataset again (Dataset.save_to_disk)"
+METADATA = ("dataset_dict.json", "state.json", "dataset_info.json")
 
 
 def is_hf_dataset(data: Any) -> bool:
@@ -26,15 +28,26 @@ def is_hf_dataset(data: Any) -> bool:
 
 
 def is_hf_folder(path: str) -> bool:
-    """Whether `path` is a folder written by `Dataset.save_to_disk` (or `DatasetDict.save_to_disk`)."""
-    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "dataset_dict.json")) or (
-        os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json"))))
+    """Whether `path` is a folder written by `Dataset.save_to_disk` (or `DatasetDict.save_to_disk`): it holds one
+    of their metadata files (one missing or damaged is then named, not read as an image folder)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name)) for name in METADATA)
 
 
-def _feature_types(features: Any) -> dict[str, tuple[str, list[str]]]:
-    """column -> (feature type name, class names) from a `Features` object or dataset_info.json's dict."""
-    return {name: (str(f.get("_type", "")), list(f.get("names") or [])) if isinstance(f, dict)
-            else (type(f).__name__, list(getattr(f, "names", None) or [])) for name, f in features.items()}
+def _feature_types(features: Any, where: str) -> dict[str, tuple[str, list[str]]]:
+    """column -> (feature type name, class names) from a `Features` object or dataset_info.json's dict (checked:
+    a mapping of columns, class names a list of strings)."""
+    if not hasattr(features, "items"):
+        raise DatasetError(f"{where}: its features are a {type(features).__name__}, not a mapping of columns; it is "
+                           f"damaged, {SAVE_AGAIN}")
+    out = {}
+    for name, f in features.items():
+        kind, names = (f.get("_type", ""), f.get("names")) if isinstance(f, dict) else (type(f).__name__,
+                                                                                        getattr(f, "names", None))
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise DatasetError(f"{where}: the class names of its column {name!r} are not a list of strings; it is "
+                               f"damaged, {SAVE_AGAIN}")
+        out[str(name)] = (str(kind), list(names or []))
+    return out
 
 
 def _columns(types: dict[str, tuple[str, list[str]]], table: Any, image_column: str | None, label_column: str | None,
@@ -72,16 +85,22 @@ class _FromDataset:
         return table.column(self.image), label_values(table, self.label, self.where), rows
 
 
-def _read_table(folder: str, files: list[str]) -> Any:
+def _read_table(folder: str, files: list[str], where: str) -> Any:
+    """The Arrow files of a save_to_disk folder as one table (memory-mapped; each file's buffers validated, so
+    damage is found here, naming the file, not as a crash or garbage later)."""
     pa = pyarrow_module()
     tables = []
     for name in files:
-        with pa.memory_map(os.path.join(folder, name)) as source:
-            try:
-                tables.append(pa.ipc.open_stream(source).read_all())
-            except pa.ArrowInvalid:
-                tables.append(pa.ipc.open_file(source).read_all())
-    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        with damage_named(f"{where}: its file {name!r}", SAVE_AGAIN):
+            with pa.memory_map(os.path.join(folder, name)) as source:
+                try:
+                    table = pa.ipc.open_stream(source).read_all()
+                except pa.ArrowInvalid:
+                    table = pa.ipc.open_file(source).read_all()
+            table.validate(full=True)
+            tables.append(table)
+    with damage_named(f"{where}: the table its files {', '.join(map(repr, files))} make", SAVE_AGAIN):
+        return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
 class _FromFolder:
@@ -91,34 +110,37 @@ class _FromFolder:
         self.folder, self.files, self.indices, self.image, self.label, self.where = folder, files, indices, image, label, where
 
     def __call__(self) -> tuple[Any, list[int], Any]:
-        table = _read_table(self.folder, self.files)
-        rows = _read_table(self.folder, self.indices).column(0).to_numpy() if self.indices else None
+        table = _read_table(self.folder, self.files, self.where)
+        rows = _read_table(self.folder, self.indices, self.where).column(0).to_numpy() if self.indices else None
         return table.column(self.image), label_values(table, self.label, self.where), rows
 
 
 def _folder_state(folder: str) -> tuple[list[str], list[str], dict[str, Any]]:
-    """(data files, row-map files, features) of a save_to_disk folder, with one clear error for each problem."""
+    """(data files, row-map files, features) of a save_to_disk folder, with one clear error for each problem:
+    each metadata file read as data (format_guard.read_json), each file it lists kept inside the folder."""
+    where = f"Hugging Face dataset {quoted(folder)}"
     if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
-        with open(os.path.join(folder, "dataset_dict.json"), encoding="utf-8") as f:
-            splits = json.load(f).get("splits", [])
-        raise ValueError(f"{quoted(folder)} holds a DatasetDict (splits: {', '.join(splits)}); give one split's "
-                         f"folder, e.g. {quoted(os.path.join(folder, splits[0] if splits else 'train'))}")
-    try:
-        with open(os.path.join(folder, "state.json"), encoding="utf-8") as f:
-            state = json.load(f)
-        with open(os.path.join(folder, "dataset_info.json"), encoding="utf-8") as f:
-            info = json.load(f)
-        files = [d["filename"] for d in state["_data_files"]]
-        indices = [d["filename"] for d in (state.get("_indices_data_files") or [])]
-        features = info["features"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{quoted(folder)} is not a readable Hugging Face dataset folder (state.json and "
-                         f"dataset_info.json as save_to_disk writes them): {type(e).__name__}: {e}") from None
-    for name in files + indices:
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise FileNotFoundError(f"the Hugging Face dataset {quoted(folder)} lacks its file {name!r} (state.json "
-                                    "lists it); save the dataset again")
-    return files, indices, features
+        splits = read_json(os.path.join(folder, "dataset_dict.json"), where, repair=SAVE_AGAIN).get("splits")
+        splits = [str(s) for s in splits] if isinstance(splits, list) else []
+        raise DatasetError(f"{quoted(folder)} holds a DatasetDict (splits: {', '.join(splits)}); give one split's "
+                           f"folder, e.g. {quoted(os.path.join(folder, splits[0] if splits else 'train'))}")
+    state = read_json(os.path.join(folder, "state.json"), where, repair=SAVE_AGAIN)
+    info = read_json(os.path.join(folder, "dataset_info.json"), where, repair=SAVE_AGAIN)
+    listed = {}
+    for key in ("_data_files", "_indices_data_files"):
+        entries = state.get(key) or []
+        if not isinstance(entries, list) or not all(isinstance(d, dict) and "filename" in d for d in entries):
+            raise DatasetError(f"{where}: the {key!r} of its state.json is not a list of files; it is damaged, "
+                               f"{SAVE_AGAIN}")
+        listed[key] = [d["filename"] for d in entries]
+        for name in listed[key]:
+            if not os.path.isfile(inside(folder, name, where, "state.json", SAVE_AGAIN)):
+                raise DatasetError(f"{where} lacks its file {name!r} (state.json lists it); {SAVE_AGAIN}")
+    if not listed["_data_files"]:
+        raise DatasetError(f"{where}: its state.json lists no data files; it is damaged, {SAVE_AGAIN}")
+    if "features" not in info:
+        raise DatasetError(f"{where}: its dataset_info.json has no features; it is damaged, {SAVE_AGAIN}")
+    return listed["_data_files"], listed["_indices_data_files"], info["features"]
 
 
 def hf_images(data: Any, image_column: str | None = None, label_column: str | None = None) -> ArrowImages:
@@ -127,17 +149,26 @@ def hf_images(data: Any, image_column: str | None = None, label_column: str | No
         table = getattr(data.data, "table", data.data)
         where = f"the dataset with {len(data)} rows" + (f" ({data.info.dataset_name})" if getattr(
             getattr(data, "info", None), "dataset_name", None) else "")
-        image, label, classes = _columns(_feature_types(data.features), table, image_column, label_column, where)
+        image, label, classes = _columns(_feature_types(data.features, where), table, image_column, label_column,
+                                         where)
         cache = [f["filename"] for f in (getattr(data, "cache_files", None) or [])]
         identity = {"hf_dataset": len(data), "columns": [image, label],
                     "fingerprint": getattr(data, "_fingerprint", None),
                     "files": file_identity(cache) if cache else None}
-        return ArrowImages(_FromDataset(data, image, label, where), classes, where, identity)
+        return ArrowImages(_FromDataset(data, image, label, where), classes, where, identity,
+                           repair="build the dataset again", label_hint=_label_hint(label))
     folder = os.path.abspath(os.fspath(data))
     files, indices, features = _folder_state(folder)
     where = f"Hugging Face dataset {quoted(folder)}"
-    table = _read_table(folder, files)
-    image, label, classes = _columns(_feature_types(features), table, image_column, label_column, where)
+    table = _read_table(folder, files, where)
+    image, label, classes = _columns(_feature_types(features, where), table, image_column, label_column, where)
     identity = {"hf_folder": folder, "columns": [image, label],
                 "files": file_identity([os.path.join(folder, f) for f in files + indices])}
-    return ArrowImages(_FromFolder(folder, files, indices, image, label, where), classes, where, identity)
+    return ArrowImages(_FromFolder(folder, files, indices, image, label, where), classes, where, identity,
+                       repair=SAVE_AGAIN, label_hint=_label_hint(label))
+
+
+def _label_hint(column: str) -> str:
+    """What to do about a label that is not a class index: a ClassLabel of -1 is datasets' "no label"."""
+    return (f"a label of -1 is a row without one: leave such rows out first (dataset.filter(lambda y: y >= 0, "
+            f"input_columns={column!r})), or name the right column with label_column=")

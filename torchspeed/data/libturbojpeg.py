@@ -30,12 +30,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TurboJpeg", "library_path", "dct_factor"]
+__all__ = ["TurboJpeg", "CannotCrop", "library_path", "dct_factor"]
 
 _INIT_DECOMPRESS = 1
 _PARAM_SUBSAMP, _PARAM_WIDTH, _PARAM_HEIGHT, _PARAM_FASTUPSAMPLE, _PARAM_FASTDCT = 4, 5, 6, 9, 10
 _PF_RGB = 0
-_MCU_WIDTH = (8, 16, 16, 8, 8, 32, 8)  # by TJSAMP: 444, 422, 420, GRAY, 440, 411, 441
+# The column grid a crop's left edge is put on, by TJSAMP (444, 422, 420, GRAY, 440, 411, 441): the iMCU width,
+# except 4:4:4 at 32, not 8: libjpeg-turbo also calls 4:4:4 a JPEG whose components share factors other than 1x1
+# (all 2x1: an iMCU of 16 columns), and 32 is a multiple of every such width (a wider margin costs a few columns)
+_MCU_WIDTH = (32, 16, 16, 8, 8, 32, 8)
 
 
 def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
@@ -47,6 +50,11 @@ def dct_factor(h: int, w: int, min_h: int, min_w: int) -> int:
         if -(-h // s) >= min_h and -(-w // s) >= min_w:
             return s
     return 1
+
+
+class CannotCrop(ValueError):
+    """A JPEG libjpeg-turbo reads whole but cannot decode part of: its chroma layout is none the TurboJPEG API
+    names (4:1:0, Y 2x2 with Cb 1x2 and Cr 1x1, ...), so it knows no column grid to crop on."""
 
 
 class _Region(ctypes.Structure):
@@ -144,7 +152,7 @@ class TurboJpeg:
         with one pixel of margin each side (widened left to the iMCU column boundary libjpeg-turbo crops
         at); its first pixel is row0, col0 of the whole. `check(width, height)` returns why the stored
         size is refused (checked before anything is decoded). A warning from the library (data ending
-        before its EOI marker, say) is an error."""
+        before its EOI marker, say) is an error; a region of a JPEG it cannot crop is CannotCrop."""
         lib, state = self._lib, self._handle()
         handle = state.ptr
         src = buf if isinstance(buf, bytes) else bytes(buf)  # a memoryview's copy costs less than its address
@@ -167,7 +175,9 @@ class TurboJpeg:
         if region is not None:  # the part the region needs, one pixel of margin each side (see the module docstring)
             top, left, rh, rw = region
             subsamp = lib.tj3Get(handle, _PARAM_SUBSAMP)
-            mcu = -(-_MCU_WIDTH[subsamp] // scale) if 0 <= subsamp < len(_MCU_WIDTH) else fw
+            if not 0 <= subsamp < len(_MCU_WIDTH):
+                raise CannotCrop(f"libturbojpeg cannot crop a JPEG whose chroma layout it does not name (TJSAMP {subsamp})")
+            mcu = -(-_MCU_WIDTH[subsamp] // scale)
             y0 = min(fh - 1, max(0, top * fh // height - 1))
             x0 = min(fw - 1, max(0, left * fw // width - 1)) // mcu * mcu
             h = min(fh, -(-(top + rh) * fh // height) + 1) - y0

@@ -17,59 +17,76 @@ from typing import Any
 import numpy as np
 
 from torchspeed.data.arrow import ArrowImages, file_identity, label_values, pyarrow_module
+from torchspeed.data.format_guard import MAX_METADATA_BYTES, DatasetError, damage_named, inside, read_json
 from torchspeed.images import quoted
 
 __all__ = ["is_litdata_dir", "litdata_images"]
 
 _FOOTER_MAGIC = b"LDARW01\0"  # litdata's item_loader: ... IPC file, uint32 length, magic
 LABEL_NAMES = ("label", "labels", "target", "targets", "cls", "class")
+OPTIMIZE_AGAIN = "optimize the data again (litdata.optimize)"
 
 
 def is_litdata_dir(path: str) -> bool:
-    """Whether `path` is a LitData optimized directory (its index.json has chunks and a config)."""
+    """Whether `path` is a LitData optimized directory: its index.json has chunks and a config, or, where that
+    file is damaged, the folder holds chunk files or nothing an image folder would (no sub-directories): then
+    the damage is named, not read as an image folder."""
     index = os.path.join(path, "index.json")
     if not os.path.isfile(index):
         return False
     try:
-        with open(index, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and "chunks" in doc and "config" in doc
+        if os.path.getsize(index) <= MAX_METADATA_BYTES:  # a larger one is named as damaged by litdata_images
+            with open(index, encoding="utf-8") as f:
+                doc = json.load(f)
+            if isinstance(doc, dict) and "chunks" in doc and "config" in doc:
+                return True
+    except (OSError, ValueError, RecursionError, MemoryError):
+        pass
+    entries = list(os.scandir(path))
+    return any(e.name.startswith("chunk-") and e.name.endswith(".bin") for e in entries) or not any(
+        e.is_dir() for e in entries)
 
 
-def _footer_table(path: str) -> Any:
-    """The Arrow table at the end of one chunk file (memory-mapped), or None when it has none."""
+def _footer_table(path: str, where: str) -> Any:
+    """The Arrow table at the end of one chunk file (memory-mapped, its buffers validated), or None when it has
+    none; a damaged one is a DatasetError naming the chunk."""
     pa = pyarrow_module()
-    with pa.memory_map(path) as mm:
-        buf = mm.read_buffer()
-    if buf.size < 12 or bytes(buf[buf.size - 8:]) != _FOOTER_MAGIC:
-        return None
-    (length,) = struct.unpack("<I", bytes(buf[buf.size - 12:buf.size - 8]))
-    start = buf.size - 12 - length
-    if start < 0:
-        return None
-    return pa.ipc.open_file(pa.BufferReader(buf.slice(start, length))).read_all()
+    with damage_named(f"{where}: its chunk {os.path.basename(path)!r}", OPTIMIZE_AGAIN):
+        with pa.memory_map(path) as mm:
+            buf = mm.read_buffer()
+        if buf.size < 12 or bytes(buf[buf.size - 8:]) != _FOOTER_MAGIC:
+            return None
+        (length,) = struct.unpack("<I", bytes(buf[buf.size - 12:buf.size - 8]))
+        start = buf.size - 12 - length
+        if start < 0:
+            return None
+        table = pa.ipc.open_file(pa.BufferReader(buf.slice(start, length))).read_all()
+        table.validate(full=True)
+        return table
 
 
 class _Chunks:
     """Loads the image and label columns of every chunk (picklable: reopened by each process)."""
 
-    def __init__(self, folder: str, files: list[str], image: str, label: str, where: str):
-        self.folder, self.files, self.image, self.label, self.where = folder, files, image, label, where
+    def __init__(self, folder: str, files: list[str], sizes: list[int], image: str, label: str, where: str):
+        self.folder, self.files, self.sizes, self.image, self.label, self.where = folder, files, sizes, image, label, where
 
     def __call__(self) -> tuple[Any, list[int], None]:
         pa = pyarrow_module()
         tables = []
-        for name in self.files:  # every chunk checked, not only the first one the columns were read from
-            t = _footer_table(os.path.join(self.folder, name))
+        for name, size in zip(self.files, self.sizes):  # every chunk checked, not only the first one read
+            t = _footer_table(os.path.join(self.folder, name), self.where)
             missing = [c for c in (self.image, self.label) if t is not None and c not in t.column_names]
             if t is None or missing:
                 why = "no Arrow table of the items" if t is None else f"no field {', '.join(map(repr, missing))}"
-                raise ValueError(f"{self.where}: its chunk {name!r} holds {why} (written by another litdata "
-                                 "version or run?): optimize the data again, or read it with litdata")
+                raise DatasetError(f"{self.where}: its chunk {name!r} holds {why} (written by another litdata "
+                                   "version or run?): optimize the data again, or read it with litdata")
+            if t.num_rows != size:
+                raise DatasetError(f"{self.where}: its chunk {name!r} holds {t.num_rows} items, index.json says "
+                                   f"{size}; it is damaged, {OPTIMIZE_AGAIN}")
             tables.append(t.select([self.image, self.label]))
-        table = pa.concat_tables(tables)
+        with damage_named(f"{self.where}: the table its chunks make", OPTIMIZE_AGAIN):  # fields of different types
+            table = pa.concat_tables(tables)
         return table.column(self.image), label_values(table, self.label, self.where), None
 
 
@@ -89,22 +106,29 @@ def litdata_images(folder: str, image_column: str | None = None, label_column: s
     pa = pyarrow_module()
     folder = os.path.abspath(folder)
     where = f"LitData directory {quoted(folder)}"
-    with open(os.path.join(folder, "index.json"), encoding="utf-8") as f:
-        index = json.load(f)
+    index = read_json(os.path.join(folder, "index.json"), where, repair=OPTIMIZE_AGAIN)  # a mapping, bounded
     config, chunks = index.get("config") or {}, index.get("chunks") or []
+    if not isinstance(config, dict) or not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
+        raise DatasetError(f"{where}: its index.json has no config object or list of chunks; it is damaged, "
+                           f"{OPTIMIZE_AGAIN}")
     if not chunks:
-        raise ValueError(f"{where} has no chunks (an empty or unfinished litdata.optimize)")
+        raise DatasetError(f"{where} has no chunks (an empty or unfinished litdata.optimize)")
     refuse = "; fast_loader reads LitData chunks whose dict items keep the image file's bytes, uncompressed " \
              "(litdata.optimize with fn returning {'image': open(path, 'rb').read(), 'label': y})"
     for key in ("compression", "encryption"):
         if config.get(key):
             raise ValueError(f"{where} has {key}={config[key]!r} chunks: their images are readable only through "
                              f"litdata's own deserialisers{refuse}")
-    files = [c["filename"] for c in chunks]
+    files = [c.get("filename") for c in chunks]
+    sizes = [c.get("chunk_size") for c in chunks]
+    bad = [n for n in sizes if type(n) is not int or n < 0]
+    if bad:
+        raise DatasetError(f"{where}: its index.json gives a chunk size that is not a count of items ({bad[0]!r}); "
+                           f"it is damaged, {OPTIMIZE_AGAIN}")
     for name in files:
-        if not os.path.isfile(os.path.join(folder, name)):
+        if not os.path.isfile(inside(folder, name, where, "index.json", OPTIMIZE_AGAIN)):
             raise FileNotFoundError(f"{where} lacks its chunk {name!r} (index.json lists it)")
-    first = _footer_table(os.path.join(folder, files[0]))
+    first = _footer_table(os.path.join(folder, files[0]), where)
     if first is None:
         raise ValueError(f"{where}: its chunks hold no Arrow table of the items (written by another litdata "
                          f"version, or items that are not dicts){refuse}")
@@ -123,7 +147,7 @@ def litdata_images(folder: str, image_column: str | None = None, label_column: s
     if label is None:
         raise ValueError(f"{where}: no integer label field found (its fields: {', '.join(names)}); name it with "
                          "label_column=")
-    sizes = [int(c.get("chunk_size", 0)) for c in chunks]
     identity = {"litdata": folder, "n": sum(sizes), "columns": [image, label],
                 "files": file_identity([os.path.join(folder, f) for f in ["index.json", *files]])}
-    return ArrowImages(_Chunks(folder, files, image, label, where), [], where, identity, row_name=_ItemName(files, sizes))
+    return ArrowImages(_Chunks(folder, files, sizes, image, label, where), [], where, identity,
+                       row_name=_ItemName(files, sizes), repair=OPTIMIZE_AGAIN)

@@ -25,7 +25,7 @@ from torchspeed.data.fastloader import FastLoader
 from torchspeed.data.prefetch import DevicePrefetcher
 from torchspeed.data.rendering import AugmentedDataset, normalised_batches
 from torchspeed.data.sampler import EpochBatchSampler
-from torchspeed.data.sources import as_source, sample_name, source_identity
+from torchspeed.data.sources import as_source, sample_name, source_identity, source_name
 from torchspeed.data.threads import ThreadedBatches
 from torchspeed.data.tune import TuneResult, as_counts, candidate_counts, measure_settings, remembered_settings
 from torchspeed.images import IMAGENET_MEAN, IMAGENET_STD
@@ -162,7 +162,9 @@ def _build_loader(data: Any, batch_size: int, options: LoaderOptions) -> FastLoa
     source = as_source(data, in_memory=options.in_memory, image_column=options.image_column,
                        label_column=options.label_column, on_error=options.on_error)
     if len(source) == 0:
-        raise ValueError("the dataset is empty")
+        left_out = getattr(source, "left_out", 0)  # samples left out under on_error="skip" (tar shards)
+        raise ValueError(f"the dataset is empty: no samples in {source_name(source)}"
+                         + (f" ({left_out} left out: see the warnings)" if left_out else ""))
     options = _with_device(options)
     options, decoder_table = with_decoder(source, options)
     augmented, sampler = _dataset_and_sampler(source, batch_size, options)
@@ -257,11 +259,14 @@ def _measured_decoder(source: Any, samples: list[tuple[int, Any]], options: Load
         return choose_decoder([rec.payload for _, rec in samples], parts=parts, progress=options.progress, device=device,
                               refresh=options.refresh, crops=crops)
     except Exception as e:
-        for index, rec in samples:
-            try:
-                get_decoder("pil").decode(rec.payload)
-            except Exception as bad:
-                raise ValueError(f"cannot decode {sample_name(source, index)}: {type(bad).__name__}: {bad}") from None
+        for index, rec in samples:  # the sample that fails, named (PIL reads most; simplejpeg is the reference)
+            for name in ("pil", "simplejpeg"):
+                try:
+                    get_decoder(name).decode(rec.payload)
+                except ImportError:
+                    continue
+                except Exception as bad:
+                    raise ValueError(f"cannot decode {sample_name(source, index)}: {type(bad).__name__}: {bad}") from None
         raise e
 
 

@@ -7,7 +7,10 @@ renders the whole batch with the GIL released once, and no Python runs per sampl
 
 The pixels: the decode is `TurboJpeg.decode`'s with a region; the resize uses OpenCV's coordinates and
 kernels (INTER_LINEAR, INTER_AREA past a 2x shrink) in its own integer arithmetic, so a pixel may differ
-from `augment.render`'s by one level (tests/test_native_crops.py). Compiled at install as an optional
+from `augment.render`'s by one level (tests/test_native_crops.py). A sample it does not render (data that does
+not decode, a box that is empty or leaves its image, a stored size that is not the JPEG's, a chroma layout it
+cannot crop, a box shrunk past 2x on one axis and grown on the other, where OpenCV's own rules differ by
+version) has a non-zero status: the loader renders it again in Python, which names it or renders it. Compiled at install as an optional
 extension: without a C compiler the install goes on and the loader renders sample by sample.
 """
 from __future__ import annotations
@@ -69,24 +72,33 @@ class NativeCrops:
         `normalize` = (scale, shift) per channel, each pixel then written as `x * scale + shift` (x the uint8
         value, in float32: the pixels `prefetch.normalize_batch` makes of the uint8 batch). `boxes`: (top,
         left, height, width, flip) per sample, in stored pixels (`heights`, `widths`). A sample whose status
-        is not 0 (a size refused, data that cannot be decoded: see data/_crops.c) leaves its slot as it was."""
+        is not 0 (an empty box or one outside its image, a JPEG whose size is not the stored one, a size refused,
+        data that cannot be decoded: see data/_crops.c) leaves its slot as it was."""
         n = len(payloads)
         dtype = np.float32 if normalize is not None else np.uint8
-        if out.dtype != dtype or not out.flags.c_contiguous or out.shape[0] < n:
+        if out.dtype != dtype or not out.flags.c_contiguous or out.ndim != 4 or out.shape[0] < n:
             raise ValueError(f"out must be a C-contiguous {np.dtype(dtype).name} batch of >= {n} slots")
         oh, ow = (out.shape[2], out.shape[3]) if chw else (out.shape[1], out.shape[2])
-        data, offsets = self._gathered(payloads)
+        if oh < 1 or ow < 1 or out.shape[1 if chw else 3] != 3:
+            raise ValueError(f"out must hold RGB slots of at least one pixel, got shape {out.shape}")
         info = np.empty((n, 7), np.int32)
-        info[:, 0], info[:, 1], info[:, 2:] = heights, widths, boxes
+        try:  # a box that is empty or leaves its image is refused per sample by the native call (its status)
+            info[:, 0], info[:, 1], info[:, 2:] = heights, widths, boxes
+        except (OverflowError, ValueError, TypeError) as e:
+            raise ValueError(f"sizes and boxes must be n int32 values and n (top, left, height, width, flip) ({e})") from None
+        data, offsets = self._gathered(payloads)
         status = np.zeros(n, np.int32)
         if normalize is not None:
             scale, shift = (np.ascontiguousarray(v, np.float32) for v in normalize)
             floats, scale_p, shift_p, out_p = out.ctypes.data, scale.ctypes.data, shift.ctypes.data, None
         else:
             floats, scale_p, shift_p, out_p = None, None, None, out.ctypes.data
-        if self._lib.ts_crops_render(n, data, offsets.ctypes.data, info.ctypes.data, oh, ow, int(chw), max_pixels,
-                                     out_p, floats, scale_p, shift_p, status.ctypes.data) < 0:
+        failed = self._lib.ts_crops_render(n, data, offsets.ctypes.data, info.ctypes.data, oh, ow, int(chw),
+                                           max_pixels, out_p, floats, scale_p, shift_p, status.ctypes.data)
+        if failed == -1:
             raise MemoryError("libturbojpeg could not create a decompressor")
+        if failed < 0:
+            raise ValueError(f"the native renderer refused the call (status {failed})")
         return status
 
 

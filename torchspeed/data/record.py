@@ -81,6 +81,8 @@ def to_hwc_uint8(x: Any) -> np.ndarray:
         a = a[..., None]
     if a.ndim != 3 or a.shape[2] not in (1, 3, 4):
         raise UnsupportedSample(f"expected an HWC image with 1, 3 or 4 channels, got shape {a.shape}")
+    if a.shape[0] == 0 or a.shape[1] == 0:
+        raise ValueError(f"the image is empty ({a.shape[0]}x{a.shape[1]} pixels)")
     if a.shape[2] == 1:
         a = np.repeat(a, 3, axis=2)
     if a.shape[2] == 4:  # RGBA over white, as rgb_image does for a PIL image

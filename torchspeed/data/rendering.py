@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from torchspeed import images as image_rules
 from torchspeed.data.augment import needed_size, render, render_tensor, sample_rng
-from torchspeed.data.decode import GPU_DECODERS, decode_jpeg_batch_cuda, decoding_stream, get_decoder
+from torchspeed.data.decode import DECODING, GPU_DECODERS, decode_jpeg_batch_cuda, decoding_stream, get_decoder, jpeg_size
 from torchspeed.data.prefetch import BufferPool, DevicePrefetcher
 from torchspeed.data.sources import sample_name
 from torchspeed.data.threads import ThreadedBatches
@@ -24,6 +24,12 @@ from torchspeed.data.threads import ThreadedBatches
 __all__ = ["AugmentedDataset", "normalised_batches"]
 
 log = logging.getLogger(__name__)
+
+
+def decoded_as_stored(height: int, width: int, decoded_h: int, decoded_w: int) -> bool:
+    """Whether a decode of decoded_h x decoded_w pixels is of an image of the stored height x width, at a
+    DCT scale of 1, 1/2, 1/4 or 1/8 (libjpeg's sizes: rounded up)."""
+    return any(-(-height // s) == decoded_h and -(-width // s) == decoded_w for s in (1, 2, 4, 8))
 
 
 class AugmentedDataset(Dataset):
@@ -42,19 +48,29 @@ class AugmentedDataset(Dataset):
         return len(self.source)
 
     def _render(self, index: int, rec: Any, box: Any, out: np.ndarray) -> int:
-        """Sample `index` (its record `rec`, its crop `box`) decoded, cropped and resized into `out`; its label."""
-        if rec.kind == "jpeg":
-            h, w = rec.height, rec.width
-            min_h, min_w = needed_size(h, w, box, self.size)  # just enough pixels: a DCT-scaled decode
-            try:  # a decoder that crops decodes only the part the box needs (its origin and the full size with it)
+        """Sample `index` (its record `rec`, its crop `box`) decoded, cropped and resized into `out`; its label.
+        Whatever fails on the way (the decode, a stored size that is not the JPEG's, the resize) is one
+        ValueError naming the sample: the per-sample error handling (on_error) covers all of it."""
+        try:
+            if rec.kind == "jpeg":
+                h, w = rec.height, rec.width
+                min_h, min_w = needed_size(h, w, box, self.size)  # just enough pixels: a DCT-scaled decode
+                DECODING.image = lambda: sample_name(self.source, index)  # for a fallback's DEBUG line
+                # a decoder that crops decodes only the part the box needs (its origin and the full size with it)
                 img, r0, c0, fh, fw = self._decoder.decode_region(
                     rec.payload, min_h, min_w, (box.top, box.left, box.height, box.width))
-            except Exception as e:  # truncated or corrupt JPEG data: the error names the file (or record)
-                raise ValueError(f"cannot decode {sample_name(self.source, index)}: {type(e).__name__}: {e}") from None
-            render(img, box, out, None, fh / h, fw / w, chw=self.layout == "NCHW", origin=(r0, c0), full=(fh, fw))
-        else:
-            img = rec.payload
-            render(img, box, out, None, img.shape[0] / rec.height, img.shape[1] / rec.width, chw=self.layout == "NCHW")
+                DECODING.image = None
+                if not decoded_as_stored(h, w, fh, fw):
+                    raise ValueError(f"its JPEG is {'x'.join(map(str, jpeg_size(rec.payload)))} pixels, but the record "
+                                     f"says {h}x{w}")
+                render(img, box, out, None, fh / h, fw / w, chw=self.layout == "NCHW", origin=(r0, c0), full=(fh, fw))
+            else:
+                img = rec.payload
+                render(img, box, out, None, img.shape[0] / rec.height, img.shape[1] / rec.width,
+                       chw=self.layout == "NCHW")
+        except Exception as e:  # truncated or corrupt JPEG data, a damaged record: the error names the file (or record)
+            DECODING.image = None
+            raise ValueError(f"cannot decode {sample_name(self.source, index)}: {type(e).__name__}: {e}") from None
         return rec.label
 
     @property
@@ -174,13 +190,24 @@ class AugmentedDataset(Dataset):
                                if jpegs else []))
             kept = [j for j in range(len(keys)) if decoded.get(j, True) is not None]  # skip: None = left out
             images = torch.empty(self.batch_shape(len(kept)), dtype=torch.uint8, device=self.device)
-            for slot, j in enumerate(kept):
+            rendered = []
+            for j in kept:
                 (epoch, index), rec = keys[j], records[j]
-                img = decoded[j] if j in decoded else torch.from_numpy(
-                    np.require(rec.payload, np.uint8, ["C", "W"])).permute(2, 0, 1).to(self.device)  # raw: read-only
-                box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
-                render_tensor(img, box, images[slot], chw=self.layout == "NCHW")
-        return images, torch.tensor([records[j].label for j in kept], dtype=torch.int64)
+                try:  # the crop and resize inside the per-sample error handling too
+                    img = decoded[j] if j in decoded else torch.from_numpy(
+                        np.require(rec.payload, np.uint8, ["C", "W"])).permute(2, 0, 1).to(self.device)  # raw: read-only
+                    if j in decoded and tuple(img.shape[1:]) != (rec.height, rec.width):
+                        raise ValueError(f"its JPEG is {img.shape[1]}x{img.shape[2]} pixels, but the record says "
+                                         f"{rec.height}x{rec.width}")
+                    box = self.transform.box(rec.height, rec.width, sample_rng(self.seed, epoch, index))
+                    render_tensor(img, box, images[len(rendered)], chw=self.layout == "NCHW")
+                    rendered.append(j)
+                except Exception as e:
+                    error = ValueError(f"cannot decode {sample_name(self.source, index)}: {type(e).__name__}: {e}")
+                    if self.on_error != "skip":
+                        raise error from None
+                    log.warning("left out of the batch: %s", error)
+        return images[:len(rendered)], torch.tensor([records[j].label for j in rendered], dtype=torch.int64)
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The collated batch: uint8 NCHW (or NHWC) images filled in place sample by sample, int64 labels."""

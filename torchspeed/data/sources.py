@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from torchspeed.batches import BatchFormat
+from torchspeed.data.format_guard import label_problem
 from torchspeed.data.hfdatasets import hf_images, is_hf_dataset, is_hf_folder
 from torchspeed.data.litformat import is_litdata_dir, litdata_images
 from torchspeed.data.record import (Record, UnsupportedSample, decode_record, encoded_record, integer_label,
@@ -23,8 +24,8 @@ from torchspeed.models import is_factory_spec, load_callable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FolderSource", "DatasetSource", "Subset", "as_source", "sample_name", "train_val_split", "evenly_spread",
-           "is_dataset_spec", "dataset_from_spec", "spec_for_tuning", "source_identity"]
+__all__ = ["FolderSource", "DatasetSource", "Subset", "as_source", "sample_name", "source_name", "train_val_split",
+           "evenly_spread", "is_dataset_spec", "dataset_from_spec", "spec_for_tuning", "source_identity"]
 
 
 class FolderSource:
@@ -102,7 +103,11 @@ class DatasetSource:
                                     "of one image and a label (image/label, pixel_values/labels, ...)")
         try:
             img = to_hwc_uint8(x)
-            return Record("array", img, img.shape[0], img.shape[1], integer_label(y))
+            label = integer_label(y)
+            why = label_problem(label, len(self.classes) or None)  # as every format's labels are checked
+            if why:
+                raise ValueError(f"its label is {why}")
+            return Record("array", img, img.shape[0], img.shape[1], label)
         except UnsupportedSample as e:
             raise UnsupportedSample(f"{self.name(index)}: {e}") from None
         except Exception as e:
@@ -175,6 +180,21 @@ def sample_name(source: Any, index: int) -> str:
     """How errors name sample `index` of a source: its file, its record in a store, or its index."""
     name = getattr(source, "name", None)
     return name(index) if callable(name) else f"sample {index} of {getattr(source, 'root', type(source).__name__)}"
+
+
+def source_name(source: Any) -> str:
+    """How errors name a whole source: its files (a store, a folder, tar shards, a dataset folder) or its Dataset."""
+    if getattr(source, "where", None):  # tar shards, Arrow columns
+        return str(source.where)
+    if isinstance(source, PackedDataset):
+        return f"the store {quoted(source.path)}"
+    if isinstance(source, FolderSource):
+        return f"the folder {quoted(source.root)}"
+    if isinstance(source, DatasetSource):
+        return source.spec or f"the {type(source.dataset).__name__} Dataset"
+    if isinstance(source, Subset):
+        return f"a part of {source_name(source.source)}"
+    return f"the {type(source).__name__}"
 
 
 def is_dataset_spec(data: Any) -> bool:

@@ -66,7 +66,7 @@ def looks_damaged(path: str | os.PathLike) -> str | None:
         try:
             with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
                 kind = json.load(f).get("kind")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             kind = None
         if kind == STORE_KIND:
             return "its data.mdb is missing (the manifest is there)"
@@ -127,8 +127,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     try:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"the manifest of store {path!r} is unreadable ({e}); re-pack the store") from None
+    except (OSError, ValueError, RecursionError, MemoryError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise ValueError(f"the manifest of store {path!r} is unreadable ({why}); re-pack the store") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != STORE_KIND:
         raise ValueError(f"{path!r} is not a torchspeed packed store (its manifest has no kind {STORE_KIND!r})")
     version = manifest.get("format_version")

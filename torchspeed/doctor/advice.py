@@ -103,6 +103,23 @@ FIXES: dict[str, Fix] = {
         "use channels_last memory format for conv models: ts.train.accelerate(channels_last='auto') keeps it "
         "only where it measures faster (it can be slower in fp32)",
         "torchspeed doctor --try channels_last -- python your_train.py"),
+    # transformer loops (doctor): attention and token padding (`transformer_rules`)
+    "sdpa-backend": Fix(
+        "run scaled_dot_product_attention with the backend measured fastest on the model's shapes: "
+        "`with torch.nn.attention.sdpa_kernel(SDPBackend.NAME):` around the training loop",
+        "torchspeed doctor --try sdpa -- python your_train.py"),
+    "sdpa-backends": Fix(
+        "nothing to change: torch's default SDPA backend is the fastest measured on the model's shapes",
+        "torchspeed doctor --try sdpa -- python your_train.py", "info"),
+    "hand-written-attention": Fix(
+        "compute attention with torch.nn.functional.scaled_dot_product_attention (fused kernels; no T x S "
+        "score matrix kept for the backward); a transformers model: attn_implementation=\"sdpa\"",
+        "torchspeed doctor --try -- python your_train.py"),
+    "token-padding": Fix(
+        "batch samples of similar length together and pad each batch to its longest: a length-grouped sampler "
+        "(transformers' LengthGroupedSampler; a Trainer's train_sampling_strategy=\"group_by_length\"), or pack "
+        "samples into full rows",
+        "torchspeed doctor --try length_grouped -- python your_train.py"),
     # loss / activation pairing (doctor, profile, lint)
     "double-softmax": Fix(
         "feed raw logits to CrossEntropyLoss (it applies log_softmax itself): remove the final softmax, "
@@ -137,6 +154,22 @@ FIXES: dict[str, Fix] = {
         "round channel counts to multiples of 8 (vector units and tensor cores work in blocks of 8/16); "
         "ts.compress.prune can prune to rounded widths",
         "torchspeed bench design"),
+    # transformer rules of lint (`transformer_lint`, which reports hand-written-attention too)
+    "size-not-multiple-of-64": Fix(
+        "pad the vocabulary to a multiple of 64 (nanoGPT: 50,257 -> 50,304; the extra logits are never targets; "
+        "Hugging Face: model.resize_token_embeddings(n, pad_to_multiple_of=64)) and keep hidden sizes multiples of "
+        "64: matmul kernels work in blocks, and a ragged edge runs a slower path",
+        "torchspeed lint MODEL"),
+    "dropout-at-inference": Fix(
+        "run dropout in training only: F.dropout(x, p, training=self.training) (its default is training=True) "
+        "and F.scaled_dot_product_attention(..., dropout_p=p if self.training else 0.0); nn.Dropout modules "
+        "follow model.eval() by themselves",
+        "torchspeed lint MODEL", "bug"),
+    "untied-head": Fix(
+        "tie the output head to the token embedding (GPT-2, BERT and nanoGPT do): model.lm_head.weight = "
+        "model.<token embedding>.weight, or tie_word_embeddings=True in a Hugging Face config; it changes the "
+        "model, so compare the loss it trains to",
+        "torchspeed lint MODEL", "info"),
     "depthwise-heavy": Fix(
         "depthwise convs have low FLOPs but high memory access (G2/G4); check the backbone's measured "
         "latency, not its FLOPs: ts.compress.select_backbone",

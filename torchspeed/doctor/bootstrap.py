@@ -19,7 +19,7 @@ import traceback
 from typing import Any
 
 from torchspeed.atomic import write_json
-from torchspeed.doctor.child_env import ENV_CPROFILE, ENV_FIXES, ENV_OUT, ENV_SEED, ENV_STEPS, ENV_TRACE
+from torchspeed.doctor.child_env import ENV_CPROFILE, ENV_FIXES, ENV_OUT, ENV_PROBE, ENV_SEED, ENV_STEPS, ENV_TRACE
 
 __all__ = ["main"]
 
@@ -31,9 +31,12 @@ def main() -> None:
     from torchspeed.ranks import env
 
     out = os.environ.pop(ENV_OUT, None)
-    if out and (where := env()).distributed:  # a torchrun worker: one record per rank
+    where = env()
+    if out and where.distributed:  # a torchrun worker: one record per rank
         out = f"{out}.rank{where.rank}"
     rec, prof = _recorder_from_env()
+    # --try's first run measures the attention it saw, after its steps (under torchrun on rank 0 only)
+    rec.measure_attention = os.environ.pop(ENV_PROBE, "") == "attention" and where.rank == 0
     mode, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     _become_the_script(mode, target, args)
     status, code, error, pending = "finished", 0, None, None

@@ -8,3 +8,4 @@ ENV_TRACE = "TORCHSPEED_DOCTOR_TRACE"
 ENV_CPROFILE = "TORCHSPEED_DOCTOR_CPROFILE"
 ENV_SEED = "TORCHSPEED_DOCTOR_SEED"  # --try: every run seeded alike, so losses compare
 ENV_FIXES = "TORCHSPEED_DOCTOR_FIXES"  # --try: JSON {fix name: value} applied by the bootstrap
+ENV_PROBE = "TORCHSPEED_DOCTOR_PROBE"  # --try's first run: "attention" measures the attention seen, after the steps

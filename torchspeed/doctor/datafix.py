@@ -1,8 +1,9 @@
 """The data fix `doctor --try fast_loader` measures: a torch DataLoader reading image files (an
 ImageFolder / DatasetFolder, or a Dataset of `(path, label)` samples) through the standard transforms
 is swapped for `torchspeed.data.fast_loader` on the same files, crop, flip and normalisation read from
-its Compose. Why not only more workers: PIL's full-size JPEG decode is the cost, and on few cores
-workers add no core; fast_loader decodes DCT-scaled and crops on uint8 in threads that release the GIL.
+its transforms (torchvision's v1 or v2, in a Compose, nested, or held by a preset class as torchvision's
+reference scripts write them). Why not only more workers: PIL's full-size JPEG decode is the cost, and on
+few cores workers add no core; fast_loader decodes DCT-scaled and crops on uint8 in threads that release the GIL.
 
 `describe` reads a DataLoader into a plain dict (in the script's process, without importing torch);
 `candidates`, `code` and `numerics` (same files and labels; image statistics within tolerance, as
@@ -10,6 +11,7 @@ random crops never give equal pixels) run in the parent. The swap itself is `inj
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import Any
@@ -101,14 +103,93 @@ def _size(v: Any) -> int | None:
     return None
 
 
+_PIXELS = {"PIL": "a PIL image", "uint8": "a uint8 tensor (0-255)", "float": "a float tensor scaled to [0, 1]",
+           "float 0-255": "a float tensor of 0-255 values"}  # what a transform receives, as it is called in a reason
+_NO_OPS = ("ToPureTensor", "Identity")  # v2's tv_tensor-to-plain-tensor step and the identity: pixels unchanged
+
+
+def _name(t: Any) -> str:
+    """A transform's name in a message: a function's own name ('<lambda>'), else its class."""
+    return getattr(t, "__name__", type(t).__name__) if inspect.isroutine(t) else type(t).__name__
+
+
+def _is_torchvision(t: Any) -> bool:
+    """A torchvision transform object, v1 or v2 (not a class or an enum of those modules)."""
+    return callable(t) and not isinstance(t, type) and type(t).__module__.startswith("torchvision.transforms")
+
+
+def _steps_of(t: Any) -> list[Any] | None:
+    """The transforms a container applies in order: a Compose (v1, v2, or any object holding a list in
+    `transforms`) or an nn.Sequential; None for anything else."""
+    steps = getattr(t, "transforms", None)
+    if isinstance(steps, (list, tuple)):
+        return list(steps)
+    if type(t).__name__ == "Sequential" and type(t).__module__.startswith("torch.nn"):
+        return list(t.children())
+    return None
+
+
+def _held(t: Any) -> list[tuple[str, Any]]:
+    """The attributes of a user's object that are a pipeline (a container or a torchvision transform): how
+    a preset class is read, e.g. torchvision's reference ClassificationPresetTrain, whose __call__
+    applies the `self.transforms = Compose([...])` it built (an nn.Module preset holds it in _modules)."""
+    attrs = getattr(t, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return []
+    modules = attrs.get("_modules")
+    pairs = [(k, v) for k, v in attrs.items() if k != "_modules"]
+    pairs += list(modules.items()) if isinstance(modules, dict) else []
+    return [(k, v) for k, v in pairs if _steps_of(v) is not None or _is_torchvision(v)]
+
+
+def _pipeline(t: Any, where: str, depth: int = 0) -> list[tuple[str, Any]] | str:
+    """Every transform `t` applies, in order, each with where it sits ('ClassificationPresetTrain.
+    transforms[2]'): containers opened, a preset class read through the one pipeline it holds, anything
+    else one step; or why the order cannot be known."""
+    if depth > 8:
+        return f"its transform nests containers too deep to read ({where})"
+    steps = _steps_of(t)
+    if steps is None and not _is_torchvision(t) and not inspect.isroutine(t):
+        held = _held(t)
+        if len(held) > 1:
+            return (f"its transform {type(t).__name__} holds several pipelines ({', '.join(k for k, _ in held)}); "
+                    "which one it applies is not known")
+        if held:
+            return _pipeline(held[0][1], f"{where}.{held[0][0]}", depth + 1)
+    if steps is None:
+        return [(where, t)]
+    out: list[tuple[str, Any]] = []
+    for i, step in enumerate(steps):
+        inner = _pipeline(step, f"{where}[{i}]", depth + 1)
+        if isinstance(inner, str):
+            return inner
+        out += inner
+    return out
+
+
+def _image_dtype(dtype: Any) -> Any:
+    """The dtype a ConvertImageDtype / ToDtype gives images: v2's ToDtype also takes a dict by type."""
+    if not isinstance(dtype, dict):
+        return dtype
+    by_name = {getattr(k, "__name__", k): v for k, v in dtype.items()}
+    return next((by_name[k] for k in ("Image", "Tensor", "others") if k in by_name), None)
+
+
 def _transforms(transform: Any) -> dict[str, Any] | str:
-    """The fast_loader settings a torchvision Compose (v1 or v2) amounts to, or why it has none."""
+    """The fast_loader settings a torchvision pipeline (v1 or v2; a Compose, nested, or held by a preset
+    class) amounts to, or why it has none: the first transform fast_loader does not apply is named with
+    where it sits. Pixels are followed from the PIL image: ToTensor, or PILToTensor / ToImage then
+    ConvertImageDtype(torch.float) / ToDtype(torch.float32, scale=True), must give a float tensor
+    scaled to [0, 1], as fast_loader's batches are, before Normalize."""
     if transform is None:
         return "its Dataset has no transform (it yields PIL images, not tensors)"
-    steps = list(getattr(transform, "transforms", None) or [transform])
+    steps = _pipeline(transform, type(transform).__name__)
+    if isinstance(steps, str):
+        return steps
     seen: dict[str, Any] = {}
-    for t in steps:
-        name = type(t).__name__
+    pixels = "PIL"
+    for where, t in steps:
+        name = _name(t)
         if name == "RandomResizedCrop":
             size, ratio = _size(t.size), tuple(t.ratio)
             if size is None:
@@ -121,24 +202,41 @@ def _transforms(transform: Any) -> dict[str, Any] | str:
                 return f"RandomHorizontalFlip(p={t.p}); fast_loader flips with p=0.5"
             seen["flip"] = True
         elif name == "Resize":
-            size = t.size if isinstance(t.size, int) else t.size[0] if len(t.size) == 1 else None
+            if getattr(t, "max_size", None) is not None:
+                return f"Resize(max_size={t.max_size}) caps the long side; fast_loader resizes the short side only"
+            size = t.size if isinstance(t.size, int) else \
+                t.size[0] if isinstance(t.size, (list, tuple)) and len(t.size) == 1 else None
             if size is None:
-                return f"Resize({list(t.size)}) squashes to a fixed shape; fast_loader resizes the short side"
+                return f"Resize({t.size}) squashes to a fixed shape; fast_loader resizes the short side"
             seen["resize"] = int(size)
         elif name == "CenterCrop":
             if (size := _size(t.size)) is None:
                 return f"CenterCrop({t.size}) is not square; fast_loader crops squares"
             seen["center"] = size
-        elif name in ("ToTensor", "ToImage", "PILToTensor", "ToImageTensor"):
-            seen["tensor"] = seen.get("tensor") or name == "ToTensor"
-        elif name in ("ToDtype", "ConvertImageDtype"):
-            seen["tensor"] = "float" in str(getattr(t, "dtype", "")) and getattr(t, "scale", True)
+        elif name == "ToTensor":
+            pixels = "float"
+        elif name in ("PILToTensor", "ToImage", "ToImageTensor"):
+            pixels = "uint8" if pixels == "PIL" else pixels
+        elif name in ("ConvertImageDtype", "ToDtype"):
+            dtype = _image_dtype(getattr(t, "dtype", None))
+            if pixels == "PIL" or dtype is None:
+                continue  # v2 passes a PIL image through; a None dtype leaves images as they are
+            if str(dtype) != "torch.float32":
+                return f"{name}({dtype}) ({where}) makes {dtype} images; fast_loader's are float32"
+            if pixels == "uint8":
+                pixels = "float" if name == "ConvertImageDtype" or getattr(t, "scale", False) else "float 0-255"
         elif name == "Normalize":
+            if pixels != "float":
+                return f"Normalize ({where}) is given {_PIXELS[pixels]}; fast_loader normalises {_PIXELS['float']}"
             seen["mean"], seen["std"] = [float(m) for m in t.mean], [float(s) for s in t.std]
-        else:
-            return f"its transforms include {name}, which fast_loader does not apply"
-    if not seen.get("tensor"):
-        return "its transforms do not end in a float tensor scaled to [0, 1] (ToTensor)"
+        elif name not in _NO_OPS:
+            return f"its transforms include {name} ({where}), which fast_loader does not apply"
+    if pixels == "float 0-255":
+        return ("its images stay 0-255 floats (ToDtype without scale=True); fast_loader's are scaled to [0, 1] "
+                "(ToDtype(torch.float32, scale=True))")
+    if pixels != "float":
+        return ("its transforms do not end in a float tensor scaled to [0, 1] (ToTensor, or PILToTensor / ToImage "
+                "then ConvertImageDtype(torch.float) / ToDtype(torch.float32, scale=True))")
     norm = {"mean": seen.get("mean"), "std": seen.get("std")}
     if "rrc" in seen:
         if not seen.get("flip") or "resize" in seen or "center" in seen:

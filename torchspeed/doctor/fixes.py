@@ -4,16 +4,21 @@ close its losses must stay to the baseline's. The parent plans without torch; ho
 injects a fix in the script's process is `injection`'s. What each fix injects and when it is tried:
 the fix table of docs/doctor.md. Numerics: the loader fixes must give the same batches in order,
 `fast_loader` the same files and labels with close image statistics (`datafix`), the others the
-first losses within `TOLERANCES` ("precision" for bf16 / fp16, "math" for the rest).
+first losses within `TOLERANCES` ("precision" for bf16 / fp16, "math" for the rest); `length_grouped`
+draws other batches of the same samples, so its losses are not compared (it must have been applied).
+`compile` is tried by default on a compute-bound loop, whole and, where the model repeats a block,
+regional; `trying` weighs its compile seconds against the script's planned steps.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from torchspeed.doctor import datafix
+from torchspeed.doctor import datafix, script_code
 from torchspeed.doctor.rules import loader_parallelism, training_loaders
+from torchspeed.doctor.transformer_rules import PADDING_MIN_SHARE, SDPA_BACKENDS, padding_estimate, sdpa_gain
 
 __all__ = ["FIX_NAMES", "FUSABLE", "TOLERANCES", "Plan", "check_names", "plan", "code_for", "label", "numerics"]
 
@@ -25,7 +30,7 @@ NUMERICS_STEPS = 2
 BATCHES_COMPARED = 3
 TOLERANCES = {"math": 1e-3, "precision": 5e-2}
 KIND = {"workers": "loader", "persistent_workers": "loader", "pin_memory": "loader", "bf16": "precision",
-        "fp16": "precision", "fast_loader": "images"}
+        "fp16": "precision", "fast_loader": "images", "length_grouped": "order"}
 # fixes that change the same loader: a combination keeps the faster one of each group
 CONFLICTS = (("fast_loader", "workers", "persistent_workers", "pin_memory"),)
 # the findings whose estimated gain a fix measures
@@ -34,7 +39,7 @@ RULES = {"workers": ("loader-no-workers", "data-bound"), "fast_loader": ("loader
          "pin_memory": ("no-pin-memory",), "bf16": ("no-autocast",), "fp16": ("no-autocast",),
          "channels_last": ("no-channels-last",), "cudnn_benchmark": ("cudnn-benchmark-off",),
          "inference_mode": ("eval-without-no-grad",), "threads": ("cpu-oversubscribed",),
-         "compile": ("python-overhead",)}
+         "compile": ("python-overhead",), "sdpa": ("sdpa-backend",), "length_grouped": ("token-padding",)}
 FUSABLE = ("SGD", "Adam", "AdamW")
 # the phases a fix can shorten: removing them entirely bounds its speed-up (threads: everything)
 PHASES_CHANGED = {"workers": ("data", "copy"), "fast_loader": ("data", "copy"), "persistent_workers": ("data", "copy"),
@@ -42,7 +47,8 @@ PHASES_CHANGED = {"workers": ("data", "copy"), "fast_loader": ("data", "copy"), 
                   "bf16": ("forward", "backward", "optimizer", "copy"), "fp16": ("forward", "backward", "optimizer", "copy"),
                   "channels_last": ("forward", "backward", "optimizer", "copy"), "cudnn_benchmark": ("forward", "backward"),
                   "fused_optimizer": ("optimizer",), "inference_mode": ("eval",),
-                  "compile": ("forward", "backward", "other")}
+                  "compile": ("forward", "backward", "other"), "sdpa": ("forward", "backward"),
+                  "length_grouped": ("data", "copy", "forward", "backward")}
 
 
 def max_speedup(name: str, payload: dict[str, Any]) -> float | None:
@@ -80,6 +86,7 @@ class _Seen:
     loaders: list[dict[str, Any]]  # the torch DataLoaders feeding training
     eval_s: float  # evaluation time in the steady steps
     forced: bool
+    verdict: str | None = None  # the baseline's: compute-bound, data-bound, overhead-bound
 
     @property
     def cuda(self) -> bool:
@@ -189,14 +196,46 @@ def _threads(b: _Seen) -> str | list[Any]:
 
 
 def _compile(b: _Seen) -> str | list[Any]:
-    return [True]  # opt-in: only tried when listed
+    if b.s.get("compiled"):
+        return "the script already compiles its model (torch.compile)"
+    if b.verdict != "compute-bound" and not b.forced:
+        return f"the loop is {b.verdict or 'not measured'}: compile speeds up compute; `--try compile` measures it anyway"
+    return ["whole", "regional"] if (b.s.get("model") or {}).get("repeated_blocks") else ["whole"]
+
+
+def _sdpa(b: _Seen) -> str | list[Any]:
+    sites = (b.s.get("attention") or {}).get("sdpa") or []
+    if not sites:
+        return "no F.scaled_dot_product_attention call in the training forward"
+    if b.forced:  # every backend measured usable here but torch's default
+        found = {n for r in sites for n in ((r.get("measured") or {}).get("backends") or {})
+                 if n != (r.get("measured") or {}).get("default")}
+        return sorted(found) or "no other SDPA backend runs the model's shapes here"
+    faster = sorted({g[0] for r in sites if (g := sdpa_gain(r)) is not None})
+    return faster or "torch's default SDPA backend measured fastest on the model's shapes (or was not measured)"
+
+
+def _length_grouped(b: _Seen) -> str | list[Any]:
+    est = padding_estimate(((b.s.get("tokens") or {}).get("batches")) or [])
+    if est is None:
+        return "no token batch with an attention mask or the model's pad id was seen"
+    if est["share"] < PADDING_MIN_SHARE and not b.forced:
+        return f"padding is {est['share']:.0%} of the tokens: little to save"
+    if not b.loaders:
+        return "the batches do not come from a torch DataLoader: group samples by length where the script makes them"
+    if est["fixed_length"] and not b.forced:
+        return ("the batches are padded to a fixed length: pad each batch to its longest sample first (a collate_fn, "
+                "DataCollatorWithPadding), then group by length")
+    return [True]
 
 
 # per fix, in the order they are tried: why the fix is not tried (str), or the values to try it with
 CHECKS: dict[str, Callable[[_Seen], str | list[Any]]] = {
     "workers": _workers, "fast_loader": _fast_loader, "persistent_workers": _persistent_workers,
-    "pin_memory": _pin_memory, "bf16": _bf16, "fp16": _fp16, "channels_last": _channels_last, "cudnn_benchmark": _cudnn_benchmark,
-    "fused_optimizer": _fused_optimizer, "inference_mode": _inference_mode, "threads": _threads, "compile": _compile}
+    "pin_memory": _pin_memory, "length_grouped": _length_grouped, "bf16": _bf16, "fp16": _fp16,
+    "channels_last": _channels_last, "cudnn_benchmark": _cudnn_benchmark,
+    "fused_optimizer": _fused_optimizer, "inference_mode": _inference_mode, "threads": _threads, "sdpa": _sdpa,
+    "compile": _compile}
 FIX_NAMES = tuple(CHECKS)
 
 
@@ -208,17 +247,17 @@ class Plan(NamedTuple):
 def plan(payload: dict[str, Any], requested: list[str] | None = None) -> Plan:
     """The fixes to run for a baseline doctor report, and the skipped ones with the reason.
 
-    `requested` None tries every fix the findings call for (never `compile`); a list (names already
-    checked by `check_names`) tries those fixes where this machine can run them. Hardware checks read
-    the capability: bf16 needs native bf16 (`runtime.default_precision`), fp16 + GradScaler,
+    `requested` None tries every fix the findings call for (`compile` on a compute-bound loop); a list
+    (names already checked by `check_names`) tries those fixes where this machine can run them. Hardware
+    checks read the capability: bf16 needs native bf16 (`runtime.default_precision`), fp16 + GradScaler,
     pin_memory and cudnn.benchmark need CUDA."""
     s = payload.get("settings") or {}
     seen = _Seen(s=s, rules={f["rule"] for f in payload.get("findings") or []},
                  loaders=[ld for ld in training_loaders(s) if ld.get("name", "").startswith("DataLoader")],
                  eval_s=((payload.get("steady") or {}).get("phases") or {}).get("eval", 0.0),
-                 forced=requested is not None)
+                 forced=requested is not None, verdict=payload.get("verdict"))
     out = Plan([], [])
-    for name in requested if requested is not None else [n for n in FIX_NAMES if n != "compile"]:
+    for name in requested if requested is not None else FIX_NAMES:
         result = CHECKS[name](seen)
         if isinstance(result, str):
             out.skipped.append({"fix": name, "reason": result})
@@ -262,15 +301,53 @@ def code_for(name: str, value: Any, payload: dict[str, Any]) -> str:
     if name == "cudnn_benchmark":
         return "torch.backends.cudnn.benchmark = True  # input shapes are fixed"
     if name == "fused_optimizer":
-        kw = "fused=True" if opt in FUSABLE else "foreach=True"
-        return f"optimizer = torch.optim.{opt}(model.parameters(), ..., {kw})"
+        return _optimizer_code(s, opt)
     if name == "inference_mode":
         return "with torch.inference_mode():  # instead of torch.no_grad(), around evaluation"
     if name == "threads":
         return f"torch.set_num_threads({value})  # at the start of the script"
     if name == "compile":
-        return "model = torch.compile(model)"
+        return _compile_code(s, value)
+    if name == "sdpa":
+        return ("from torch.nn.attention import SDPBackend, sdpa_kernel\n"
+                f"with sdpa_kernel(SDPBackend.{SDPA_BACKENDS[value]}):  # around the training loop\n    ...")
+    if name == "length_grouped":
+        if s.get("driver") == "transformers.Trainer":
+            return ('TrainingArguments(..., train_sampling_strategy="group_by_length")  # transformers >= 5; '
+                    "before: group_by_length=True")
+        return ("from transformers.trainer_pt_utils import LengthGroupedSampler  # the order doctor measured\n"
+                'lengths = [len(sample["input_ids"]) for sample in dataset]\n'
+                f"loader = torch.utils.data.DataLoader(dataset, batch_size={bs}, sampler=LengthGroupedSampler({bs}, "
+                "lengths=lengths), ...)  # instead of shuffle=True; pad each batch to its longest sample")
     raise ValueError(f"unknown fix {name!r}")
+
+
+def _optimizer_code(s: dict[str, Any], opt: str) -> str:
+    """The script's own optimizer call with `fused=True` (SGD / Adam / AdamW) or `foreach=True` added, its
+    parameter groups and other arguments as written; a Hugging Face Trainer's option where the Trainer
+    made the optimizer; a generic line only where the call cannot be read."""
+    kw = "fused" if opt in FUSABLE else "foreach"
+    site = (s.get("optimizer_calls") or {}).get(opt) or {}
+    if site.get("package") == "transformers" and opt == "AdamW":
+        return 'TrainingArguments(..., optim="adamw_torch_fused")'
+    edited = script_code.with_keyword(site["file"], site["line"], opt, kw, "True") if site.get("file") else None
+    if edited is None:
+        return f"optimizer = torch.optim.{opt}(<its parameters or parameter groups, as now>, ..., {kw}=True)"
+    return f"# {os.path.basename(site['file'])}:{site['line']}, the script's own call with {kw}=True added\n{edited}"
+
+
+def _compile_code(s: dict[str, Any], value: Any) -> str:
+    """compile=whole: torch.compile of the model (the Trainer's option under a Hugging Face Trainer);
+    compile=regional: torchspeed's regional compilation, and the same in plain torch."""
+    if value != "regional":
+        if s.get("driver") == "transformers.Trainer":
+            return "TrainingArguments(..., torch_compile=True)"
+        return "model = torch.compile(model)  # before the training loop"
+    blocks = (s.get("model") or {}).get("repeated_blocks") or {}
+    path = blocks.get("path") or "blocks"
+    each = f"each {blocks.get('class', 'block')} of model.{path} compiled once, in place"
+    return (f"import torchspeed as ts\nts.train.compile_regions(model)  # {each}\n"
+            f"# plain torch: for block in model.{path}: block.compile()")
 
 
 def numerics(name: str, base: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
@@ -280,6 +357,9 @@ def numerics(name: str, base: dict[str, Any], fixed: dict[str, Any]) -> dict[str
     kind = KIND.get(name, "math")
     if kind == "images":
         return datafix.numerics(base, fixed, BATCHES_COMPARED)
+    if kind == "order":
+        return {"kind": kind, "steps_compared": 0, "max_rel_diff": None, "ok": None,
+                "tolerance": "not judged: the same samples in other batches (grouped by length) give other losses"}
     lb, lf = base.get("losses") or [], fixed.get("losses") or []
     k = min(NUMERICS_STEPS, len(lb), len(lf))
     diff = max((abs(a - b) / max(abs(a), 1e-8) for a, b in zip(lb[:k], lf[:k])), default=None)

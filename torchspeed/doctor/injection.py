@@ -1,7 +1,9 @@
 """How the bootstrap injects the fixes of one `doctor --try` run into the script's process (the child
 side of `fixes`): `FixState` holds them, the Recorder's events call it, and `install` patches what is
-global (DataLoader and optimizer constructors, torch's thread count, cudnn.benchmark, the data fix's
-swap). `torchspeed.data` is imported only where the data fix swaps a loader (`_fast_loader_for`).
+global (DataLoader and optimizer constructors, torch's thread count, cudnn.benchmark, the SDPA backend,
+the data fix's swap, the length-grouped sampler). Other areas are imported only where their fix applies:
+`torchspeed.data` where the data fix swaps a loader (`_fast_loader_for`), `torchspeed.train.compiling`
+where regional compilation compiles the model's repeated blocks (`_compile_regions`).
 """
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.nn.attention import sdpa_kernel
+from torch.utils.data import DataLoader, RandomSampler
 
+from torchspeed.doctor.attention import backend
 from torchspeed.doctor.datafix import describe, keywords
 from torchspeed.doctor.fixes import FUSABLE
+from torchspeed.doctor.grouping import LengthGrouped, sample_lengths
 
 __all__ = ["FixState"]
 
@@ -30,6 +35,7 @@ class FixState:
         self._ctx: list[Any] = []  # per outermost forward: the context entered (or None)
         self._converted: set[int] = set()  # modules made channels_last
         self._compiled: set[int] = set()
+        self._regional_pending: Any = None  # the model whose blocks compile at its next training forward
         self.scaler: Any = None
         self.compile_window: int | None = None
         self.notes: dict[str, Any] = {}  # what a fix found while applied (the data fix: same files?)
@@ -63,6 +69,13 @@ class FixState:
             undo.append(_swap_in_fast_loader(spec["fast_loader"], self.notes.setdefault("fast_loader", {})))
         if spec.get("fused_optimizer"):
             undo.extend(_patch_optimizers())
+        if spec.get("sdpa"):
+            chosen = sdpa_kernel([backend(spec["sdpa"])])
+            chosen.__enter__()
+            undo.append(lambda: chosen.__exit__(None, None, None))
+        if spec.get("length_grouped"):
+            undo.append(_patch_length_grouped(self.notes.setdefault("length_grouped", {
+                "applied": False, "reason": "no shuffled DataLoader of token samples (a length per sample) was made"})))
         return undo
 
     # forward hooks (outermost calls only) -----------------------------------------------------
@@ -81,16 +94,32 @@ class FixState:
                                  for a in args)
             if self.spec.get("bf16") or self.spec.get("fp16"):
                 ctx = torch.autocast(dev, dtype=torch.bfloat16 if self.spec.get("bf16") else torch.float16)
-            if self.spec.get("compile") and id(module) not in self._compiled:
-                self._compiled.add(id(module))
-                module.forward = torch.compile(module.forward)  # from the next call on
-                self.compile_window = rec.steps  # the window (training step) the compile lands in
+            if self.spec.get("compile"):
+                self._compile(rec, module)
         elif self.spec.get("inference_mode") and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             ctx = torch.inference_mode()
         if ctx is not None:
             ctx.__enter__()
         self._ctx.append(ctx)
         return new_args
+
+    def _compile(self, rec: Any, module: Any) -> None:
+        """compile=whole: the outermost training module's forward through torch.compile, from its next
+        call on; compile=regional: its repeated blocks, each compiled once (`compile_regions`), at its next
+        call. Either way the compile lands in the step after `compile_window`, which `step_times` skips."""
+        if self._regional_pending is module:
+            self._regional_pending = None
+            self.notes["compile"] = _compile_regions(module)
+            return
+        if id(module) in self._compiled:
+            return
+        self._compiled.add(id(module))
+        self.compile_window = rec.steps
+        if self.spec["compile"] == "regional":
+            self._regional_pending = module
+        else:
+            module.forward = torch.compile(module.forward)
+            self.notes["compile"] = {"applied": True, "compiled": type(module).__name__}
 
     def forward_post(self, module: Any, output: Any) -> Any:
         ctx = self._ctx.pop() if self._ctx else None
@@ -183,6 +212,42 @@ def _patch_optimizers() -> list[Any]:
         setattr(cls, "__init__", init)
         undo.append(lambda cls=cls, orig=orig: setattr(cls, "__init__", orig))
     return undo
+
+
+def _compile_regions(model: Any) -> dict[str, Any]:
+    """Each repeated block of `model` compiled in place (torchspeed.train's regional compilation)."""
+    from torchspeed.train.compiling import compile_regions, compiled_regions  # the train area, only for this fix
+
+    try:
+        compile_regions(model)
+    except ValueError as e:  # no repeated block
+        return {"applied": False, "reason": str(e)}
+    blocks = compiled_regions(model)
+    return {"applied": True, "blocks": len(blocks), "first": blocks[0] if blocks else None}
+
+
+def _patch_length_grouped(notes: dict[str, Any]) -> Any:
+    """DataLoader.__init__ giving a shuffled loader of token samples the length-grouped order (each sample
+    once per epoch, the same batch size and collate): `grouping.LengthGrouped`. Returns the undo."""
+    orig = DataLoader.__init__
+    sig = inspect.signature(orig)
+
+    def init(self, *a, **k):
+        bound = sig.bind(self, *a, **k)
+        args = bound.arguments
+        sampler = args.get("sampler")
+        shuffled = args.get("shuffle") or isinstance(sampler, RandomSampler)
+        if shuffled and args.get("batch_sampler") is None and args.get("batch_size", 1):
+            lengths = sample_lengths(args["dataset"])
+            if lengths:
+                args["sampler"] = LengthGrouped(lengths, args.get("batch_size", 1), getattr(sampler, "generator", None)
+                                                or args.get("generator"))
+                args["shuffle"] = False
+                notes.update(applied=True, reason=None, samples=len(lengths), batch_size=args.get("batch_size", 1))
+        return orig(*bound.args, **bound.kwargs)
+
+    DataLoader.__init__ = init
+    return lambda: setattr(DataLoader, "__init__", orig)
 
 
 def _swap_in_fast_loader(value: dict[str, Any], notes: dict[str, Any]) -> Any:

@@ -25,10 +25,12 @@ from rich.markup import escape
 from torchspeed.args import progress_fn
 from torchspeed.atomic import atomic_write, write_json
 from torchspeed.doctor import child_env, trying
+from torchspeed.doctor.advice import rank
 from torchspeed.doctor.fixes import check_names, plan
 from torchspeed.doctor.output import markdown, print_profile
 from torchspeed.doctor.phases import PHASES, verdict
 from torchspeed.doctor.rules import loop_findings
+from torchspeed.doctor.transformer_rules import transformer_findings
 from torchspeed.measure import OthersLoad, wait_for_quiet_machine
 from torchspeed.outputs import check_output_file, claim_output_dir
 
@@ -146,12 +148,17 @@ def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> 
                 ph["data"] -= moved
                 ph["eval"] += moved
     syncs = settings.get("host_syncs", 0) / max(1, len(windows))
-    v, evidence = verdict(s_phases, s_wall, host_syncs_per_step=syncs if settings.get("device") == "cuda" else None)
+    made = [ld["dataset"] for ld in settings.get("loaders", [])
+            if ld.get("kind") == "batch function" and ld.get("batches")]
+    v, evidence = verdict(s_phases, s_wall, host_syncs_per_step=syncs if settings.get("device") == "cuda" else None,
+                          data_source=f"making batches in {made[0]}" if made else None)
     if len(steady) < len(windows):
         evidence.append(f"first step excluded as warm-up ({windows[0]['wall']:.2f} s)")
+    if settings.get("grad_scaler_off"):
+        evidence.append(f"GradScaler off: {settings['grad_scaler_off']}")
     facts = {"device": settings.get("device", "cpu"), "steps": len(steady), "wall_s": s_wall, "phases": s_phases,
-             "settings": settings, "verdict": v}
-    findings = loop_findings(facts) if windows else []
+             "settings": settings, "verdict": v, "all_steps": len(windows)}
+    findings = rank(loop_findings(facts) + transformer_findings(facts)) if windows else []
     cmd = shlex.join(command)  # the suggested commands are pasted into a shell as they are printed
     py_script = shlex.join(command[1:]) if len(command) > 1 and _PY.match(os.path.basename(command[0])) else cmd
     for f in findings:  # the measuring command runs on this very script
@@ -376,6 +383,7 @@ def _child_env(steps: int | None, cprofile: bool, trace: bool, out: str | None, 
     env[child_env.ENV_TRACE] = os.path.abspath(os.path.join(out, "doctor-trace.json")) if trace and out else ""
     if seeded:
         env[child_env.ENV_SEED] = "0"  # the baseline run is seeded like the runs it is compared with
+        env[child_env.ENV_PROBE] = "attention"  # and measures the attention it sees, after its steps
     return env
 
 
@@ -453,5 +461,6 @@ def _try(payload: dict[str, Any], raw: dict[str, Any], command: list[str], argv:
     payload["try"] = result
     payload["tried"] = [{k: r[k] for k in ("fix", "baseline_step_s", "step_s", "speedup", "spread", "numerics_ok",
                                            "code", "kept", "verdict", "numerics", "steps", "others_cores")}
-                        | ({"compile_s": r["compile_s"]} if "compile_s" in r else {}) for r in result["tried"]]
+                        | ({"compile_s": r["compile_s"], "compile": r["compile"]} if "compile" in r else {})
+                        for r in result["tried"]]
     trying.apply_measured(payload, result["tried"], command)

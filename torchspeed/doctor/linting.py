@@ -1,17 +1,22 @@
 """Model lint: per-layer FLOPs, memory access and measured time from a traced forward pass, and the
 rules that judge them (the ShuffleNet V2 guidelines G1-G4, Conv+BN fusion, channel alignment, the
-output-activation / loss pairing). "Memory access" is the ShuffleNet V2 paper's MAC (bytes read +
-written by an op), not called MACs here, which usually means multiply-accumulates.
+output-activation / loss pairing; a transformer's in `transformer_lint`). "Memory access" is the
+ShuffleNet V2 paper's MAC (bytes read + written by an op), not called MACs here, which usually means
+multiply-accumulates.
 
 The trace runs under a TorchDispatchMode, so it sees every ATen op the model really runs (functional
-calls too), the module that ran it, its FLOPs (torch's formulas), the bytes it touched, its time
-(synchronised, without the tracer's overhead) and the producer of each input (for the pairing and
-fragmentation rules).
+calls too), the module that ran it, its FLOPs (torch's formulas), the bytes it touched, its input
+shapes, its time (synchronised, without the tracer's overhead) and the producer of each input (for the
+pairing, fragmentation and attention rules). A TorchFunctionMode beside it marks the ops run inside
+`F.scaled_dot_product_attention` (its math fallback decomposes into the matmul-softmax-matmul that
+hand-written attention is) and records each call's dropout.
 """
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from torchspeed.doctor.advice import Finding, finding, rank
 from torchspeed.doctor.output import format_lint
+from torchspeed.doctor.transformer_lint import cost_by_part, token_embedding, transformer_findings
 from torchspeed.measure import OthersLoad, busy_warning, wait_for_quiet_machine
 from torchspeed.runtime import process_as_found
 
@@ -44,7 +51,14 @@ _NORM = {"native_batch_norm", "_native_batch_norm_legit_no_training", "_native_b
          "_native_batch_norm_legit_functional"}
 _CONV = {"convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution", "convolution_overrideable"}
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention",
-           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_attention_math"}
+           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_attention_math",
+           "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+           "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+           "_efficient_attention_forward"}
+# ops with no FLOP formula of their own that compute what one with a formula does (the same arguments first)
+_FLOPS_AS = {"_scaled_dot_product_flash_attention_for_cpu": torch.ops.aten._scaled_dot_product_flash_attention}
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 _KINDS = (("view", _VIEW), ("conv", _CONV), ("matmul", _MATMUL), ("norm", _NORM), ("elementwise", _ELEMENTWISE))
@@ -56,7 +70,7 @@ def _kind(name: str) -> str:
         return kind
     if "pool" in name or name in ("mean", "sum", "amax"):
         return "pool"
-    if name in ("cat", "stack", "constant_pad_nd", "contiguous", "index", "gather"):
+    if name in ("cat", "stack", "constant_pad_nd", "contiguous", "index", "gather", "embedding"):
         return "data-movement"
     if "softmax" in name:
         return "softmax"
@@ -75,6 +89,20 @@ class _Op:
     arg0_id: int = 0  # identity of the first tensor argument (tells apart inputs with no producer)
     time_s: float = 0.0
     phase: str = "model"
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # of its tensor inputs, in order
+    in_sdpa: bool = False  # run inside F.scaled_dot_product_attention
+    source: str = ""  # file:line of the model's code that called it (softmax ops: where attention is written)
+
+
+def _caller() -> str:
+    """file:line of the innermost frame outside torch and doctor: the model code that called the op."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_TORCH_DIR) and not path.startswith(_HERE):
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
 
 
 class _Tracer(TorchDispatchMode):
@@ -88,6 +116,8 @@ class _Tracer(TorchDispatchMode):
         self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so their ids stay unique
         self.modules: list[str] = []
         self.phase = "model"
+        self.in_sdpa = 0  # depth of F.scaled_dot_product_attention calls under way (_SdpaWatch)
+        self.sdpa_calls: list[dict[str, Any]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,7 +133,7 @@ class _Tracer(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         kind = _kind(name)
         flops = 0.0
-        fn = flop_registry.get(func._overloadpacket)
+        fn = flop_registry.get(_FLOPS_AS.get(name, func._overloadpacket))
         if fn is not None:
             try:
                 flops = float(fn(*args, **kwargs, out_val=out))
@@ -115,12 +145,36 @@ class _Tracer(TorchDispatchMode):
             sum(t.numel() * t.element_size() for t in {id(t): t for t in ins + outs}.values()))
         producers = [self.producer.get(id(t), -1) for t in ins]
         self.ops.append(_Op(name, kind, self.modules[-1] if self.modules else "", flops, touched, producers,
-                            producers[0] if producers else -1, id(ins[0]) if ins else 0, dt, self.phase))
+                            producers[0] if producers else -1, id(ins[0]) if ins else 0, dt, self.phase,
+                            [tuple(t.shape) for t in ins], self.in_sdpa > 0, _caller() if kind == "softmax" else ""))
         idx = len(self.ops) - 1
         for t in outs:
             self.producer[id(t)] = idx
             self.keep.append(t)
         return out
+
+
+class _SdpaWatch(TorchFunctionMode):
+    """Marks the ops run inside F.scaled_dot_product_attention on the tracer and records each call: its
+    module, shapes and dropout_p (dropout at inference is a bug the transformer rules name)."""
+
+    def __init__(self, tracer: _Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "scaled_dot_product_attention":
+            return func(*args, **kwargs)
+        t = self.tracer
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        t.sdpa_calls.append({"module": t.modules[-1] if t.modules else "", "dropout_p": float(dropout),
+                             "shapes": [tuple(a.shape) for a in args[:3] if isinstance(a, torch.Tensor)]})
+        t.in_sdpa += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            t.in_sdpa -= 1
 
 
 def _trace(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any = None,
@@ -146,7 +200,8 @@ def _trace(model: nn.Module, example_input: Any, loss_fn: Any = None, target: An
     h1 = register_module_forward_pre_hook(pre)
     h2 = register_module_forward_hook(post)
     try:
-        with process_as_found(), tracer:  # a dispatch mode's first use imports torch._dynamo (env, warning filter)
+        # a dispatch mode's first use imports torch._dynamo (env, warning filter)
+        with process_as_found(), _SdpaWatch(tracer), tracer:
             out = model(*example_input) if isinstance(example_input, tuple) else model(example_input)
             if loss_fn is not None:
                 tracer.phase = "loss"
@@ -219,6 +274,7 @@ class LintResult:
     findings: list[Finding] = field(default_factory=list)
     others_cores: float | None = None  # cores other processes used while the forward was timed (None: unknown)
     waited_s: float = 0.0  # how long lint waited for other processes to leave the cores before timing
+    by_part: dict[str, dict[str, float]] = field(default_factory=dict)  # a transformer's cost per part ({}: not one)
 
     @property
     def busy(self) -> str | None:
@@ -227,7 +283,8 @@ class LintResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "input_shape": self.input_shape, "totals": self.totals,
-                "by_kind": self.by_kind, "layers": self.layers, "findings": [f.to_dict() for f in self.findings],
+                "by_kind": self.by_kind, "by_part": self.by_part, "layers": self.layers,
+                "findings": [f.to_dict() for f in self.findings],
                 "others_cores": self.others_cores, "busy": self.busy, "waited_s": round(self.waited_s, 2)}
 
     def __str__(self) -> str:
@@ -247,7 +304,9 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
          repeats: int = 3, quiet_wait_s: float = 2.0) -> LintResult:
     """Trace one inference forward pass (eval mode, no_grad) and judge the model.
 
-    `example_input`: a tensor (or tuple of tensors) on the model's device. `loss_fn` (optional, e.g.
+    `example_input`: a tensor (or tuple of tensors) on the model's device; token ids for a transformer
+    (`transformer_lint.token_input` makes them), whose findings then time their fixes here on the model's
+    shapes and whose cost is split by part (`by_part`). `loss_fn` (optional, e.g.
     nn.CrossEntropyLoss()) is applied to the output to check the activation/loss pairing; `target`
     defaults to random class indices. Times are per-op minimums over `repeats` traced passes after a warm-up,
     taken once other processes have left the cores or `quiet_wait_s` has passed (then `busy` says so).
@@ -277,15 +336,17 @@ def lint(model: nn.Module, example_input: Any, loss_fn: Any = None, target: Any 
     total_t = sum(op.time_s for op in mops) or 1e-12
     mods = dict(model.named_modules())
     layers = _layer_rows(model, mods, mops, shapes, total_t)
-    ctx = _Ctx(model, mods, mops, layers, shapes, total_t, out)
+    ctx = _Ctx(model, mods, mops, layers, shapes, total_t, out, tracer.sdpa_calls)
     findings = [f for r in _MODEL_RULES if (f := r(ctx)) is not None]
+    with torch.no_grad():
+        findings += transformer_findings(ctx)
     findings += _pairing_findings(ops)
     shape = list(example_input.shape) if isinstance(example_input, torch.Tensor) else []
     totals = {"flops": sum(op.flops for op in mops) or 1.0, "memory_bytes": sum(op.bytes for op in mops) or 1.0,
               "time_s": total_t, "params": float(sum(p.numel() for p in model.parameters())), "ops": float(len(mops))}
     return LintResult(type(model).__name__, shape, totals, sorted(layers.values(), key=lambda r: -r["time_s"]),
                       _by_kind(mops, total_t), rank(findings), others_cores=others,
-                      waited_s=quiet.waited_s if quiet is not None else 0.0)
+                      waited_s=quiet.waited_s if quiet is not None else 0.0, by_part=cost_by_part(ctx))
 
 
 def _by_kind(ops: list[_Op], total_t: float) -> dict[str, dict[str, float]]:
@@ -333,6 +394,7 @@ class _Ctx:
     shapes: dict[str, dict[str, Any]]
     total_t: float
     output: Any
+    sdpa_calls: list[dict[str, Any]] = field(default_factory=list)  # F.scaled_dot_product_attention calls seen
 
     def convs(self) -> list[tuple[str, nn.Conv2d]]:
         return [(n, m) for n, m in self.mods.items() if isinstance(m, nn.Conv2d) and n in self.layers]
@@ -457,13 +519,14 @@ def _unfused_bn(c: _Ctx) -> Finding | None:
 @_model_rule
 def _channels8(c: _Ctx) -> Finding | None:
     out_features = c.output.shape[-1] if isinstance(c.output, torch.Tensor) and c.output.dim() >= 1 else None
+    transformer = token_embedding(c.model) is not None  # its matmul sizes are judged against 64 (transformer_lint)
     hits = []
     for n, m in c.mods.items():
         if n not in c.layers:
             continue
         if isinstance(m, nn.Conv2d):
             cin, cout = m.in_channels, m.out_channels
-        elif isinstance(m, nn.Linear):
+        elif isinstance(m, nn.Linear) and not transformer:
             cin, cout = m.in_features, m.out_features
         else:
             continue

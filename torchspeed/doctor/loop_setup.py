@@ -11,7 +11,7 @@ from torch import nn
 
 from torchspeed.runtime import cpu_flags, usable_cores
 
-__all__ = ["loader_settings", "machine_settings", "model_settings"]
+__all__ = ["loader_settings", "machine_settings", "model_settings", "repeated_blocks"]
 
 
 def loader_settings(loader: Any, name: str = "loader") -> dict[str, Any] | None:
@@ -51,7 +51,24 @@ def model_settings(model: nn.Module) -> dict[str, Any]:
             "dtype": str(p.dtype) if p is not None else None, "device": str(p.device) if p is not None else "cpu",
             "convs": sum(isinstance(m, nn.modules.conv._ConvNd) for m in mods),
             "bn_or_dropout": any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout)) for m in mods),
-            "parallel": parallel}
+            "parallel": parallel, "repeated_blocks": repeated_blocks(model)}
+
+
+def repeated_blocks(model: nn.Module) -> dict[str, Any] | None:
+    """The largest run of repeated blocks (a ModuleList / Sequential holding two or more modules of one
+    class that have submodules: a transformer's layers), where `--try compile=regional` compiles each
+    once: {"path", "class", "count"}; None when nothing repeats."""
+    best = None
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
+            continue
+        kinds = {type(c) for c in m}
+        first = next(iter(m))
+        if len(kinds) == 1 and any(True for _ in first.children()):
+            size = sum(p.numel() for p in m.parameters() if not isinstance(p, nn.parameter.UninitializedParameter))
+            if best is None or size > best[0]:
+                best = (size, {"path": name, "class": type(first).__name__, "count": len(m)})
+    return best[1] if best else None
 
 
 def _is_fsdp(model: nn.Module) -> bool:

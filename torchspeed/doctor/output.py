@@ -100,6 +100,10 @@ def print_lint(rep: Any, console: Any = None, top: int = 12) -> None:
                 [(k, int(v["ops"]), f"{v['flops'] / max(t['flops'], 1):.1%}",
                   f"{v['memory_bytes'] / max(t['memory_bytes'], 1):.0%}", f"{v['time_share']:.0%}")
                  for k, v in sorted(d["by_kind"].items(), key=lambda kv: -kv[1]["time_s"]) if k != "view"], con)
+    if d.get("by_part"):  # a transformer: its cost split into embeddings, attention, MLP, head and the rest
+        print_table("By part", ["part", "ops", "MFLOPs", "FLOPs share", "ms", "time share"],
+                    [(k, int(v["ops"]), f"{v['flops'] / 1e6:,.1f}", f"{v['flops'] / max(t['flops'], 1):.1%}",
+                      f"{v['time_s'] * 1e3:,.2f}", f"{v['time_share']:.0%}") for k, v in d["by_part"].items()], con)
     if d.get("busy"):
         waited = f"; lint waited {d['waited_s']:.1f} s for quiet before timing" if d.get("waited_s") else ""
         con.print(f"[bold]{d['busy']}[/] (the layer times above{waited})", highlight=False)

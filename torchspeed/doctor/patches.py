@@ -102,12 +102,21 @@ def _dataloader_iter(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., A
         if id(loader) not in rec.loaders:  # what it reads, once: the data fix of --try needs image files
             images = {"images": d} if (d := describe(loader)) else {}
         rec.loader_pass(loader, "DataLoader", num_workers=loader.num_workers, pin_memory=bool(loader.pin_memory),
-                        batch_size=loader.batch_size, persistent_workers=bool(loader.persistent_workers), **images)
+                        batch_size=loader.batch_size, persistent_workers=bool(loader.persistent_workers),
+                        length=_length(loader), **images)
         with rec.phase("data"):
             it = orig(loader)
         it._ts_doctor_loader = id(loader)
         return it
     return dl_iter
+
+
+def _length(loader: Any) -> int | None:
+    """Batches per epoch (an IterableDataset's loader may not know)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _dataloader_next(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -193,8 +202,9 @@ def _optimizer_post(rec: Recorder) -> Callable[..., None]:
 
 def _optimizer_init(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
     def opt_init(opt, *a, **k):
-        rec.optimizers_made += 1
-        return orig(opt, *a, **k)
+        out = orig(opt, *a, **k)
+        rec.optimizer_made(opt)
+        return out
     return opt_init
 
 
@@ -246,17 +256,36 @@ def _loss_input_check(rec: Recorder, orig: Callable[..., Any], rule: str) -> Cal
     return checked
 
 
-# settings: a GradScaler made, torch.compile called ----------------------------------------------
+# attention in training forwards: SDPA calls, and softmax over scores (hand-written attention) ------
+def _sdpa(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def sdpa(*a, **k):
+        if rec.enabled and rec.clock.current == "forward":
+            rec.attention.sdpa_call(rec.model, a, k)
+        return orig(*a, **k)
+    return sdpa
+
+
+def _softmax(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def softmax(x, *a, **k):
+        if rec.enabled and rec.clock.current == "forward":
+            rec.attention.softmax_call(rec.model, x, a[0] if a else k.get("dim"))
+        return orig(x, *a, **k)
+    return softmax
+
+
+# settings: a GradScaler made (on only where torch enabled it), torch.compile called --------------
 def _grad_scaler_init(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
     def gs_init(scaler, *a, **k):
-        rec.s["grad_scaler"] = True
-        return orig(scaler, *a, **k)
+        out = orig(scaler, *a, **k)
+        asked = k.get("enabled", a[5] if len(a) > 5 else True)  # GradScaler(device, init_scale, ..., enabled)
+        rec.grad_scaler_made(scaler, k.get("device", a[0] if a else "cuda"), asked is False)
+        return out
     return gs_init
 
 
 def _compile(rec: Recorder, orig: Callable[..., Any]) -> Callable[..., Any]:
     def compile_(*a, **k):
-        rec.s["compiled"] = True
+        rec.s["compiled"] = rec.s["compiled"] or not k.get("disable", False)
         return orig(*a, **k)
     return compile_
 
@@ -278,6 +307,9 @@ PATCHES: tuple[AttrPatch | HookPatch, ...] = (
       for name in ("item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__")),
     AttrPatch("torch.nn.functional", "cross_entropy", functools.partial(_loss_input_check, rule="double-softmax")),
     AttrPatch("torch.nn.functional", "nll_loss", functools.partial(_loss_input_check, rule="softmax-nll")),
+    AttrPatch("torch.nn.functional", "scaled_dot_product_attention", _sdpa),
+    AttrPatch("torch:Tensor", "softmax", _softmax),
+    AttrPatch("torch", "softmax", _softmax),
     AttrPatch("torch.amp:GradScaler", "__init__", _grad_scaler_init, optional=True),
     AttrPatch("torch", "compile", _compile),
 )

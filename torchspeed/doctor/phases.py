@@ -100,11 +100,12 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
 
 
 def verdict(phases: dict[str, float], wall_s: float, gpu_busy_s: float | None = None,
-            host_syncs_per_step: float | None = None) -> tuple[str, list[str]]:
+            host_syncs_per_step: float | None = None, data_source: str | None = None) -> tuple[str, list[str]]:
     """data-bound, compute-bound or overhead-bound, with the evidence (shares of the step time).
 
-    Input pipeline = waiting in next(loader) + host-to-device copies. Compute = forward, backward,
-    optimizer (and evaluation). Overhead = the rest: Python in the loop, launches, host syncs.
+    Input pipeline = waiting in next(loader) (or `data_source`, e.g. the script's own batch function) +
+    host-to-device copies. Compute = forward, backward, optimizer (and evaluation). Overhead = the rest:
+    Python in the loop, launches, host syncs.
     """
     if wall_s <= 0:
         return "compute-bound", ["no time was measured"]
@@ -113,7 +114,8 @@ def verdict(phases: dict[str, float], wall_s: float, gpu_busy_s: float | None = 
     other = phases.get("other", 0.0)
     ds, cs, os_ = data / wall_s, compute / wall_s, other / wall_s
     evidence = [
-        f"input pipeline {ds:.0%} of step time (waiting in next(loader) {phases.get('data', 0.0) / wall_s:.0%}, "
+        f"input pipeline {ds:.0%} of step time ({data_source or 'waiting in next(loader)'} "
+        f"{phases.get('data', 0.0) / wall_s:.0%}, "
         f"host-to-device copies {phases.get('copy', 0.0) / wall_s:.0%})",
         f"compute {cs:.0%} (forward {phases.get('forward', 0.0) / wall_s:.0%}, backward "
         f"{phases.get('backward', 0.0) / wall_s:.0%}, optimizer {phases.get('optimizer', 0.0) / wall_s:.0%})",

@@ -7,9 +7,15 @@ torch.optim optimizer (manual `p.data` updates); with a step limit the script is
 many. On CUDA each phase change records an event on the loop's current stream (no host sync) and each
 step boundary synchronises once; a step's phases are read on the GPU's timeline (`timeline_phases`),
 so queued GPU work is charged to the phase that queued it.
+
+A loop fed by no loader has the script's own batch function timed as `data` from its first training
+forward (`script_code.batch_function`); the script's plan (`planned_steps`) is read at its first
+backward; attention (`attention.AttentionSeen`) and the first token batches are kept for the
+transformer rules.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -19,6 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchspeed.doctor import script_code
+from torchspeed.doctor.attention import AttentionSeen
+from torchspeed.doctor.grouping import token_lengths, token_tensors
 from torchspeed.doctor.injection import FixState
 from torchspeed.doctor.loop_setup import machine_settings, model_settings
 from torchspeed.doctor.patches import PATCHES
@@ -29,6 +38,7 @@ from torchspeed.runtime import FLOAT_PRECISIONS, default_precision, precision_dt
 __all__ = ["KEEP_LOSSES", "TRACE_STEPS", "Recorder", "StopScript", "image_stats", "timeline_phases"]
 
 KEEP_LOSSES = 5  # first losses (and batch fingerprints) kept for the numerics check
+TOKEN_BATCHES = 32  # token batches whose padding is read
 TRACE_STEPS = 3  # steps recorded by --trace, after the first (warm-up) step
 
 
@@ -72,20 +82,28 @@ class Recorder:
         self._marks: list[tuple[Any, str | None]] | None = None  # CUDA: (event, phase running from it) this step
         self._marks_whole = False  # the marks cover the whole step window (not only since CUDA was first seen)
         self.loaders: dict[int, dict[str, Any]] = {}
+        self.model: Any = None  # the outermost module of the first training forward
+        self.attention = AttentionSeen()
+        self.measure_attention = False  # doctor --try's first run: time the attention seen, after the steps
+        self._tokens: list[tuple[int | None, Any]] = []  # (loader key, (mask, ids)) of the first token batches
+        self._batches_looked_for = False
         self.s: dict[str, Any] = {
             "autocast": False, "autocast_precision": None, "grad_scaler": False, "compiled": False,
             "parallel": "none", "eval_forwards_with_grad": 0, "train_mode_eval_forwards": 0,
             "host_syncs": 0, "copies": {"count": 0, "bytes": 0, "non_blocking": True, "from_pinned": True},
             "input": None, "model": None, "optimizers": [], "optimizer_options": {}, "loss_checks": [],
-            "backward_calls": 0,
+            "backward_calls": 0, "optimizer_calls": {}, "planned_steps": None, "driver": None,
+            "grad_scaler_off": None,
         }
         self._undo: list[tuple[str, Callable[[], None]]] = []  # (patch name, its undo), in install order
 
     @property
     def enabled(self) -> bool:
-        """Recording is on, and this is the loop's thread: what loader threads (a prefetcher, decoding
-        threads) do overlaps the step and must not enter the loop's phases (one phase stack)."""
-        return self._enabled and threading.get_ident() == self.loop_thread
+        """Recording is on, this is the loop's thread (what loader threads, a prefetcher or decoding
+        threads, do overlaps the step and must not enter the loop's phases), and torch.compile is not
+        tracing: compiled code carries no hook of doctor's (module hooks run inside a compiled region
+        would otherwise break its graph at every module)."""
+        return self._enabled and not torch.compiler.is_compiling() and threading.get_ident() == self.loop_thread
 
     @enabled.setter
     def enabled(self, value: bool) -> None:
@@ -119,6 +137,8 @@ class Recorder:
         if len(self.batch_prints) < KEEP_LOSSES and batch is not None:
             self.batch_prints.append(_fingerprint(batch))
             self.batch_stats.append(image_stats(batch))
+        if len(self._tokens) < TOKEN_BATCHES and (tokens := token_tensors(batch)) is not None:
+            self._tokens.append((key, tokens))
         if info.pop("_first", False):
             info["startup_s"].append(now - info.pop("_t_iter", t0))
         self._last_loader = key
@@ -158,6 +178,9 @@ class Recorder:
                 self.s["eval_forwards_with_grad"] += 1
                 self._pending_eval_grad = False
             self._observe_model(module, args, training)
+            if training and not self._batches_looked_for:
+                self._batches_looked_for = True
+                self._time_batch_function(args)
             if grad and not module.training:
                 self._pending_eval_grad = True  # cancelled if a backward follows
             if not grad and module.training and self._has_bn_dropout(module):
@@ -181,6 +204,10 @@ class Recorder:
         fp16 fix holds a GradScaler), and the phase depth to `unwind` to when it returns or raises."""
         self._pending_eval_grad = False
         self.s["backward_calls"] += 1
+        if self.s["backward_calls"] == 1:  # the loop is on the stack: read what the script plans
+            length = (self.loaders.get(self._last_loader) or {}).get("length")  # type: ignore[arg-type]
+            self.s["planned_steps"] = script_code.planned_steps(length)
+            self.s["driver"] = script_code.driver()
         if self._last_loader in self.loaders:
             self.loaders[self._last_loader]["training"] = True
         if len(self.losses) < KEEP_LOSSES and isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -211,6 +238,41 @@ class Recorder:
             self.fix.after_step(opt)
         self.exit()
         self._segment_end("optimizer")
+
+    def optimizer_made(self, opt: Any) -> None:
+        """An optimizer was constructed: where (the script's line, or the library's that made it for the
+        script), so a fix edits that call."""
+        self.optimizers_made += 1
+        name = type(opt).__name__
+        if name not in self.s["optimizer_calls"] and (site := script_code.where(script_code.caller())) is not None:
+            self.s["optimizer_calls"][name] = site
+
+    def grad_scaler_made(self, scaler: Any, device: Any, asked_off: bool) -> None:
+        """A GradScaler was made: on only where torch enabled it (it disables itself without its device)."""
+        on = bool(scaler.is_enabled())
+        self.s["grad_scaler"] = self.s["grad_scaler"] or on
+        if not self.s["grad_scaler"]:
+            self.s["grad_scaler_off"] = ("made with enabled=False" if asked_off
+                                         else f"torch disabled it: {device} is not available")
+
+    def _time_batch_function(self, args: tuple) -> None:
+        """A first training forward fed by no loader doctor patches: the script's own function that made
+        its inputs (`X, Y = get_batch("train")`) is timed as `data` from now on, as a loader's wait."""
+        if any(ld["batches"] for ld in self.loaders.values()):
+            return
+        frame = script_code.caller()
+        found = script_code.batch_function(frame, [a for a in args if isinstance(a, torch.Tensor)]) if frame else None
+        if found is None:
+            return
+        key, fn = id(found.fn), found.fn
+        self.loaders[key] = {"name": f"{found.label} #{len(self.loaders) + 1}", "kind": "batch function",
+                             "dataset": found.label, "batches": 0, "epochs": 1, "startup_s": [], "data_s": 0.0,
+                             "training": True}
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            return self.next_batch(lambda: fn(*a, **k), key) if self.enabled else fn(*a, **k)
+        self._undo.append(("batch function", found.replace(timed)))
 
     def in_loop_itself(self) -> bool:
         """Recording, in the loop, in no phase but the optimizer's: a copy made now is the loop's own."""
@@ -392,6 +454,7 @@ class Recorder:
             self.s["autocast"] = True
             self.s["autocast_precision"] = _precision_name(torch.get_autocast_dtype(dev))
         if self.s["model"] is None:
+            self.model = module
             self.s["model"] = model_settings(module)
             self.s["parallel"] = self.s["model"]["parallel"]
             if x is not None:
@@ -420,6 +483,8 @@ class Recorder:
             s["mixed_precision"] = default_precision(s["device"]).to_dict()  # the capability, read first
         except Exception:  # noqa: BLE001 - a capability probe must not cost the report
             s["mixed_precision"] = {"name": "fp32", "reason": "capability unknown"}
+        s["attention"] = self.attention.summary(measure=self.measure_attention)
+        s["tokens"] = self._token_batches()
         peak = PeakMemory("cuda" if self._cuda_seen else "cpu").peak()  # never reset: the script's whole run
         losses = [float(t.float()) for t in self.losses]
         return {"steps_run": self.steps, "windows": self.windows, "settings": s, "peak_memory_bytes": peak,
@@ -429,6 +494,19 @@ class Recorder:
                 "compile_window": self.fix.compile_window if self.fix is not None else None,
                 "script_s": time.perf_counter() - self.t_start, "trace": self.trace_path if self.trace_path
                 and os.path.exists(self.trace_path) else None}
+
+    def _token_batches(self) -> dict[str, Any] | None:
+        """The recorded training token batches: each row's real length and the padded length (from the
+        attention mask, or the model's `config.pad_token_id`), for the padding rule."""
+        pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        rows, source = [], None
+        for key, tensors in self._tokens:
+            if key is not None and not (self.loaders.get(key) or {}).get("training"):
+                continue
+            if (got := token_lengths(tensors, pad_id if isinstance(pad_id, int) else None)) is not None:
+                lengths, padded, source = got
+                rows.append({"lengths": lengths, "padded": padded})
+        return {"source": source, "batches": rows} if rows else None
 
 
 class _Phase:

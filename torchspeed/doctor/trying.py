@@ -5,12 +5,16 @@ over as many steps, with the baseline again after every fix (A B A C A ...), so 
 shows as spread, not gain. A fix is compared with the baseline runs around it; `spread` is
 (max - min) / median of the baseline's per-run medians. A fix is a gain only when its speed-up exceeds
 1 + spread, stays below what removing the phases it changes would give (more means the load changed)
-and its numerics hold; such a fix is run once more and judged on both runs (one quiet minute is not a
-gain), then the kept fixes are measured together. Imports no torch (the parent launches, reads, judges).
+and its numerics hold; such a fix, and one measured slower, is run once more and judged on both runs
+(one quiet or busy minute is not a verdict), then the kept fixes are measured together. A compiling fix
+also pays its compile seconds (the first steps' time beyond the baseline's): it is kept only when the
+saving per step repays them within the steps the script plans (`settings.planned_steps`), where those
+can be read. Imports no torch (the parent launches, reads, judges).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -64,8 +68,8 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
     # each fix with the baseline runs just before and just after it
     pairs = [([raw], base_runs[k:k + 2]) for k, (_, _, raw) in enumerate(results)]
     rows = _rows(results, pairs, base_runs, reproducible, payload)
-    # a kept fix is measured once more (fix, baseline): a quiet minute during one run is not a gain
-    confirm = [k for k, r in enumerate(rows) if r["kept"]]
+    # a kept fix, and one measured slower, runs once more (fix, baseline): one quiet or busy minute is no verdict
+    confirm = [k for k, r in enumerate(rows) if r["kept"] or r["verdict"] == "slower"]
     for n, k in enumerate(confirm, 1):
         name, value, _ = results[k]
         raw = run({name: value}, fx.label(name, value), f"confirm {n}/{len(confirm)}")
@@ -75,9 +79,9 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
     if confirm:
         rows = _rows(results, pairs, base_runs, reproducible, payload)
     spread = rows[0]["spread"] if rows else _spread(base_runs)
-    best: dict[str, dict[str, Any]] = {}  # per fix name, the fastest kept candidate
+    best: dict[str, dict[str, Any]] = {}  # per fix name, the kept candidate that finishes the run first
     for r in rows:
-        if r["kept"] and (r["name"] not in best or r["step_s"] < best[r["name"]]["step_s"]):
+        if r["kept"] and (r["name"] not in best or _run_s(r) < _run_s(best[r["name"]])):
             best[r["name"]] = r
     for group in fx.CONFLICTS:  # fixes of the same loader are alternatives: the faster one joins the combination
         rivals = sorted((r for n, r in best.items() if n in group), key=lambda r: r["step_s"])
@@ -97,6 +101,13 @@ def try_fixes(baseline: dict[str, Any], payload: dict[str, Any], launch: Callabl
             "baseline_runs": [{"step_s": _median(step_times(r)), "steps": len(step_times(r)),
                                "others_cores": r.get("others_cores")} for r in base_runs],
             "numerics_steps": fx.NUMERICS_STEPS, "tolerances": dict(fx.TOLERANCES)}
+
+
+def _run_s(row: dict[str, Any]) -> float:
+    """What a candidate costs over the planned run (its compile seconds included), or per step where the
+    run's length is unknown: how two candidates of one fix (compile whole / regional) are ranked."""
+    c = row.get("compile") or {}
+    return row["step_s"] * c["planned_steps"] + c["compile_s"] if c.get("planned_steps") else row["step_s"]
 
 
 def _sampled(launch: Callable[[dict[str, Any], str], dict[str, Any]]) -> Callable[[dict[str, Any], str], dict[str, Any]]:
@@ -197,16 +208,24 @@ def _row(name: str, value: Any, raws: list[dict[str, Any]], around: list[dict[st
     error = None
     if any(r.get("status") == "error" for r in raws) or not step_times(raw):
         error = raw.get("error") or f"no steady step measured (status {raw.get('status', 'no report')})"
+    names = list(value) if name == "combined" else [name]
+    notes = [(r.get("fix_notes") or {}).get(n) or {} for r in raws for n in names]
+    if error is None and (missed := next((n for n in notes if n.get("applied") is False), None)) is not None:
+        error = f"not applied: {missed.get('reason')}"  # the fix found nothing to change in the script
     gain_ok = speedup is not None and speedup > 1.0 + spread
     bound = fx.max_speedup(name, payload) if name != "combined" else None
     implausible = bool(gain_ok and bound and speedup > bound)
     kept = bool(gain_ok and num["ok"] is not False and error is None and not implausible)
+    cost = _compile_cost(raws, around, base_s, step_s, payload)
+    repaid = cost is None or cost["pays_back"] is not False
     if error:
         verdict = f"failed: {error}"
     elif num["ok"] is False:
         verdict = "changes results"
     elif implausible:
         verdict = f"implausible (max {bound:.2f}x)"  # the load changed during the runs
+    elif kept and not repaid:
+        verdict, kept = "does not pay back", False
     elif kept:
         verdict = "kept"
     elif speedup is not None and speedup < 1.0 - spread:
@@ -218,12 +237,41 @@ def _row(name: str, value: Any, raws: list[dict[str, Any]], around: list[dict[st
            "numerics_ok": num["ok"], "numerics": num, "kept": kept, "verdict": verdict, "code": code,
            "steps": len(fix_times), "runs": len(raws), "max_speedup": bound,
            "others_cores": _most([r.get("others_cores") for r in raws + around])}
-    if raw.get("compile_window") is not None:
-        windows = raw.get("windows") or []
-        first = raw["compile_window"] + 1
-        if len(windows) > first and step_s:
-            row["compile_s"] = max(0.0, windows[first]["wall"] - step_s)
+    if cost is not None:
+        row["compile"] = cost
+        row["compile_s"] = cost["compile_s"]
     return row
+
+
+def _compile_cost(raws: list[dict[str, Any]], around: list[dict[str, Any]], base_s: float | None,
+                  step_s: float | None, payload: dict[str, Any]) -> dict[str, Any] | None:
+    """A compiling run's one-off cost and whether it pays back: the compile seconds are the time of its
+    first windows, up to the one the compile landed in, beyond the baseline runs' same windows (median);
+    the break-even is those seconds over the saving per step, against the script's planned steps."""
+    extra = []
+    for raw in (r for r in raws if r.get("compile_window") is not None):
+        n = raw["compile_window"] + 2
+        base = [sum(w["wall"] for w in r["windows"][:n]) for r in around if len(r.get("windows") or []) >= n]
+        if len(raw.get("windows") or []) >= n and base:
+            extra.append(max(0.0, sum(w["wall"] for w in raw["windows"][:n]) - statistics.median(base)))
+    if not extra:
+        return None
+    compile_s = statistics.median(extra)
+    saving = (base_s - step_s) if base_s and step_s else 0.0
+    breakeven = math.ceil(compile_s / saving - 1e-9) if saving > 0 else None  # 10 s / 0.2 s is 50 steps, not 51
+    planned = (payload.get("settings") or {}).get("planned_steps") or {}
+    steps = planned.get("steps")
+    return {"compile_s": compile_s, "saving_s_per_step": saving, "break_even_steps": breakeven,
+            "planned_steps": steps, "planned_source": planned.get("source"),
+            "pays_back": None if steps is None else breakeven is not None and breakeven <= steps}
+
+
+def _compile_note(c: dict[str, Any]) -> str:
+    """The compile figures a row's verdict carries: seconds, break-even, planned steps."""
+    be = "never (no saving per step)" if c["break_even_steps"] is None else f"after {c['break_even_steps']:,} steps"
+    plan = (f" of {c['planned_steps']:,} planned ({c['planned_source']})" if c.get("planned_steps")
+            else "; the script's planned steps could not be read")
+    return f" (compile {c['compile_s']:.1f} s, pays back {be}{plan})"
 
 
 def apply_measured(payload: dict[str, Any], tried: list[dict[str, Any]], command: list[str]) -> None:
@@ -272,7 +320,7 @@ def print_tried(t: dict[str, Any], console: Any) -> None:
         return
     rows = [(r["fix"], _fmt(r["baseline_step_s"], ".3f"), _fmt(r["step_s"], ".3f"),
              _fmt(r["speedup"], ".2f") + ("x" if r["speedup"] else ""), _numerics_cell(r),
-             r["verdict"] + (f" (compile {r['compile_s']:.1f} s apart)" if r.get("compile_s") is not None else ""))
+             r["verdict"] + (_compile_note(r["compile"]) if r.get("compile") else ""))
             for r in t["tried"]]
     print_table(f"Fixes measured on this script: median s/step, baseline re-measured between fixes, "
                 f"spread {t['spread']:.0%}", ["fix", "baseline", "with fix", "speed-up", "numerics", "verdict"],
@@ -306,7 +354,8 @@ def markdown_tried(t: dict[str, Any]) -> list[str]:
         lines[3:3] = [f"**{t['busy']}**", ""]
     for r in t["tried"]:
         lines.append(f"| {r['fix']} | {_fmt(r['baseline_step_s'], '.3f')} | {_fmt(r['step_s'], '.3f')} | "
-                     f"{_fmt(r['speedup'], '.2f')} | {r['spread']:.0%} | {_numerics_cell(r)} | {r['verdict']} |")
+                     f"{_fmt(r['speedup'], '.2f')} | {r['spread']:.0%} | {_numerics_cell(r)} | {r['verdict']}"
+                     f"{_compile_note(r['compile']) if r.get('compile') else ''} |")
     lines.append("")
     for r in t["tried"]:
         if r["kept"] and r["code"]:
@@ -326,6 +375,7 @@ def launcher(argv: list[str], env: dict[str, str], steps: int, timeout: float | 
         e[child_env.ENV_FIXES] = json.dumps(spec) if spec else ""
         e[child_env.ENV_TRACE] = ""
         e[child_env.ENV_CPROFILE] = ""
+        e[child_env.ENV_PROBE] = ""  # the attention was measured in the first run
         with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as log:
             status, raw = run_child(argv, e, timeout, log)
             if status not in (0, None) and raw.get("status") != "stopped":

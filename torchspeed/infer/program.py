@@ -9,10 +9,14 @@ shape expressions with sympy and compiles shape guards as Python. So `load_progr
 archive (plain tensors only, sample inputs readable with `weights_only=True`, every node one of
 torch's own operators, shape expressions and guards plain arithmetic on sizes, nothing else packed)
 and hands torch a copy rebuilt from the checked entries alone, the per-node metadata (source lines)
-left out.
+left out. Nothing in it is unbounded: every tensor member is used, each tensor fits the member it is
+read from (checked before torch allocates it), shape expressions are evaluated in bounded time (no
+`**`, no precision argument, small literals) and parse within `PARSE_LIMIT_S`.
 """
 from __future__ import annotations
 
+import ast
+import collections
 import copy
 import io
 import json
@@ -20,8 +24,11 @@ import math
 import operator
 import os
 import re
+import shutil
+import time
 import warnings
 import zipfile
+import zlib
 from typing import Any
 
 import torch
@@ -30,7 +37,7 @@ from torch import nn
 from torchspeed.batches import BatchFormat, batch_size, map_tensors
 from torchspeed.infer.export import grow_batch
 from torchspeed.infer.fuse import fuse_conv_bn
-from torchspeed.runtime import process_as_found
+from torchspeed.runtime import import_as_found, process_as_found
 from torchspeed.safeload import UnsafeFileError
 
 __all__ = ["PROGRAM_FILE", "ProgramModule", "export_program", "save_program", "load_program", "check_program"]
@@ -177,19 +184,33 @@ _SAMPLE = f"data/sample_inputs/{_MODEL}.pt"
 _TENSOR_FILE = re.compile(r"data/(weights/weight|constants/tensor)_\d+")
 _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SYMBOL = re.compile(r"[a-z]{1,4}\d+")  # torch's shape symbols: s0, u3, ...
-# numbers, names, quoted shape symbols or numbers (sympy's srepr: Symbol('s33', positive=True)), operators
-_EXPR_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?(?:e[+-]?\d+)?)|([A-Za-z][A-Za-z0-9_]*)|'(?:[a-z]{1,4}\d+|[-+0-9.e]+)'"
-                         r"|(\*\*|//|[-+*/%(),<>=!]=?))")
+_NUMBER = re.compile(r"[-+]?\d{1,40}(?:\.\d{0,40})?(?:e[-+]?\d{1,3})?")  # a number's text (Float('1.5'))
 # shape guards torch compiles into the loaded module: sizes and strides of its inputs compared
 _GUARD_TOKEN = re.compile(r"\s*(?:L|\['[A-Za-z_][A-Za-z0-9_]*'\]|\[\d+\]|\.(?:size|stride)\(\)|\.storage_offset\(\)|\d+"
                           r"|==|!=|<=|>=|<|>|\+|-|\*|//|%|\(|\)|and\b|or\b|not\b)")
-_SYMPY_NAMES = {
+# what a shape expression (sympy's srepr) may name: torch's sympy functions and sympy's arithmetic, the
+# symbols' assumptions, and constants; powers and shifts only by a small literal exponent
+_FUNCTIONS = {
     "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
     "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "TruncToFloat", "TruncToInt",
     "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "Max", "Min", "Abs", "Eq", "Ne", "Lt", "Le", "Gt", "Ge",
-    "And", "Or", "Not", "oo", "int_oo", "Integer", "Rational", "Float", "floor", "ceiling", "True", "False",
-    "true", "false", "Symbol", "Add", "Mul", "Pow", "positive", "negative", "nonnegative", "nonpositive",
-    "integer", "real", "finite", "zero", "nonzero", "precision"}
+    "And", "Or", "Not", "Integer", "Rational", "Float", "floor", "ceiling", "Symbol", "Add", "Mul", "Pow"}
+_TORCH_FUNCTIONS = ("FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt", "FloorToInt",
+                    "CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv",
+                    "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "Identity")  # torch's own
+_POWERS = {"Pow", "PowByNatural", "FloatPow", "LShift"}
+_ASSUMPTIONS = {"positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite", "zero", "nonzero"}
+_CONSTANTS = {"oo", "int_oo", "True", "False", "true", "false"}
+_ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)
+_COMPARISONS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+_LARGEST_LITERAL = 1 << 64  # sizes, strides and torch's "infinity" (sys.maxsize) fit
+_LARGEST_EXPONENT = 64
+_TEXT_LIMIT = 4096  # characters of one shape expression or guard (torch's are a few dozen)
+_JSON_LIMIT = 256 << 20  # bytes of the graph or a tensor index read
+_SAMPLE_LIMIT = 64 << 20  # bytes of the sample inputs (an example batch)
+_MEMBERS_LIMIT = 1 << 20
+PARSE_LIMIT_S = 60.0  # the time torch may take to parse the program's shape expressions; a program over it is refused
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, NotImplementedError, RuntimeError, ValueError, zlib.error)
 
 
 def _damaged(path: str, what: str) -> ValueError:
@@ -216,77 +237,241 @@ def _operator_ok(target: str) -> bool:
     return len(parts) == 2 and parts[0] == "torch" and parts[1].startswith(("sym_", "_sym_"))
 
 
-def _expr_ok(expr: str) -> bool:
-    """A shape expression of numbers, shape symbols, arithmetic and torch's sympy functions only."""
-    pos = 0
-    while pos < len(expr):
-        m = _EXPR_TOKEN.match(expr, pos)
-        if m is None or m.end() == pos:
-            return expr[pos:].strip() == ""
-        name = m.group(2)
-        if name is not None and name not in _SYMPY_NAMES and not _SYMBOL.fullmatch(name):
+def _parsed(text: Any) -> ast.expr | None:
+    """`text` parsed as one Python expression, or None (not text, too long, not an expression)."""
+    if not isinstance(text, str) or len(text) > _TEXT_LIMIT:
+        return None
+    try:
+        return ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def _literal(node: ast.AST, limit: int = _LARGEST_LITERAL) -> bool:
+    """A number literal of bounded size (an int below `limit`, a finite float)."""
+    if not isinstance(node, ast.Constant) or type(node.value) not in (int, float):
+        return False
+    return abs(node.value) < limit if type(node.value) is int else math.isfinite(node.value)
+
+
+def _expr_ok(expr: Any) -> bool:
+    """A shape expression (sympy's srepr) of numbers, shape symbols, arithmetic and torch's sympy
+    functions only, each evaluated in bounded time: no `**`, powers and shifts by a small literal only,
+    no precision argument, literals of bounded size."""
+    node = _parsed(expr)
+    try:
+        return node is not None and _expr_node_ok(node)
+    except RecursionError:  # a chain of thousands of terms
+        return False
+
+
+def _expr_node_ok(node: ast.AST, scale: int = 1) -> bool:
+    """`_expr_ok` for one node; `scale`: the product of the exponents of the powers it is inside (at most
+    `_LARGEST_EXPONENT`, so that nested powers cannot build a number of billions of digits)."""
+    def ok(*nodes: ast.AST) -> bool:
+        return all(_expr_node_ok(n, scale) for n in nodes)
+
+    if isinstance(node, ast.Constant):
+        return _literal(node) or type(node.value) is bool
+    if isinstance(node, ast.Name):
+        return node.id in _CONSTANTS or _SYMBOL.fullmatch(node.id) is not None
+    if isinstance(node, ast.BinOp):
+        return isinstance(node.op, _ARITHMETIC) and ok(node.left, node.right)
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, (ast.USub, ast.UAdd, ast.Not)) and ok(node.operand)
+    if isinstance(node, ast.Compare):
+        return all(isinstance(op, _COMPARISONS) for op in node.ops) and ok(node.left, *node.comparators)
+    if isinstance(node, ast.BoolOp):
+        return ok(*node.values)
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS):
+        return False
+    name, args, keywords = node.func.id, node.args, node.keywords
+    if any(isinstance(a, ast.Starred) for a in args) or any(k.arg is None for k in keywords):
+        return False
+    if name == "Symbol":  # Symbol('s33', integer=True, positive=True)
+        return (len(args) == 1 and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str)
+                and _SYMBOL.fullmatch(args[0].value) is not None
+                and all(k.arg in _ASSUMPTIONS and isinstance(k.value, ast.Constant) and type(k.value.value) is bool
+                        for k in keywords))
+    if keywords:
+        return False
+    if name in ("Integer", "Float"):  # one number, its text at most; no precision (a second argument)
+        return len(args) == 1 and (_literal(args[0]) or (
+            isinstance(args[0], ast.Constant) and isinstance(args[0].value, str)
+            and _NUMBER.fullmatch(args[0].value) is not None))
+    if name in _POWERS:  # Pow(x, Integer(2)): an integer literal exponent, nested ones multiplied
+        exponent = args[1] if len(args) == 2 else None
+        if isinstance(exponent, ast.Call) and isinstance(exponent.func, ast.Name) and exponent.func.id == "Integer" \
+                and len(exponent.args) == 1 and not exponent.keywords:
+            exponent = exponent.args[0]
+        if not (isinstance(exponent, ast.Constant) and type(exponent.value) is int):
             return False
-        pos = m.end()
-    return True
+        inner = scale * max(abs(exponent.value), 1)
+        return inner <= _LARGEST_EXPONENT and _expr_node_ok(args[0], inner)
+    return ok(*args)
 
 
-def _guard_ok(code: str) -> bool:
-    """A guard comparing the inputs' sizes and strides with numbers and each other, nothing else."""
+def _guard_ok(code: Any) -> bool:
+    """A guard comparing the inputs' sizes and strides with numbers and each other, nothing else: the
+    words of `_GUARD_TOKEN`, no `**`, literals of bounded size."""
+    node = _parsed(code)
+    if node is None:
+        return False
     pos = 0
     while pos < len(code):
         m = _GUARD_TOKEN.match(code, pos)
         if m is None or m.end() == pos:
-            return code[pos:].strip() == ""
+            if code[pos:].strip():
+                return False
+            break
         pos = m.end()
+    return not any(isinstance(n, (ast.Pow, ast.LShift)) or (isinstance(n, ast.Constant) and type(n.value) is int
+                                                               and not _literal(n)) for n in ast.walk(node))
+
+
+def _leaves(obj: Any) -> list[tuple[str, Any]]:
+    """Every leaf of a JSON document with the key it is under (a list's items under the list's key)."""
+    found, stack = [], [("", obj)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.items())
+        elif isinstance(value, list):
+            stack.extend((key, v) for v in value)
+        else:
+            found.append((key, value))
+    return found
+
+
+def _itemsizes() -> dict[int, int]:
+    """Bytes per element of each dtype as torch.export's tensor index numbers it."""
+    out = {}
+    serde = import_as_found("torch._export.serde.serialize")  # imports inductor: its env and warning filter put back
+    for code, dtype in serde._SERIALIZE_TO_TORCH_DTYPE.items():  # noqa: SLF001 - the archive's own numbering
+        if isinstance(dtype, torch.dtype):
+            out[int(code)] = dtype.itemsize
+    return out
+
+
+def _plain_int(value: Any) -> int:
+    """A concrete size in a tensor index ({"as_int": n}); ValueError for anything else."""
+    n = value.get("as_int") if isinstance(value, dict) and len(value) == 1 else None
+    if type(n) is not int or not 0 <= n < _LARGEST_LITERAL:
+        raise ValueError(f"{str(value)[:40]} is not a size")
+    return n
+
+
+def _bytes_needed(meta: Any) -> int:
+    """The bytes a tensor of this index entry reads from its member: its storage offset plus its
+    furthest element, in its dtype's size (0 when it has no element). ValueError when it is not plain."""
+    tm = meta.get("tensor_meta")
+    if not isinstance(tm, dict) or not isinstance(tm.get("sizes"), list) or not isinstance(tm.get("strides"), list):
+        raise ValueError("no sizes")
+    sizes, strides = [_plain_int(s) for s in tm["sizes"]], [_plain_int(s) for s in tm["strides"]]
+    itemsize = _ITEMSIZES.get(tm.get("dtype")) if type(tm.get("dtype")) is int else None
+    if itemsize is None or len(sizes) != len(strides):
+        raise ValueError("no dtype, or strides not matching its sizes")
+    if 0 in sizes:
+        return 0
+    return (_plain_int(tm.get("storage_offset")) + sum((n - 1) * s for n, s in zip(sizes, strides)) + 1) * itemsize
+
+
+def _check_index(path: str, config: Any, folder: str, members: dict[str, int]) -> set[str]:
+    """The tensor members the index `config` of `folder` ("weights", "constants") uses, each checked:
+    plain tensors only (no pickle), and each tensor's declared size within its member's real size
+    (a tensor torch would allocate from a member too small for it is refused before anything is)."""
+    items = config.get("config") if isinstance(config, dict) else None
+    if not isinstance(items, dict):
+        raise _damaged(path, "a tensor index has no config")
+    used = set()
+    for name, meta in items.items():
+        member = f"data/{folder}/{meta.get('path_name')}" if isinstance(meta, dict) else ""
+        if not isinstance(meta, dict) or meta.get("use_pickle") is not False or not _TENSOR_FILE.fullmatch(member) \
+                or not member.startswith(f"data/{folder}/"):
+            raise _unsafe(path, f"holds {str(name)[:80]!r} as a pickled object, not a plain tensor")
+        if member not in members:
+            raise _damaged(path, f"{str(name)[:80]!r} is stored in {member}, which is missing")
+        try:
+            needed = _bytes_needed(meta)
+        except ValueError as e:
+            raise _damaged(path, f"{str(name)[:80]!r} has no plain size: {e}") from None
+        if needed > members[member]:
+            raise _damaged(path, f"{str(name)[:80]!r} declares {needed:,} bytes but {member} holds "
+                                 f"{members[member]:,}")
+        used.add(member)
+    return used
+
+
+def _read_entries(path: str) -> tuple[dict[str, bytes], dict[str, int]]:
+    """(the small entries, read; the tensor members' sizes, not read) of the archive, names relative
+    to its one root folder. Nothing is read before its size is known to be within its limit."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except _ZIP_ERRORS as e:
+        raise _damaged(path, f"not a readable zip archive: {str(e)[:120]}") from None
+    with archive:
+        infos = [i for i in archive.infolist() if not i.is_dir()]
+        if len(infos) > _MEMBERS_LIMIT:
+            raise _damaged(path, f"{len(infos):,} entries")
+        if len({i.filename.split("/", 1)[0] for i in infos}) != 1 or any("/" not in i.filename for i in infos):
+            raise _damaged(path, "its entries are not in one folder")
+        known = _ROOT_FILES | {_WEIGHTS_CONFIG, _CONSTANTS_CONFIG, _GRAPH, _SAMPLE}
+        rel = {i.filename.split("/", 1)[1]: i for i in infos}
+        other = sorted(n for n in rel if n not in known and not _TENSOR_FILE.fullmatch(n))
+        if other:
+            raise _unsafe(path, f"packs {other[0]!r} besides the graph and its tensors (compiled code or pickled data)")
+        members = {n: i.file_size for n, i in rel.items() if _TENSOR_FILE.fullmatch(n)}
+        entries = {}
+        for n, info in rel.items():
+            limit = _SAMPLE_LIMIT if n == _SAMPLE else _JSON_LIMIT
+            if n in members:
+                continue
+            if info.file_size > limit:
+                raise _damaged(path, f"{n} holds {info.file_size:,} bytes, over the limit of {limit:,}")
+            try:
+                entries[n] = archive.read(info)
+            except _ZIP_ERRORS as e:
+                raise _damaged(path, f"{n} cannot be read: {str(e)[:120]}") from None
+    return entries, members
+def _parse_time_ok(exprs: list[str], limit_s: float) -> bool:
+    """Whether torch parses `exprs` (each occurrence) within `limit_s`: each distinct expression parsed
+    once as torch does, its time counted once per occurrence; stops as soon as the sum is over."""
+    sympy, functions = import_as_found("sympy"), import_as_found("torch.utils._sympy.functions")
+    namespace = {n: getattr(functions, n) for n in _TORCH_FUNCTIONS if hasattr(functions, n)}
+    spent = 0.0
+    for expr, count in collections.Counter(exprs).items():
+        start = time.perf_counter()
+        try:
+            sympy.sympify(expr, locals=dict(namespace))
+        except Exception:  # noqa: BLE001 - torch would fail on it too: its own error, named when loading
+            pass
+        spent += (time.perf_counter() - start) * count
+        if spent > limit_s:
+            return False
     return True
 
 
-def _walk(obj: Any, path: str, found: list[tuple[str, Any]]) -> None:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _walk(v, k, found)
-    elif isinstance(obj, list):
-        for v in obj:
-            _walk(v, path, found)
-    else:
-        found.append((path, obj))
-
-
 def check_program(path: str | os.PathLike) -> dict[str, bytes]:
-    """The entries of the `torch.export.save` archive at `path` (names relative to its root folder),
-    checked to hold nothing that could run code on load: UnsafeFileError naming what it holds
-    otherwise, ValueError when it is damaged. Node metadata is dropped from the graph."""
+    """The entries of the `torch.export.save` archive at `path` but its tensor members (names relative
+    to its root folder), checked to hold nothing that could run code on load and nothing unbounded:
+    UnsafeFileError naming what it holds otherwise, ValueError when it is damaged. Every tensor member
+    is used by its index, each tensor's size fits its member (checked, not read), shape expressions
+    and guards are plain arithmetic evaluated in bounded time and parse within `PARSE_LIMIT_S`. Node
+    metadata is dropped from the graph."""
     path = os.fspath(path)
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = [n for n in z.namelist() if not n.endswith("/")]
-            entries = {n: z.read(n) for n in names}
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        raise _damaged(path, f"not a readable zip archive: {str(e)[:120]}") from None
-    if len({n.split("/", 1)[0] for n in names}) != 1 or any("/" not in n for n in names):
-        raise _damaged(path, "its entries are not in one folder")
-    entries = {n.split("/", 1)[1]: data for n, data in entries.items()}
-    known = _ROOT_FILES | {_WEIGHTS_CONFIG, _CONSTANTS_CONFIG, _GRAPH, _SAMPLE}
-    other = sorted(n for n in entries if n not in known and not _TENSOR_FILE.fullmatch(n))
-    if other:
-        raise _unsafe(path, f"packs {other[0]!r} besides the graph and its tensors (compiled code or pickled data)")
+    entries, members = _read_entries(path)
     for needed in (_WEIGHTS_CONFIG, _CONSTANTS_CONFIG, _GRAPH, _SAMPLE):
         if needed not in entries:
             raise _damaged(path, f"{needed} missing")
     try:
         configs = [json.loads(entries[c]) for c in (_WEIGHTS_CONFIG, _CONSTANTS_CONFIG)]
         graph = json.loads(entries[_GRAPH])
-    except ValueError:
+    except (ValueError, RecursionError):
         raise _damaged(path, "a JSON entry is not valid JSON") from None
-    for config in configs:
-        items = config.get("config") if isinstance(config, dict) else None
-        if not isinstance(items, dict):
-            raise _damaged(path, "a tensor index has no config")
-        for name, meta in items.items():
-            if not isinstance(meta, dict) or meta.get("use_pickle") is not False \
-                    or not _TENSOR_FILE.fullmatch(f"data/{'weights' if config is configs[0] else 'constants'}/"
-                                                  f"{meta.get('path_name')}"):
-                raise _unsafe(path, f"holds {name!r} as a pickled object, not a plain tensor")
+    used = _check_index(path, configs[0], "weights", members) | _check_index(path, configs[1], "constants", members)
+    unused = sorted(set(members) - used)
+    if unused:
+        raise _damaged(path, f"it packs {unused[0]}, which no tensor uses")
     try:
         with warnings.catch_warnings():  # the pickle protocol of a file not torch's: refused below, not warned about
             warnings.simplefilter("ignore")
@@ -297,21 +482,23 @@ def check_program(path: str | os.PathLike) -> dict[str, bytes]:
     if not isinstance(module, dict) or not isinstance(module.get("graph"), dict):
         raise _damaged(path, "no graph")
     guards = graph.get("guards_code") or []
-    bad_guard = next((g for g in guards if not isinstance(g, str) or not _guard_ok(g)), None) \
-        if isinstance(guards, list) else guards
+    bad_guard = next((g for g in guards if not _guard_ok(g)), None) if isinstance(guards, list) else guards
     if bad_guard is not None:
         raise _unsafe(path, f"holds the guard {str(bad_guard)[:80]!r}, which is not a comparison of input sizes")
-    for node in module["graph"].get("nodes", []):
+    nodes = module["graph"].get("nodes", [])
+    for node in nodes if isinstance(nodes, list) else [None]:
         target = node.get("target") if isinstance(node, dict) else None
         if not isinstance(target, str) or not _operator_ok(target):
             raise _unsafe(path, f"calls {str(target)[:80]!r}, which is not one of torch's own operators")
         node["metadata"] = {}
-    found: list[tuple[str, Any]] = []
-    _walk(graph, "", found)
-    exprs = [v for k, v in found if k == "expr_str"] + list((graph.get("range_constraints") or {}).keys())
-    bad = next((e for e in exprs if not isinstance(e, str) or not _expr_ok(e)), None)
+    constraints = graph.get("range_constraints") or {}
+    exprs = [v for k, v in _leaves(graph) if k == "expr_str"] + (list(constraints) if isinstance(constraints, dict)
+                                                                   else [str(constraints)])
+    bad = next((e for e in dict.fromkeys(exprs) if not _expr_ok(e)), None)
     if bad is not None:
         raise _unsafe(path, f"holds the shape expression {str(bad)[:80]!r}, which is not plain arithmetic")
+    if not _parse_time_ok(exprs, PARSE_LIMIT_S):
+        raise _damaged(path, f"its shape expressions would take torch over {PARSE_LIMIT_S:g} s to parse")
     entries[_GRAPH] = json.dumps(graph).encode()
     return entries
 
@@ -323,9 +510,20 @@ def load_program(path: str | os.PathLike, keys: list[str] | None = None) -> Prog
     path = os.fspath(path)
     entries = check_program(path)
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as z:  # only the checked entries reach torch
-        for name, data in entries.items():
-            z.writestr(f"{_MODEL}/{name}", data)
+    try:
+        with zipfile.ZipFile(path) as source, zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as z:
+            for name, data in entries.items():  # only the checked entries reach torch
+                z.writestr(f"{_MODEL}/{name}", data)
+            root = source.namelist()[0].split("/", 1)[0]
+            for info in source.infolist():  # the tensor members, copied through (never read whole)
+                name = info.filename.split("/", 1)[1] if "/" in info.filename else ""
+                if _TENSOR_FILE.fullmatch(name) and info.filename == f"{root}/{name}":
+                    target = zipfile.ZipInfo(f"{_MODEL}/{name}")
+                    target.file_size = info.file_size
+                    with source.open(info) as src, z.open(target, "w", force_zip64=info.file_size > 1 << 30) as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+    except _ZIP_ERRORS as e:
+        raise _damaged(path, f"a tensor member cannot be read: {str(e)[:120]}") from None
     buffer.seek(0)
     try:
         with process_as_found():
@@ -337,3 +535,6 @@ def load_program(path: str | os.PathLike, keys: list[str] | None = None) -> Prog
     if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)):
         raise _damaged(path, "its manifest's input names are not a list of names")
     return ProgramModule(ep.module(), tuple(ep.example_inputs[0]), keys)
+
+
+_ITEMSIZES = _itemsizes()

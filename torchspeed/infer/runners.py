@@ -578,7 +578,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
             manifest = json.load(f)
     except OSError as e:
         raise ValueError(f"cannot read the artifact manifest {path!r}: {e.strerror}") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nested too deeply
         raise ValueError(f"the artifact manifest {path!r} is damaged (not valid JSON: {first_line(e)}); "
                          "re-save the artifact") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get(RUNTIME_KEY) not in RUNNERS:

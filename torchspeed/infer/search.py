@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from torchspeed import remembered
-from torchspeed.args import as_list, progress_fn
+from torchspeed.args import as_list, positive_number, progress_fn
 from torchspeed.atomic import scratch_dir
 from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
 from torchspeed.deprecated import renamed
@@ -101,6 +101,7 @@ class SearchConfig:
             raise ValueError(f"batch_sizes must be positive integers, got {sizes}")
         if not 0 <= max_metric_drop < 1:
             raise ValueError(f"max_metric_drop must be in [0, 1), got {max_metric_drop}")
+        positive_number(rest.get("min_time_s", 0.0), "min_time_s", zero=True)  # before any variant is built
         return cls(batch_sizes=sizes, objective=objective, runtimes=_names(runtimes, RUNTIMES, "runtime"),
                    precisions=_names(precisions, PRECISIONS, "precision"), max_metric_drop=max_metric_drop,
                    exact_tol=exact_tolerance(device) if exact_tol is None else exact_tol,

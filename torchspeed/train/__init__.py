@@ -1,5 +1,5 @@
-"""Training: accelerate() (measured precision / channels_last / compile, DDP and FSDP2 wrapping), the
-Trainer, callbacks (EarlyStopping, Checkpoint), exact, atomic resume. The image-classification recipe
+"""Training: accelerate() (measured precision / channels_last / compile, whole or regional, DDP and FSDP2
+wrapping), the Trainer, callbacks (EarlyStopping, Checkpoint), exact, atomic resume. The image-classification recipe
 `torchspeed train` runs is `torchspeed.recipes.train_classifier`, a layer up (it stands on data too)."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on 
     from torchspeed.train.callbacks import Callback, Checkpoint, EarlyStopping
     from torchspeed.train.checkpoint import CheckpointError, last_checkpoint, load_file
     from torchspeed.train.choices import AccelerateOptions, AccelerateResult, TrialRow
+    from torchspeed.train.compiling import compile_regions
     from torchspeed.train.loader_choice import (
         LoaderStepResult,
         LoaderStepRow,
@@ -28,6 +29,7 @@ _EXPORTS = {
     "AccelerateOptions": "choices",
     "AccelerateResult": "choices",
     "TrialRow": "choices",
+    "compile_regions": "compiling",
     "Trainer": "trainer",
     "Callback": "callbacks",
     "EarlyStopping": "callbacks",

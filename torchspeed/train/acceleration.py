@@ -1,12 +1,15 @@
 """accelerate(): precision, memory format, compilation and the distributed wrapper, chosen by measuring.
 (Named acceleration: a submodule called accelerate would shadow the public function once imported.)
 
-The order of it: the step settings remembered for this machine, model, batch and settings
+The order of it: the user's step read from the model and the batch (`step_call`: the forward's arguments,
+the loss backpropagated); the step settings remembered for this machine, model, batch, step and settings
 (`remembered`), else measured by `trials` and remembered; every rank takes rank 0's; the strategy's
-wrapper and the optimizer's implementation (`strategy`); then a loader whose counts were measured alone
-has them chosen again with the prepared step in the loop (`loader_choice`). Each setting's outcome is
-one INFO line on this module's logger. The names that moved to `choices`, `prepared` and the modules
-beside it are re-exported here where they are public, so imports from this module keep working.
+wrapper and the optimizer's implementation (`strategy`), then the compile kept (whole, or the repeated
+blocks in place: `compiling`); then a loader whose counts were measured alone has them chosen again with
+the prepared step in the loop (`loader_choice`). Each setting's outcome is one INFO line on this module's
+logger; a step that is a guess (`StepCall.doubt`) one WARNING. The names that moved to `choices`,
+`prepared` and the modules beside it are re-exported here where they are public, so imports from this
+module keep working.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from torchspeed.args import progress_fn
 from torchspeed.batches import BatchFormat
 from torchspeed.runtime import ensure_cublas_workspace, resolve_device
 from torchspeed.train.choices import DECIDED, AccelerateOptions, AccelerateResult, TrialRow
+from torchspeed.train.compile_choice import Horizon, horizon_of
+from torchspeed.train.compiling import compile_regions, compiled_regions, decompile_regions
 from torchspeed.train.loader_choice import alone_counts, choose_counts
 from torchspeed.train.mixed_precision import SCALED, grad_scaler
 from torchspeed.train.prepared import Accelerated, forget_prepared, parameters_of, release_step_guard, training_step
@@ -40,7 +45,8 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                compile: bool | str = "auto",  # noqa: A002 (the public name of the setting)
                strategy: str | None = "auto", example_batch: Any = None,
                loss_fn: Callable[..., torch.Tensor] | None = None, device: str | torch.device = "auto",
-               expected_steps: int | None = None, trial_steps: int = 3, margin: float = 0.05,
+               expected_steps: int | None = None, epochs: int | None = None, trial_steps: int = 3,
+               margin: float = 0.05,
                min_compile_cost_s: float = 20.0, untried: dict[str, str] | None = None, fused_optimizer: bool = True,
                tf32: bool | str = "auto", cudnn_benchmark: bool | str = "auto",
                batch_format: BatchFormat | dict | None = None, refresh: bool = False,
@@ -56,13 +62,18 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     `acc.step(optimizer)` (the GradScaler; a plain `optimizer.step()` is refused).
 
     precision: "auto" | "bf16" | "fp16" | "fp32" (mixed: fp32 weights, autocast). channels_last /
-    compile / tf32 / cudnn_benchmark (the last two CUDA's process-wide switches): "auto" | True |
-    False. strategy: "auto" (DDP under torchrun, else none) | "ddp" | "fsdp" | None. "auto" is
-    measured on the loader's first batch (taken without moving any RNG or the loader's position) or
-    `example_batch`, read by `batch_format`, with `loss_fn(logits, target)`; an option must beat the
-    current choice by `margin` (fraction of step time). Compile is tried only when `expected_steps`
-    is given (not for a run shorter than `min_compile_cost_s`) and kept only when its one-off cost is
-    repaid. `untried` maps a setting to why it is not tried (e.g. {"compile": "quick mode budget"}).
+    tf32 / cudnn_benchmark (the last two CUDA's process-wide switches): "auto" | True | False. compile:
+    "auto" | True (the whole model) | "regional" (its repeated blocks, in place) | False. strategy:
+    "auto" (DDP under torchrun, else none) | "ddp" | "fsdp" | None. "auto" is measured on the loader's
+    first batch (taken without moving any RNG or the loader's position) or `example_batch`, read by
+    `batch_format`, running the loop's own step: `loss_fn(logits, target)` when given, else the forward
+    with the targets where it takes them (`model(idx, targets)`, `model(**batch)` with `labels`) and the
+    loss the model returns; a step that cannot be read so is one WARNING saying what to pass. An option
+    must beat the current choice by `margin` (fraction of step time). Compile "auto" tries regional and
+    whole-model compilation and keeps the one that makes the run shortest when its compile seconds are
+    repaid within the run: `expected_steps`, else len(loader) x `epochs`, else 1000 steps (or one epoch
+    when longer); a run shorter than `min_compile_cost_s` does not try. `untried` maps a setting to why it
+    is not tried (e.g. {"compile": "quick mode budget"}).
 
     A batch the model or loss cannot take, too few class outputs for the labels, or an optimizer not
     holding the model's parameters is a ValueError before any trial. The next call on the same
@@ -77,7 +88,8 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                         f"the settings by keyword, e.g. precision={loader!r}")
     options = AccelerateOptions(
         precision=precision, channels_last=channels_last, compile=compile, strategy=strategy, device=device,
-        tf32=tf32, cudnn_benchmark=cudnn_benchmark, expected_steps=expected_steps, trial_steps=trial_steps,
+        tf32=tf32, cudnn_benchmark=cudnn_benchmark, expected_steps=expected_steps, epochs=epochs,
+        trial_steps=trial_steps,
         margin=margin, min_compile_cost_s=min_compile_cost_s, untried=untried or {}, fused_optimizer=fused_optimizer,
         refresh=refresh)
     return accelerate_with(options, model, optimizer, loader=loader, example_batch=example_batch, loss_fn=loss_fn,
@@ -99,6 +111,7 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
     if dev.type == "cuda":
         _cublas_workspace_for_determinism(torch.cuda.is_initialized())
     denv, dev, strategy, options = resolve_strategy(options, dev)
+    horizon = horizon_of(options.expected_steps, _length(loader), options.epochs)
     if loader is not None:
         warn_if_unsharded(loader, denv.world_size)
         classes = classes if classes is not None else class_count(loader)
@@ -106,32 +119,52 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
             example_batch = example_batch_of(loader)
     model.to(dev)
     report = AccelerateResult(device=str(dev), strategy=strategy)
-    timer = _trial_timer(options, dev, example_batch, loss_fn, fmt, classes)
+    timer = _trial_timer(options, dev, example_batch, loss_fn, fmt, classes, model)
     compiled, memory = None, None
     if timer is None:
-        choose_step_settings(model, None, options, report, dev, say)
+        choose_step_settings(model, None, options, report, dev, say, horizon)
     else:
-        compiled, memory = _decide(model, timer, options, report, loss_fn, say)
+        compiled, memory = _decide(model, timer, options, report, loss_fn, say, horizon)
+        report.timed_step = timer.call.describe()
+        if timer.doubt:
+            log.warning("accelerate(): %s", timer.doubt)
     if denv.distributed:  # every rank makes rank 0's choices, whatever its own timings said
         report.take(ranks.broadcast_json(report.decided()))
         _apply(report, model)
+    regional_here = compiled is model  # this rank's trial compiled the regions in place
+    if regional_here and report.compile_mode != "regional":
+        decompile_regions(model)
+    if report.compile_mode == "regional" and not compiled_regions(model):
+        compile_regions(model)  # before the wrapper: DDP / FSDP run the compiled blocks
     wrapped = wrap_for_strategy(model, optimizer, strategy, options, report, dev)
     if optimizer is not None and options.fused_optimizer:
         report.optimizer = choose_optimizer_implementation(optimizer, dev, dtensor=strategy == "fsdp")
         report.candidates.append(TrialRow("optimizer", report.optimizer,
                                           decision="preferred (one kernel over all parameters)"))
-    if report.compile:
-        wrapped = compiled if (compiled is not None and wrapped is model) else torch.compile(wrapped)
+    if report.compile_mode == "whole":
+        kept = compiled is not None and not regional_here and wrapped is model
+        wrapped = compiled if kept else torch.compile(wrapped)
     if memory is None:  # a remembered decision said its one line
         _log_choices(report.candidates, report.device)
-    acc = Accelerated(model=AcceleratedModel(model, wrapped, dev, report.precision, report.channels_last),
+    timed = None if timer is None else (timer.call.describe(), timer.call.arguments(timer.inputs))
+    acc = Accelerated(model=AcceleratedModel(model, wrapped, dev, report.precision, report.channels_last,
+                                             timed_step=timed),
                       optimizer=optimizer, report=report, device=dev, module=model,
-                      scaler=grad_scaler(report.precision), batch_format=fmt)
+                      scaler=grad_scaler(report.precision), batch_format=fmt,
+                      step_call=None if timer is None else timer.call)
     acc.hold()
     if loader is not None:
         loader = _loader_with_step(acc, loader, loss_fn, example_batch, options.refresh, progress)
         acc.loader = DeviceLoader(loader, dev, report.channels_last)
     return acc
+
+
+def _length(loader: Any) -> int | None:
+    """The loader's batches per epoch, where it says (len); None otherwise."""
+    try:
+        return len(loader) if loader is not None else None
+    except TypeError:
+        return None
 
 
 def _check_model(model: Any) -> None:
@@ -171,18 +204,18 @@ def _cublas_workspace_for_determinism(cuda_initialized: bool) -> None:
 
 def _trial_timer(options: AccelerateOptions, dev: torch.device, example_batch: Any,
                  loss_fn: Callable[..., torch.Tensor] | None, fmt: BatchFormat,
-                 classes: int | None = None) -> StepTimer | None:
-    """The timer of the trials, or None when nothing is measured; refuses what cannot be measured or run."""
-    if options.measures_step and example_batch is None:
+                 classes: int | None = None, model: nn.Module | None = None) -> StepTimer | None:
+    """The timer of the trials, or None when nothing is measured (compile left on "auto" without a batch
+    is then not tried); refuses what cannot be measured or run."""
+    if options.needs_batch and example_batch is None:
         raise ValueError("accelerate(): an 'auto' setting needs a batch to measure options on: pass the training "
                          "loader (accelerate(model, optimizer, loader)) or example_batch=(inputs, targets), or "
                          "give precision/channels_last/compile explicitly")
     if options.precision in SCALED and dev.type != "cuda":
         raise ValueError("precision='fp16' is for CUDA GPUs (with a GradScaler); use 'bf16' or 'fp32' on the CPU")
-    cuda_switches = example_batch is not None and options.measures_cuda_switches(dev)
-    if not (options.measures_step or cuda_switches):
+    if example_batch is None or not (options.measures_step or options.measures_cuda_switches(dev)):
         return None
-    return StepTimer(example_batch, loss_fn, dev, options.trial_steps, fmt, classes)
+    return StepTimer(example_batch, loss_fn, dev, options.trial_steps, fmt, classes, model)
 
 
 def _apply(report: AccelerateResult, model: nn.Module) -> None:
@@ -205,9 +238,9 @@ def _log_choices(rows: Iterable[TrialRow], device: str) -> None:
 
 # ---------------------------------------------------------------- the remembered decision
 def _decide(model: nn.Module, timer: StepTimer, options: AccelerateOptions, report: AccelerateResult, loss_fn: Any,
-            say: Callable[[str], Any]) -> tuple[nn.Module | None, remembered.Memory | None]:
-    """The step settings remembered for this model, batch and machine (rank 0's under torchrun), else
-    measured: (the compiled model the compile trial kept, the memory followed or None)."""
+            say: Callable[[str], Any], horizon: Horizon) -> tuple[nn.Module | None, remembered.Memory | None]:
+    """The step settings remembered for this model, batch, step and machine (rank 0's under torchrun), else
+    measured: (what the compile trial compiled and kept, the memory followed or None)."""
     compiled = None
 
     def trials() -> dict[str, Any]:
@@ -217,14 +250,14 @@ def _decide(model: nn.Module, timer: StepTimer, options: AccelerateOptions, repo
             quiet = measure.wait_for_quiet_machine(max_s=3.0, window_s=0.25)
             if quiet.waited_s > 0.5:
                 say(f"accelerate: waited {quiet.waited_s:.1f} s for other processes to leave the cores")
-            compiled = choose_step_settings(model, timer, options, report, timer.device, say)
+            compiled = choose_step_settings(model, timer, options, report, timer.device, say, horizon)
         report.others_cores = timer.others_cores
         if report.busy_warning:  # a choice made on noise is not kept for the next runs
             log.warning("accelerate: %s (not remembered)", report.busy_warning)
-        return {**report.decided(), "logits_width": width}
+        return {**report.decided(), "logits_width": width, "doubt": timer.stand_in}
 
     decision, memory = remembered.recall_or_measure(
-        "accelerate", _memory_parts(options, model, timer, loss_fn), trials, decode=_decode,
+        "accelerate", _memory_parts(options, model, timer, loss_fn, horizon), trials, decode=_decode,
         encode=lambda d: (d, _figure(report)), busy=lambda d: bool(report.busy_warning), refresh=options.refresh,
         what=f"accelerate on {report.device}")
     if memory is not None:
@@ -236,17 +269,20 @@ def _decide(model: nn.Module, timer: StepTimer, options: AccelerateOptions, repo
 
 def _decode(memory: remembered.Memory) -> dict[str, Any]:
     """A remembered decision, each value checked (one edited into nonsense is measured again)."""
-    width = memory.decision["logits_width"]
+    width, doubt = memory.decision["logits_width"], memory.decision.get("doubt")
     if not (width is None or (type(width) is int and width > 0)):
         raise ValueError(f"logits_width={width!r} is not a width")
-    return {**AccelerateResult("").take(memory.decision).decided(), "logits_width": width}
+    if not (doubt is None or isinstance(doubt, str)):
+        raise ValueError(f"doubt={doubt!r} is not a sentence")
+    return {**AccelerateResult("").take(memory.decision).decided(), "logits_width": width, "doubt": doubt}
 
 
 def _figure(report: AccelerateResult) -> str:
     """What the trials chose and its measured step: 'bf16 + channels_last, 41.2 ms/step'."""
     steps = [r.step_s for r in report.candidates if r.step_s is not None and r.decision.startswith("kept")]
+    compiled = "regional compile" if report.compile_mode == "regional" else "compile"
     chosen = [report.precision] + [n for n, on in (("channels_last", report.channels_last),
-                                                   ("compile", report.compile), ("tf32", report.tf32)) if on]
+                                                   (compiled, report.compile), ("tf32", report.tf32)) if on]
     return " + ".join(chosen) + (f", {steps[-1] * 1e3:.1f} ms/step" if steps else "")
 
 
@@ -255,12 +291,13 @@ def _follow(decision: Mapping[str, Any], memory: remembered.Memory, timer: StepT
     """A remembered decision taken instead of measuring: one row per setting (those given are in the key),
     the labels checked against the logits' width then."""
     report.take(decision)
+    timer.stand_in = decision["doubt"]  # found by the first run's preflight, which a recall does not run
     for name in DECIDED:
         if name in ("tf32", "cudnn_benchmark") and not report.device.startswith("cuda"):
             continue
         given = getattr(options, name) != "auto"
-        report.candidates.append(TrialRow(name, str(getattr(report, name)),
-                                          decision="given" if given else memory.describe()))
+        value = report.compile_setting if name == "compile" else getattr(report, name)
+        report.candidates.append(TrialRow(name, str(value), decision="given" if given else memory.describe()))
     check_class_width(decision["logits_width"], timer.targets, timer.loss_fn, timer.classes)
 
 
@@ -273,13 +310,14 @@ def _qualified_name(fn: Any) -> str | None:
     return f"{getattr(named, '__module__', '')}.{named.__qualname__}"
 
 
-def _memory_parts(options: AccelerateOptions, model: nn.Module, timer: StepTimer, loss_fn: Any) -> dict[str, Any]:
+def _memory_parts(options: AccelerateOptions, model: nn.Module, timer: StepTimer, loss_fn: Any,
+                  horizon: Horizon) -> dict[str, Any]:
     """What accelerate()'s decision depends on, besides the machine (`remembered` adds it): the model's
-    structure, the batch's shapes, the device type, the world size, the settings measured or given,
-    deterministic mode, the loss."""
+    structure, the batch's shapes, the step timed, the device type, the world size, the settings measured
+    or given, deterministic mode, the loss, and the run's length where compile is weighed against it."""
     parts: dict[str, Any] = {
         "model": remembered.model_fingerprint(model), "inputs": remembered.shapes_of(timer.inputs),
-        "targets": remembered.shapes_of(timer.targets), "device": timer.device.type,
+        "targets": remembered.shapes_of(timer.targets), "step": timer.call.describe(), "device": timer.device.type,
         "world_size": ranks.env().world_size,
         "precision": options.precision, "channels_last": str(options.channels_last), "compile": str(options.compile),
         "tf32": str(options.tf32), "cudnn_benchmark": str(options.cudnn_benchmark), "margin": options.margin,
@@ -287,7 +325,7 @@ def _memory_parts(options: AccelerateOptions, model: nn.Module, timer: StepTimer
         "deterministic": torch.are_deterministic_algorithms_enabled(), "loss_fn": _qualified_name(loss_fn),
         "untried": sorted(options.untried)}
     if parts["compile_may_be_tried"]:  # whether compile repays itself depends on the run's length
-        parts["expected_steps"], parts["min_compile_cost_s"] = options.expected_steps, options.min_compile_cost_s
+        parts["horizon_steps"], parts["min_compile_cost_s"] = horizon.steps, options.min_compile_cost_s
     if timer.device.type == "cuda":  # switches the process set before count as the user's (trials' CUDA switches)
         parts["switches"] = switches_now()
     return parts
@@ -301,9 +339,10 @@ def step_parts(acc: Accelerated, loss_fn: Any, batch: Any) -> dict[str, Any]:
     inputs, targets = (acc.batch_format or BatchFormat()).split(batch)
     r, opt = acc.report, acc.optimizer
     return {"model": remembered.model_fingerprint(acc.module), "inputs": remembered.shapes_of(inputs),
-            "targets": remembered.shapes_of(targets), "device": acc.device.type,
+            "targets": remembered.shapes_of(targets), "step": r.timed_step, "device": acc.device.type,
             "world_size": ranks.env().world_size, "precision": r.precision, "channels_last": r.channels_last,
-            "compile": r.compile, "strategy": r.strategy, "tf32": r.tf32, "cudnn_benchmark": r.cudnn_benchmark,
+            "compile": r.compile_setting, "strategy": r.strategy, "tf32": r.tf32,
+            "cudnn_benchmark": r.cudnn_benchmark,
             "optimizer": None if opt is None else f"{type(opt).__qualname__} ({r.optimizer})",
             "loss_fn": _qualified_name(loss_fn)}
 

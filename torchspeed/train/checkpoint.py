@@ -3,12 +3,14 @@
 A checkpoint is `torch.save` of tensors and plain types only, read back with `weights_only=True`
 (`safeload`: no code runs from a checkpoint file). It is written to a temp file, fsynced and renamed
 (`atomic`), so a crash mid-write leaves at most a hidden `.step-*.tmp` file, removed when the next run
-takes the directory.
+takes the directory; a full disk is one OSError naming the file (not torch's "unexpected pos"), the
+checkpoints before it whole.
 
 **Verified.** Its bytes are hashed (sha256) while they are written, and the hash, size, step and run id
 go into a record beside it, `step-NNNNNNNN.pt.json`. A checkpoint without its record, or of another
-size, is incomplete and never listed; `load_file` hashes it again and refuses one whose bytes changed,
-naming it (`CheckpointError`).
+size, is incomplete and never listed (a record is read as data: bounded, checked, its file names inside
+the checkpoint and its own file among them); `load_file` hashes it again and refuses one whose bytes
+changed, naming it (`CheckpointError`).
 
 **Owned by a run.** The run id is in every checkpoint, its record and the directory's `run.json`.
 `claim()` gives a directory to a run: a new run refuses one holding another run's checkpoints (unless
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import logging
 import os
 import re
@@ -41,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from torchspeed.atomic import atomic_write, fsync_dir, write_json
+from torchspeed.remembered import check, read_json
 from torchspeed.safeload import load_torch_file
 
 try:
@@ -50,7 +52,7 @@ except ImportError:  # no flock on this platform: no lock, no cleaning of others
 
 __all__ = ["checkpoint_name", "list_checkpoints", "candidates", "last_checkpoint", "save_file", "load_file", "verify",
            "load_newest", "claim", "holds_run", "read_run", "new_run_id", "prune", "foreign", "resumable",
-           "CheckpointError", "FORMAT", "RUN_FILE"]
+           "CheckpointError", "FORMAT", "RUN_FILE", "write_torch_file"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ FORMAT = "torchspeed-checkpoint-v1"
 RECORD_FORMAT = "torchspeed-checkpoint-record-v1"
 RUN_FORMAT = "torchspeed-run-v1"
 RUN_FILE = "run.json"
+_FILE_ENTRY = {"bytes": range(0, 1 << 62), "sha256": re.compile(r"[0-9a-f]{64}")}
+_RECORD = {"format": frozenset({RECORD_FORMAT}), "run_id": (str, None), "step": (int, None),
+           "files": {str: _FILE_ENTRY}, "previous?": {str: _FILE_ENTRY}}
+_PLAIN_NAME = re.compile(r"(?!\.\.?(?:/|$))[^/\x00]+(?:/(?!\.\.?(?:/|$))[^/\x00]+)*")  # no '..', never absolute
 LOCK_FILE = ".lock"
 SHARDED_RECORD = "checksums.json"  # inside a sharded checkpoint directory
 _NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")
@@ -86,14 +92,20 @@ def record_path(path: str | os.PathLike) -> str:
 
 # ---------------------------------------------------------------- hashing
 class _HashingWriter:
-    """A write-only file object that hashes what passes through it (torch.save only writes and flushes)."""
+    """A write-only file object that hashes what passes through it (torch.save only writes and flushes),
+    keeping the OSError of a write that failed (torch reports it as "unexpected pos")."""
 
     def __init__(self, f: IO[bytes]):
         self.f, self.h, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, b: Any) -> int:
         self.h.update(b)
-        n = self.f.write(b)
+        try:
+            n = self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
         self.size += memoryview(b).nbytes
         return n
 
@@ -102,6 +114,38 @@ class _HashingWriter:
 
     def entry(self) -> dict[str, Any]:
         return {"bytes": self.size, "sha256": self.h.hexdigest()}
+
+
+def _torch_save(obj: Any, w: _HashingWriter) -> None:
+    """torch.save `obj` through `w`; a write that failed (a full disk) raises its own OSError, not torch's
+    RuntimeError "[enforce fail at inline_container.cc] unexpected pos"."""
+    try:
+        torch.save(obj, w)
+    except RuntimeError:
+        if w.error is None:
+            raise
+        raise w.error from None
+
+
+def _unwritten(path: str, e: OSError) -> OSError:
+    """One line for a file that could not be written (a full disk): it, what the system said, and that
+    what was written before stays."""
+    return OSError(e.errno, f"{path!r} could not be written ({e.strerror or e}); the checkpoints written before "
+                            "it are kept: free disk space, then continue with --resume (resume='last')")
+
+
+def write_torch_file(path: str | os.PathLike, obj: Any) -> dict[str, Any]:
+    """torch.save `obj` into `path` atomically (temp file, fsync, rename), hashed as it is written: its
+    {"bytes", "sha256"}. A write that fails (a full disk) is one OSError naming `path`; the file that
+    was there stays."""
+    path = os.fspath(path)
+    try:
+        with atomic_write(path, "wb") as f:
+            w = _HashingWriter(f)
+            _torch_save(obj, w)
+    except OSError as e:
+        raise _unwritten(path, e) from None
+    return w.entry()
 
 
 def _hash_file(path: str) -> dict[str, Any]:
@@ -114,13 +158,17 @@ def _hash_file(path: str) -> dict[str, Any]:
 
 
 def _read_record(path: str) -> dict[str, Any] | None:
-    """The record of checkpoint `path`, or None when it is missing or unreadable."""
+    """The record of checkpoint `path`, or None when it is missing, unreadable or not one torchspeed
+    writes (read as data: bounded, its fields checked, file names plain and inside the checkpoint, the
+    checkpoint's own file among them, so that nothing is taken as verified without being hashed)."""
     try:
-        with open(record_path(path), encoding="utf-8") as f:
-            rec = json.load(f)
+        rec = read_json(record_path(path))
+        check(rec, _RECORD, where="the record")
     except (OSError, ValueError):
         return None
-    if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT or not isinstance(rec.get("files"), dict):
+    own = "state.pt" if os.path.isdir(path) else os.path.basename(path)
+    names = [*rec["files"], *rec.get("previous", {})]
+    if own not in rec["files"] or not all(_PLAIN_NAME.fullmatch(n) for n in names):
         return None
     return rec
 
@@ -183,16 +231,17 @@ def read_run(directory: str | os.PathLike) -> str | None:
     """The run id in `directory`'s run file, or None when there is none."""
     path = os.path.join(os.fspath(directory), RUN_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            run = json.load(f)
+        run = read_json(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
         raise ValueError(f"the run file {path!r} cannot be read ({e}); delete it, or start a new run in that "
                          "directory with overwrite") from None
-    if not isinstance(run, dict) or run.get("format") != RUN_FORMAT or not isinstance(run.get("run_id"), str):
+    try:
+        check(run, {"format": frozenset({RUN_FORMAT}), "run_id": re.compile(r"[^\x00-\x1f\x7f]{1,200}")})
+    except ValueError:
         raise ValueError(f"{path!r} is not a torchspeed run file; delete it, or start a new run in that directory "
-                         "with overwrite")
+                         "with overwrite") from None
     return run["run_id"]
 
 
@@ -291,16 +340,19 @@ def save_file(path: str | os.PathLike, state: dict[str, Any]) -> None:
     name = os.path.basename(path)
     _refuse_foreign(path, state.get("run_id"))
     old = _read_record(path) if os.path.isfile(path) else None
-    with atomic_write(path, "wb") as f:
-        w = _HashingWriter(f)
-        torch.save(state, w)
-        record = _record(state.get("run_id"), state.get("global_step"), {name: w.entry()})
-        both = old is not None and old["files"].get(name) not in (None, record["files"][name])
-        # before the rename: old bytes and new both verify; with no file under the name yet, the record
-        # alone lists nothing
-        write_json(path + ".json", {**record, "previous": {name: old["files"][name]}} if both else record)
-    if both:
-        write_json(path + ".json", record)  # after the rename: only the new bytes
+    try:
+        with atomic_write(path, "wb") as f:
+            w = _HashingWriter(f)
+            _torch_save(state, w)
+            record = _record(state.get("run_id"), state.get("global_step"), {name: w.entry()})
+            both = old is not None and old["files"].get(name) not in (None, record["files"][name])
+            # before the rename: old bytes and new both verify; with no file under the name yet, the record
+            # alone lists nothing
+            write_json(path + ".json", {**record, "previous": {name: old["files"][name]}} if both else record)
+        if both:
+            write_json(path + ".json", record)  # after the rename: only the new bytes
+    except OSError as e:  # a full disk: one line naming the checkpoint (the ones before it are intact)
+        raise _unwritten(path, e) from None
 
 
 def _refuse_foreign(path: str, run_id: str | None) -> None:
@@ -395,14 +447,16 @@ def save_sharded(directory: str, step: int, model: torch.nn.Module, optimizer: A
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+    try:
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+    except Exception as e:  # noqa: BLE001 - DCP wraps each rank's failure in its own exception
+        if "No space left on device" not in str(e):
+            raise
+        raise _unwritten(final, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) from None
     dist.barrier()
     if is_main:
         files = {}
-        with atomic_write(os.path.join(tmp, "state.pt"), "wb") as f:
-            w = _HashingWriter(f)
-            torch.save(state, w)
-            files["state.pt"] = w.entry()
+        files["state.pt"] = write_torch_file(os.path.join(tmp, "state.pt"), state)
         for root, _, names in os.walk(tmp):
             for n in names:
                 rel = os.path.relpath(os.path.join(root, n), tmp)

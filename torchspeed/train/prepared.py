@@ -19,7 +19,7 @@ from torch import nn
 from torchspeed.batches import BatchFormat, to_device
 from torchspeed.train.choices import AccelerateResult
 from torchspeed.train.mixed_precision import autocast_for
-from torchspeed.train.step_timer import default_loss, loss_of
+from torchspeed.train.step_call import StepCall
 from torchspeed.train.wrapping import AcceleratedModel
 
 __all__ = ["Accelerated", "forget_prepared", "parameters_of", "release_step_guard", "training_step"]
@@ -96,6 +96,7 @@ class Accelerated:
     scaler: Any = None            # torch.amp.GradScaler for fp16, else None
     batch_format: BatchFormat | None = None  # how the batches were read (the Trainer's default for this model)
     loader: Any = None            # the loader accelerate() was given, yielding device batches (a DeviceLoader)
+    step_call: StepCall | None = None  # the step accelerate()'s trials ran (the forward's arguments, the loss)
     _scaled: bool = field(default=False, init=False, repr=False, compare=False)  # a backward() since the last step
 
     # model accelerate() returned -> (its preparation less model and optimizer, the optimizer held weakly)
@@ -216,18 +217,19 @@ def forget_prepared(model: nn.Module) -> None:
 
 
 def training_step(acc: Accelerated, loss_fn: Callable[..., torch.Tensor] | None) -> Callable[[Any], None]:
-    """One real training step of the prepared model on a batch, as a plain loop runs it: forward under
-    the chosen precision, `loss_fn` (cross-entropy for class logits when None, as the trials), backward
-    and optimizer step through `acc` (the GradScaler under fp16)."""
+    """One real training step of the prepared model on a batch, as a plain loop runs it: the forward
+    under the chosen precision and the loss as the trials ran them (`acc.step_call` when made with this
+    `loss_fn`; else `loss_fn`, or the model's own loss or a stand-in when None), backward and optimizer
+    step through `acc` (the GradScaler under fp16)."""
     fmt = acc.batch_format or BatchFormat()
-    loss = loss_fn or default_loss
+    same = acc.step_call is not None and acc.step_call.loss_fn is loss_fn and acc.step_call.fmt == fmt
+    call = acc.step_call if same else StepCall(fmt, loss_fn)
 
     def step(batch: Any) -> None:
         x, y = fmt.split(batch)
         y = to_device(y, acc.device)
         with acc.autocast():
-            out = fmt.logits_of(fmt.forward(acc.model, x))
-            value = loss_of(loss, out, y, x)
+            value = call.loss(call.forward(acc.model, x, y), x, y)
         acc.backward(value)
         acc.step(acc.optimizer)
     return step

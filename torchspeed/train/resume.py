@@ -258,7 +258,9 @@ class ExactResume:
             try:
                 trained.module.load_state_dict(state["model"])
             except RuntimeError as e:
-                raise ValueError(f"checkpoint {path!r} does not fit this model: {str(e)[:300]}") from None
+                first = _first_mismatch(trained.module, state["model"], e)
+                raise ValueError(f"checkpoint {path!r} does not fit this model: {first} (a changed model? resume "
+                                 "with the model that wrote it, or start a new run)") from None
             trained.optimizer.load_state_dict(state["optimizer"])
         if state["scaler"] is not None and trained.scaler is not None:
             trained.scaler.load_state_dict(state["scaler"])
@@ -341,3 +343,20 @@ class ExactResume:
     def _start(self, gen: torch.Generator | None) -> None:
         """Note the generators as this epoch's iterator is made (what a checkpoint taken during it holds)."""
         self.epoch_start = {"rng": rng_state(), "generator": gen.get_state() if gen is not None else None}
+
+
+def _first_mismatch(module: nn.Module, saved: Mapping[str, Any], error: Exception) -> str:
+    """The first key where the checkpoint's weights and the model's differ, as a few words: one line in
+    place of torch's list of every missing, unexpected and resized key."""
+    own = module.state_dict()
+    saved = saved if isinstance(saved, Mapping) else {}
+    for key in own:
+        if key not in saved:
+            return f"the model's {key!r} is not in it"
+    for key, value in saved.items():
+        if key not in own:
+            return f"its {key!r} is not in the model"
+        mine = own[key]
+        if isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) and value.shape != mine.shape:
+            return f"{key!r} is {list(value.shape)} in it and {list(mine.shape)} in the model"
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]

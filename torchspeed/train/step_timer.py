@@ -1,7 +1,8 @@
-"""Real training steps timed on one batch (`StepTimer`, read through the training's batch format; its
-`preflight` makes a batch the model or loss cannot take, or too few class logits, one clear ValueError
-before any trial), and the model, optimizer, GradScaler and every RNG put back after such trials
-(`trial_state_kept`: accelerate's trials and the loader's counts chosen with the step alike)."""
+"""Real training steps timed on one batch (`StepTimer`: the user's own step as `step_call.StepCall` reads
+it, the forward with the arguments the loop passes and the loss it backpropagates; its `preflight` makes a
+batch the model or loss cannot take, or too few class logits, one clear ValueError before any trial), and
+the model, optimizer, GradScaler and every RNG put back after such trials (`trial_state_kept`: accelerate's
+trials and the loader's counts chosen with the step alike)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,22 +18,9 @@ from torchspeed import measure
 from torchspeed.batches import BatchFormat, to_device
 from torchspeed.runtime import rng_state, set_rng_state, synchronize
 from torchspeed.train.mixed_precision import autocast_for
+from torchspeed.train.step_call import StepCall, default_loss, loss_of
 
 __all__ = ["StepTimer", "check_class_outputs", "check_class_width", "default_loss", "loss_of", "trial_state_kept"]
-
-
-def default_loss(outputs: Any, targets: Any) -> torch.Tensor:
-    """For timing only: cross-entropy for class logits, else the mean output (same backward cost)."""
-    if (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2
-            and targets.dtype == torch.int64 and targets.dim() == 1):
-        return nn.functional.cross_entropy(outputs.float(), targets)
-    out = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
-    return out.float().mean()
-
-
-def loss_of(loss_fn: Callable[..., torch.Tensor], out: Any, y: Any, x: Any) -> torch.Tensor:
-    """`loss_fn(out, y)`, or `loss_fn(out, y, x)` for a loss with `needs_inputs = True` (distillation)."""
-    return loss_fn(out, y, x) if getattr(loss_fn, "needs_inputs", False) else loss_fn(out, y)
 
 
 def _indexes_by_label(loss_fn: Any) -> bool:
@@ -103,11 +91,12 @@ def trial_state_kept(model: nn.Module, optimizer: torch.optim.Optimizer | None =
 
 
 class StepTimer:
-    """Times training steps (forward, loss, backward) of a model on one example batch, read through
-    the batch format (inputs, target, logits) the training itself uses."""
+    """Times training steps (forward, loss, backward) of a model on one example batch, run as the user's loop
+    runs them (`call`: the forward's arguments, targets included where the forward takes them, and the
+    loss backpropagated), read through the batch format (inputs, target, logits) the training itself uses."""
 
     def __init__(self, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, steps: int,
-                 batch_format: BatchFormat | None = None, classes: int | None = None):
+                 batch_format: BatchFormat | None = None, classes: int | None = None, model: nn.Module | None = None):
         self.device, self.steps, self.classes = device, steps, classes
         self.others: list[float] = []  # cores other processes used during each timing
         self.loss_fn = loss_fn or default_loss
@@ -116,52 +105,74 @@ class StepTimer:
             self.inputs, self.targets = self.fmt.split(batch)
         except ValueError as e:
             raise ValueError(f"example_batch: {e}; give one batch from the training loader") from None
+        self.call = StepCall.of(model, batch, self.fmt, loss_fn) if model is not None else StepCall(self.fmt, loss_fn)
+        self.stand_in: str | None = None  # why the loss timed is a stand-in for the loop's (found by preflight)
 
     def step_fn(self, model: nn.Module, precision: str, channels_last: bool) -> Callable[[], None]:
         x = to_device(self.inputs, self.device, channels_last)
         y = to_device(self.targets, self.device)
-        fmt = self.fmt
+        call = self.call
         checked = False
 
         def step() -> None:
             nonlocal checked
             with autocast_for(self.device, precision):
-                out = fmt.logits_of(fmt.forward(model, x))
+                out = call.forward(model, x, y)
                 if not checked:  # the first call only: it reads the largest label
-                    check_class_outputs(out, y, self.loss_fn, self.classes)
+                    if call.uses_logits(out):
+                        check_class_outputs(self.fmt.logits_of(out), y, self.loss_fn, self.classes)
                     checked = True
-                loss = loss_of(self.loss_fn, out, y, x)
+                loss = call.loss(out, x, y)
             loss.backward()
             for p in model.parameters():
                 p.grad = None
         return step
 
+    def loss_value(self, model: nn.Module, precision: str = "fp32") -> torch.Tensor:
+        """The loss of the timed step on the example batch, without backward (what the loop's own step on
+        that batch computes: numerics checks)."""
+        x, y = to_device(self.inputs, self.device), to_device(self.targets, self.device)
+        with torch.no_grad(), autocast_for(self.device, precision):
+            return self.call.loss(self.call.forward(model, x, y), x, y)
+
     def preflight(self, model: nn.Module) -> int | None:
         """One forward and loss on the example batch before any trial, so that a batch the model cannot
         take, or class logits narrower than the labels, is one clear ValueError naming both sides (not
-        an error inside a timed trial). Returns the logits' width (kept with the decision), or None."""
+        an error inside a timed trial); a loss that is a stand-in for the loop's is noted in `stand_in`.
+        Returns the logits' width (kept with the decision), or None."""
         x, y = to_device(self.inputs, self.device), to_device(self.targets, self.device)
         try:
             with torch.no_grad():
-                out = self.fmt.logits_of(self.fmt.forward(model, x))
+                out = self.call.forward(model, x, y)
         except Exception as e:
-            raise ValueError(f"the model cannot take the training batch (inputs {_shapes(x)}): "
-                             f"{type(e).__name__}: {e}") from e
-        check_class_outputs(out, y, self.loss_fn, self.classes)
+            given = f"inputs {_shapes(x)}" + (f" and targets {_shapes(y)}, called as {self.call.describe(loss=False)}"
+                                              if self.call.targets_in else "")
+            raise ValueError(f"the model cannot take the training batch ({given}): {type(e).__name__}: {e}") from e
+        logits = self.fmt.logits_of(out) if self.call.uses_logits(out) else None
+        if logits is not None:
+            check_class_outputs(logits, y, self.loss_fn, self.classes)
         try:
             with torch.no_grad():
-                loss_of(self.loss_fn, out, y, x)
+                loss = self.call.loss(out, x, y)
         except Exception as e:
             raise ValueError(f"loss_fn cannot take the model's outputs {_shapes(out)} and the batch's targets "
                              f"{_shapes(y)}: {type(e).__name__}: {e}") from e
-        return int(out.shape[1]) if isinstance(out, torch.Tensor) and out.dim() == 2 else None
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+            raise ValueError(f"the training step's loss must be one float (a 0-d tensor to call backward on); "
+                             f"{self.call.describe()} gives {_shapes(loss)}")
+        self.stand_in = self.call.stand_in(out, y)
+        return int(logits.shape[1]) if isinstance(logits, torch.Tensor) and logits.dim() == 2 else None
 
-    def measure(self, step: Callable[[], None]) -> tuple[float, float]:
-        """(median step seconds, first-call seconds): the first call carries one-off costs."""
+    def first_call(self, step: Callable[[], None]) -> float:
+        """Seconds of one call of `step` (a compiled step's first call compiles it)."""
         t0 = time.perf_counter()
         step()
         synchronize(self.device)
-        first = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def measure(self, step: Callable[[], None]) -> tuple[float, float]:
+        """(median step seconds, first-call seconds): the first call carries one-off costs."""
+        first = self.first_call(step)
         others = measure.OthersLoad()
         t = measure.time_callable(step, name="trial", warmup=1, repeats=self.steps, device=self.device)
         self._record(others.cores())
@@ -176,6 +187,11 @@ class StepTimer:
     def _record(self, others_cores: float | None) -> None:
         if others_cores is not None:
             self.others.append(others_cores)
+
+    @property
+    def doubt(self) -> str | None:
+        """Why the step timed may not be the loop's, with what to pass (the batch's parts, the loss), or None."""
+        return self.call.doubt or self.stand_in
 
     @property
     def others_cores(self) -> float | None:

@@ -56,7 +56,7 @@ def _check_agrees(acc: Accelerated, options: AccelerateOptions) -> None:
     """A prepared model comes with its settings: a Trainer setting that says otherwise is an error
     (silently ignoring it, or preparing the model twice, would both surprise)."""
     r = acc.report
-    chosen = {"precision": r.precision, "channels_last": r.channels_last, "compile": r.compile,
+    chosen = {"precision": r.precision, "channels_last": r.channels_last, "compile": r.compile_setting,
               "strategy": r.strategy, "device": acc.device}
     for name, got in chosen.items():
         want = getattr(options, name)
@@ -633,6 +633,6 @@ class Trainer:
     def _summary(self, result: dict[str, Any]) -> None:
         rows = [(k, v) for k, v in result.items() if isinstance(v, (int, float, bool))]
         r = self.acc.report
-        rows.append(("setup", f"{r.precision}, channels_last={r.channels_last}, compile={r.compile}, "
+        rows.append(("setup", f"{r.precision}, channels_last={r.channels_last}, compile={r.compile_setting}, "
                               f"strategy={r.strategy}, optimizer={r.optimizer}"))
         print_table("training summary", ["metric", "value"], rows)

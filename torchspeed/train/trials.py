@@ -1,8 +1,9 @@
 """accelerate()'s trials, in order (`choose_step_settings`): precision and memory format searched
-jointly, CUDA's process-wide switches (TF32 for fp32 matmuls, cudnn.benchmark), then torch.compile
-timed under the switches chosen. The plain way is each trial's baseline; another option is kept only
-when `margin` faster (`_margin_ok`), compile only when its one-off cost is repaid over the expected
-run. Each option becomes a `TrialRow` of the report, decided or deliberately not tried.
+jointly, CUDA's process-wide switches (TF32 for fp32 matmuls, cudnn.benchmark), then compile (eager,
+regional, whole; `compile_choice`) timed under the switches chosen. The plain way is each trial's
+baseline; another option is kept only when `margin` faster (`_margin_ok`), compile only when its one-off
+cost is repaid over the run. Each option becomes a `TrialRow` of the report, decided or deliberately not
+tried.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from torchspeed.runtime import default_precision
 from torchspeed.train.choices import AccelerateOptions, AccelerateResult, TrialRow
+from torchspeed.train.compile_choice import Horizon, choose_compile, horizon_of
 from torchspeed.train.mixed_precision import precision_options
 from torchspeed.train.step_timer import StepTimer
 
@@ -41,10 +43,11 @@ def _image_input(x: Any) -> bool:
 
 
 def choose_step_settings(model: nn.Module, timer: StepTimer | None, options: AccelerateOptions,
-                         report: AccelerateResult, dev: torch.device, say: Callable[[str], Any]) -> nn.Module | None:
+                         report: AccelerateResult, dev: torch.device, say: Callable[[str], Any],
+                         horizon: Horizon | None = None) -> nn.Module | None:
     """Precision and memory format, then the CUDA switches, then compile (timed under the switches
-    chosen); fills `report`, saying each trial's figure as it is known. Returns the compiled model
-    when the compile trial kept it."""
+    chosen, weighed against `horizon`, the run's length); fills `report`, saying each trial's figure as it
+    is known. Returns what the compile trial compiled and kept (see compile_choice.choose_compile)."""
     rows = report.candidates
     report.precision, report.channels_last, base_step = _choose_precision_and_layout(model, timer, options, dev,
                                                                                      rows)
@@ -56,7 +59,8 @@ def choose_step_settings(model: nn.Module, timer: StepTimer | None, options: Acc
     if switches[:2] != switches_now()[:2]:
         base_step = None  # measured under other switches: compile's baseline is timed again
     done = len(rows)
-    compiled = _choose_compile(model, timer, options, report, base_step)
+    compiled = choose_compile(model, timer, options, report, base_step,
+                              horizon or horizon_of(options.expected_steps, epochs=options.epochs))
     _say_rows(rows, done, say)
     return compiled
 
@@ -110,61 +114,6 @@ def _choose_precision_and_layout(model: nn.Module, timer: StepTimer | None, opti
     if len(layouts) == 1 and channels_last != "auto":
         rows.append(TrialRow("channels_last", str(cl), decision="given"))
     return prec, cl, times[chosen]
-
-
-def _choose_compile(model: nn.Module, timer: StepTimer | None, options: AccelerateOptions, report: AccelerateResult,
-                    base_step: float | None) -> nn.Module | None:
-    """torch.compile only where it pays: its one-off compile time is charged against the expected
-    run, and a run too short to repay a typical compile (`min_compile_cost_s`) does not try it.
-    Sets report.compile; returns the compiled model when the trial kept it (reused, not recompiled)."""
-    rows, steps, untried = report.candidates, options.expected_steps, options.untried
-    if options.compile != "auto":
-        report.compile = bool(options.compile)
-        rows.append(TrialRow("compile", str(report.compile), decision="given"))
-        return None
-    if "compile" in untried:
-        rows.append(TrialRow("compile", "True", decision=f"not tried: {untried['compile']}"))
-        return None
-    if steps is None:
-        rows.append(TrialRow("compile", "True", decision="not tried: give expected_steps to weigh compile's one-off "
-                                                         "cost"))
-        return None
-    if base_step is None:
-        base_step, _ = timer.measure(timer.step_fn(model, report.precision, report.channels_last))
-    rows.append(TrialRow("compile", "False", base_step))
-    if steps * base_step < options.min_compile_cost_s:
-        rows[-1].decision = "kept"
-        rows.append(TrialRow("compile", "True", decision=(
-            f"not tried: expected run ~{steps * base_step:.0f} s is too short to repay a compile "
-            f"(typically >= {options.min_compile_cost_s:.0f} s)")))
-        return None
-    compiled = _try_compile(model, timer, report, base_step, steps, options.margin)
-    report.compile = compiled is not None
-    return compiled
-
-
-def _try_compile(model: nn.Module, timer: StepTimer, report: AccelerateResult, base_step: float, steps: int,
-                 margin: float) -> nn.Module | None:
-    """Compile, time, and keep only if the saving over the expected run repays the compile time."""
-    rows = report.candidates
-    try:
-        compiled = torch.compile(model)
-        t_c, first = timer.measure(timer.step_fn(compiled, report.precision, report.channels_last))
-    except Exception as e:  # a model the compiler cannot handle is a rejected option, not a crash
-        rows[-1].decision = "kept"
-        rows.append(TrialRow("compile", "True", decision=f"rejected: compile failed ({type(e).__name__}: {e})"[:200]))
-        return None
-    one_off = max(0.0, first - t_c)
-    saving = (base_step - t_c) * steps if steps else None
-    if not _margin_ok(base_step, t_c, margin):
-        why = f"rejected: step not {margin:.0%} faster"
-    elif saving is not None and saving <= one_off:
-        why = f"rejected: saves {saving:.0f} s over {steps} steps, compile costs {one_off:.0f} s"
-    else:
-        why = "kept"
-    rows[-1].decision = "baseline" if why == "kept" else "kept"
-    rows.append(TrialRow("compile", "True", t_c, one_off, why))
-    return compiled if why == "kept" else None
 
 
 def apply_tf32(on: bool | None) -> None:

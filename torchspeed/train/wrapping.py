@@ -3,6 +3,7 @@
 protocols of `torchspeed.loader_contract`."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -34,15 +35,21 @@ def inputs_in_layout(module: nn.Module, args: Any, kwargs: Any, channels_last: b
 
 
 def outputs_fp32(out: Any) -> Any:
-    """bf16/fp16 tensors in a model's output as fp32 (the loss and metrics then compute in fp32).
-    Mappings keep their type (a Hugging Face ModelOutput keeps `.logits`): changed in place."""
+    """bf16/fp16 tensors in a model's output as fp32 (the loss and metrics then compute in fp32): a tensor,
+    tuples / lists / dicts of them (a GPT's `(logits, loss)`), nested. Mappings keep their type (a Hugging
+    Face ModelOutput keeps `.logits` and `.loss`): changed in place; a dataclass output is a copy."""
     if isinstance(out, torch.Tensor):
         return out.float() if out.dtype in _HALF else out
     if isinstance(out, Mapping) and type(out) is not dict:
         for k in list(out.keys()):
             out[k] = outputs_fp32(out[k])  # type: ignore[index]
         return out
-    return map_tensors(lambda t: t.float() if t.dtype in _HALF else t, out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{f.name: outputs_fp32(getattr(out, f.name))
+                                           for f in dataclasses.fields(out) if f.init})
+    if isinstance(out, (dict, tuple, list)):
+        return map_tensors(outputs_fp32, out, leaf=object)
+    return out
 
 
 class AcceleratedModel(nn.Module):
@@ -52,18 +59,23 @@ class AcceleratedModel(nn.Module):
     Fabric's `_FabricModule` do). `wrapped` runs the forward (the model or its DDP / FSDP / compile
     wrapper). State_dict, parameter names and attributes the wrapper lacks are the user's model's (no
     `module.` / `_orig_mod.` prefixes; `model.fc = nn.Linear(...)` reaches it), so checkpoints load both
-    ways; a container (nn.Sequential, ModuleList, ModuleDict) keeps `len`, iteration and `model[i]`."""
+    ways; a container (nn.Sequential, ModuleList, ModuleDict) keeps `len`, iteration and `model[i]`.
+
+    `timed_step`: (what accelerate()'s trials ran, how many arguments its forward got); the loop's first
+    training forward that gets another number of arguments is one WARNING (the choices were measured on
+    another step: e.g. `model(x)` timed while the loop runs `model(x, y)`)."""
 
     def __new__(cls, module: nn.Module | None = None, *args: Any, **kwargs: Any) -> AcceleratedModel:
         container = cls is AcceleratedModel and hasattr(type(module), "__len__") and hasattr(type(module), "__iter__")
         return super().__new__(_AcceleratedContainer if container else cls)
 
     def __init__(self, module: nn.Module, wrapped: nn.Module, device: torch.device, precision: str,
-                 channels_last: bool):
+                 channels_last: bool, timed_step: tuple[str, int] | None = None):
         super().__init__()
         self._forward_module = wrapped
         self._original_module = module
         self.device, self.precision, self.channels_last = device, precision, channels_last
+        self._timed_step = timed_step  # checked against the loop's first training forward, then None
         self._ts_ready = True
 
     @property
@@ -75,10 +87,25 @@ class AcceleratedModel(nn.Module):
         return self._forward_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_timed_step") is not None and torch.is_grad_enabled() and self.training:
+            self._check_step(args, kwargs)
         args, kwargs = to_device((args, kwargs), self.device, self.channels_last)
         with autocast_once(self.device, self.precision):
             out = self._forward_module(*args, **kwargs)
         return out if self.precision == "fp32" else outputs_fp32(out)
+
+    def _check_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The loop's first training forward: said once when it gets another number of arguments than the
+        step accelerate() timed."""
+        timed, n_timed = self.__dict__["_timed_step"]
+        self.__dict__["_timed_step"] = None
+        n = sum(a is not None for a in args) + sum(v is not None for v in kwargs.values())
+        if n != n_timed:
+            log.warning("accelerate(): the trials timed the step %s (%d argument(s) to the forward), but the loop's "
+                        "first training forward got %d: the choices were measured on another step. Give "
+                        "accelerate() the loop's step: loss_fn= for a loss computed outside the model, no loss_fn "
+                        "for a model that takes the targets and returns its loss, batch_format=BatchFormat(inputs="
+                        "...) for other arguments; refresh=True measures again", timed, n_timed, n)
 
     # the user's model's names, not the wrapper's: checkpoints and optimizers see the plain model
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
