@@ -930,3 +930,15 @@ def test_an_unwritable_pack_destination_fails_before_any_work(small_photo_folder
     with pytest.raises(OSError, match="read-only"):
         pack(small_photo_folder, store, overwrite=True, progress=False, num_workers=1)
     assert _digest(store) == before
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), 0, -1])
+def test_a_loader_tuning_budget_that_never_ends_is_refused_in_the_api(tmp_path, seconds):
+    """`tune_seconds` nan or inf would time a configuration forever: refused by name, as on the command line."""
+    import torchspeed as ts
+
+    ts.data.make_photo_folder(str(tmp_path / "photos"), 8, n_classes=2, size=(48, 36))
+    with pytest.raises(ValueError, match="tune_seconds = .*a measuring budget must be a positive number of seconds"):
+        ts.data.tune_loader(str(tmp_path / "photos"), batch_size=4, tune_seconds=seconds)
+    with pytest.raises(ValueError, match="tune_seconds = .*a measuring budget must be a positive number of seconds"):
+        ts.data.fast_loader(str(tmp_path / "photos"), batch_size=4, tune_seconds=seconds, num_workers=[0, 1])

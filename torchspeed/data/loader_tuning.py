@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torchspeed.args import positive_number
 from torchspeed.data.hfdatasets import is_hf_dataset
 from torchspeed.data.loader import FastLoader, LoaderOptions, fast_loader, with_decoder
 from torchspeed.data.shards import looks_like_shards
@@ -67,8 +68,7 @@ def tune_loader(
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if tune_seconds <= 0:
-        raise ValueError(f"tune_seconds must be positive, got {tune_seconds!r}")
+    tune_seconds = positive_number(tune_seconds, "tune_seconds")
     dev = resolve_device(device)
     num_workers = as_counts(num_workers, "num_workers", 0)
     timed = _timed_factory(dataset, batch_size, num_workers, threads, collate_fn, crop, train, dev, progress, refresh)

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 import torchspeed.measure as measure
 from torchspeed import remembered
-from torchspeed.args import as_list, progress_fn
+from torchspeed.args import as_list, positive_number, progress_fn
 from torchspeed.loader_contract import release_workers
 from torchspeed.measure import time_iterable
 from torchspeed.runtime import default_mp_context, usable_cores
@@ -422,6 +422,7 @@ def measure_settings(
     `QUIET_WAIT_S`; `others_cores` says when they did not).
     """
     t_start = time.perf_counter()
+    tune_seconds = positive_number(tune_seconds, "tune_seconds")  # nan or inf would never end
     worker_counts = as_counts(num_workers, "num_workers", 0)
     thread_counts = None if threads is None else as_counts(threads, "threads", 1)
     first = (prefetch_factor[0] if prefetch_factor else 2, persistent_workers[0] if persistent_workers else True,
