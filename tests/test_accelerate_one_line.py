@@ -160,7 +160,7 @@ def test_a_second_accelerate_recalls_and_refresh_measures_again(caplog, capsys, 
 
 
 def test_a_remembered_decision_edited_into_nonsense_is_measured_again(monkeypatch):
-    """issue 37: a value accelerate() never chooses makes the remembered decision unusable: measured again."""
+    """A remembered decision holding a value accelerate() never chooses is unusable: measured again."""
     monkeypatch.setattr(AccelerateResult, "busy_warning", property(lambda self: None))  # a quiet machine
     kw = dict(precision="fp32", channels_last="auto", compile=False, example_batch=separable_images(32), trial_steps=1)
     accelerate(tiny_convnet(), None, **kw)

@@ -230,7 +230,7 @@ def test_an_unwritable_json_path_fails_before_any_command_runs(tmp_path, monkeyp
 ], ids=["tune-seconds", "lr", "budget-ms"])
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "NaN", "1e999"])
 def test_numeric_options_are_finite_and_positive(argv, value, capsys):
-    """Issue 37: `tune-loader --tune-seconds nan` (or inf) never ended."""
+    """A measuring budget of nan or inf (`tune-loader --tune-seconds nan`) would never end: refused in one line."""
     with pytest.raises(SystemExit) as e:
         main([a.replace("{}", value) for a in argv])
     assert e.value.code == 2
@@ -262,7 +262,7 @@ def test_the_api_refuses_non_finite_budgets_with_the_rule():
 
 
 def test_an_error_is_one_line_when_stderr_is_piped_and_columns_unset(tmp_path, monkeypatch, capsys):
-    """Issue 37: rich wrapped errors at 80 columns when stderr was not a terminal and COLUMNS unset."""
+    """An error is one unwrapped line when stderr is not a terminal and COLUMNS is unset."""
     monkeypatch.delenv("COLUMNS", raising=False)
     missing = tmp_path / ("a-folder-with-a-long-name-" * 4)
     assert main(["tune-loader", str(missing)]) == 2

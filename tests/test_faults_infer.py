@@ -556,7 +556,7 @@ def _an_expression(expr):
 ], ids=["nested-pow", "star-star", "symbol-star-star", "precision-keyword", "precision-positional", "huge-shift",
         "huge-natural-pow", "huge-literal", "huge-float-exponent", "too-long", "small-powers-nested", "float-power"])
 def test_a_program_whose_shape_expressions_would_not_end_is_refused(tmp_path, program_file, expr):
-    """Issue 37: `**` and precision arguments let a crafted program hang its load or its first call."""
+    """A crafted program with `**` or precision arguments in its expressions is refused before it can hang a load."""
     from torchspeed.infer.program import load_program
     from torchspeed.safeload import UnsafeFileError
 
@@ -577,7 +577,7 @@ def test_a_program_whose_guard_would_not_end_is_refused(tmp_path, program_file, 
 
 
 def test_an_unreferenced_member_is_refused_before_it_is_read(tmp_path, program_file):
-    """Issue 37: a weight member no tensor uses (zeros, tiny compressed) was read whole and copied."""
+    """A weight member no tensor uses (zeros, tiny compressed) is refused without being read whole."""
     import tracemalloc
 
     from torchspeed.infer.program import load_program
@@ -607,7 +607,7 @@ def _first_weight(entries):
 @pytest.mark.parametrize("how", ["empty-member-declaring-2**28-floats", "member-half-its-tensor", "member-missing"])
 def test_declared_sizes_are_checked_against_the_members_before_any_allocation(tmp_path, program_file, how,
                                                                              monkeypatch):
-    """Issue 37: an empty weight member declaring 2^28 floats was allocated in full by torch."""
+    """An empty weight member declaring 2^28 floats is refused before anything is allocated."""
     import torch
 
     from torchspeed.infer.program import load_program
@@ -659,7 +659,7 @@ def test_a_program_over_the_parse_time_limit_or_entry_limits_is_refused(tmp_path
 
 # ----------------------------------------------------------------------------------------- memory guard
 def test_optimize_input_shape_too_large_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
-    """Issue 37: `optimize --input-shape 1,3,100000,100000` ended in an allocation traceback."""
+    """`optimize --input-shape 1,3,100000,100000` is refused in one line before anything is allocated."""
     import torchspeed.runtime
 
     spec = os.path.join(os.path.dirname(__file__), "helpers.py") + ":tiny_convnet"

@@ -497,8 +497,8 @@ def _error_lines(capsys):
 
 def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_the_older_checkpoints_stay(
         tmp_path, photo_folder, monkeypatch, capsys):
-    """Issue 37: a full disk gave a 56-line traceback ending in "[enforce fail at inline_container.cc:672]
-    unexpected pos". The disk fills during the second checkpoint (torch.save's own writes fail)."""
+    """A full disk while a checkpoint is written is one line naming the file (not torch's "[enforce fail at
+    inline_container.cc] unexpected pos" traceback). The disk fills during the second checkpoint."""
     import contextlib
     import errno
 
@@ -551,7 +551,7 @@ def test_resume_with_a_changed_model_is_one_line_naming_the_file_and_the_first_m
 
 
 def test_a_refused_train_leaves_its_out_as_it_found_it(tmp_path, photo_folder, capsys):
-    """Issue 37: a refused `train` left --out behind with the marker and an empty checkpoints/."""
+    """A refused `train` leaves --out as it found it: no marker, no empty checkpoints/."""
     import pathlib
 
     one_class = tmp_path / "one-class" / "cat"

@@ -94,7 +94,7 @@ def test_refresh_another_key_or_a_damaged_entry_measures_again(photo_store, timi
                                     {"decision": {"decoder": 7}}, {"decision": {"decoder": {"a": 1}, "table": []}},
                                     {"table": None}, {"table": [1, 2]}, {"table": "fast"}, "deeply nested"])
 def test_a_damaged_decoder_decision_is_measured_again(photo_store, timings, damage):
-    """Issue 37: `[]`, `null`, wrong types or deep nesting in the remembered decoder choice: measured again."""
+    """`[]`, `null`, wrong types or deep nesting in the remembered decoder choice: measured again, never raised."""
     _auto(photo_store)
     (path,) = glob.glob(os.path.join(cache_dir("decisions", "decoder"), "*.json"))
     entry = json.load(open(path))
