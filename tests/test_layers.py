@@ -19,7 +19,7 @@ PACKAGE = os.path.join(ROOT, "torchspeed")
 # side), except within the floor, whose modules form a small graph of their own (checked for cycles). doctor
 # is in layer 2: the fixes its --try measures are the other areas' features (fast_loader for the data fix).
 LAYERS: list[set[str]] = [
-    {"_lazy", "args", "atomic", "outputs", "safeload", "images", "tables", "measure", "runtime", "batches",
+    {"_lazy", "args", "atomic", "outputs", "safeload", "images", "tables", "measure", "memory", "runtime", "batches",
      "metrics", "models", "remembered", "ranks", "optional", "loader_contract", "deprecated"},
     {"data", "train", "infer"},
     {"compress", "recipes", "doctor"},

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from torchspeed import remembered
+from torchspeed.train.memory_plan import MemoryPlanResult, PlanRow, ProbeRow
 
 ACCELERATE = {"precision": "bf16", "channels_last": True, "compile": False, "tf32": None, "cudnn_benchmark": None,
               "logits_width": 10}
@@ -26,8 +27,14 @@ DECODER = {"decoder": "simplejpeg", "table": [{"decoder": "simplejpeg", "us_per_
                                                                    "psnr_db": None, "error": "cannot"}]}
 OPTIMIZE = {"winner": "onnxruntime-fp32", "runtime": "onnxruntime", "precision": "fp32",
             "latency_ms": {"torch-fp32": {"1": {"p50": 1.5, "p90": 1.7}}, "onnxruntime-fp32": {"1": {"p50": 0.9}}}}
+MEMORY_PLAN = MemoryPlanResult(
+    micro_batch=16, accumulation=4, effective_batch=64, predicted_peak_bytes=150 << 20, budget_bytes=200 << 20,
+    margin=0.1, device="cpu", source="cpu allocator (profiler)", fixed_bytes=120 << 20, per_sample_bytes=1 << 20,
+    checkpointed=2, checkpointed_names=["layers.0", "layers.1"],
+    probes=[ProbeRow(micro_batch=8, peak_bytes=130 << 20)],
+    table=[PlanRow(16, 4, 2, 150 << 20, 0.01, "kept")]).to_dict()
 VALID = {"accelerate": ACCELERATE, "loader": LOADER, "decoder": DECODER, "loader_step": {"setting": [2, 1]},
-         "optimize": OPTIMIZE}
+         "optimize": OPTIMIZE, "memory_plan": MEMORY_PLAN}
 
 
 def _entry_path(kind, parts):

@@ -92,6 +92,16 @@ def test_default_precision_follows_cpu_flags(monkeypatch):
     assert runtime.default_precision("cpu").name == "fp32"
 
 
+def test_default_precision_honours_a_onednn_isa_cap_below_bf16(monkeypatch):
+    """A process capped below oneDNN's bf16 kernels (ONEDNN_MAX_CPU_ISA=AVX2) emulates bf16 on a bf16 CPU."""
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    choice = runtime.default_precision("cpu")
+    assert choice.name == "fp32" and "ONEDNN_MAX_CPU_ISA=AVX2" in choice.reason
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert runtime.default_precision("cpu").name == "bf16"
+
+
 def test_default_precision_follows_gpu_capability(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (7, 5))
     assert runtime.default_precision("cuda:0").name == "fp16"

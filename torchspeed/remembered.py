@@ -92,6 +92,11 @@ SCHEMAS: dict[str, Any] = {
                "pin_memory": bool, "throughput": float, "table": [_LOADER_ROW], "threads": _COUNT,
                "tuning_s?": float, "others_cores?": (float, None), "waited_s?": float, "remembered?": (str, None)},
     "loader_step": {"setting": [_COUNT]},
+    "memory_plan": {"micro_batch": range(1, 1 << 31), "accumulation": range(1, 1 << 31),
+                    "effective_batch": range(1, 1 << 31), "predicted_peak_bytes": range(0, 1 << 62),
+                    "budget_bytes": range(1, 1 << 62), "fixed_bytes": range(0, 1 << 62),
+                    "per_sample_bytes": range(0, 1 << 62), "checkpointed": range(0, 1 << 16),
+                    "checkpointed_names": [str], "linear": bool, "source": str, "device": str, "margin": float},
     "optimize": {"winner": str, "runtime": (str, None), "precision": (str, None),
                  "latency_ms": {str: {str: {str: (float, None)}}}},
 }

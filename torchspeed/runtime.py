@@ -236,6 +236,12 @@ class PrecisionChoice:
         return asdict(self)
 
 
+# oneDNN's instruction-set caps below its bf16 kernels: a process started with ONEDNN_MAX_CPU_ISA set to one of
+# them (to reproduce an older CPU, or by a site's policy) emulates bf16 on any CPU.
+ONEDNN_ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                      "AVX512_CORE_VNNI"})
+
+
 def default_precision(device: str | torch.device = "auto") -> PrecisionChoice:
     """The mixed precision a device runs fastest by its capabilities (a default; measure to confirm)."""
     dev = resolve_device(device)
@@ -249,6 +255,10 @@ def default_precision(device: str | torch.device = "auto") -> PrecisionChoice:
     if dev.type == "cpu":
         flags = cpu_flags()
         native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+        capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+        if native and capped in ONEDNN_ISAS_WITHOUT_BF16:
+            return PrecisionChoice("fp32", f"ONEDNN_MAX_CPU_ISA={capped} keeps oneDNN from the CPU's bf16 instructions "
+                                           f"({', '.join(native)}), so bf16 would be emulated")
         if native:
             return PrecisionChoice("bf16", f"the CPU has native bf16 instructions ({', '.join(native)})")
         return PrecisionChoice("fp32", "the CPU has no native bf16 instructions (avx512_bf16 / amx_bf16), so bf16 would be emulated")

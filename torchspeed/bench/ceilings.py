@@ -40,7 +40,8 @@ DECODE_SAMPLES = 128
 PRECISION_CEILING = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16", "int8": "int8"}
 # a row measured on a GPU: the GPU ceiling in place of the CPU one it names (fp32 math may use TF32's
 # tensor cores, its fastest route; fp16 rows name bf16, the same tensor-core rate)
-GPU_CEILING = {"fp32": "gpu_tf32", "bf16": "gpu_bf16", "fp16": "gpu_fp16", "decode": "nvjpeg", "mem_bw": "gpu_mem_bw"}
+GPU_CEILING = {"fp32": "gpu_tf32", "bf16": "gpu_bf16", "fp16": "gpu_fp16", "int8": "gpu_int8", "decode": "nvjpeg",
+               "mem_bw": "gpu_mem_bw"}
 NO_GPU_CEILING = "no GPU ceiling measured"
 
 
@@ -318,8 +319,9 @@ def decode_rate(samples: list[bytes], budget_s: float = 2.0) -> dict[str, Any]:
 
 
 def gpu_ceilings() -> dict[str, dict[str, Any]]:
-    """GEMM per precision (fp32 IEEE, TF32, fp16, bf16), device memory bandwidth, pinned host-to-device
-    copy and nvjpeg batch decode on the current CUDA device, each timed synchronised on the device."""
+    """GEMM per precision (fp32 IEEE, TF32, fp16, bf16; int8 through torch._int_mm, int32 accumulation),
+    device memory bandwidth, pinned host-to-device copy and nvjpeg batch decode on the current CUDA device,
+    each timed synchronised on the device. One that fails here is "not measured", the others stand."""
     import torch
 
     from torchspeed.measure import time_callable
@@ -340,6 +342,15 @@ def gpu_ceilings() -> dict[str, dict[str, Any]]:
                          "what": f"torch.mm {name[4:]} {n}^2 on {gpu}"}
     finally:
         torch.set_float32_matmul_precision(saved)
+    try:
+        n = 8192  # _int_mm: int8 operands on the tensor cores, sizes multiples of 8
+        a = torch.randint(-128, 128, (n, n), dtype=torch.int8, device=dev)
+        b = torch.randint(-128, 128, (n, n), dtype=torch.int8, device=dev)
+        t = time_callable(lambda: torch._int_mm(a, b), warmup=3, repeats=10, device=dev)
+        out["gpu_int8"] = {"value": 2 * n**3 / t.median_s / 1e9, "unit": "GOP/s", "route": "torch._int_mm",
+                           "what": f"torch._int_mm int8 {n}^2 (int32 accumulation) on {gpu}"}
+    except Exception as e:  # noqa: BLE001 - a torch build without the int8 GEMM on this GPU
+        out["gpu_int8"] = {"value": None, "unit": "GOP/s", "what": f"not measured: {type(e).__name__}: {e}"}
     src = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     t = time_callable(lambda: dst.copy_(src), warmup=3, repeats=10, device=dev)

@@ -54,13 +54,15 @@ class DaliLoader:
     def __init__(self, folder: str, batch: int, crop: int, threads: int, mean: Any, std: Any,
                  device: str = "cpu", seed: int = 0):
         require("dali", "nvidia.dali")
+        import torch
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         gpu = device != "cpu"
 
-        @pipeline_def(batch_size=batch, num_threads=threads, device_id=0 if gpu else None, seed=seed,
-                      prefetch_queue_depth=2)
+        # on the GPU the caller works on (torch.cuda.set_device), not always GPU 0
+        @pipeline_def(batch_size=batch, num_threads=threads, device_id=torch.cuda.current_device() if gpu else None,
+                      seed=seed, prefetch_queue_depth=2)
         def pipe() -> Any:
             jpegs, labels = fn.readers.file(file_root=folder, random_shuffle=True, name="Reader")
             images = fn.decoders.image_random_crop(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Decoder", "DECODERS", "GPU_DECODERS", "dct_factor", "available_decoders", "get_decoder", "jpeg_size",
            "jpeg_info", "jpeg_sampling", "turbojpeg_reads", "check_jpeg_size", "decode_jpeg_batch_cuda",
-           "jpeg_is_complete", "decoding_stream", "DECODING"]
+           "jpeg_is_complete", "decoding_stream", "indexed_cuda", "DECODING"]
 
 
 class _Decoding(threading.local):
@@ -321,8 +321,25 @@ def _torchvision_io() -> Any:
         return optional("torchvision.io", "pip install torchvision", "JPEG decoding with torchvision")
 
 
+def indexed_cuda(device: Any) -> torch.device:
+    """`device` with its index where it is a bare "cuda": this thread's current GPU (others as they are).
+
+    Why: torchvision keeps one nvjpeg decoder per process and makes it again (a new nvjpeg handle, its
+    buffers) whenever the device asked for is not the one it was made for, and "cuda" is not "cuda:0";
+    with the index always given, the decoder is made once, on the GPU this thread works on."""
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    # no CUDA call yet in this process: no device was set, so it is GPU 0 (asking would initialise CUDA)
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+
+
 def _nvjpeg(data: list[Any], device: Any) -> list[Any]:
-    """torchvision's batched decode_jpeg (nvjpeg on a CUDA device): one failure fails the whole batch."""
+    """torchvision's batched decode_jpeg (nvjpeg on a CUDA device): one failure fails the whole batch.
+
+    torchvision holds one lock around each call (its decoder is one per process), so decoding threads
+    take turns for nvjpeg itself; their crops and resizes, on their own streams, overlap. torchspeed adds
+    no lock of its own."""
     tvio = _torchvision_io()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -360,7 +377,7 @@ def decoding_stream(device: Any) -> Any:
         yield None
         return
     streams = vars(_STREAMS).setdefault("by_device", {})  # this thread's
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = indexed_cuda(device).index
     stream = streams.get(index)
     if stream is None:
         stream = streams[index] = torch.cuda.Stream(torch.device("cuda", index))
@@ -386,6 +403,7 @@ def decode_jpeg_batch_cuda(buffers: Sequence[Any], device: Any = "cuda",
     """
     if not torch.cuda.is_available():
         raise ValueError("nvjpeg decoding needs a CUDA device; none is available here (use a CPU decoder)")
+    device = indexed_cuda(device)
     if names is None:
         name_of: Callable[[int], str] = lambda i: f"image {i} of the batch"  # noqa: E731
     elif callable(names):

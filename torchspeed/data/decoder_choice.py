@@ -9,16 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from torchspeed import remembered
 from torchspeed.args import as_list, progress_fn
-from torchspeed.data.augment import needed_size, render
+from torchspeed.data.augment import needed_size, render, render_tensor
 from torchspeed.data.decode import GPU_DECODERS, Decoder, available_decoders, get_decoder
 from torchspeed.images import MAX_IMAGE_PIXELS
 from torchspeed.measure import busy_warning, compare
 from torchspeed.runtime import usable_cores
 
-__all__ = ["CropWork", "measure_decoders", "choose_decoder", "psnr"]
+__all__ = ["CropWork", "copied_to", "measure_decoders", "choose_decoder", "psnr"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,21 @@ class CropWork(NamedTuple):
             out[j] = self.render_one(dec, samples[part[j]], part[j])
         return out
 
+    def render_on_device(self, images: Sequence[Any], device: Any) -> Any:
+        """The crops of images already on the device (CHW uint8, nvjpeg's) resized into one uint8 batch
+        there, as the loader's GPU path does (`augment.render_tensor`)."""
+        out = torch.empty((len(images), 3, self.size, self.size), dtype=torch.uint8, device=device)
+        for i, img in enumerate(images):
+            render_tensor(img, self.boxes[i], out[i])
+        return out
+
+
+def copied_to(device: Any, pixels: Sequence[np.ndarray]) -> list[Any]:
+    """Host pixels (batches of crops, or whole images) on `device`, as a loader hands them over: pinned,
+    then copied (the timing's end waits for the copies)."""
+    return [torch.from_numpy(np.require(a, np.uint8, ["C", "W"])).pin_memory().to(device, non_blocking=True)
+            for a in pixels]
+
 
 def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | None = None, min_size: int = 0,
                      repeats: int = 7, progress: bool | Callable[[str], None] = False,
@@ -65,6 +81,10 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
     else its `decode_region` (only the part a cropping decoder needs; the whole image at the box's DCT
     scale for the others) and the resize. `decoders`: a list or a comma string (default: every available
     one; nvjpeg only for a CUDA `device`, decoding the samples as one batch, as `fast_loader` uses it).
+    With nvjpeg competing for a loader (`crops` given) every contender ends with the same batch on the
+    device, so the race is fair: nvjpeg decodes the same samples and crops and resizes there
+    (`CropWork.render_on_device`), the CPU decoders' crops are pinned and copied there (`copied_to`), and
+    each timing waits for the device.
     They run interleaved (measure.compare), so background load hits them alike. Each row also gives the
     PSNR against the accurate simplejpeg (or PIL) decode (100 dB: identical pixels) and the `threads` the
     CPU decoders ran on: `cpu_threads` (default 1; when nvjpeg competes, the usable cores, as a loader's
@@ -94,10 +114,11 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
             dec = get_decoder(name)
             batched = getattr(dec, "batched", False)
             if batched:
-                def run(dec: Any = dec) -> list[Any]:
+                def whole(dec: Any = dec) -> list[Any]:
                     return dec.decode_batch(samples)
 
-                whole = run
+                def run(whole: Any = whole) -> Any:
+                    return whole() if crops is None else crops.render_on_device(whole(), device)
             else:
                 def whole(dec: Any = dec) -> list[Any]:
                     return [dec.decode(b, min_size, min_size) for b in samples]
@@ -105,15 +126,18 @@ def measure_decoders(samples: Sequence[Any], decoders: Sequence[str] | str | Non
                 def one(b: Any, i: int, dec: Any = dec) -> Any:
                     return dec.decode(b, min_size, min_size) if crops is None else crops.render_one(dec, b, i)
 
-                def run(one: Any = one, dec: Any = dec) -> list[Any]:
+                def on_host(one: Any = one, dec: Any = dec) -> list[Any]:
                     if crops is not None and dec.crops is not None:  # the loader's one call per batch (per thread)
                         parts = np.array_split(np.arange(len(samples)), threads)
                         return list(each(lambda part: crops.render_native(dec, samples, part), parts))
                     return list(each(one, samples, range(len(samples))))
+
+                def run(on_host: Any = on_host) -> list[Any]:  # a loader's race with nvjpeg: the batch ends on the device
+                    return copied_to(device, on_host()) if on_gpu and crops is not None else on_host()
             try:
                 out = whole()  # also a check that it reads them (and the pixels for the PSNR)
                 out = [t.permute(1, 2, 0).cpu().numpy() for t in out] if batched else out
-                if crops is not None and not batched:
+                if crops is not None:
                     run()  # and renders their crops: a failure here only costs this decoder its candidacy
             except Exception as e:  # a decoder that cannot read these files is simply not a candidate
                 rows[name] = {"decoder": name, "us_per_image": None, "psnr_db": None, "error": str(e)}

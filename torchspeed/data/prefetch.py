@@ -175,11 +175,7 @@ class DevicePrefetcher:
         if mean is not None and len(mean) != len(std):
             raise ValueError(f"mean and std must have the same length, got {len(mean)} and {len(std)}")
         self.loader = loader
-        self.device = resolve_device(device)
-        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
-            # indexed here, in the caller's thread: under torchrun each rank set its GPU for this thread,
-            # and a bare "cuda" in another thread (or a later one) would mean GPU 0 on every rank
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)  # a bare "cuda" is indexed at each pass (`device_now`)
         self.mean, self.std = (tuple(mean), tuple(std)) if mean is not None else (None, None)
         self.channels_last, self.dtype, self.layout = channels_last, dtype, layout
         self.depth, self.cpu_threads = max(1, depth), cpu_threads
@@ -188,23 +184,35 @@ class DevicePrefetcher:
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
+    def device_now(self) -> torch.device:
+        """`device`, a bare "cuda" read as the calling thread's current CUDA device.
+
+        Why then and not at construction: a loader is often built before the code that picks this rank's
+        GPU runs (the Trainer's `torch.cuda.set_device` under torchrun), and the current device belongs
+        to a thread; read when a pass starts, in the thread that iterates, it is that rank's GPU."""
+        if self.device.type == "cuda" and self.device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return self.device
+
     def convert(self, batch: Any, out: torch.Tensor | None = None) -> Any:
         """One batch to the device, images normalised (runs on the side stream / background thread).
 
         `out`: a buffer for the images (see `normalize_batch`)."""
         images, *rest = batch if isinstance(batch, (tuple, list)) else (batch,)
-        non_blocking = self.device.type == "cuda"
-        images = images.to(self.device, non_blocking=non_blocking)
+        device = self.device_now()
+        non_blocking = device.type == "cuda"
+        images = images.to(device, non_blocking=non_blocking)
         images = normalize_batch(images, self.mean, self.std, self.channels_last, self.dtype, self.layout, self._cache,
                                  out=out)
-        rest = [r.to(self.device, non_blocking=non_blocking) if isinstance(r, torch.Tensor) else r for r in rest]
+        rest = [r.to(device, non_blocking=non_blocking) if isinstance(r, torch.Tensor) else r for r in rest]
         return (images, *rest) if isinstance(batch, (tuple, list)) else images
 
     def __iter__(self) -> Iterator[Any]:
         return self._iter_cuda() if self.device.type == "cuda" else self._iter_thread()
 
     def _iter_cuda(self) -> Iterator[Any]:
-        stream = torch.cuda.Stream(self.device)
+        device = self.device_now()  # this pass's GPU: the iterating thread's (under torchrun, its rank's)
+        stream = torch.cuda.Stream(device)
         it = iter(self.loader)
 
         def preload() -> Any:
@@ -222,10 +230,10 @@ class DevicePrefetcher:
                 # the making on the stream that queued it: this thread's current stream or, for another
                 # thread, the default one; the side stream waits for both before it reads the batch
                 # (fast_loader's nvjpeg threads hand over finished batches: data.decode.decoding_stream)
-                queued_on = torch.cuda.current_stream(self.device)
+                queued_on = torch.cuda.current_stream(device)
                 stream.wait_stream(queued_on)
-                if queued_on != torch.cuda.default_stream(self.device):
-                    stream.wait_stream(torch.cuda.default_stream(self.device))
+                if queued_on != torch.cuda.default_stream(device):
+                    stream.wait_stream(torch.cuda.default_stream(device))
             with torch.cuda.stream(stream):
                 for t in made_on_device:
                     t.record_stream(stream)  # its memory is not handed out again while the side stream reads it
@@ -233,7 +241,7 @@ class DevicePrefetcher:
 
         nxt = preload()
         while nxt is not None:
-            current = torch.cuda.current_stream(self.device)
+            current = torch.cuda.current_stream(device)
             current.wait_stream(stream)  # the copy and conversion of `nxt` are done before use
             for t in device_tensors(nxt):
                 t.record_stream(current)  # its memory is not reused while the main stream needs it

@@ -13,9 +13,21 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
+
 from torchspeed.runtime import helper_work, start_helper_threads
 
-__all__ = ["ThreadedBatches", "put_unless_stopped"]
+__all__ = ["ThreadedBatches", "consumer_cuda_device", "put_unless_stopped"]
+
+
+def consumer_cuda_device() -> int | None:
+    """The calling thread's CUDA device, for helper threads to take: None where CUDA is not initialised
+    (nothing is made on a GPU then, and asking would initialise it).
+
+    Why: the current CUDA device belongs to a thread. torchrun's ranks call `torch.cuda.set_device`
+    in their main thread; a thread started after that still begins on GPU 0, so a bare "cuda" in it
+    (nvjpeg's output, a stream, a crop buffer) would put every rank's batches on GPU 0."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
 
 def put_unless_stopped(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
@@ -35,7 +47,8 @@ class ThreadedBatches:
     Thread i makes batches i, i + threads, ...; each keeps at most `ahead` finished batches, and the
     batches come out in the sampler's order. Re-iterable (one pass of the sampler per iteration, the
     threads are started per pass and stop when it ends or is left early); `len()` is the sampler's.
-    An exception in a thread is raised in the consumer. Each thread runs torch ops on one core.
+    An exception in a thread is raised in the consumer. Each thread runs torch ops on one core, on the
+    consumer's CUDA device (`consumer_cuda_device`): under torchrun each rank's threads work on its GPU.
     """
 
     AHEAD = 2  # default finished batches kept per thread
@@ -54,9 +67,12 @@ class ThreadedBatches:
         k = min(self.threads, max(1, len(jobs)))
         outputs: list[queue.Queue] = [queue.Queue(maxsize=self.ahead) for _ in range(k)]
         stop = threading.Event()
+        device = consumer_cuda_device()  # read here, in the consumer's thread, at the pass's first batch
 
         def work(i: int) -> None:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)  # this thread's own setting: the consumer's is left as it is
                 for b in range(i, len(jobs), k):
                     if stop.is_set():
                         return

@@ -332,6 +332,8 @@ class OrtRunner(Runner):
         self.path, self.precision = path, precision
         self.threads = threads or usable_cores()
         device = torch.device(device) if device is not None else None
+        if device is not None and device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU under torchrun, not GPU 0
         device_id = device.index or 0 if device is not None and device.type == "cuda" else 0
         self.stream: Any = None  # ONNX Runtime's compute stream: alive as long as the session
         if providers is None or isinstance(providers, str):

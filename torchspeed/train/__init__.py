@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on 
     from torchspeed.train.acceleration import accelerate
     from torchspeed.train.callbacks import Callback, Checkpoint, EarlyStopping
     from torchspeed.train.checkpoint import CheckpointError, last_checkpoint, load_file
+    from torchspeed.train.checkpointing import checkpoint_blocks, uncheckpoint_blocks
     from torchspeed.train.choices import AccelerateOptions, AccelerateResult, TrialRow
     from torchspeed.train.compiling import compile_regions
     from torchspeed.train.loader_choice import (
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on 
         choose_loader_with_step,
         step_candidates,
     )
+    from torchspeed.train.memory_plan import MemoryPlanResult, plan_batch
     from torchspeed.train.prepared import Accelerated
     from torchspeed.train.trainer import Trainer
 
@@ -41,6 +43,10 @@ _EXPORTS = {
     "LoaderStepRow": "loader_choice",
     "choose_loader_with_step": "loader_choice",
     "step_candidates": "loader_choice",
+    "plan_batch": "memory_plan",
+    "MemoryPlanResult": "memory_plan",
+    "checkpoint_blocks": "checkpointing",
+    "uncheckpoint_blocks": "checkpointing",
 }
 __all__ = list(_EXPORTS)
 

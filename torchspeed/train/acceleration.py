@@ -22,12 +22,13 @@ from torch import nn
 
 from torchspeed import measure, ranks, remembered
 from torchspeed.args import progress_fn
-from torchspeed.batches import BatchFormat
+from torchspeed.batches import BatchFormat, batch_size
 from torchspeed.runtime import ensure_cublas_workspace, resolve_device
 from torchspeed.train.choices import DECIDED, AccelerateOptions, AccelerateResult, TrialRow
 from torchspeed.train.compile_choice import Horizon, horizon_of
 from torchspeed.train.compiling import compile_regions, compiled_regions, decompile_regions
 from torchspeed.train.loader_choice import alone_counts, choose_counts
+from torchspeed.train.memory_plan import plan_batch, slice_batch
 from torchspeed.train.mixed_precision import SCALED, grad_scaler
 from torchspeed.train.prepared import Accelerated, forget_prepared, parameters_of, release_step_guard, training_step
 from torchspeed.train.step_timer import StepTimer, check_class_width, trial_state_kept
@@ -50,6 +51,7 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                min_compile_cost_s: float = 20.0, untried: dict[str, str] | None = None, fused_optimizer: bool = True,
                tf32: bool | str = "auto", cudnn_benchmark: bool | str = "auto",
                batch_format: BatchFormat | dict | None = None, refresh: bool = False,
+               memory_budget: int | str | None = None,
                progress: bool | Callable[[str], Any] = False) -> Accelerated:
     """Prepare `model`, `optimizer` and `loader` for fast training here; decisions are measured,
     reported and remembered (docs/train.md).
@@ -82,6 +84,11 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     stderr, a callable receives them. A loader whose counts were measured alone
     (`fast_loader(..., num_workers="auto")`) has them chosen again with the prepared step in the loop
     (`report.loader`). The model returned (or the `Accelerated`) can be given to `Trainer` as it is.
+
+    `memory_budget` (bytes or "8GiB"): before the trials, the micro-batch and gradient accumulation whose
+    step fits it are planned on the example batch (`plan_batch`, the example's size the effective batch;
+    `report.memory_plan`), and the trials run on the micro-batch; train with batches of
+    `report.memory_plan.micro_batch` and `accumulation` of them per optimizer step.
     """
     if isinstance(loader, str):
         raise TypeError(f"accelerate()'s third argument is the training loader, got the string {loader!r}; pass "
@@ -91,7 +98,7 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         tf32=tf32, cudnn_benchmark=cudnn_benchmark, expected_steps=expected_steps, epochs=epochs,
         trial_steps=trial_steps,
         margin=margin, min_compile_cost_s=min_compile_cost_s, untried=untried or {}, fused_optimizer=fused_optimizer,
-        refresh=refresh)
+        refresh=refresh, memory_budget=memory_budget)
     return accelerate_with(options, model, optimizer, loader=loader, example_batch=example_batch, loss_fn=loss_fn,
                            batch_format=batch_format, progress=progress)
 
@@ -119,6 +126,9 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
             example_batch = example_batch_of(loader)
     model.to(dev)
     report = AccelerateResult(device=str(dev), strategy=strategy)
+    if options.memory_budget is not None:
+        example_batch = _plan_memory(options, model, optimizer, example_batch, loader, loss_fn, fmt, dev, report,
+                                     progress)
     timer = _trial_timer(options, dev, example_batch, loss_fn, fmt, classes, model)
     compiled, memory = None, None
     if timer is None:
@@ -136,7 +146,7 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
         decompile_regions(model)
     if report.compile_mode == "regional" and not compiled_regions(model):
         compile_regions(model)  # before the wrapper: DDP / FSDP run the compiled blocks
-    wrapped = wrap_for_strategy(model, optimizer, strategy, options, report, dev)
+    wrapped = wrap_for_strategy(model, optimizer, strategy, options, report, dev, timer=timer)
     if optimizer is not None and options.fused_optimizer:
         report.optimizer = choose_optimizer_implementation(optimizer, dev, dtensor=strategy == "fsdp")
         report.candidates.append(TrialRow("optimizer", report.optimizer,
@@ -157,6 +167,23 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
         loader = _loader_with_step(acc, loader, loss_fn, example_batch, options.refresh, progress)
         acc.loader = DeviceLoader(loader, dev, report.channels_last)
     return acc
+
+
+def _plan_memory(options: AccelerateOptions, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 example_batch: Any, loader: Any, loss_fn: Any, fmt: BatchFormat, dev: torch.device,
+                 report: AccelerateResult, progress: bool | Callable[[str], Any]) -> Any:
+    """The memory plan (in `report.memory_plan`), and the example batch cut to its micro-batch for the trials."""
+    if example_batch is None:
+        example_batch = example_batch_of(loader) if loader is not None else None
+    if example_batch is None:
+        raise ValueError("accelerate(): memory_budget needs a batch to plan on: pass the training loader or "
+                         "example_batch=(inputs, targets)")
+    precision = options.precision if options.precision != "auto" else "fp32"  # fp32: the most memory
+    plan = plan_batch(model, optimizer, example_batch, budget=options.memory_budget, loss_fn=loss_fn,
+                      batch_format=fmt, device=dev, precision=precision, refresh=options.refresh, progress=progress)
+    report.memory_plan = plan
+    return slice_batch(example_batch, plan.micro_batch) if plan.micro_batch < batch_size(
+        fmt.split(example_batch)[0]) else example_batch
 
 
 def _length(loader: Any) -> int | None:

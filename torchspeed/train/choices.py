@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchspeed.args import byte_size
 from torchspeed.measure import busy_warning
 from torchspeed.runtime import FLOAT_PRECISIONS
 
 if TYPE_CHECKING:
     from torchspeed.train.loader_choice import LoaderStepResult
+    from torchspeed.train.memory_plan import MemoryPlanResult
 
 __all__ = ["AccelerateOptions", "AccelerateResult", "TrialRow", "DECIDED"]
 
@@ -50,6 +52,7 @@ class AccelerateOptions:
     untried: Mapping[str, str] = field(default_factory=dict)
     fused_optimizer: bool = True
     refresh: bool = False  # measure again instead of recalling what an earlier run measured
+    memory_budget: int | str | None = None  # bytes or "8GiB": the micro-batch and accumulation planned to fit
 
     def __post_init__(self) -> None:
         if self.precision not in ("auto", *FLOAT_PRECISIONS):
@@ -69,6 +72,8 @@ class AccelerateOptions:
             raise ValueError(f"strategy must be 'auto', 'ddp', 'fsdp' or None, got {self.strategy!r}")
         object.__setattr__(self, "strategy", strategy)
         object.__setattr__(self, "untried", dict(self.untried or {}))
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", byte_size(self.memory_budget, "memory_budget"))
 
     @property
     def measures_step(self) -> bool:
@@ -125,6 +130,7 @@ class AccelerateResult:
     others_cores: float | None = None     # most cores other processes used during a trial (None: not measured)
     loader: LoaderStepResult | None = None  # the loader's counts chosen with the step in the loop (FastLoader)
     timed_step: str | None = None         # the step the trials ran: "model(x, y), the loss it returns", ...
+    memory_plan: MemoryPlanResult | None = None  # with memory_budget: the micro-batch and accumulation to train with
 
     @property
     def busy_warning(self) -> str | None:
@@ -159,6 +165,7 @@ class AccelerateResult:
         d = asdict(self)
         d["candidates"] = [c.to_dict() for c in self.candidates]
         d["loader"] = self.loader.to_dict() if self.loader is not None else None
+        d["memory_plan"] = self.memory_plan.to_dict() if self.memory_plan is not None else None
         return d
 
     def record_loader(self, choice: LoaderStepResult) -> None:
@@ -179,6 +186,8 @@ class AccelerateResult:
                  f"compile={self.compile_setting} strategy={self.strategy} optimizer={self.optimizer}{cuda}"]
         if self.timed_step:
             lines.append(f"  timed step: {self.timed_step}")
+        if self.memory_plan is not None:
+            lines.append(f"  memory: {self.memory_plan.describe()} (measured {self.memory_plan.measured})")
         for c in self.candidates:
             step = "-" if c.step_s is None else f"{c.step_s * 1e3:.1f} ms"
             lines.append(f"  {c.setting:13s} {c.value:8s} step {step:>10s}  one-off {c.one_off_s:.1f} s  {c.decision}")

@@ -148,9 +148,17 @@ class Accelerated:
         last is refused before any weight changes (a plain `loss.backward()` left unscaled gradients).
 
         Host reads: none outside fp16. Under fp16 one per step: the scaler's inf/NaN finding, read once
-        after unscaling, before the optimizer's kernels are queued (a non-fused optimizer steps on it,
-        where GradScaler.step would read it again; a fused one takes it on the device); never the scale.
+        after unscaling (a non-fused optimizer steps on it, where GradScaler.step would read it again);
+        never the scale. `queue_step` leaves a fused optimizer's finding unread.
         """
+        return bool(self.queue_step(optimizer, max_grad_norm))
+
+    def queue_step(self, optimizer: torch.optim.Optimizer | None = None,
+                   max_grad_norm: float | None = None) -> bool | torch.Tensor:
+        """`step`, without making the host wait for the device where nothing needs it: under fp16 with a
+        fused optimizer (its kernels take the scaler's inf/NaN finding on the device and skip the update
+        there) whether the step was taken comes back as a 0-d bool tensor on the device, to be read when
+        the caller reads its losses; otherwise as a bool, as `step` returns it."""
         opt = optimizer if optimizer is not None else self.optimizer
         if opt is None:
             raise ValueError("Accelerated.step() needs the optimizer (none was given to accelerate())")
@@ -170,19 +178,23 @@ class Accelerated:
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(parameters_of(opt), max_grad_norm)
         found = list(scaler._found_inf_per_device(opt).values())
-        stepped = not bool(sum(v.to(found[0].device) for v in found)) if found else True
+        found_sum = sum(v.to(found[0].device) for v in found) if found else None
+        fused = getattr(opt, "_step_supports_amp_scaling", False)
+        taken: bool | torch.Tensor = True
+        if found_sum is not None:
+            taken = found_sum == 0 if fused else not bool(found_sum)  # the one host read: non-fused only
         guard.stepping = True
         try:
-            if getattr(opt, "_step_supports_amp_scaling", False):
-                scaler.step(opt)  # fused: the kernel skips the update itself on the device's finding
-            elif stepped:
+            if fused:
+                scaler.step(opt)  # the kernel skips the update itself on the device's finding
+            elif taken:
                 opt.step()  # the gradients are unscaled already; update() below reads the same finding
         finally:
             guard.stepping = False
         scaler.update()
         self._scaled = False
         opt.zero_grad(set_to_none=True)
-        return stepped
+        return taken
 
     def hold(self) -> None:
         """Keep this preparation for its model (`Accelerated.of(self.model)` finds it) until the model
@@ -231,5 +243,5 @@ def training_step(acc: Accelerated, loss_fn: Callable[..., torch.Tensor] | None)
         with acc.autocast():
             value = call.loss(call.forward(acc.model, x, y), x, y)
         acc.backward(value)
-        acc.step(acc.optimizer)
+        acc.queue_step(acc.optimizer)  # no host wait per step (a fused optimizer under fp16)
     return step

@@ -1,8 +1,10 @@
 """The distributed strategy (DDP or FSDP2 over a torchrun launch) and the optimizer's implementation.
 
 Neither is measured. One process per device is the way to use several: the strategy is the one asked
-for (on "auto", DDP under torchrun), one wrapping function each in `WRAPPERS`. One fused (else
-foreach) kernel over all parameters is never slower than a Python loop over them, same math.
+for (on "auto", DDP under torchrun), one wrapping function each in `WRAPPERS`. DDP keeps the gradients
+in its buckets (no second copy, no copy into the buckets each step) and looks for unused parameters
+every step only when one probe step found some. One fused (else foreach) kernel over all parameters is
+never slower than a Python loop over them, same math.
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchspeed import ranks
+from torchspeed.batches import to_device
 from torchspeed.optional import optional
 from torchspeed.runtime import precision_dtype
 from torchspeed.train import distributed
 from torchspeed.train.choices import AccelerateOptions, AccelerateResult, TrialRow
+from torchspeed.train.mixed_precision import autocast_for
+from torchspeed.train.step_timer import StepTimer, trial_state_kept
 
 __all__ = ["WRAPPERS", "choose_optimizer_implementation", "fsdp_policy", "fsdp_wrap", "resolve_strategy",
-           "wrap_for_strategy"]
+           "unused_parameters", "wrap_for_strategy"]
 
 
 def resolve_strategy(options: AccelerateOptions,
@@ -64,14 +69,39 @@ def fsdp_wrap(module: nn.Module, precision: str = "fp32") -> nn.Module:
     return module
 
 
+def unused_parameters(model: nn.Module, timer: StepTimer, precision: str, channels_last: bool) -> list[str]:
+    """The trainable parameters that one training step of the timed step (`timer`, its example batch)
+    leaves without a gradient: a head the loss does not use, a branch the forward skips. The model is
+    put back as it was (`trial_state_kept`)."""
+    x = to_device(timer.inputs, timer.device, channels_last)
+    y = to_device(timer.targets, timer.device)
+    with trial_state_kept(model):
+        with autocast_for(timer.device, precision):
+            loss = timer.call.loss(timer.call.forward(model, x, y), x, y)
+        loss.backward()
+        return [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+
+
 def _ddp(model: nn.Module, optimizer: torch.optim.Optimizer | None, dev: torch.device, precision: str,
-         world_size: int) -> tuple[nn.Module, str]:
-    wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    return wrapped, f"kept: torchrun world of {world_size}"
+         world_size: int, unused: list[str] | None = None) -> tuple[nn.Module, str]:
+    """DDP with its buckets as the gradients (`gradient_as_bucket_view`: no copy between them each step)
+    and `find_unused_parameters` only when some rank's probe step found a parameter without a gradient
+    (`unused`; None: not probed), as every rank must wrap alike: that search walks the autograd graph
+    every step, and without it a parameter left out makes DDP fail at the next step."""
+    find = distributed.any_rank(bool(unused))
+    wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                      gradient_as_bucket_view=True, find_unused_parameters=find)
+    why = f"kept: torchrun world of {world_size}, gradients as bucket views"
+    if find:
+        here = f"{len(unused)} here, e.g. {unused[0]}" if unused else "on another rank"
+        why += f", find_unused_parameters (parameters without a gradient: {here})"
+    elif unused is None:
+        why += " (no example batch to probe for unused parameters: none assumed)"
+    return wrapped, why
 
 
 def _fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None, dev: torch.device, precision: str,
-          world_size: int) -> tuple[nn.Module, str]:
+          world_size: int, unused: list[str] | None = None) -> tuple[nn.Module, str]:
     if optimizer is not None and optimizer.state:
         raise ValueError("strategy='fsdp' needs an optimizer without state yet (create it, then call accelerate)")
     names = {id(p): n for n, p in model.named_parameters()}
@@ -84,16 +114,21 @@ def _fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None, dev: torch.
     return wrapped, f"kept: fully_shard over {world_size} ranks{mp}"
 
 
-# strategy -> fn(model, optimizer, device, precision, world_size) -> (what runs the forward, decision)
+# strategy -> fn(model, optimizer, device, precision, world_size, unused) -> (what runs the forward, decision)
 WRAPPERS: dict[str, Callable[..., tuple[nn.Module, str]]] = {"ddp": _ddp, "fsdp": _fsdp}
 
 
 def wrap_for_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: str | None,
-                      options: AccelerateOptions, report: AccelerateResult, dev: torch.device) -> nn.Module:
+                      options: AccelerateOptions, report: AccelerateResult, dev: torch.device,
+                      timer: StepTimer | None = None) -> nn.Module:
     """The model wrapped for the strategy to be used (`resolve_strategy`) at the chosen precision, with
-    its row (or the reason the strategy asked for is not used)."""
+    its row (or the reason the strategy asked for is not used). `timer`: the trials' step, probed once
+    under DDP for parameters without a gradient (`unused_parameters`)."""
     if strategy in WRAPPERS:
-        wrapped, why = WRAPPERS[strategy](model, optimizer, dev, report.precision, ranks.env().world_size)
+        unused = None
+        if strategy == "ddp" and timer is not None:
+            unused = unused_parameters(model, timer, report.precision, report.channels_last)
+        wrapped, why = WRAPPERS[strategy](model, optimizer, dev, report.precision, ranks.env().world_size, unused)
         report.candidates.append(TrialRow("strategy", strategy, decision=why))
         return wrapped
     if "strategy" in options.untried:

@@ -6,7 +6,8 @@ to the device here) or any `loader_contract.DeviceBatches` loader (a FastLoader'
 One concept, the loop, kept whole because its parts share one run's state; what it hands off lives
 beside it: checkpoints and resume (`resume.py`), metrics and progress (`loop_metrics.py`), each rank's
 shard (`data_order.py`), the loader's counts (`loader_choice.py`). The step is `Accelerated`'s
-(`autocast()`, `backward()`, `step()`). The loss stays on the device until a reading point (every
+(`autocast()`, `backward()`, `queue_step()`). The loss, and under fp16 with a fused optimizer whether
+the GradScaler skipped the step, stay on the device until a reading point (every
 `log_every_n_steps` optimizer steps, an epoch's end, a checkpoint, the run's end): reading it every
 step would make the host wait for the device each step.
 """
@@ -18,7 +19,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -39,10 +40,12 @@ from torchspeed.train.choices import AccelerateOptions, AccelerateResult
 from torchspeed.train.data_order import shard_loader
 from torchspeed.train.loader_choice import LoaderStepResult, alone_counts, choose_counts
 from torchspeed.train.loop_metrics import LossMeter, MetricsLog, Progress, Span, epoch_line
+from torchspeed.train.memory_plan import MemoryPlanResult, is_out_of_memory, oom_message
 from torchspeed.train.mixed_precision import autocast_for
 from torchspeed.train.prepared import Accelerated, forget_prepared, release_step_guard
 from torchspeed.train.resume import ExactResume, Trained
 from torchspeed.train.step_timer import check_class_outputs, loss_of
+from torchspeed.train.strategy import resolve_strategy
 from torchspeed.train.wrapping import class_count, example_batch_of
 
 __all__ = ["Trainer"]
@@ -121,7 +124,10 @@ class Trainer:
     (accelerate()'s other keywords) make `options`, an `AccelerateOptions`. `loss_fn` may take
     `(outputs, targets, inputs)` when it has `needs_inputs = True` (distillation). `scheduler` steps
     every optimizer step (`scheduler_interval="step"`) or epoch; `grad_accum_steps` micro-batches make
-    one optimizer step; `max_grad_norm` clips gradients. `log_path` (.csv or .jsonl) gets train_loss
+    one optimizer step (an epoch's last, short group is averaged over its own micro-batches);
+    `max_grad_norm` clips gradients. `memory_plan`: the plan (`plan_batch`) the batches were sized by, else
+    accelerate()'s; an out-of-memory error in training is raised again as one line naming the phase
+    (forward, backward, optimizer step) and what the planner suggests. `log_path` (.csv or .jsonl) gets train_loss
     (the mean since the previous row) / lr / samples_per_s every `log_every_n_steps` steps and
     val_loss / val_acc after each validation. `progress`: True for a bar and a summary table, a
     callable for short text lines ("epoch 1 step 50 loss 2.31 840 samples/s"), False for silence.
@@ -150,6 +156,7 @@ class Trainer:
         progress: bool | Callable[[str], None] = True,
         accelerate_kwargs: dict[str, Any] | None = None,
         batch_format: BatchFormat | dict | None = None,
+        memory_plan: MemoryPlanResult | None = None,
     ):
         self.options = AccelerateOptions(precision=precision, channels_last=channels_last, compile=compile,
                                          strategy=strategy, device=device, **(accelerate_kwargs or {}))
@@ -165,6 +172,7 @@ class Trainer:
                 raise ValueError(f"callbacks must be torchspeed.train.Callback instances, got {type(cb).__name__}")
         self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
+        self._memory_plan = memory_plan
         self.log = MetricsLog(log_path)
         self.log_every_n_steps = max(1, int(log_every_n_steps))
         if not (isinstance(progress, bool) or callable(progress)):
@@ -177,7 +185,8 @@ class Trainer:
         self.epoch = 0
         self.batches_done = 0       # batches consumed in the current epoch
         self.global_step = 0        # optimizer steps
-        self.skipped_steps = 0      # optimizer steps GradScaler skipped (fp16 overflow)
+        self.skipped_steps = 0      # optimizer steps GradScaler skipped (fp16 overflow), up to the last reading point
+        self._unread_skips: list[torch.Tensor] = []  # fused fp16 steps' findings on the device, read with the losses
         self.should_stop = False
         self.history: list[dict[str, Any]] = []
         self.run_id: str | None = None  # this run's id: in every checkpoint and in the checkpoint directory
@@ -211,6 +220,23 @@ class Trainer:
         return self.dist.is_main
 
     @property
+    def memory_plan(self) -> MemoryPlanResult | None:
+        """The memory plan the batches were sized by: the one given, else accelerate()'s (memory_budget=)."""
+        if self._memory_plan is not None:
+            return self._memory_plan
+        return self.acc.report.memory_plan if self.acc is not None else None
+
+    @contextlib.contextmanager
+    def _named_oom(self, phase: str) -> Iterator[None]:
+        """An out-of-memory error inside, raised again as one line: the phase and the planner's suggestion."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            raise torch.OutOfMemoryError(oom_message(phase, self.memory_plan, e)) from e
+
+    @property
     def report(self) -> AccelerateResult | None:
         """accelerate()'s result: every candidate measured and the decisions (None before it ran)."""
         return self.acc.report if self.acc else None
@@ -222,7 +248,10 @@ class Trainer:
         options = self.options
         if options.expected_steps is None:
             options = replace(options, expected_steps=expected_steps)
-        measured = options.measures_step or options.measures_cuda_switches(resolve_device(options.device))
+        # under torchrun this rank's GPU is set first (the process group formed once): the example batch is
+        # then made on it, by the loader's helper threads too (accelerate_with finds the group formed)
+        _, device, _, _ = resolve_strategy(options, resolve_device(options.device))
+        measured = options.measures_step or options.measures_cuda_switches(device)
         example = example_batch_of(loader) if measured else None
         self.acc = accelerate_with(options, self._raw_model, self.optimizer, example_batch=example,
                                    loss_fn=self.loss_fn, batch_format=self.batch_format, classes=self._classes,
@@ -264,7 +293,7 @@ class Trainer:
             with self.acc.autocast():
                 loss = loss_of(self.loss_fn, self._forward(self.model, x), y, x)
             self.acc.backward(loss)
-            self.acc.step(self.optimizer, max_grad_norm=self.max_grad_norm)
+            self.acc.queue_step(self.optimizer, max_grad_norm=self.max_grad_norm)  # timed as the loop steps
 
         parts = {**step_parts(self.acc, self.loss_fn, example), "loop": "Trainer",
                  "max_grad_norm": self.max_grad_norm is not None}
@@ -359,6 +388,7 @@ class Trainer:
 
     def _position(self) -> dict[str, Any]:
         """The loop's counters as a checkpoint holds them."""
+        self._read_skips()
         return {"epoch": self.epoch, "batches_done": self.batches_done, "global_step": self.global_step,
                 "skipped_steps": self.skipped_steps, "history": self.history, "run_id": self.run_id}
 
@@ -401,16 +431,33 @@ class Trainer:
             getattr(cb, hook)(self, *args)
 
     def _read_losses(self) -> None:
-        """Read the losses kept on the device; a NaN/inf one is an error unless a GradScaler skips those."""
+        """Read the losses kept on the device (a NaN/inf one is an error unless a GradScaler skips those) and
+        the skipped steps' findings kept with them."""
         self._losses.read(nonfinite_is_error=self.acc is None or self.acc.scaler is None)
+        self._read_skips()
 
-    def _optimizer_step(self) -> bool:
-        """Accelerated.step (unscale, clip, step, scaler update, zero_grad) and the per-step scheduler;
-        False when the GradScaler skipped the step (inf/NaN gradients)."""
-        stepped = self.acc.step(self.optimizer, max_grad_norm=self.max_grad_norm)
-        if self.scheduler is not None and self.scheduler_interval == "step" and stepped:
-            self.scheduler.step()
-        return stepped
+    def _read_skips(self) -> None:
+        """Count the skipped steps whose findings were left on the device (one host read for all of them)."""
+        if self._unread_skips:
+            self.skipped_steps += int(torch.stack(self._unread_skips).sum())
+            self._unread_skips.clear()
+
+    def _optimizer_step(self) -> None:
+        """Accelerated's step (unscale, clip, step, scaler update, zero_grad), a step the GradScaler skipped
+        (inf/NaN gradients) counted, and the per-step scheduler, which steps on taken steps only. Under fp16
+        a fused optimizer's finding stays on the device until the next reading point (`queue_step`: no host
+        wait per step), unless a per-step scheduler needs it now."""
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            if self.acc.step(self.optimizer, max_grad_norm=self.max_grad_norm):
+                self.scheduler.step()
+            else:
+                self.skipped_steps += 1
+            return
+        taken = self.acc.queue_step(self.optimizer, max_grad_norm=self.max_grad_norm)
+        if isinstance(taken, torch.Tensor):
+            self._unread_skips.append(~taken)
+        elif not taken:
+            self.skipped_steps += 1
 
     def fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None = None, epochs: int = 1,
             max_steps: int | None = None, resume: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -534,7 +581,8 @@ class Trainer:
                 exhausted = False
                 break
         if micro:  # a last, partial accumulation group (a loader without len)
-            self._optimizer_step()
+            with self._named_oom("optimizer step"):
+                self._optimizer_step()
             self.global_step += 1
         if self._reached(max_steps) and n_batches is not None and self.batches_done < n_batches:
             return epoch, True
@@ -548,25 +596,34 @@ class Trainer:
         x, y = self._split(batch)
         samples = self._count(y)
         sync = micro == self.grad_accum_steps or (n_batches is not None and self.batches_done + 1 == n_batches)
+        group = self._group_size(n_batches)
         with self._no_sync(sync):
-            with self.acc.autocast():
+            with self._named_oom("forward"), self.acc.autocast():
                 out = self._forward(self.model, x)
                 if not self._outputs_checked:  # once per run: it reads the largest label
                     check_class_outputs(out, y, self.loss_fn, self._classes)
                     self._outputs_checked = True
                 loss = loss_of(self.loss_fn, out, y, x)
-            self.acc.backward(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss)
+            with self._named_oom("backward"):
+                self.acc.backward(loss / group if group > 1 else loss)
         self.batches_done += 1
         self._losses.add(loss, samples, (self.global_step + 1, self.epoch + 1, self.batches_done))
         if len(self._losses.pending) >= _MAX_UNREAD:
             self._read_losses()
         return loss, samples, sync
 
+    def _group_size(self, n_batches: int | None) -> int:
+        """The micro-batches of the accumulation group the next batch belongs to: `grad_accum_steps`, or
+        the fewer left at an epoch's end (its gradient then the mean over those, as a short last batch's is)."""
+        every = self.grad_accum_steps
+        short = n_batches % every if n_batches else 0
+        return short if short and self.batches_done >= n_batches - short else every
+
     def _step(self, loss: torch.Tensor, step: Span, row: Span, bar: Progress) -> None:
         """The optimizer step that ends an accumulation group, then a metrics row at a reading point,
         the progress bar and the callbacks' on_step_end."""
-        if not self._optimizer_step():
-            self.skipped_steps += 1
+        with self._named_oom("optimizer step"):
+            self._optimizer_step()
         self.global_step += 1
         world = self.dist.world_size
         now = time.perf_counter()

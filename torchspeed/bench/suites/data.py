@@ -128,7 +128,7 @@ def _peers(resized: str, cores: int, tune_s: float, say: Callable[[str], Any], a
                 f"on the photos resized offline to short side {SHORT_SIDE}, num_threads={best}, the fastest in a short trial of {tried}",
                 peer=True, check=dev == "cpu")
         except Exception as e:  # noqa: BLE001 - a peer that is missing or fails is a row with the reason
-            skipped(peers.skipped_row(name, _why(e), "img/s", ceiling="decode"))
+            skipped(peers.skipped_row(name, _why(e), "img/s", ceiling="decode" if dev == "cpu" else "nvjpeg"))
     try:
         say("litdata: optimize() of the resized photos (cached)")
         directory = peers.litdata_dir(resized, os.path.join(cache_dir("bench-data"),
@@ -375,6 +375,7 @@ class _DataSuite:
         self.rows: list[Row] = []
         self.skipped_rows: list[Row] = []
         self.contenders: dict[str, tuple[Any, str, dict[str, Any]]] = {}
+        self.on_gpu: set[str] = set()  # contenders whose batches arrive on a GPU: timed synchronised, nvjpeg's ceiling
         self.cpu_us: list[float] = []  # torchspeed's CPU microseconds per image, per pass
         self.others: dict[str, float] = {}  # per contender: the most cores other processes took during one pass
         self.settled = 0.0             # seconds waited for quiet before the timed passes
@@ -408,10 +409,13 @@ class _DataSuite:
         self.store = packed.dst
 
     def add(self, name: str, loader: Any, what: str, check: bool = True, **columns: Any) -> None:
-        """A contender of the timed rounds (its first batch checked against the baseline's format)."""
+        """A contender of the timed rounds (its first batch checked against the baseline's format); one whose
+        batches arrive on a GPU is timed waiting for the device and judged against the nvjpeg ceiling."""
         first = next(iter(loader))
         if check:
             _check_output(name, first)
+        if getattr(first[0], "is_cuda", False):
+            self.on_gpu.add(name)
         self.contenders[name] = (loader, what, columns)
 
     def plain(self, folder: str, num_workers: int) -> Any:
@@ -462,6 +466,7 @@ class _DataSuite:
                  f"(settings measured)")
         self.common = common = dict(crop=CROP, device="cpu", channels_last=False, num_workers=w, threads=threads,
                                     decoder=self.decoder)
+        self.add_gpu_decode()
         if self.quick:
             return
         raw_mib = os.path.getsize(os.path.join(self.raw_store, "data.mdb")) / 2**20
@@ -471,6 +476,26 @@ class _DataSuite:
                  "the same pipeline on a store without offline resize (500x375 JPEG, DCT-scaled decode)")
         self.add("torchspeed_on_folder", fast_loader(self.src, BATCH, **common),
                  "the same pipeline reading the original JPEG files (no pack at all)")
+
+    def add_gpu_decode(self) -> None:
+        """On a GPU: the same store through fast_loader's GPU path (nvjpeg decoding the batch, crops and
+        resizes on the device, threads measured), beside DALI's GPU pipeline; a row saying why where it fails."""
+        import torch
+
+        from torchspeed.bench import peers
+        from torchspeed.data import fast_loader
+
+        if not torch.cuda.is_available():
+            return
+        self.say("torchspeed on the GPU: nvjpeg, threads measured")
+        try:
+            loader = fast_loader(self.store, BATCH, crop=CROP, device="cuda", channels_last=False, num_workers="auto",
+                                 decoder="nvjpeg", tune_seconds=self.tune_s, refresh=True)
+            self.add("torchspeed_gpu", loader, f"packed LMDB (short side {SHORT_SIDE}, JPEG) + nvjpeg on "
+                     f"{torch.cuda.get_device_name()} (batched decode, crop and resize on the device) in "
+                     f"{loader.settings.threads} threads of the main process (measured)")
+        except Exception as e:  # noqa: BLE001 - the CPU rows stand; the GPU row says what failed
+            self.skipped_rows.append(peers.skipped_row("torchspeed_gpu", _why(e), "img/s", ceiling="nvjpeg"))
 
     def time_rounds(self) -> dict[str, list[float]]:
         """Each contender's img/s per pass, sorted: interleaved rounds (pass r of every contender, then pass
@@ -487,7 +512,8 @@ class _DataSuite:
                 self.say(f"round {r + 1}/3: {name} ({pass_s:.1f} s pass)")
                 self.settled += wait_until_quiet()  # the previous contender's background prefetch is not this one's time
                 cpu0, load = process_tree_cpu_seconds(), OthersLoad()
-                t = time_iterable(lambda: loader, name=name, warmup_items=1, passes=1, min_pass_s=pass_s, unit="img")
+                t = time_iterable(lambda: loader, name=name, warmup_items=1, passes=1, min_pass_s=pass_s, unit="img",
+                                  device="cuda" if name in self.on_gpu else None)
                 cpu1, others = process_tree_cpu_seconds(), load.cores()
                 if others is not None:  # the row says the most other processes took during one of its passes
                     self.others[name] = max(others, self.others.get(name, 0.0))
@@ -502,7 +528,8 @@ class _DataSuite:
         that did not run."""
         for name, (loader, what, columns) in self.contenders.items():
             release_workers(loader)
-            columns = {"headline": name == "torchspeed", "ceiling": "decode", **columns}
+            columns = {"headline": name == "torchspeed", "ceiling": "nvjpeg" if name in self.on_gpu else "decode",
+                       **columns}
             others = self.others.get(name)
             self.rows.append(ContenderRow(technique=name, median=rates[name][1], min=rates[name][0],
                                           max=rates[name][-1], unit="img/s", what=what,
@@ -542,6 +569,8 @@ class _DataSuite:
         for peer in ("dali_cpu", "dali_gpu", "litdata"):
             if median.get(peer):
                 results[f"ratio_vs_{peer}"] = ts / median[peer]
+        if median.get("torchspeed_gpu") and median.get("dali_gpu"):  # the GPU decode paths against each other
+            results["ratio_gpu_vs_dali_gpu"] = median["torchspeed_gpu"] / median["dali_gpu"]
         for ours, theirs in (("torchspeed_on_webdataset", "webdataset"), ("torchspeed_on_hf_dataset", "hf_datasets")):
             if median.get(ours) and median.get(theirs):  # each format against its own usual loader
                 results[f"ratio_{ours}_vs_{theirs}"] = median[ours] / median[theirs]

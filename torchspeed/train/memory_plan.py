@@ -1,0 +1,529 @@
+"""The memory planner: the largest micro-batch whose training step fits a memory budget, and the gradient
+accumulation that keeps the effective batch the user asked for, predicted from a few measured probe steps
+instead of found by running out of memory.
+
+For fixed shapes a step's peak grows linearly with the micro-batch: peak(b) = fixed + per_sample x b, the
+fixed part being the weights, gradients and optimizer state, the rest activations and the batch. Two probe
+steps (forward, loss, backward, optimizer step, as the loop runs them: `step_call`) at small slices of the
+example batch give the line; the third runs at the micro-batch chosen (the example tiled where it is
+larger) and checks it: a peak more than `LINEAR_TOLERANCE` off the line means memory does not grow
+linearly (shapes that change with the batch), said in one line, and the plan then takes the steepest line
+through the three. The micro-batch is the largest divisor of the effective batch whose predicted peak is
+under the budget less its margin, so micro_batch x accumulation is exactly the effective batch. Each peak
+is read from the allocator (`torchspeed.memory`: CUDA's, or the CPU's through the profiler), and every
+probe is undone (`trial_state_kept`).
+
+Where even one sample does not fit, or where the model repeats blocks and the plain plan needs accumulation,
+blocks are checkpointed (`checkpointing`): one more probe with every block checkpointed gives the bytes a
+block saves per sample; the configurations that fit (a larger micro-batch with k blocks checkpointed, a
+smaller one with more accumulation) are timed per sample and the fastest kept, remembered like the other
+measured decisions (`remembered.recall_or_measure`). Where nothing fits on one process, sharding (FSDP)
+is named with its predicted share. Under torchrun every rank plans and all take the smallest micro-batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchspeed import measure, ranks, remembered
+from torchspeed.args import byte_size, progress_fn
+from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
+from torchspeed.memory import MemoryWatch, device_capacity, format_bytes, held_bytes
+from torchspeed.runtime import FLOAT_PRECISIONS, resolve_device
+from torchspeed.train.checkpointing import blocks_checkpointed, repeated_blocks
+from torchspeed.train.mixed_precision import autocast_for
+from torchspeed.train.step_call import StepCall
+from torchspeed.train.step_timer import trial_state_kept
+
+__all__ = ["plan_batch", "MemoryPlanResult", "ProbeRow", "PlanRow", "LINEAR_TOLERANCE", "oom_message",
+           "is_out_of_memory", "slice_batch"]
+
+log = logging.getLogger(__name__)
+
+LINEAR_TOLERANCE = 0.10  # the third probe's peak this far off the line: memory does not grow linearly
+
+
+@dataclass
+class ProbeRow:
+    """One probe step: its micro-batch, the blocks checkpointed, its measured peak (None: out of memory)."""
+
+    micro_batch: int
+    peak_bytes: int | None
+    checkpointed: int = 0
+    predicted_bytes: int | None = None  # what the line of the probes before it predicted
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PlanRow:
+    """A configuration that fits the budget, timed: micro-batch, accumulation, blocks checkpointed,
+    predicted peak, measured seconds per sample, and whether it was kept."""
+
+    micro_batch: int
+    accumulation: int
+    checkpointed: int
+    predicted_peak_bytes: int
+    sample_s: float | None = None
+    decision: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class MemoryPlanResult:
+    """The plan: `micro_batch` x `accumulation` == `effective_batch`, `checkpointed` blocks, the predicted
+    peak under `budget_bytes` less `margin`; the probes measured, what they were read from (`source`), and
+    the configurations timed (`table`)."""
+
+    micro_batch: int
+    accumulation: int
+    effective_batch: int
+    predicted_peak_bytes: int
+    budget_bytes: int
+    margin: float
+    device: str
+    source: str
+    fixed_bytes: int
+    per_sample_bytes: int
+    linear: bool = True
+    checkpointed: int = 0
+    checkpointed_names: list[str] = field(default_factory=list)
+    probes: list[ProbeRow] = field(default_factory=list)
+    table: list[PlanRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    remembered: str | None = None
+
+    @property
+    def measured(self) -> str:
+        """What was measured: '3 probe steps (micro-batches 8, 16, 32) read from the cpu allocator (profiler)'."""
+        if not self.probes:
+            return f"nothing now: {self.remembered}"
+        sizes = ", ".join(str(p.micro_batch) + (f" with {p.checkpointed} blocks checkpointed" if p.checkpointed else "")
+                          for p in self.probes)
+        return f"{len(self.probes)} probe steps (micro-batches {sizes}) read from the {self.source}"
+
+    def micro_batches(self, batch: Any) -> Iterator[Any]:
+        """The micro-batches of one effective batch, in order (each `micro_batch` samples): for a loop that
+        accumulates `accumulation` of them per optimizer step."""
+        n = batch_size(_first_tensor_part(batch))
+        for start in range(0, n, self.micro_batch):
+            yield slice_batch(batch, self.micro_batch, start=start, copy=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["measured"] = self.measured
+        return d
+
+    def describe(self) -> str:
+        """'micro-batch 16 x 4 accumulation = 64, predicted peak 1.20 GiB of a 2.00 GiB budget'."""
+        blocks = f", {self.checkpointed} blocks checkpointed" if self.checkpointed else ""
+        return (f"micro-batch {self.micro_batch} x {self.accumulation} accumulation = {self.effective_batch}{blocks}, "
+                f"predicted peak {format_bytes(self.predicted_peak_bytes)} of a {format_bytes(self.budget_bytes)} "
+                f"budget ({self.margin:.0%} margin)")
+
+    def __str__(self) -> str:
+        lines = [f"memory plan on {self.device}: {self.describe()}", f"  measured: {self.measured}",
+                 f"  line: {format_bytes(self.fixed_bytes)} + {format_bytes(self.per_sample_bytes)} per sample"]
+        lines += [f"  probe {p.micro_batch:5d} ({p.checkpointed} checkpointed): measured {format_bytes(p.peak_bytes)}"
+                  + (f", predicted {format_bytes(p.predicted_bytes)}" if p.predicted_bytes else "") for p in self.probes]
+        lines += [f"  config {r.micro_batch} x {r.accumulation} ({r.checkpointed} checkpointed): "
+                  f"{'-' if r.sample_s is None else f'{r.sample_s * 1e3:.2f} ms/sample'} {r.decision}"
+                  for r in self.table]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _first_tensor_part(batch: Any) -> Any:
+    return batch[0] if isinstance(batch, (tuple, list)) and batch and not isinstance(batch[0], (int, float)) else batch
+
+
+def slice_batch(batch: Any, size: int, *, start: int = 0, copy: bool = True) -> Any:
+    """Samples start..start+size of every batch-sized tensor in `batch` (tensors, (x, y), dicts of tensors),
+    the batch repeated where `size` goes past it; `copy`: each part its own storage, as a loader's batch of
+    that size would hold (a view would keep the whole example alive)."""
+    n = batch_size(_first_tensor_part(batch))
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != n:
+            return t
+        if start + size > n:
+            reps = math.ceil((start + size) / n)
+            t = t.repeat(reps, *([1] * (t.dim() - 1)))
+        part = t[start:start + size]
+        return part.clone() if copy else part
+
+    return map_tensors(cut, batch)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed: torch.OutOfMemoryError (CUDA's allocator, and the CPU's in
+    recent torch), or the RuntimeError torch's CPU allocator raises where the system refuses the memory."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
+def oom_message(phase: str, plan: MemoryPlanResult | None, error: BaseException | None = None) -> str:
+    """The line an out-of-memory error during training is reported with: the phase it happened in and what
+    the planner suggests (its plan when there is one, else how to get one)."""
+    what = f"out of memory during the {phase}"
+    if plan is not None:
+        return (f"{what}: the memory plan predicted {format_bytes(plan.predicted_peak_bytes)} at micro-batch "
+                f"{plan.micro_batch} (budget {format_bytes(plan.budget_bytes)}); something else holds memory on "
+                f"{plan.device}, or the shapes grew (see the plan's notes): plan again with a smaller budget, e.g. "
+                f"{format_bytes(int(plan.budget_bytes * 0.8))} (memory_budget=, --memory-budget)")
+    return (f"{what}: give the training a memory budget (accelerate(..., memory_budget='8GiB'), torchspeed train "
+            "--memory-budget 8GiB) so the micro-batch and the gradient accumulation are planned to fit"
+            + (f" ({type(error).__name__})" if error is not None else ""))
+
+
+# ---------------------------------------------------------------- probing
+class _Prober:
+    """Probe steps of the user's model on slices of the example batch, each peak read by `MemoryWatch`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any, fmt: BatchFormat,
+                 loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, precision: str):
+        self.model, self.optimizer, self.batch, self.fmt = model, optimizer, batch, fmt
+        self.device, self.precision = device, precision
+        self.call = StepCall.of(model, batch, fmt, loss_fn)
+        self.rows: list[ProbeRow] = []
+        self.source = ""
+
+    def step(self, micro: int) -> Callable[[], None]:
+        """One training step on a `micro`-sample slice (already on the device)."""
+        x, y = self.fmt.split(to_device(slice_batch(self.batch, micro), self.device))
+        call, model, opt = self.call, self.model, self.optimizer
+
+        def run(watch: MemoryWatch | None = None) -> None:
+            with _phase(watch, "forward and backward"):
+                with autocast_for(self.device, self.precision):
+                    out = call.forward(model, x, y)
+                    loss = call.loss(out, x, y)
+                loss.backward()
+                del out, loss
+            with _phase(watch, "optimizer step"):
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                for p in model.parameters():
+                    p.grad = None
+        run.inputs = (x, y)  # type: ignore[attr-defined]
+        return run
+
+    def probe(self, micro: int, checkpointed: int = 0, predicted: float | None = None) -> dict[str, int] | None:
+        """The measured peak of each phase of one step at `micro` with the first `checkpointed` blocks
+        checkpointed (the step's peak is the highest of them); None when it ran out of memory (the planner
+        never asks for more than it predicts to fit)."""
+        phases: dict[str, int] | None
+        state = self._state_bytes()
+        try:
+            with blocks_checkpointed(self.model, checkpointed):
+                run = self.step(micro)
+                watch = MemoryWatch(self.device, held=(self.model, self.optimizer, run.inputs))
+                with watch:
+                    run(watch)
+                del run
+            assert watch.reading is not None
+            phases, self.source = dict(watch.reading.phases), watch.reading.source
+            # the optimizer's state made by this first step is held through every later step's forward and
+            # backward: counted there as it will be
+            phases[_FB] += max(0, self._state_bytes() - state)
+            phases["step"] = max(watch.reading.peak_bytes, *phases.values())
+        except torch.OutOfMemoryError:
+            phases = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.rows.append(ProbeRow(micro, None if phases is None else phases["step"], checkpointed,
+                                  None if predicted is None else int(predicted)))
+        return phases
+
+
+    def _state_bytes(self) -> int:
+        return 0 if self.optimizer is None else held_bytes(list(self.optimizer.state.values()), device=self.device)
+
+
+def _phase(watch: MemoryWatch | None, name: str) -> Any:
+    return contextlib.nullcontext() if watch is None else watch.phase(name)
+
+
+@dataclass(frozen=True)
+class _Line:
+    fixed: float
+    per_sample: float
+
+    @classmethod
+    def through(cls, a: tuple[int, int], b: tuple[int, int]) -> _Line:
+        slope = (b[1] - a[1]) / (b[0] - a[0])
+        return cls(a[1] - slope * a[0], slope)
+
+    def at(self, micro: float) -> float:
+        return self.fixed + self.per_sample * micro
+
+
+def _divisors(n: int) -> list[int]:
+    return sorted({d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)})
+
+
+def _largest_fit(predict: Callable[[int], float], usable: float, effective: int) -> int | None:
+    """The largest divisor of `effective` whose predicted peak is under `usable`, or None."""
+    fits = [d for d in _divisors(effective) if predict(d) <= usable]
+    return max(fits) if fits else None
+
+
+def _agree_smallest(micro: int) -> int:
+    """Under torchrun, the smallest micro-batch any rank planned (every rank's is a divisor of the effective
+    batch, so the smallest is too)."""
+    if not ranks.active():
+        return micro
+    t = torch.tensor([micro], dtype=torch.int64, device=ranks.comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+# ---------------------------------------------------------------- the plan
+def plan_batch(model: nn.Module, optimizer: torch.optim.Optimizer | None, example_batch: Any, *,
+               budget: int | str, effective_batch: int | None = None, margin: float = 0.1,
+               loss_fn: Callable[..., torch.Tensor] | None = None, batch_format: BatchFormat | dict | None = None,
+               device: str | torch.device = "auto", precision: str = "fp32", checkpointing: bool | str = "auto",
+               refresh: bool = False, progress: bool | Callable[[str], Any] = False) -> MemoryPlanResult:
+    """The micro-batch and gradient accumulation whose training step fits `budget` (bytes, or "8GiB",
+    "500MB") less `margin` with `micro_batch * accumulation == effective_batch` exactly (default: the
+    example batch's size; per process under torchrun), predicted from at most 3 probe steps of the loop's
+    own step on slices of `example_batch` (see the module docstring); the model, optimizer and RNG are
+    left as found. `checkpointing`: "auto" (blocks checkpointed where one sample does not fit, and timed
+    against accumulation where the model repeats blocks), True (always considered), False (never).
+    `precision`: the autocast the step runs at (fp32 plans the most memory). `progress`: a line per probe.
+
+        plan = ts.train.plan_batch(model, optimizer, batch, budget="8GiB", effective_batch=256)
+        loader = DataLoader(ds, batch_size=plan.micro_batch)   # Trainer(..., grad_accum_steps=plan.accumulation)
+
+    A budget over the device's memory, a budget nothing fits in (with every block checkpointed; FSDP is
+    named where ranks could share the fixed part), an example batch of one sample, a bad effective
+    batch: one ValueError each. Memory that does not grow linearly with the batch: one WARNING line and
+    `linear` False (the plan then follows the steepest line measured)."""
+    say = progress_fn(progress)
+    budget_bytes = byte_size(budget, "memory budget")
+    if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
+        raise ValueError(f"margin = {margin!r}: a fraction of the budget kept free, 0 <= margin < 1 (e.g. 0.1)")
+    if precision not in FLOAT_PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(FLOAT_PRECISIONS)}, got {precision!r}")
+    if checkpointing not in ("auto", True, False):
+        raise ValueError(f"checkpointing must be 'auto', True or False, got {checkpointing!r}")
+    dev = resolve_device(device)
+    capacity, called = device_capacity(dev)
+    if capacity is not None and budget_bytes > capacity:
+        raise ValueError(f"memory budget {format_bytes(budget_bytes)} is more than this {dev.type}'s {called} "
+                         f"({format_bytes(capacity)}): give at most {format_bytes(capacity)}")
+    fmt = BatchFormat.of(batch_format)
+    inputs, _ = fmt.split(example_batch)
+    n = batch_size(inputs)
+    effective = n if effective_batch is None else effective_batch
+    if not (type(effective) is int and effective >= 1):
+        raise ValueError(f"effective_batch = {effective_batch!r}: the samples of one optimizer step, a positive int")
+    if n < 2:
+        raise ValueError("the example batch has 1 sample: the planner needs at least 2 to see how memory grows "
+                         "with the batch; give a batch of the loader's size")
+    on = {p.device.type for p in model.parameters()}
+    if on and on != {dev.type}:
+        raise ValueError(f"the model is on {', '.join(sorted(on))} and the plan is for {dev}: move it first "
+                         f"(model.to({str(dev)!r}))")
+    usable = budget_bytes * (1 - margin)
+    parts = {"model": remembered.model_fingerprint(model), "batch": remembered.shapes_of(example_batch),
+             "optimizer": None if optimizer is None else type(optimizer).__qualname__, "budget": budget_bytes,
+             "margin": margin, "effective_batch": effective, "precision": precision, "device": dev.type,
+             "checkpointing": str(checkpointing), "world_size": ranks.env().world_size}
+
+    def measure_plan() -> MemoryPlanResult:
+        with trial_state_kept(model, optimizer):
+            prober = _Prober(model, optimizer, example_batch, fmt, loss_fn, dev, precision)
+            return _plan(prober, n, effective, budget_bytes, usable, margin, checkpointing, say)
+
+    plan, memory = remembered.recall_or_measure(
+        "memory_plan", parts, measure_plan, decode=_decode, encode=lambda p: (p.to_dict(), p.describe()),
+        refresh=refresh, what=f"memory plan on {dev}", logger=log)
+    if memory is not None:
+        plan.remembered = memory.describe()
+        say(f"memory plan: {memory.describe()}")
+    agreed = _agree_smallest(plan.micro_batch)
+    if agreed != plan.micro_batch:
+        plan.notes.append(f"another rank fits only {agreed} samples: every rank takes micro-batch {agreed}")
+        plan.micro_batch, plan.accumulation = agreed, effective // agreed
+        plan.predicted_peak_bytes = int(plan.fixed_bytes + plan.per_sample_bytes * agreed)
+    log.info("memory plan on %s: %s; measured %s", dev, plan.describe(), plan.measured)
+    return plan
+
+
+def _decode(memory: remembered.Memory) -> MemoryPlanResult:
+    """A remembered plan, checked (one edited into nonsense is measured again)."""
+    d = dict(memory.decision)
+    d.pop("measured", None)
+    plan = MemoryPlanResult(**{k: v for k, v in d.items() if k not in ("probes", "table")})
+    plan.probes = []
+    plan.table = [PlanRow(**r) for r in d.get("table", [])]
+    if not (type(plan.micro_batch) is int and plan.micro_batch >= 1
+            and plan.micro_batch * plan.accumulation == plan.effective_batch):
+        raise ValueError("micro_batch x accumulation is not the effective batch")
+    return plan
+
+
+_FB = "forward and backward"  # the phase whose memory grows with the batch (activations); the optimizer step's
+                              # holds the weights, gradients and state: a step's peak is the higher of the two
+
+
+def _lines(b1: int, p1: dict[str, int], b2: int, p2: dict[str, int]) -> dict[str, _Line]:
+    return {phase: _Line.through((b1, p1[phase]), (b2, p2[phase])) for phase in p1 if phase in p2}
+
+
+def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, margin: float,
+          checkpointing: bool | str, say: Callable[[str], Any]) -> MemoryPlanResult:
+    """Probe, fit a line per phase (a step's peak is the highest phase's), choose (see the module docstring)."""
+    b1, b2 = max(1, n // 4), max(2, n // 2)
+    if b2 <= b1:
+        b1 = b2 - 1
+    p1 = prober.probe(b1)
+    p2 = prober.probe(b2) if p1 is not None else None
+    blocks = repeated_blocks(prober.model)
+    if p1 is None or p2 is None:
+        raise ValueError(f"the training step ran out of memory at micro-batch {b1 if p1 is None else b2} before any "
+                         "plan: give a smaller example batch (the planner probes a quarter and half of it)")
+    fits = [_lines(b1, p1, b2, p2)]
+
+    def predict(micro: int, saved: float = 0.0) -> float:  # saved: activation bytes per sample not held
+        return max(ln.at(micro) - (saved * micro if phase == _FB else 0.0)
+                   for fit in fits for phase, ln in fit.items() if phase != "step")
+
+    say(f"memory plan: probes {b1} -> {format_bytes(p1['step'])}, {b2} -> {format_bytes(p2['step'])} "
+        f"({prober.source}); {format_bytes(fits[0][_FB].per_sample)} per sample")
+    notes: list[str] = []
+    micro = _largest_fit(predict, usable, effective)
+    third = _third_probe(micro, b1, b2, predict, usable)
+    if third is not None:
+        expected = predict(third)
+        p3 = prober.probe(third, predicted=expected)
+        if p3 is None or abs(p3["step"] - expected) > LINEAR_TOLERANCE * expected:
+            measured = "out of memory" if p3 is None else format_bytes(p3["step"])
+            note = (f"memory does not grow linearly with the batch (shapes that change with it?): the probes "
+                    f"predicted {format_bytes(expected)} at micro-batch {third}, it measured {measured}; "
+                    "the plan follows the steepest line through the three probes")
+            log.warning("memory plan: %s", note)
+            notes.append(note)
+            if p3 is None:
+                fits.append({_FB: _Line(0.0, usable / third)})  # `third` does not fit: nothing at or above it does
+            else:
+                fits += [_lines(b1, p1, third, p3), _lines(b2, p2, third, p3)]
+            micro = _largest_fit(predict, usable, effective)
+    chosen = micro or 1
+    binding = max(fits[0].items(), key=lambda kv: -1.0 if kv[0] == "step" else kv[1].at(chosen))[1]
+    plan = MemoryPlanResult(micro_batch=chosen, accumulation=effective // chosen, effective_batch=effective,
+                            predicted_peak_bytes=int(predict(chosen)), budget_bytes=budget, margin=margin,
+                            device=str(prober.device), source=prober.source, fixed_bytes=int(binding.fixed),
+                            per_sample_bytes=int(round(binding.per_sample)), linear=not notes, notes=notes)
+    plan.fixed_bytes = int(predict(1) - plan.per_sample_bytes) if micro is None else plan.fixed_bytes
+    try_blocks = blocks and checkpointing is not False and (
+        micro is None or checkpointing is True or plan.accumulation > 1)
+    if try_blocks:
+        _with_checkpointing(prober, plan, blocks, b2, p2, predict, usable, say)
+    elif micro is None:
+        plan.probes = prober.rows
+        raise ValueError(_nothing_fits(plan, prober, blocks, checkpointing))
+    plan.probes = prober.rows
+    if plan.micro_batch < effective and not plan.checkpointed:
+        plan.notes.append(f"micro-batch {plan.micro_batch} divides the effective batch {effective} "
+                          f"({plan.accumulation} accumulation steps)")
+    return plan
+
+
+def _third_probe(micro: int | None, b1: int, b2: int, predict: Callable[[int], float], usable: float) -> int | None:
+    """Where the third probe checks the line: at the micro-batch chosen, else at the largest size predicted to
+    fit above the two probes, else between them; None where no other size fits."""
+    if micro is not None and micro not in (b1, b2):
+        return micro
+    lo, hi = b2, b2 + 1  # the largest size predicted to fit: the line checked where the budget binds
+    while predict(hi) <= usable and hi < 1 << 20:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predict(mid) <= usable else (lo, mid)
+    if lo > b2:
+        return lo
+    middle = (b1 + b2) // 2
+    return middle if middle not in (b1, b2) and predict(middle) <= usable else None
+
+
+def _nothing_fits(plan: MemoryPlanResult, prober: _Prober, blocks: list[str], checkpointing: bool | str) -> str:
+    """The one line for a budget nothing fits in, naming what was tried and what is left (FSDP)."""
+    one = plan.fixed_bytes + plan.per_sample_bytes
+    tried = (f" with all {len(blocks)} repeated blocks checkpointed" if blocks and checkpointing is not False
+             else " (no repeated blocks to checkpoint)" if not blocks else "")
+    state = held_bytes(prober.model, prober.optimizer, device=prober.device)
+    world = ranks.env().world_size
+    shard = ("sharding (strategy='fsdp') splits the weights, gradients and optimizer state "
+             f"({format_bytes(state)}) over the ranks: launch it with torchrun --nproc_per_node N (more than 1)"
+             if world < 2 else f"sharding (strategy='fsdp') over the {world} ranks would hold about "
+             f"{format_bytes(one - state * (1 - 1 / world))} a rank (predicted, not measured)")
+    return (f"memory budget {format_bytes(plan.budget_bytes)} (less its {plan.margin:.0%} margin) is too small for "
+            f"even one sample{tried}: one sample needs about {format_bytes(one)} ({plan.source}); give a larger "
+            f"budget, or {shard}")
+
+
+def _with_checkpointing(prober: _Prober, plan: MemoryPlanResult, blocks: list[str], probe_at: int,
+                        plain: dict[str, int], predict: Callable[..., float], usable: float,
+                        say: Callable[[str], Any]) -> None:
+    """One probe with every block checkpointed gives what a block saves per sample; the configurations that
+    fit are timed per sample and the fastest kept (in `plan`). ValueError when none fits."""
+    k_all = len(blocks)
+    probed = prober.probe(probe_at, k_all)
+    if probed is None:
+        plan.probes = prober.rows
+        raise ValueError(_nothing_fits(plan, prober, blocks, True))
+    saved = max(0.0, (plain[_FB] - probed[_FB]) / probe_at / k_all)  # bytes a checkpointed block saves a sample
+    say(f"memory plan: every block checkpointed saves {format_bytes(saved * k_all)} per sample")
+    effective = plan.effective_batch
+    configs: dict[int, int] = {}  # micro-batch -> fewest blocks checkpointed for it
+    for k in range(k_all + 1):
+        micro = _largest_fit(lambda d, k=k: predict(d, k * saved), usable, effective)
+        if micro is not None and micro not in configs:
+            configs[micro] = k
+    if not configs:
+        plan.probes = prober.rows
+        raise ValueError(_nothing_fits(plan, prober, blocks, True))
+    rows = [PlanRow(m, effective // m, k, int(predict(m, k * saved))) for m, k in sorted(configs.items())]
+    if len(rows) > 1:
+        _time_configs(prober, rows)
+        best = min(rows, key=lambda r: r.sample_s if r.sample_s is not None else math.inf)
+    else:
+        best = rows[0]
+    for r in rows:
+        r.decision = "kept" if r is best else "slower per sample" if r.sample_s is not None else "only fit"
+    plan.table = rows
+    plan.micro_batch, plan.accumulation, plan.checkpointed = best.micro_batch, best.accumulation, best.checkpointed
+    plan.predicted_peak_bytes = best.predicted_peak_bytes
+    plan.checkpointed_names = blocks[:best.checkpointed]
+    if best.checkpointed:
+        plan.notes.append(f"{best.checkpointed} of {k_all} blocks checkpointed (checkpoint_blocks(model, "
+                          f"{best.checkpointed})): micro-batch {best.micro_batch} x {best.accumulation}")
+
+
+def _time_configs(prober: _Prober, rows: list[PlanRow]) -> None:
+    """Seconds per sample of each configuration's step, timed interleaved (measure.compare)."""
+    steps: dict[str, Callable[[], None]] = {}
+    for r in rows:
+        run = prober.step(r.micro_batch)
+
+        def checkpointed_step(run: Callable[[], None] = run, k: int = r.checkpointed) -> None:
+            with blocks_checkpointed(prober.model, k):
+                run()
+        steps[f"{r.micro_batch}x{r.accumulation}/{r.checkpointed}"] = checkpointed_step
+    c = measure.compare(steps, warmup=1, repeats=3, device=prober.device)
+    for r, name in zip(rows, steps):
+        r.sample_s = c[name].median_s / r.micro_batch
