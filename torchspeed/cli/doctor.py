@@ -11,18 +11,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "doctor", help="profile an unchanged training script: where each step's time goes, and the ranked fixes",
         description="Run `python your_train.py ARGS` with torch instrumented from outside (DataLoader, forward, "
                     "backward, optimizer step, copies, host syncs), then print the time per phase, the verdict "
-                    "(data-, compute- or overhead-bound) and the fixes ranked by expected gain. With --try, "
+                    "(data-, compute- or overhead-bound), where a step's memory goes (its peak by part, phase "
+                    "and module) and the fixes ranked by expected gain. With --try, "
                     "each fix is then measured on the same unchanged script (baseline re-measured between "
                     "fixes, losses compared) and printed with the code that keeps it. Exits with the "
                     "script's own status.",
         usage="torchspeed doctor [--steps N] [--try [FIX,...]] [--out DIR] [--json PATH] [--trace] [--cprofile] "
-              "[--timeout S] -- python your_train.py ARGS")
+              "[--no-memory] [--timeout S] -- python your_train.py ARGS")
     p.add_argument("--steps", type=positive_int, metavar="N", help="stop the script cleanly after N training (optimizer) steps")
     p.add_argument("--out", metavar="DIR", help="write doctor.json and doctor.md (and the trace) to DIR")
     add_json_option(p)
     p.add_argument("--trace", action="store_true",
                    help="also record a torch.profiler trace of a few steps (Chrome / Perfetto JSON)")
     p.add_argument("--cprofile", action="store_true", help="also list the Python hot spots (cProfile; slows the run)")
+    p.add_argument("--no-memory", dest="memory", action="store_false",
+                   help="do not measure where a step's memory goes (by default the second step is measured for it "
+                        "and left out of the time figures)")
     p.add_argument("--timeout", type=positive_int, metavar="S",
                    help="interrupt the script after S seconds (it still writes its report); per run under --try")
     p.add_argument("--try", dest="try_fixes", nargs="?", const="auto", metavar="FIX,...",
@@ -65,7 +69,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
         try_fixes = True if args.try_fixes == "auto" else as_list(args.try_fixes, name="--try")
     status, payload = _run(command, steps=args.steps, out=args.out, json_path=args.json, trace=args.trace,
-                           cprofile=args.cprofile, timeout=args.timeout, try_fixes=try_fixes)
+                           cprofile=args.cprofile, timeout=args.timeout, try_fixes=try_fixes, memory=args.memory)
     if payload.get("status") == "timeout":
         return 124  # as timeout(1)
     return status

@@ -19,7 +19,8 @@ import traceback
 from typing import Any
 
 from torchspeed.atomic import write_json
-from torchspeed.doctor.child_env import ENV_CPROFILE, ENV_FIXES, ENV_OUT, ENV_PROBE, ENV_SEED, ENV_STEPS, ENV_TRACE
+from torchspeed.doctor.child_env import (ENV_CPROFILE, ENV_FIXES, ENV_MEMORY, ENV_OUT, ENV_PROBE, ENV_SEED, ENV_STEPS,
+                                         ENV_TRACE)
 
 __all__ = ["main"]
 
@@ -81,7 +82,7 @@ def _die_with_the_launcher() -> None:
 
 
 def _recorder_from_env() -> tuple[Any, Any]:
-    """The installed Recorder as the parent's environment asks (step limit, trace, fixes, seed), and the
+    """The installed Recorder as the parent's environment asks (step limit, trace, memory, fixes, seed), and the
     cProfile profiler when asked (enabled by the Recorder at the first step)."""
     from torchspeed.doctor.recorder import Recorder
     from torchspeed.runtime import seed_everything
@@ -91,7 +92,8 @@ def _recorder_from_env() -> tuple[Any, Any]:
     use_cprofile = os.environ.pop(ENV_CPROFILE, "") == "1"
     seed = os.environ.pop(ENV_SEED, "")
     fixes = os.environ.pop(ENV_FIXES, "")
-    rec = Recorder(max_steps=int(steps) if steps else None, trace_path=trace)
+    memory = os.environ.pop(ENV_MEMORY, "") == "1"
+    rec = Recorder(max_steps=int(steps) if steps else None, trace_path=trace, memory=memory)
     rec.install()
     if fixes:
         rec.inject(json.loads(fixes))

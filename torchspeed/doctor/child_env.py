@@ -8,4 +8,5 @@ ENV_TRACE = "TORCHSPEED_DOCTOR_TRACE"
 ENV_CPROFILE = "TORCHSPEED_DOCTOR_CPROFILE"
 ENV_SEED = "TORCHSPEED_DOCTOR_SEED"  # --try: every run seeded alike, so losses compare
 ENV_FIXES = "TORCHSPEED_DOCTOR_FIXES"  # --try: JSON {fix name: value} applied by the bootstrap
+ENV_MEMORY = "TORCHSPEED_DOCTOR_MEMORY"  # "1": one step measured for where its memory goes
 ENV_PROBE = "TORCHSPEED_DOCTOR_PROBE"  # --try's first run: "attention" measures the attention seen, after the steps

@@ -136,9 +136,10 @@ def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> 
     """The doctor report (the JSON contract) from the child's raw record."""
     windows = raw.get("windows") or []
     settings = raw.get("settings") or {}
-    wall, phases, samples = _sum(windows)
+    timed = trying.timed_windows(raw)  # the step measured for memory had its hooks on: not a time figure
+    wall, phases, samples = _sum(timed)
     # the first step carries one-time costs (worker start-up, lazy init, kernel selection): judge the rest
-    steady = windows[1:] if len(windows) >= 2 else windows
+    steady = timed[1:] if len(timed) >= 2 else timed
     s_wall, s_phases, s_samples = _sum(steady)
     # data time of evaluation-only loaders is evaluation, not training input
     for ld in settings.get("loaders", []):
@@ -152,8 +153,13 @@ def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> 
             if ld.get("kind") == "batch function" and ld.get("batches")]
     v, evidence = verdict(s_phases, s_wall, host_syncs_per_step=syncs if settings.get("device") == "cuda" else None,
                           data_source=f"making batches in {made[0]}" if made else None)
-    if len(steady) < len(windows):
-        evidence.append(f"first step excluded as warm-up ({windows[0]['wall']:.2f} s)")
+    if len(steady) < len(timed):
+        evidence.append(f"first step excluded as warm-up ({timed[0]['wall']:.2f} s)")
+    if len(timed) < len(windows):
+        step = (raw.get("memory") or {}).get("step") or len(windows)
+        which = f"step {step}" if len(windows) - len(timed) == 1 else f"steps {step - 1}-{step}"
+        evidence.append(f"{which} measured where the memory goes (on a CPU the profiler starts a step early) and "
+                        "left out of the time figures")
     if settings.get("grad_scaler_off"):
         evidence.append(f"GradScaler off: {settings['grad_scaler_off']}")
     facts = {"device": settings.get("device", "cpu"), "steps": len(steady), "wall_s": s_wall, "phases": s_phases,
@@ -175,7 +181,7 @@ def build_payload(raw: dict[str, Any], command: list[str], exit_status: int) -> 
         "verdict": v if windows else None, "evidence": evidence if windows else
         ["no training step was seen: doctor measures training steps (optimizer.step(), or loss.backward() in a loop without a torch.optim optimizer)"],
         "settings": settings, "findings": [f.to_dict() for f in findings], "hotspots": raw.get("hotspots", []),
-        "trace": raw.get("trace"),
+        "trace": raw.get("trace"), "memory": raw.get("memory"),
     }
 
 
@@ -311,9 +317,13 @@ def _run_child(argv: list[str], env: dict[str, str], timeout: float | None,
 
 def run_doctor(command: list[str], steps: int | None = None, out: str | None = None, json_path: str | None = None,
                trace: bool = False, cprofile: bool = False, console: Any = None,
-               timeout: float | None = None, try_fixes: list[str] | None | bool = None) -> tuple[int, dict[str, Any]]:
+               timeout: float | None = None, try_fixes: list[str] | None | bool = None,
+               memory: bool = True) -> tuple[int, dict[str, Any]]:
     """Run `command` instrumented; print the report; write `json_path` and `out`/doctor.{json,md} (and
     the trace). Returns (the script's exit status, the report).
+
+    `memory`: one step (the second; after the trace's with `trace`) is measured for where its memory goes
+    (`memory_breakdown`) and left out of the time figures.
 
     `try_fixes` (True: every fix the findings call for; a list: those fixes) then measures each fix on
     the unchanged script (`trying.try_fixes`), `steps` steps per run (default TRY_STEPS)."""
@@ -322,7 +332,7 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
         raise ValueError("--trace needs --out DIR: the trace is written to DIR/doctor-trace.json")
     argv = child_command(command)
     report_dir = _claim_outputs(out, json_path)
-    env = _child_env(steps, cprofile, trace, out, seeded=measure_fixes)
+    env = _child_env(steps, cprofile, trace, out, seeded=measure_fixes, memory=memory)
     check_interpreter(argv, env)
     quiet = wait_for_quiet_machine(max_s=QUIET_WAIT_S) if measure_fixes else None  # before the first timed run
     load = OthersLoad() if measure_fixes else None  # other processes' load over the baseline and every fix run
@@ -375,9 +385,11 @@ def _fixes_requested(try_fixes: list[str] | None | bool, steps: int | None) -> t
     return measure_fixes, requested, steps
 
 
-def _child_env(steps: int | None, cprofile: bool, trace: bool, out: str | None, seeded: bool) -> dict[str, str]:
-    """This process's environment plus what the bootstrap reads: step limit, cProfile, trace path, seed."""
+def _child_env(steps: int | None, cprofile: bool, trace: bool, out: str | None, seeded: bool,
+               memory: bool = True) -> dict[str, str]:
+    """This process's environment plus what the bootstrap reads: step limit, cProfile, trace path, memory, seed."""
     env = dict(os.environ)
+    env[child_env.ENV_MEMORY] = "1" if memory else ""
     env[child_env.ENV_STEPS] = str(steps or "")
     env[child_env.ENV_CPROFILE] = "1" if cprofile else ""
     env[child_env.ENV_TRACE] = os.path.abspath(os.path.join(out, "doctor-trace.json")) if trace and out else ""

@@ -1,4 +1,5 @@
-"""Printing and writing reports: the phase table, the ranked advice, the lint tables, markdown.
+"""Printing and writing reports: the phase table, where the memory goes, the ranked advice, the lint tables,
+markdown.
 
 Works on plain dicts (the JSON payloads), so a profile, a doctor run and a lint print the same way.
 """
@@ -13,7 +14,12 @@ from rich.console import Console
 from torchspeed.doctor.trying import markdown_tried
 from torchspeed.tables import print_table
 
-__all__ = ["print_profile", "print_findings", "print_lint", "format_lint", "format_profile", "markdown"]
+__all__ = ["print_profile", "print_memory", "markdown_memory", "print_findings", "print_lint", "format_lint",
+           "format_profile", "markdown"]
+
+PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
+              "activations": "activations (saved for backward)", "rest": "the rest"}
+TOP_PRODUCERS_SHOWN = 5
 
 
 def _console(console: Any = None) -> Any:
@@ -73,10 +79,55 @@ def print_profile(d: dict[str, Any], console: Any = None) -> None:
     con.print(f"[bold]Verdict: {d.get('verdict')}[/]")
     for e in d.get("evidence", []):
         con.print(f"  - {e}", highlight=False)
+    if d.get("memory"):
+        print_memory(d["memory"], con)
     if d.get("hotspots"):
         print_table("Python hot spots (cProfile, cumulative)", ["function", "calls", "cum s", "self s"],
                     [(h["function"], h["calls"], h["cumulative_s"], h["self_s"]) for h in d["hotspots"]], con)
     print_findings(d.get("findings", []), con)
+
+
+def print_memory(m: dict[str, Any], console: Any = None) -> None:
+    """Where a step's memory goes (a `memory_breakdown.MemoryBreakdown` as a dict): its peak split by part,
+    the peak of each phase, the modules whose forwards saved the most, and what the figures are read from."""
+    con = _console(console)
+    if m.get("skipped"):
+        con.print(f"Memory: not measured ({m['skipped']})", highlight=False, markup=False)
+        return
+    peak = m.get("peak_bytes") or 0
+    con.print(f"[bold]Where the memory goes[/] (step {m['step']}): peak {_mb(peak)} in {m['peak_phase']}",
+              highlight=False)
+    con.print(f"read from the {m['source']} on {m['device']}", highlight=False, markup=False)
+    rows = [(PART_NAMES.get(k, k), f"{v / 2**20:,.1f}", f"{v / peak:.0%}" if peak else "-")
+            for k, v in m.get("parts", {}).items()]
+    print_table("The peak by part", ["part", "MiB", "share"], rows, con)
+    if m.get("phases"):
+        con.print("peak per phase: " + ", ".join(f"{p} {_mb(v)}" for p, v in m["phases"].items()),
+                  highlight=False, markup=False)
+    if m.get("producers"):
+        shown = m["producers"][:TOP_PRODUCERS_SHOWN]
+        con.print(f"activations saved for backward: {_mb(m['activations_bytes'])} at most", highlight=False)
+        print_table("Largest activation producers", ["module", "type", "MiB", "share"],
+                    [(p["module"], p["type"], f"{p['bytes'] / 2**20:,.1f}", f"{p['share']:.0%}") for p in shown], con)
+    for note in m.get("notes", []):
+        con.print(f"  - {note}", highlight=False, markup=False)
+
+
+def markdown_memory(m: dict[str, Any]) -> list[str]:
+    """`print_memory` as markdown lines."""
+    if m.get("skipped"):
+        return [f"Memory: not measured ({m['skipped']})", ""]
+    peak = m.get("peak_bytes") or 0
+    lines = [f"## Where the memory goes (step {m['step']}, peak {_mb(peak)} in {m['peak_phase']}, "
+             f"{m['source']}, {m['device']})", "", "| part | MiB | share |", "|---|---:|---:|"]
+    lines += [f"| {PART_NAMES.get(k, k)} | {v / 2**20:,.1f} | {v / peak:.0%} |" if peak else f"| {k} | - | - |"
+              for k, v in m.get("parts", {}).items()]
+    lines += ["", "Peak per phase: " + ", ".join(f"{p} {_mb(v)}" for p, v in m.get("phases", {}).items()), ""]
+    if m.get("producers"):
+        lines += ["| module | type | MiB | share of activations |", "|---|---|---:|---:|"]
+        lines += [f"| {p['module']} | {p['type']} | {p['bytes'] / 2**20:,.1f} | {p['share']:.0%} |"
+                  for p in m["producers"][:TOP_PRODUCERS_SHOWN]] + [""]
+    return lines + [f"- {n}" for n in m.get("notes", [])] + [""]
 
 
 def format_profile(d: dict[str, Any]) -> str:
@@ -127,6 +178,8 @@ def markdown(d: dict[str, Any], title: str) -> str:
         for p, s in d["phases"].items():
             lines.append(f"| {p} | {s * 1e3 / steps:.2f} | {s / wall:.0%} |" if wall else f"| {p} | - | - |")
         lines += [""] + [f"- {e}" for e in d.get("evidence", [])] + [""]
+    if d.get("memory"):
+        lines += markdown_memory(d["memory"])
     lines += ["## Advice (ranked)", ""]
     for i, f in enumerate(d.get("findings", []), 1):
         gain = "bug" if f["severity"] == "bug" else f"~{f['expected_gain']:.0%}"

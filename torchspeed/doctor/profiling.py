@@ -2,7 +2,8 @@
 (blocked in next(loader)), copy (host-to-device), forward (model + loss), backward, optimizer (step +
 zero_grad), other (the rest). On CPU ops are synchronous, so host timers measure the work; on CUDA,
 events time the GPU work of each phase, the host the step's wall (one sync per step, so the loop keeps
-its overlap), and the GPU's busy share tells launch overhead apart.
+its overlap), and the GPU's busy share tells launch overhead apart. One more step, untimed, is measured
+for where its memory goes (`memory_breakdown.StepMemory`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torchspeed.batches import DICT_KEY_PAIRS, BatchFormat, batch_size, split_ba
 from torchspeed.doctor.advice import Finding
 from torchspeed.doctor.linting import loss_pairing
 from torchspeed.doctor.loop_setup import loader_settings, machine_settings, model_settings
+from torchspeed.doctor.memory_breakdown import StepMemory
 from torchspeed.doctor.output import format_profile
 from torchspeed.doctor.phases import PHASES, busy_time, verdict
 from torchspeed.doctor.rules import loop_findings
@@ -41,12 +43,13 @@ class ProfileResult:
     settings: dict[str, Any]
     findings: list[Finding] = field(default_factory=list)
     gpu_busy_s: float | None = None
+    memory: dict[str, Any] | None = None  # where one more step's memory goes (`MemoryBreakdown.to_dict()`)
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "wall_s": self.wall_s, "phases": self.phases, "per_step_ms": self.per_step_ms,
                 "throughput": self.throughput, "peak_memory_bytes": self.peak_memory_bytes, "verdict": self.verdict,
                 "evidence": self.evidence, "settings": self.settings, "gpu_busy_s": self.gpu_busy_s,
-                "findings": [f.to_dict() for f in self.findings]}
+                "findings": [f.to_dict() for f in self.findings], "memory": self.memory}
 
     def __str__(self) -> str:
         return format_profile(self.to_dict())
@@ -123,8 +126,10 @@ class _Totals:
 def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
             loss_fn: Callable[[Any, Any], torch.Tensor], steps: int = 50, warmup: int = 2,
             device: str | torch.device | None = None,
-            batch_format: BatchFormat | dict | None = None) -> ProfileResult:
+            batch_format: BatchFormat | dict | None = None, memory: bool = True) -> ProfileResult:
     """Run `warmup` + `steps` ordinary training steps and time each phase of the measured ones.
+    With `memory`, one more step (untimed) says where its memory goes: its peak by part (parameters,
+    gradients, optimizer state, activations, the rest), by phase, and the modules saving the most.
 
     The model is trained for real (its weights change). Batches are `(inputs, targets)`, or what
     `batch_format` (`torchspeed.batches.BatchFormat`) says for dict batches and structured outputs:
@@ -144,6 +149,8 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
     batches = _Restarting(loader)
     mem = PeakMemory(dev)
     t = _measure(step, batches, warmup, steps, mem)
+    peak = mem.peak()  # the timed steps' (the memory step resets CUDA's counter)
+    breakdown = _memory_step(step, batches, warmup + steps + 1) if memory else None
     phases = {**t.phases, "other": max(0.0, t.wall - sum(t.phases.values()))}
     gpu_busy = None
     t.step_ms.sort()
@@ -156,8 +163,8 @@ def profile(model: nn.Module, loader: Iterable[Any], optimizer: torch.optim.Opti
     return ProfileResult(
         steps=steps, wall_s=t.wall, phases=phases,
         per_step_ms={"median": t.step_ms[len(t.step_ms) // 2], "min": t.step_ms[0], "max": t.step_ms[-1]},
-        throughput=t.samples / t.wall if t.wall > 0 else None, peak_memory_bytes=mem.peak(), verdict=v,
-        evidence=evidence, settings=settings, findings=loop_findings(facts), gpu_busy_s=gpu_busy)
+        throughput=t.samples / t.wall if t.wall > 0 else None, peak_memory_bytes=peak, verdict=v,
+        evidence=evidence, settings=settings, findings=loop_findings(facts), gpu_busy_s=gpu_busy, memory=breakdown)
 
 
 def _measure(step: _Step, batches: _Restarting, warmup: int, steps: int, mem: PeakMemory) -> _Totals:
@@ -218,6 +225,30 @@ def _timed_step(step: _Step, batches: _Restarting) -> tuple[dict[str, float], fl
     else:
         parts = {"data": t1 - t0, "copy": t2 - t1, "forward": t3 - t2, "backward": t4 - t3, "optimizer": t5 - t4}
     return parts, t5 - t0, x, y
+
+
+def _memory_step(step: _Step, batches: _Restarting, index: int) -> dict[str, Any]:
+    """One more training step, untimed, with the memory accounting on: where its peak goes."""
+    acct = StepMemory(step.model, [step.optimizer], step.dev, step=index)
+    try:
+        acct.start("data")
+        batch = batches.next()
+        acct.boundary("copy")
+        x, y = _split(batch, step.given)
+        x, y = to_device(x, step.dev), to_device(y, step.dev)
+        acct.boundary("forward")
+        loss = step.loss_fn(step.fmt.logits_of(step.fmt.forward(step.model, x)), y)
+        acct.boundary("backward")
+        loss.backward()
+        acct.boundary("optimizer")
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+        acct.boundary(None)
+        del batch, x, y, loss
+        return acct.finish().to_dict()
+    except BaseException:
+        acct.abandon()
+        raise
 
 
 def _loop_settings(step: _Step, loader: Iterable[Any], batches: int, epochs: int,

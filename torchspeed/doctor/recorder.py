@@ -1,12 +1,22 @@
 """The Recorder: what doctor records in the script's process, and the record the parent reads. The
 patches (`patches.PATCHES`, applied by `install()`) report each event through its public methods.
+It is one concept, the record of one run, kept whole because every event handler shares its state
+(the phase clock, the step count, the CUDA marks, the memory step) and the record is read from it.
 
 Step boundaries: each backward and each optimizer step closes a segment; a step is the segments up to
 an optimizer step (gradient accumulation is one step), or up to a backward in a loop with no
 torch.optim optimizer (manual `p.data` updates); with a step limit the script is stopped after that
 many. On CUDA each phase change records an event on the loop's current stream (no host sync) and each
-step boundary synchronises once; a step's phases are read on the GPU's timeline (`timeline_phases`),
-so queued GPU work is charged to the phase that queued it.
+step's end synchronises once (a backward that does not end the step waits for it: its segment's phases
+are read then); a step's phases are read on the GPU's timeline (`timeline_phases`), so queued GPU work is
+charged to the phase that queued it. Nothing else reads a CUDA tensor's value while the loop runs: the
+first batches' fingerprints and statistics and the loss-input check are kept on the device and read
+after the run.
+
+With `memory=True` one step (the second on CUDA, the third on a CPU, whose profiler starts a step early;
+after --trace's steps) is measured for memory (`memory_breakdown.StepMemory`: where its peak goes, by
+part, phase and module); its windows are marked `memory` and left out of the time figures, its hooks
+being on only then.
 
 A loop fed by no loader has the script's own batch function timed as `data` from its first training
 forward (`script_code.batch_function`); the script's plan (`planned_steps`) is read at its first
@@ -19,6 +29,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,12 +41,13 @@ from torchspeed.doctor.attention import AttentionSeen
 from torchspeed.doctor.grouping import token_lengths, token_tensors
 from torchspeed.doctor.injection import FixState
 from torchspeed.doctor.loop_setup import machine_settings, model_settings
+from torchspeed.doctor.memory_breakdown import StepMemory
 from torchspeed.doctor.patches import PATCHES
 from torchspeed.doctor.phases import EXTRA_PHASES, PHASES, PhaseClock
 from torchspeed.measure import PeakMemory
 from torchspeed.runtime import FLOAT_PRECISIONS, default_precision, precision_dtype
 
-__all__ = ["KEEP_LOSSES", "TRACE_STEPS", "Recorder", "StopScript", "image_stats", "timeline_phases"]
+__all__ = ["KEEP_LOSSES", "TRACE_STEPS", "Recorder", "StopScript", "image_moments", "image_stats", "timeline_phases"]
 
 KEEP_LOSSES = 5  # first losses (and batch fingerprints) kept for the numerics check
 TOKEN_BATCHES = 32  # token batches whose padding is read
@@ -52,7 +64,7 @@ class StopScript(SystemExit):
 class Recorder:
     """Accumulates phase times per step window and the settings seen."""
 
-    def __init__(self, max_steps: int | None = None, trace_path: str | None = None):
+    def __init__(self, max_steps: int | None = None, trace_path: str | None = None, memory: bool = False):
         self.pid = os.getpid()
         self.loop_thread = threading.get_ident()  # the script's thread: the training loop runs here
         self._enabled = True
@@ -68,8 +80,9 @@ class Recorder:
         self.opt_steps = 0
         self.optimizers_made = 0
         self.losses: list[Any] = []  # first KEEP_LOSSES losses, detached on their device
-        self.batch_prints: list[list[Any]] = []  # integer contents (labels) of the first batches
-        self.batch_stats: list[Any] = []  # image statistics of the first batches (`image_stats`)
+        self._prints: list[list[Any]] = []  # integer contents (labels) of the first batches, on their device
+        self._moments: list[Any] = []  # image statistics of the first batches (`image_moments`), on their device
+        self._softmax_fed: list[tuple[str, Any]] = []  # (rule, whether a loss was fed probabilities: a 0-d tensor)
         self._samples = 0
         self.fix: Any = None  # doctor --try: the fixes.FixState this run injects
         self.non_blocking = False  # --try pin_memory: pinned copies to CUDA made non_blocking
@@ -81,6 +94,13 @@ class Recorder:
         self._cuda_seen = False
         self._marks: list[tuple[Any, str | None]] | None = None  # CUDA: (event, phase running from it) this step
         self._marks_whole = False  # the marks cover the whole step window (not only since CUDA was first seen)
+        self._unread: list[tuple[dict[str, Any], list[tuple[Any, str | None]]]] = []  # CUDA segments not yet read
+        self.memory_from = (1 + (TRACE_STEPS if trace_path else 0)) if memory else None  # after the trace's steps
+        self.memory_step: int | None = None  # the step measured for memory, once chosen
+        self.memory: StepMemory | None = None  # the accounting, during the memory step
+        self.memory_result: dict[str, Any] | None = None
+        self._run_peak: int | None = None  # the run's peak before the memory step reset the counter
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.loaders: dict[int, dict[str, Any]] = {}
         self.model: Any = None  # the outermost module of the first training forward
         self.attention = AttentionSeen()
@@ -96,6 +116,16 @@ class Recorder:
             "grad_scaler_off": None,
         }
         self._undo: list[tuple[str, Callable[[], None]]] = []  # (patch name, its undo), in install order
+
+    @property
+    def batch_prints(self) -> list[list[Any]]:
+        """The first batches' integer contents (labels, token ids) as lists, other tensors by shape."""
+        return [_read_fingerprint(p) for p in self._prints]
+
+    @property
+    def batch_stats(self) -> list[Any]:
+        """The first batches' image statistics (`image_stats`)."""
+        return [_read_moments(m) for m in self._moments]
 
     @property
     def enabled(self) -> bool:
@@ -134,9 +164,9 @@ class Recorder:
         now = time.perf_counter()
         info["batches"] += 1
         info["data_s"] += now - t0
-        if len(self.batch_prints) < KEEP_LOSSES and batch is not None:
-            self.batch_prints.append(_fingerprint(batch))
-            self.batch_stats.append(image_stats(batch))
+        if len(self._prints) < KEEP_LOSSES and batch is not None:  # kept on the device: no host sync now
+            self._prints.append(_fingerprint(batch))
+            self._moments.append(image_moments(batch))
         if len(self._tokens) < TOKEN_BATCHES and (tokens := token_tensors(batch)) is not None:
             self._tokens.append((key, tokens))
         if info.pop("_first", False):
@@ -224,6 +254,7 @@ class Recorder:
     def optimizer_step_begin(self, opt: Any) -> None:
         """`opt.step()` begins (torch's global optimizer pre-hook): phase `optimizer`."""
         name = type(opt).__name__
+        self._optimizers.add(opt)
         if name not in self.s["optimizers"]:
             self.s["optimizers"].append(name)
             self.s["optimizer_options"][name] = {k: opt.defaults.get(k) for k in ("fused", "foreach")
@@ -300,18 +331,29 @@ class Recorder:
         with torch.no_grad():
             v = x.detach().float()
             tol = 1e-3 if x.dtype in (torch.float32, torch.float64) else 2e-2  # bf16/fp16 softmax rows round
-            probs = bool((v.min() >= 0) & (v.max() <= 1 + tol) & ((v.sum(1) - 1).abs().max() < tol))
-        if probs:
-            self._loss_checks_left = 0  # one finding is enough
+            probs = (v.min() >= 0) & (v.max() <= 1 + tol) & ((v.sum(1) - 1).abs().max() < tol)
+        self._softmax_fed.append((rule, probs))  # read after the run: on CUDA a read now would be a host sync
+
+    def _loss_findings(self) -> None:
+        """The loss inputs checked in the loop, read now: the first fed probabilities is a finding."""
+        read = torch._C.TensorBase  # unpatched: doctor's own read, not the loop's
+        for rule, probs in self._softmax_fed:
+            if not read.item(probs):
+                continue
             what = "CrossEntropyLoss / F.cross_entropy" if rule == "double-softmax" else "NLLLoss / F.nll_loss"
             self.s["loss_checks"].append({"rule": rule, "where": [], "message": (
                 f"{what} is fed probabilities (non-negative rows summing to 1, i.e. softmax output)"
                 + (": it applies log_softmax again, so gradients shrink and training can stall"
                    if rule == "double-softmax" else ": it expects log-probabilities from log_softmax"))})
+            return  # one finding is enough
+        self._softmax_fed.clear()
 
     # ---------------------------------------------------------------- step windows
     def _mark(self) -> None:
-        """Once CUDA is seen: an event on the current stream where the running phase changes (no sync)."""
+        """Once CUDA is seen: an event on the current stream where the running phase changes (no sync).
+        In the memory step: the phase boundary for the memory accounting."""
+        if self.memory is not None:
+            self.memory.boundary(self.clock.current)
         if self._marks is not None:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -338,6 +380,8 @@ class Recorder:
                 acc["samples"] += seg["samples"]
                 for k, v in seg["phases"].items():
                     acc["phases"][k] = acc["phases"].get(k, 0.0) + v
+            if seg.get("memory"):
+                acc["memory"] = True  # measured for memory: not a time figure
             if seg["end"] == src:
                 out.append(acc)
                 acc = None
@@ -346,32 +390,85 @@ class Recorder:
     def _segment_end(self, kind: str) -> None:
         """A backward call or an optimizer step ended: close the segment; count a step if `kind` is
         what ends steps in this script."""
+        ends_step = kind == self.step_source
         marks = self._marks
         if marks is not None:
-            self._mark()  # the step's end on the GPU's timeline
-            torch.cuda.synchronize()  # the one host sync of the step: every mark is reached now
+            self._mark()  # the segment's end on the GPU's timeline
+            if ends_step:
+                torch.cuda.synchronize()  # the one host sync of the step: every mark is reached now
         res = self.clock.boundary()
         if marks is not None:
             whole, self._marks, self._marks_whole = self._marks_whole, marks[-1:], True
         if res is None:
             return
         wall, phases = res
+        seg = {"wall": wall, "phases": phases, "samples": self._samples, "end": kind}
+        if self.memory is not None:
+            seg["memory"] = True
+        self.segments.append(seg)
         if marks is not None and whole:
-            phases = timeline_phases(marks, lambda a, b: a.elapsed_time(b) / 1e3, wall)
-        self.segments.append({"wall": wall, "phases": phases, "samples": self._samples, "end": kind})
+            self._unread.append((seg, marks))  # read on the GPU's timeline once its marks are reached
+            if ends_step:
+                self._read_timelines()
         self._samples = 0
         if kind == "optimizer":
             self.opt_steps += 1
             if self.opt_steps == 1:
                 self.steps = 0  # backward calls counted before an optimizer was known were not steps
+                for s in self.segments:  # and their windows were not the memory step's
+                    s.pop("memory", None)
+                if self.memory is not None and self.memory.counting:  # a whole accounting of micro-batches
+                    self.memory.abandon()  # (a CPU profiler started straight after this one stopped can crash torch)
+                    self.memory = None
+                    self.memory_result = {"skipped": "the loop's backward calls were counted as steps before its "
+                                                     "optimizer was seen"}
         if kind != self.step_source:
             return
         self.steps += 1
         if self.steps == 1 and self.cprofile is not None:
             self.cprofile.enable()  # hot spots of the steady loop, not of imports and set-up
         self._trace_tick()
+        self._memory_tick()  # after the trace's profiler stopped: a CPU's memory needs its own
         if self.max_steps is not None and self.steps >= self.max_steps:
             raise StopScript()
+
+    def _read_timelines(self) -> None:
+        """The phases of the segments whose marks the last sync reached, on the GPU's timeline."""
+        for seg, marks in self._unread:
+            seg["phases"] = timeline_phases(marks, lambda a, b: a.elapsed_time(b) / 1e3, seg["wall"])
+        self._unread.clear()
+
+    def _memory_tick(self) -> None:
+        """A step ended: the memory step's accounting ends, or begins (on a CPU: its profiler a step earlier)."""
+        if self.memory_from is None or self.memory_result is not None:
+            return
+        if self.memory is not None and self.steps == self.memory_step:
+            mem, self.memory = self.memory, None
+            try:
+                self.memory_result = mem.finish().to_dict()
+            except Exception as e:  # noqa: BLE001 - the memory figures must never cost the script or the report
+                mem.abandon()
+                self.memory_result = {"skipped": f"the memory accounting failed: {type(e).__name__}: {e}"}
+            self._run_peak = mem.run_peak
+            return
+        mem = self.memory
+        try:
+            if mem is None and self.steps == self.memory_from:
+                seen = (self.s["input"] or {}).get("device") or "cuda"
+                device = torch.device(seen if self._cuda_seen else "cpu")
+                self.memory_step = self.steps + (1 if device.type == "cuda" else 2)
+                mem = self.memory = StepMemory(self.model, self._optimizers, device, step=self.memory_step,
+                                               compiled=bool(self.s["compiled"]))
+                if device.type != "cuda":
+                    mem.prelude()
+                    return
+            if mem is not None and self.steps == (self.memory_step or 0) - 1:
+                mem.start(self.clock.current)
+        except Exception as e:  # noqa: BLE001 - the memory figures must never cost the script or the report
+            if mem is not None:
+                mem.abandon()
+            self.memory = None
+            self.memory_result = {"skipped": f"the memory accounting failed: {type(e).__name__}: {e}"}
 
     def _trace_tick(self) -> None:
         if not self.trace_path:
@@ -464,6 +561,19 @@ class Recorder:
 
     # ---------------------------------------------------------------- results
     def results(self) -> dict[str, Any]:
+        if self.memory is not None:  # the script ended before the memory step ended
+            self.memory.abandon()
+            self._run_peak, self.memory = self.memory.run_peak, None
+            during = self.steps >= (self.memory_step or 0) - 1
+            self.memory_result = {"skipped": f"the script ended during step {self.memory_step}, the one measured "
+                                             "for memory" if during else
+                                             f"memory is measured in step {self.memory_step}; the script ran {self.steps}"}
+        elif self.memory_from is not None and self.memory_result is None:
+            self.memory_result = {"skipped": f"memory is measured in step {self.memory_from + 1} on CUDA, "
+                                             f"{self.memory_from + 2} on a CPU; the script ran {self.steps}"}
+        if self._unread:  # segments after the last step's end (a backward without its optimizer step)
+            torch.cuda.synchronize()
+            self._read_timelines()
         if self._trace_prof is not None:
             try:
                 self._finish_trace()
@@ -472,6 +582,8 @@ class Recorder:
         if self._pending_eval_grad:
             self.s["eval_forwards_with_grad"] += 1
             self._pending_eval_grad = False
+        if self._softmax_fed:
+            self._loss_findings()
         s = dict(self.s)
         s.update(machine_settings())
         s["cudnn_benchmark"] = bool(torch.backends.cudnn.benchmark)
@@ -485,7 +597,9 @@ class Recorder:
             s["mixed_precision"] = {"name": "fp32", "reason": "capability unknown"}
         s["attention"] = self.attention.summary(measure=self.measure_attention)
         s["tokens"] = self._token_batches()
-        peak = PeakMemory("cuda" if self._cuda_seen else "cpu").peak()  # never reset: the script's whole run
+        peak = PeakMemory("cuda" if self._cuda_seen else "cpu").peak()  # the script's whole run ...
+        if peak is not None and self._run_peak is not None:  # ... with what the memory step's resets hid
+            peak = max(peak, self._run_peak)
         losses = [float(t.float()) for t in self.losses]
         return {"steps_run": self.steps, "windows": self.windows, "settings": s, "peak_memory_bytes": peak,
                 "losses": losses, "batch_prints": self.batch_prints, "batch_stats": self.batch_stats,
@@ -493,7 +607,7 @@ class Recorder:
                 "fix_notes": self.fix.notes if self.fix is not None else {},
                 "compile_window": self.fix.compile_window if self.fix is not None else None,
                 "script_s": time.perf_counter() - self.t_start, "trace": self.trace_path if self.trace_path
-                and os.path.exists(self.trace_path) else None}
+                and os.path.exists(self.trace_path) else None, "memory": self.memory_result}
 
     def _token_batches(self) -> dict[str, Any] | None:
         """The recorded training token batches: each row's real length and the padded length (from the
@@ -541,30 +655,43 @@ def timeline_phases(marks: list[tuple[Any, str | None]], seconds_between: Callab
 
 
 def _fingerprint(batch: Any) -> list[Any]:
-    """The integer tensors of a batch (labels, token ids) as lists, other tensors by shape: equal for the
-    same samples in the same order whatever random augmentation drew."""
+    """The integer tensors of a batch (labels, token ids), copied where they are (read after the run by
+    `_read_fingerprint`: no host sync in the loop), other tensors by shape: equal for the same samples in
+    the same order whatever random augmentation drew."""
     out: list[Any] = []
     for v in _items(batch):
         if isinstance(v, torch.Tensor):
-            if v.is_floating_point() or v.numel() > 4096:
-                out.append(list(v.shape))
-            else:
-                out.append(torch._C.TensorBase.tolist(torch._C.TensorBase.cpu(v)))  # unpatched: not a loop read
+            out.append(list(v.shape) if v.is_floating_point() or v.numel() > 4096 else v.detach().clone())
     return out
 
 
-def image_stats(batch: Any) -> dict[str, Any] | None:
-    """Per-image channel means and the per-channel pixel std of a batch's images (its first floating
-    4-D tensor): what `datafix.numerics` compares, since random crops never give the same pixels twice."""
+def _read_fingerprint(prints: list[Any]) -> list[Any]:
+    read = torch._C.TensorBase  # unpatched reads: doctor's own, not the loop's host syncs
+    return [read.tolist(read.cpu(v)) if isinstance(v, torch.Tensor) else v for v in prints]
+
+
+def image_moments(batch: Any) -> tuple[Any, Any] | None:
+    """(per-image channel means, per-channel pixel std) of a batch's images (its first floating 4-D
+    tensor), as tensors on its device: computed in the loop, read after it (`image_stats` reads them now)."""
     x = next((v for v in _items(batch) if isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point()), None)
     if x is None or x.shape[0] == 0:
         return None
     with torch.no_grad():
         x = x.detach().float()
-        means = x.mean(dim=(2, 3))
-        std = x.transpose(0, 1).reshape(x.shape[1], -1).std(dim=1)
+        return x.mean(dim=(2, 3)), x.transpose(0, 1).reshape(x.shape[1], -1).std(dim=1)
+
+
+def _read_moments(moments: tuple[Any, Any] | None) -> dict[str, Any] | None:
+    if moments is None:
+        return None
     read = torch._C.TensorBase  # unpatched reads: doctor's own, not the loop's host syncs
-    return {"means": read.tolist(read.cpu(means)), "std": read.tolist(read.cpu(std))}
+    return {"means": read.tolist(read.cpu(moments[0])), "std": read.tolist(read.cpu(moments[1]))}
+
+
+def image_stats(batch: Any) -> dict[str, Any] | None:
+    """Per-image channel means and the per-channel pixel std of a batch's images (its first floating
+    4-D tensor): what `datafix.numerics` compares, since random crops never give the same pixels twice."""
+    return _read_moments(image_moments(batch))
 
 
 def _items(batch: Any) -> Any:

@@ -27,14 +27,21 @@ from torchspeed.doctor.advice import SEVERITY_ORDER
 from torchspeed.measure import OthersLoad, Timing, busy_warning
 from torchspeed.tables import print_table
 
-__all__ = ["apply_measured", "launcher", "markdown_tried", "note_load", "print_tried", "step_times", "try_fixes"]
+__all__ = ["apply_measured", "launcher", "markdown_tried", "note_load", "print_tried", "step_times", "timed_windows",
+           "try_fixes"]
 
 
 def step_times(raw: dict[str, Any]) -> list[float]:
-    """The steady step times of one run: windows after the first (and after the step that compiled)."""
+    """The steady step times of one run: windows after the first (and after the step that compiled), but
+    the one measured for memory."""
     windows = raw.get("windows") or []
     skip = 1 if raw.get("compile_window") is None else raw["compile_window"] + 2
-    return [w["wall"] for w in windows[skip:]]
+    return [w["wall"] for w in windows[skip:] if not w.get("memory")]
+
+
+def timed_windows(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's step windows but the one measured for memory (its hooks were on: not a time figure)."""
+    return [w for w in raw.get("windows") or [] if not w.get("memory")]
 
 
 def _median(times: list[float]) -> float | None:
@@ -251,7 +258,7 @@ def _compile_cost(raws: list[dict[str, Any]], around: list[dict[str, Any]], base
     extra = []
     for raw in (r for r in raws if r.get("compile_window") is not None):
         n = raw["compile_window"] + 2
-        base = [sum(w["wall"] for w in r["windows"][:n]) for r in around if len(r.get("windows") or []) >= n]
+        base = [sum(w["wall"] for w in timed_windows(r)[:n]) for r in around if len(timed_windows(r)) >= n]
         if len(raw.get("windows") or []) >= n and base:
             extra.append(max(0.0, sum(w["wall"] for w in raw["windows"][:n]) - statistics.median(base)))
     if not extra:
@@ -376,6 +383,7 @@ def launcher(argv: list[str], env: dict[str, str], steps: int, timeout: float | 
         e[child_env.ENV_TRACE] = ""
         e[child_env.ENV_CPROFILE] = ""
         e[child_env.ENV_PROBE] = ""  # the attention was measured in the first run
+        e[child_env.ENV_MEMORY] = ""  # and the memory
         with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as log:
             status, raw = run_child(argv, e, timeout, log)
             if status not in (0, None) and raw.get("status") != "stopped":
