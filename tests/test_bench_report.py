@@ -182,6 +182,52 @@ def test_a_hung_suite_is_ended_and_reported(tmp_path, monkeypatch):
     assert orchestration.hang_timeout(60) > 60
 
 
+def test_a_suite_ends_with_the_bench_that_started_it(tmp_path):
+    """A `torchspeed bench` killed outright (SIGKILL: no handler runs) leaves no suite process behind holding the
+    cores: the suite, in its own session, ends its process group once its parent is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pkg = tmp_path / "orphans"
+    pkg.mkdir()
+    pid_file = tmp_path / "suite.pid"
+    (pkg / "ts_fake_long_suite.py").write_text(
+        "import os, time\nTITLE = 'long'\n\ndef run(quick, progress):\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n    time.sleep(600)\n")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from rich.console import Console; "
+         "from torchspeed.bench import orchestration as o; "
+         "o.run_in_child('data', 'ts_fake_long_suite', True, print, Console(quiet=True))"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")]))})
+    try:
+        deadline = time.monotonic() + 120  # a generous bound: a busy machine starts both processes slowly
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and parent.poll() is None, "the suite never started"
+            time.sleep(0.2)
+        suite_pid = int(pid_file.read_text())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                os.kill(suite_pid, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{suite_pid}/stat") as f:  # a zombie left for init to reap has ended too
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.2)
+        else:
+            os.kill(suite_pid, signal.SIGKILL)
+            raise AssertionError("the suite kept running after its parent was killed")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
 def test_ceilings_are_read_from_the_cache_in_quick_mode_unless_refreshed(tmp_path, monkeypatch):
     seen = {}
 

@@ -377,6 +377,20 @@ def _child_result(result_path: str, status: int, title: str) -> tuple[dict[str, 
     return result, payload.get("title") or title
 
 
+def _end_with_parent(parent: int, every_s: float = 1.0) -> threading.Thread:
+    """End this suite's process group (the suite and its loader workers) once `parent` is gone: the suite
+    runs in its own session, so a `torchspeed bench` ended by SIGTERM or SIGKILL would otherwise leave it
+    running, holding the cores."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="torchspeed-bench-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def child_main(argv: Sequence[str] | None = None) -> None:
     """The child side of `run_in_child`: argv is MODULE NAME RESULT_PATH quick|full [ENTRY] (default `run`)."""
     import faulthandler
@@ -384,6 +398,7 @@ def child_main(argv: Sequence[str] | None = None) -> None:
     if not faulthandler.is_enabled():
         faulthandler.enable()
     module_name, name, result_path, mode, *entry = list(argv if argv is not None else sys.argv[1:])
+    _end_with_parent(os.getppid())
 
     def progress(text: str) -> None:
         sys.stdout.write(_MARK + " ".join(str(text).split("\n")) + "\n")
