@@ -66,7 +66,10 @@ def test_train_suite_runs_every_stage_on_a_tiny_model(small_demo, monkeypatch):
     assert result["compile"] == {"tried": False, "reason": "not tried: quick mode budget"}
     assert "accelerate" in result and "early_stopping" in result and result["limits"][0]["goal"]
     assert "start" in result["phase_s"] and said[-1] == "done"
-    assert isinstance(result["trainer_overhead_pct"], float) and result["trainer_overhead"]["repeats"] == 3  # quick too
+    # a 4 s budget is spent before the Trainer-vs-hand-written comparison: quick mode leaves it to the full report
+    assert result["trainer_overhead_pct"] is None and result["trainer_overhead"] == {"tried": False,
+                                                                                      "reason": "quick mode budget"}
+    assert any(n.startswith("Trainer overhead vs a hand-written loop: not measured") for n in result["notes"])
     choice = result["loader_choice"]  # the fast pipeline's loader, chosen with the training step in the loop
     assert choice["table"] and choice["setting"] in rows["+ fast data pipeline"]["what"]
     assert all(r.get("others_cores", 0) >= 0 for r in rows.values()), [r.get("others_cores") for r in rows.values()]

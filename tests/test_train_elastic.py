@@ -179,7 +179,8 @@ def test_a_checkpoint_resumes_with_another_number_of_ranks(tmp_path):
     assert {e["step"] for e in ev if e["what"] == "done" and e["world"] == 2} == {16 + 8}
 
 
-@pytest.mark.parametrize("loader", ["DataLoader", "FastLoader"])
+# the DataLoader's run (17 s of torchrun launches) in the slow suite; FastLoader's, the harder case, in every run
+@pytest.mark.parametrize("loader", [pytest.param("DataLoader", marks=pytest.mark.slow), "FastLoader"])
 def test_an_epoch_begun_by_2_ranks_is_continued_by_1_then_2_reading_each_sample_once(tmp_path, loader):
     out, fast = tmp_path / "mid_epoch", ["--fast"] if loader == "FastLoader" else []
     _launch(out, "--max-steps", "5", *fast)  # 2 ranks: 5 of the 8 batches of epoch 1 each (80 of 128 samples)
@@ -194,6 +195,7 @@ def test_an_epoch_begun_by_2_ranks_is_continued_by_1_then_2_reading_each_sample_
     assert {e["step"] for e in ev if e["what"] == "done"} >= {5, 8, 10 + 8}
 
 
+@pytest.mark.slow  # 21 s of torchrun launches; DDP's resume with another number of ranks runs in every run
 def test_an_fsdp_checkpoint_is_resharded_for_another_number_of_ranks(tmp_path):
     out = tmp_path / "fsdp"
     _launch(out, "--strategy", "fsdp", "--max-steps", "8")  # epoch 1 of 2, sharded over 2 ranks

@@ -45,7 +45,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchspeed.measure import PeakMemory
 
-__all__ = ["SOURCES", "MemoryReading", "MemoryWatch", "peak_of", "held_bytes", "device_capacity", "format_bytes"]
+__all__ = ["SOURCES", "MemoryReading", "MemoryWatch", "peak_of", "held_bytes", "device_capacity", "format_bytes",
+           "kineto_quiet"]
 
 CUDA_ALLOCATOR = "cuda allocator"
 CPU_ALLOCATOR = "cpu allocator (profiler)"
@@ -172,7 +173,7 @@ def _rss_now() -> int | None:
 
 
 @contextlib.contextmanager
-def _kineto_quiet() -> Iterator[None]:
+def kineto_quiet() -> Iterator[None]:
     """KINETO_LOG_LEVEL above Kineto's loudest (its start/stop lines) while the profiler starts, unless the
     user set it; put back as found after."""
     if "KINETO_LOG_LEVEL" in os.environ:
@@ -237,7 +238,7 @@ class MemoryWatch:
         if self.source == CPU_ALLOCATOR:
             self._start = held_bytes(self.held, device=self.device)
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with _kineto_quiet():
+            with kineto_quiet():
                 self._prof.__enter__()
             return self
         if self.source == PROCESS_RSS:
@@ -248,7 +249,7 @@ class MemoryWatch:
 
     def __exit__(self, *exc: Any) -> None:
         if self.source == CPU_ALLOCATOR:
-            with _kineto_quiet():
+            with kineto_quiet():
                 self._prof.__exit__(*exc)
             if exc[0] is None:
                 self.reading = self._cpu_reading()

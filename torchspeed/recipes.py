@@ -7,7 +7,9 @@ sharded per rank, SGD with Nesterov momentum at a learning rate scaled to the gl
 (0.1 x batch x processes / 256 unless given), a cosine schedule over the run, label-smoothed
 cross-entropy, EarlyStopping on val_loss, checkpoints in OUT/checkpoints (two kept) and metrics in
 OUT/metrics.csv; then OUT/model.pt (the whole weights, gathered from every rank under FSDP) and
-OUT/summary.json. It runs unchanged under torchrun.
+OUT/summary.json. It runs unchanged under torchrun. With a memory budget the batch is planned first
+(`train.memory_plan.plan_batch` on a batch of the loader's shape): the loaders give micro-batches that fit
+and the Trainer accumulates gradients over them, so each optimizer step still takes `batch_size` samples.
 
 OUT is claimed through `torchspeed.outputs` before any data is read: it is new or torchspeed's own,
 so a file of the user's there is never replaced; `resume` continues only a run OUT holds a checkpoint of.
@@ -30,7 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchspeed import ranks
-from torchspeed.args import positive_number, progress_fn
+from torchspeed.args import byte_size, positive_number, progress_fn
 from torchspeed.atomic import write_json
 from torchspeed.data import fast_loader, train_val_split
 from torchspeed.models import build, is_factory_spec, load_weights
@@ -40,7 +42,9 @@ from torchspeed.train import distributed
 from torchspeed.train.acceleration import AccelerateOptions, AccelerateResult
 from torchspeed.train.callbacks import Checkpoint, EarlyStopping
 from torchspeed.train.checkpoint import RUN_FILE, holds_run, read_run, resumable, write_torch_file
+from torchspeed.train.checkpointing import checkpoint_blocks
 from torchspeed.train.loader_choice import LoaderStepResult
+from torchspeed.train.memory_plan import MemoryPlanResult, plan_batch
 from torchspeed.train.trainer import Trainer
 
 __all__ = ["ClassifierOptions", "ClassifierResult", "ClassifierRun", "prepare_classifier", "train_classifier"]
@@ -49,6 +53,7 @@ Counts = int | str | list[int]  # "auto", a number, or counts to measure (fast_l
 
 CHECKPOINTS = "checkpoints"
 WRITES = ("model.pt", "summary.json", "metrics.csv")  # OUT's files besides its checkpoints/
+PLAN_EXAMPLE = 32  # the most samples in the memory plan's example batch (its probes take a quarter and a half)
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,9 @@ class ClassifierOptions:
     `resume` continues the run in `out` (True or "last": refused when it holds no checkpoint of its run;
     "auto": continued when it does, else a new run: what a job restarted by torchrun or a scheduler
     wants), `overwrite` starts a new one there (replacing what an earlier run wrote: its checkpoints,
-    weights, summary and metrics; never a file torchspeed did not write)."""
+    weights, summary and metrics; never a file torchspeed did not write). `memory_budget` (bytes or
+    "8GiB"): the micro-batch and gradient accumulation planned to fit it, `batch_size` kept as the
+    samples of one optimizer step."""
 
     epochs: int
     batch_size: int = 64
@@ -83,6 +90,7 @@ class ClassifierOptions:
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
     weights: str | None = None
     refresh: bool = False
+    memory_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.epochs, int) or self.epochs < 1:
@@ -93,6 +101,8 @@ class ClassifierOptions:
             raise ValueError(f"resume must be False, True, 'last' or 'auto', got {self.resume!r}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out and --overwrite deletes it: give one of them")
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", byte_size(self.memory_budget, "--memory-budget"))
         self.accelerate_options()  # precision, channels_last, compile and strategy are checked there
 
     def accelerate_options(self) -> AccelerateOptions:
@@ -118,6 +128,7 @@ class ClassifierResult:
     run_id: str | None
     weights: str | None = None      # OUT/model.pt, written by rank 0 (None on the other ranks)
     loader: LoaderStepResult | None = None  # the training loader's setting chosen with the step in the loop
+    memory_plan: MemoryPlanResult | None = None  # with a memory budget: the micro-batch and accumulation
 
     def to_dict(self) -> dict[str, Any]:
         """summary.json: the metrics at the top level (their final "lr" over the peak one)."""
@@ -125,6 +136,7 @@ class ClassifierResult:
              "lr": self.lr, "batch_size": self.batch_size, **self.metrics, "early_stopping": self.early_stopping,
              "accelerate": self.report.to_dict() if self.report is not None else None,
              "loader": self.loader.to_dict() if self.loader is not None else None,
+             "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
              "checkpoint": self.checkpoint, "run_id": self.run_id}
         if self.weights is not None:
             d["weights"] = self.weights
@@ -151,6 +163,7 @@ class ClassifierRun:
     device: torch.device
     output: OutputDir | None = None  # OUT, claimed by rank 0 (None on the other ranks)
     loader_choice: LoaderStepResult | None = None  # the training loader's setting, chosen with the step
+    memory_plan: MemoryPlanResult | None = None  # with a memory budget: the loaders' micro-batch, the accumulation
 
     @property
     def is_main(self) -> bool:
@@ -162,6 +175,19 @@ class ClassifierRun:
         """One line: what is trained on what, where (`torchspeed train` prints it before training)."""
         return (f"training {self.model_name} on {self.train_samples} images ({len(self.classes)} classes), "
                 f"validating on {self.val_samples}; {self.world_size} process(es), device {self.device}")
+
+    @property
+    def memory_line(self) -> str | None:
+        """With a memory budget, one line: the plan, and that each optimizer step takes exactly the batch
+        size asked for (`torchspeed train` prints it before training); None without one."""
+        plan = self.memory_plan
+        if plan is None:
+            return None
+        steps = "1 micro-batch" if plan.accumulation == 1 else f"{plan.accumulation} micro-batches accumulated"
+        how = (f"measured {plan.measured}" if plan.probes else
+               "planned by an earlier run on this machine (--refresh plans again)")
+        return (f"memory plan: {plan.describe()}; each optimizer step takes {steps}, exactly --batch-size "
+                f"{plan.effective_batch} samples per process; {how}")
 
     def fit(self) -> ClassifierResult:
         """Train; then rank 0 writes OUT/model.pt and OUT/summary.json (every rank takes part in
@@ -179,7 +205,7 @@ class ClassifierRun:
             early_stopping={"stopped": metrics["stopped_early"], "best_val_loss": stopper.best,
                             "reason": stopper.reason},
             report=self.trainer.report, checkpoint=self.checkpoints.last(), run_id=self.trainer.run_id,
-            loader=self.loader_choice)
+            loader=self.loader_choice, memory_plan=self.memory_plan)
         weights = _full_state_dict(self.trainer.module)  # collective under FSDP: every rank takes part
         if self.is_main:
             result.weights = os.path.join(os.fspath(o.out), "model.pt")
@@ -205,7 +231,11 @@ def prepare_classifier(data: str | os.PathLike, model: str | nn.Module, options:
     measured fastest alone and the less parallel ones below it, each feeding a few real steps,
     interleaved; the model, optimizer and RNG are put back as they were; under torchrun rank 0's
     choice is every rank's), so the loader's threads do not compete with the step's for the cores;
-    the choice is remembered like accelerate's.
+    the choice is remembered like accelerate's. With `options.memory_budget` the batch is planned after
+    the model is built and before the loaders are (`plan_batch` on a batch of the loaders' shape, the
+    effective batch `batch_size`; under torchrun every rank takes the smallest micro-batch): the loaders
+    give `plan.micro_batch` samples, the Trainer accumulates `plan.accumulation` of them, and the blocks the
+    plan checkpoints are checkpointed.
     `progress` is the Trainer's (True: a progress bar and a summary table)."""
     data = os.fspath(data)
     if not os.path.exists(data) and not is_factory_spec(data.strip()):
@@ -237,19 +267,23 @@ def _prepared(data: str, model: str | nn.Module, options: ClassifierOptions, pro
     if len(classes) < 2:
         raise ValueError(f"{data!r} has {len(classes)} class(es); classification needs at least 2")
     net = _build_model(model, len(classes), options)
-    train, val = _loaders(train_src, val_src, device, options)
     lr = options.lr or 0.1 * options.batch_size * denv.world_size / 256
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5, nesterov=True)
+    plan = _memory_plan(net, opt, len(classes), device, options, progress if denv.is_main else False)
+    micro, accumulation = (plan.micro_batch, plan.accumulation) if plan is not None else (options.batch_size, 1)
+    train, val = _loaders(train_src, val_src, device, options, micro)
     stopper = EarlyStopping("val_loss", patience=options.patience)
     checkpoints = Checkpoint(ckdir, keep_last=2, overwrite=options.overwrite)
-    trainer = _trainer(net, lr, len(train), len(classes), options, [stopper, checkpoints], progress)
-    train = trainer.choose_loader(train, options.max_steps or max(1, len(train) * options.epochs))
+    steps_per_epoch = -(-len(train) // accumulation)  # optimizer steps: an epoch's last group may be short
+    trainer = _trainer(net, opt, steps_per_epoch, len(classes), options, [stopper, checkpoints], progress, plan)
+    train = trainer.choose_loader(train, options.max_steps or max(1, steps_per_epoch * options.epochs))
     choice = trainer.loader_choice
     return ClassifierRun(
         options=options, data=os.path.abspath(data) if os.path.exists(data) else data,
         model_name=model if isinstance(model, str) else type(model).__name__, classes=classes,
         train_samples=len(train_src), val_samples=len(val_src), train_loader=train, val_loader=val, trainer=trainer,
         early_stopping=stopper, checkpoints=checkpoints, lr=lr, world_size=denv.world_size, device=device,
-        output=output, loader_choice=choice)
+        output=output, loader_choice=choice, memory_plan=plan)
 
 
 def train_classifier(
@@ -276,6 +310,7 @@ def train_classifier(
     model_kwargs: Mapping[str, Any] | None = None,
     weights: str | None = None,
     refresh: bool = False,
+    memory_budget: int | str | None = None,
     progress: bool | Callable[[str], Any] = True,
 ) -> ClassifierResult:
     """Train an image classifier on `data` end to end and write OUT/model.pt and OUT/summary.json.
@@ -289,11 +324,13 @@ def train_classifier(
         epochs=epochs, batch_size=batch_size, lr=lr, crop=crop, val_fraction=val_fraction, patience=patience,
         precision=precision, channels_last=channels_last, compile=compile, strategy=strategy, num_workers=num_workers,
         threads=threads, max_steps=max_steps, seed=seed, out=out, resume=resume, overwrite=overwrite,
-        model_kwargs=dict(model_kwargs or {}), weights=weights, refresh=refresh)
+        model_kwargs=dict(model_kwargs or {}), weights=weights, refresh=refresh, memory_budget=memory_budget)
     say = progress_fn(progress)
     run = prepare_classifier(data, model, options, progress=progress)
     if run.is_main:
         say(run.description)
+        if run.memory_line:
+            say(run.memory_line)
     return run.fit()
 
 
@@ -382,13 +419,36 @@ def _build_model(model: str | nn.Module, num_classes: int, options: ClassifierOp
     return build(model, weights=options.weights, model_kwargs=options.model_kwargs, num_classes=num_classes)
 
 
-def _loaders(train_src: Any, val_src: Any, device: torch.device, options: ClassifierOptions) -> tuple[Any, Any]:
-    """The training and validation FastLoaders; validation uses the counts given, else the main process
-    (its batches are few)."""
+def _memory_plan(model: nn.Module, optimizer: torch.optim.Optimizer, classes: int, device: torch.device,
+                 options: ClassifierOptions, progress: bool | Callable[[str], Any]) -> MemoryPlanResult | None:
+    """With a memory budget, the micro-batch and accumulation whose step fits it (`plan_batch`), probed on a
+    batch of the loaders' shape (images at the crop, labels of the classes: a step's memory depends on the
+    shapes, not the pixels) of at most `PLAN_EXAMPLE` samples, so a batch size that does not fit is never
+    run whole; the blocks the plan checkpoints are checkpointed in `model`. None without a budget."""
     o = options
-    train = fast_loader(train_src, o.batch_size, train=True, crop=o.crop, device=device, num_workers=o.num_workers,
+    if o.memory_budget is None:
+        return None
+    model.to(device)
+    n = max(2, min(o.batch_size, PLAN_EXAMPLE))
+    g = torch.Generator().manual_seed(o.seed)
+    example = (torch.randn(n, 3, o.crop, o.crop, generator=g), torch.randint(0, classes, (n,), generator=g))
+    precision = o.precision if o.precision != "auto" else "fp32"  # fp32 plans the most memory
+    plan = plan_batch(model, optimizer, example, budget=o.memory_budget, effective_batch=o.batch_size,
+                      loss_fn=_ClassLoss(classes), device=device, precision=precision, refresh=o.refresh,
+                      progress=progress)
+    if plan.checkpointed:
+        checkpoint_blocks(model, names=plan.checkpointed_names)
+    return plan
+
+
+def _loaders(train_src: Any, val_src: Any, device: torch.device, options: ClassifierOptions,
+             batch: int) -> tuple[Any, Any]:
+    """The training and validation FastLoaders at `batch` samples (the micro-batch under a memory budget);
+    validation uses the counts given, else the main process (its batches are few)."""
+    o = options
+    train = fast_loader(train_src, batch, train=True, crop=o.crop, device=device, num_workers=o.num_workers,
                         threads=o.threads, seed=o.seed, refresh=o.refresh)
-    val = fast_loader(val_src, o.batch_size, train=False, crop=o.crop, device=device,
+    val = fast_loader(val_src, batch, train=False, crop=o.crop, device=device,
                       num_workers=o.num_workers if isinstance(o.num_workers, int) else 0,
                       threads=o.threads if isinstance(o.threads, int) else 1, seed=o.seed)
     return train, val
@@ -411,17 +471,19 @@ class _ClassLoss(nn.CrossEntropyLoss):
         return super().forward(logits, target)
 
 
-def _trainer(model: nn.Module, lr: float, batches_per_epoch: int, classes: int, options: ClassifierOptions,
-             callbacks: list[Any], progress: bool | Callable[[str], Any]) -> Trainer:
-    """SGD with Nesterov momentum at `lr`, cosine-annealed to 0 over the run, label-smoothed cross-entropy."""
+def _trainer(model: nn.Module, opt: torch.optim.Optimizer, steps_per_epoch: int, classes: int,
+             options: ClassifierOptions, callbacks: list[Any], progress: bool | Callable[[str], Any],
+             plan: MemoryPlanResult | None = None) -> Trainer:
+    """`opt` (SGD with Nesterov momentum) cosine-annealed to 0 over the run's optimizer steps,
+    label-smoothed cross-entropy; with a memory plan, its accumulation of micro-batches a step."""
     o = options
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-5, nesterov=True)
-    total = o.max_steps or max(1, batches_per_epoch * o.epochs)
+    total = o.max_steps or max(1, steps_per_epoch * o.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     return Trainer(model, opt, _ClassLoss(classes), precision=o.precision,
                    channels_last=o.channels_last, compile=o.compile,
                    strategy=None if o.strategy == "none" else o.strategy, accelerate_kwargs={"refresh": o.refresh},
-                   scheduler=sched, callbacks=callbacks,
+                   scheduler=sched, callbacks=callbacks, grad_accum_steps=plan.accumulation if plan is not None else 1,
+                   memory_plan=plan,
                    log_path=os.path.join(os.fspath(o.out), "metrics.csv"), progress=progress)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from torchspeed.args import byte_size
 from torchspeed.cli import UserError, add_json_option, add_model_options, fraction, positive_float, positive_int
 from torchspeed.cli.data import counts
 
@@ -14,6 +15,14 @@ def _on_off_auto(text: str) -> bool | str:
     if v in ("auto", "on", "off", "true", "false"):
         return "auto" if v == "auto" else v in ("on", "true")
     raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
+
+
+def _memory_size(text: str) -> int:
+    """argparse type: a memory size (8GiB, 500MB, a number of bytes), one line naming the flag otherwise."""
+    try:
+        return byte_size(text, "--memory-budget")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default="auto", choices=("auto", "ddp", "fsdp", "none"),
                    help="under torchrun: ddp (auto) or fsdp")
     p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="per-process batch size (default 64)")
+    p.add_argument("--memory-budget", type=_memory_size, default=None, metavar="SIZE",
+                   help="memory a training step may use on this process's device, e.g. 8GiB or 500MB: the "
+                        "micro-batch that fits is planned from measured probe steps and gradients are "
+                        "accumulated so that each optimizer step still takes --batch-size samples")
     p.add_argument("--lr", type=positive_float(None), default=None, metavar="LR", help="peak learning rate of SGD+momentum, cosine schedule "
                                                           "(default 0.1 x batch/256 x processes)")
     p.add_argument("--crop", type=positive_int, default=224, metavar="N", help="training crop side (default 224)")
@@ -66,6 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
 
     from torchspeed.atomic import write_json
@@ -78,13 +92,18 @@ def run(args: argparse.Namespace) -> int:
         patience=args.patience, precision=args.precision, channels_last=args.channels_last, compile=args.compile,
         strategy=args.strategy, num_workers=args.num_workers, threads=args.threads, max_steps=args.max_steps,
         seed=args.seed, out=args.out, resume=args.resume, overwrite=args.overwrite,
-        model_kwargs=parse_kwargs(args.model_kwargs), weights=args.weights, refresh=args.refresh)
+        model_kwargs=parse_kwargs(args.model_kwargs), weights=args.weights, refresh=args.refresh,
+        memory_budget=args.memory_budget)
     training = prepare_classifier(args.data, args.model, options, progress=not args.no_progress)
     if training.is_main:
         console.print(training.description)
+        if training.memory_line:
+            console.print(training.memory_line)
     try:
         result = training.fit()
     except FloatingPointError as e:  # NaN/inf loss: one clear line, not a traceback
+        raise UserError(str(e)) from None
+    except torch.OutOfMemoryError as e:  # the Trainer's line: the phase and the planner's suggestion
         raise UserError(str(e)) from None
     if training.is_main:
         console.print(str(result.report))

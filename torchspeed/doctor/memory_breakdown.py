@@ -30,11 +30,9 @@ the hooks stand aside while it traces) and where the script installs saved-tenso
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +41,7 @@ from torch import nn
 
 from torchspeed.doctor.phases import EXTRA_PHASES, PHASES
 from torchspeed.measure import PeakMemory
-from torchspeed.memory import CPU_ALLOCATOR, CUDA_ALLOCATOR, PROCESS_RSS, MemoryWatch, held_bytes
+from torchspeed.memory import CPU_ALLOCATOR, CUDA_ALLOCATOR, PROCESS_RSS, MemoryWatch, held_bytes, kineto_quiet
 
 __all__ = ["PARTS", "MemoryBreakdown", "StepMemory", "state_bytes"]
 
@@ -193,7 +191,7 @@ class _Allocator:
         self.source = CPU_ALLOCATOR
         self.start_bytes = held_bytes(held, device=device)
         self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        with _kineto_quiet():
+        with kineto_quiet():
             self.prof.__enter__()
 
     def span(self, index: int) -> None:
@@ -219,7 +217,7 @@ class _Allocator:
             self.run_peak = max(self.run_peak, *self.spans)
             return self.spans, 0
         if self.prof is not None:
-            with _kineto_quiet():
+            with kineto_quiet():
                 self.prof.__exit__(None, None, None)
             return self._span_peaks(count), self.start_bytes
         assert self.watch is not None
@@ -253,20 +251,6 @@ class _Allocator:
                 if current is not None:
                     peaks[current] = max(peaks[current], level)
         return peaks
-
-
-@contextlib.contextmanager
-def _kineto_quiet() -> Iterator[None]:
-    """Kineto (the profiler's engine) prints a line at every start and stop unless KINETO_LOG_LEVEL says
-    otherwise: set above its loudest while it starts and stops, unless the user set it; put back after."""
-    if "KINETO_LOG_LEVEL" in os.environ:
-        yield
-        return
-    os.environ["KINETO_LOG_LEVEL"] = "6"
-    try:
-        yield
-    finally:
-        os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
 class StepMemory:

@@ -6,7 +6,9 @@ the loss backpropagated); the step settings remembered for this machine, model, 
 (`remembered`), else measured by `trials` and remembered; every rank takes rank 0's; the strategy's
 wrapper and the optimizer's implementation (`strategy`), then the compile kept (whole, or the repeated
 blocks in place: `compiling`); then a loader whose counts were measured alone has them chosen again with
-the prepared step in the loop (`loader_choice`). Each setting's outcome is one INFO line on this module's
+the prepared step in the loop (`loader_choice`). Under DDP the whole-model compile is of the model
+DDP wraps (as torch's documentation advises), so the graph the compile trial compiled is the one that
+trains: compiled once, not again around the wrapper. Each setting's outcome is one INFO line on this module's
 logger; a step that is a guess (`StepCall.doubt`) one WARNING. The names that moved to `choices`,
 `prepared` and the modules beside it are re-exported here where they are public, so imports from this
 module keep working.
@@ -24,6 +26,7 @@ from torchspeed import measure, ranks, remembered
 from torchspeed.args import progress_fn
 from torchspeed.batches import BatchFormat, batch_size
 from torchspeed.runtime import ensure_cublas_workspace, resolve_device
+from torchspeed.train.checkpointing import checkpoint_blocks
 from torchspeed.train.choices import DECIDED, AccelerateOptions, AccelerateResult, TrialRow
 from torchspeed.train.compile_choice import Horizon, horizon_of
 from torchspeed.train.compiling import compile_regions, compiled_regions, decompile_regions
@@ -88,7 +91,8 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     `memory_budget` (bytes or "8GiB"): before the trials, the micro-batch and gradient accumulation whose
     step fits it are planned on the example batch (`plan_batch`, the example's size the effective batch;
     `report.memory_plan`), and the trials run on the micro-batch; train with batches of
-    `report.memory_plan.micro_batch` and `accumulation` of them per optimizer step.
+    `report.memory_plan.micro_batch` and `accumulation` of them per optimizer step. The blocks the plan
+    checkpoints (`report.memory_plan.checkpointed_names`) are checkpointed in the model.
     """
     if isinstance(loader, str):
         raise TypeError(f"accelerate()'s third argument is the training loader, got the string {loader!r}; pass "
@@ -146,12 +150,15 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
         decompile_regions(model)
     if report.compile_mode == "regional" and not compiled_regions(model):
         compile_regions(model)  # before the wrapper: DDP / FSDP run the compiled blocks
-    wrapped = wrap_for_strategy(model, optimizer, strategy, options, report, dev, timer=timer)
+    runs = model  # what the wrapper runs: under DDP the whole model compiled, the trial's compile reused
+    if report.compile_mode == "whole" and strategy == "ddp":
+        runs = compiled if compiled is not None and not regional_here else torch.compile(model)
+    wrapped = wrap_for_strategy(model, optimizer, strategy, options, report, dev, timer=timer, runs=runs)
     if optimizer is not None and options.fused_optimizer:
         report.optimizer = choose_optimizer_implementation(optimizer, dev, dtensor=strategy == "fsdp")
         report.candidates.append(TrialRow("optimizer", report.optimizer,
                                           decision="preferred (one kernel over all parameters)"))
-    if report.compile_mode == "whole":
+    if report.compile_mode == "whole" and strategy != "ddp":
         kept = compiled is not None and not regional_here and wrapped is model
         wrapped = compiled if kept else torch.compile(wrapped)
     if memory is None:  # a remembered decision said its one line
@@ -172,7 +179,8 @@ def accelerate_with(options: AccelerateOptions, model: nn.Module, optimizer: tor
 def _plan_memory(options: AccelerateOptions, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  example_batch: Any, loader: Any, loss_fn: Any, fmt: BatchFormat, dev: torch.device,
                  report: AccelerateResult, progress: bool | Callable[[str], Any]) -> Any:
-    """The memory plan (in `report.memory_plan`), and the example batch cut to its micro-batch for the trials."""
+    """The memory plan (in `report.memory_plan`; the blocks it checkpoints checkpointed in `model`), and the
+    example batch cut to its micro-batch for the trials."""
     if example_batch is None:
         example_batch = example_batch_of(loader) if loader is not None else None
     if example_batch is None:
@@ -182,6 +190,8 @@ def _plan_memory(options: AccelerateOptions, model: nn.Module, optimizer: torch.
     plan = plan_batch(model, optimizer, example_batch, budget=options.memory_budget, loss_fn=loss_fn,
                       batch_format=fmt, device=dev, precision=precision, refresh=options.refresh, progress=progress)
     report.memory_plan = plan
+    if plan.checkpointed:
+        checkpoint_blocks(model, names=plan.checkpointed_names)
     return slice_batch(example_batch, plan.micro_batch) if plan.micro_batch < batch_size(
         fmt.split(example_batch)[0]) else example_batch
 

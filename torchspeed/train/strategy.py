@@ -120,15 +120,18 @@ WRAPPERS: dict[str, Callable[..., tuple[nn.Module, str]]] = {"ddp": _ddp, "fsdp"
 
 def wrap_for_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: str | None,
                       options: AccelerateOptions, report: AccelerateResult, dev: torch.device,
-                      timer: StepTimer | None = None) -> nn.Module:
+                      timer: StepTimer | None = None, runs: nn.Module | None = None) -> nn.Module:
     """The model wrapped for the strategy to be used (`resolve_strategy`) at the chosen precision, with
     its row (or the reason the strategy asked for is not used). `timer`: the trials' step, probed once
-    under DDP for parameters without a gradient (`unused_parameters`)."""
+    under DDP for parameters without a gradient (`unused_parameters`). `runs`: what DDP wraps and runs
+    in `model`'s place (the model compiled, its parameters the model's; default the model); FSDP shards
+    `model` itself."""
     if strategy in WRAPPERS:
         unused = None
         if strategy == "ddp" and timer is not None:
             unused = unused_parameters(model, timer, report.precision, report.channels_last)
-        wrapped, why = WRAPPERS[strategy](model, optimizer, dev, report.precision, ranks.env().world_size, unused)
+        target = runs if strategy == "ddp" and runs is not None else model
+        wrapped, why = WRAPPERS[strategy](target, optimizer, dev, report.precision, ranks.env().world_size, unused)
         report.candidates.append(TrialRow("strategy", strategy, decision=why))
         return wrapped
     if "strategy" in options.untried:

@@ -32,7 +32,7 @@ TITLE = "Compression: pruning + fine-tune, knowledge distillation (CPU, at the d
 
 # (quick, full)
 PRUNE_RATIO = 0.5
-FINETUNE_STEPS = (120, 150)
+FINETUNE_STEPS = (80, 150)
 KD_STEPS = (40, 150)
 KD_SEEDS = (2, 3)
 KD_MIN_STEPS = 10

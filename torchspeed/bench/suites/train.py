@@ -477,7 +477,7 @@ class _TrainSuite:
         for f in (feed, above_feed):
             f.stream.close()  # a pass of each loader at a time: the re-measure starts fresh ones
         quiet = wait_for_quiet_machine(max_s=3.0)
-        steps, rounds = 2, 3  # single steps vary too much on a loaded machine to name a cause
+        steps, rounds = 2, 2 if self.quick else 3  # single steps vary too much on a loaded machine to name a cause
         feeds = {"above": above_feed, "this": feed}
         fed, others = time_fed_steps({k: (f.stream.loader, f.step) for k, f in feeds.items()}, steps=steps,
                                      rounds=rounds, device=self.device)
@@ -726,8 +726,16 @@ class _TrainSuite:
         from torchspeed.measure import busy_warning, compare
         from torchspeed.train import Trainer
 
-        self.say("Trainer overhead vs a hand-written loop (interleaved)")
         batches, prec = self.batches, self.auto_prec
+        repeats = 3 if self.quick else self.repeats
+        step_s = max(r.first_call_s or 0.0 for r in self.rows) / self.k  # about one step (the slowest first call)
+        if self.quick and not self.budget.allows((1 + repeats) * 2 * len(batches) * step_s):
+            self.windows.finish("overhead")
+            self.results["trainer_overhead"] = {"tried": False, "reason": "quick mode budget"}
+            self.notes.append("Trainer overhead vs a hand-written loop: not measured (--quick, its budget spent; "
+                              "the full report measures it)")
+            return
+        self.say("Trainer overhead vs a hand-written loop (interleaved)")
         mh, _ = self.fresh(channels_last=True)
         oh = torch.optim.SGD(mh.parameters(), lr=0.05, momentum=0.9, fused=True)
         hand = _hand_loop(_hand_step(mh, oh, prec, True), _Stream(batches).next, len(batches))
@@ -738,7 +746,6 @@ class _TrainSuite:
         def trainer_list() -> None:
             tr2.fit(batches, epochs=10**9, max_steps=tr2.global_step + len(batches))
 
-        repeats = 3 if self.quick else self.repeats
         cmp = compare({"hand-written loop": hand, "Trainer": trainer_list}, warmup=1, repeats=repeats,
                       cooldown_s=0.1, device=self.device, items=len(batches) * BATCH)
         self.windows.finish("overhead")
