@@ -180,7 +180,13 @@ x, y = torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 3, (64,), gener
 model = net()
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 # each rank its own budget: rank 1's fits fewer samples, and every rank must take its micro-batch
-plan = plan_batch(model, opt, (x[:8], y[:8]), budget=budgets[rank], effective_batch=8, device="cpu")
+try:
+    plan = plan_batch(model, opt, (x[:8], y[:8]), budget=budgets[rank], effective_batch=8, device="cpu")
+except ValueError as e:  # a budget that fits nothing: every rank must say so, none may wait for the others
+    with open(os.path.join(out, f"error_{rank}.txt"), "w") as f:
+        f.write(str(e))
+    dist.destroy_process_group()
+    sys.exit(0)
 data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=plan.micro_batch)
 tr = Trainer(model, opt, nn.functional.cross_entropy, precision="fp32", channels_last=False, compile=False,
              strategy="ddp", device="cpu", grad_accum_steps=plan.accumulation, memory_plan=plan, progress=False)
@@ -211,3 +217,21 @@ def test_every_rank_takes_the_smallest_micro_batch_under_torchrun(tmp_path):
     assert any("every rank takes micro-batch 2" in n for n in r0["notes"])  # rank 0 alone would have taken 8
     # 64 samples a rank, DDP's sampler halves them: 16 micro-batches of 2 a rank, in groups of 4
     assert r0["strategy"] == "ddp" and r0["step"] == r1["step"] == 4
+
+
+def test_a_rank_whose_budget_fits_nothing_stops_every_rank_with_one_line(tmp_path):
+    """Under torchrun a rank whose budget fits nothing raises its one line, and the ranks that did plan raise
+    one naming it, instead of waiting for it in the agreement on the micro-batch."""
+    script = tmp_path / "plan_ranks.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(tmp_path), str(_budget_for(8.5, 8)), "1000"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    e0, e1 = ((tmp_path / f"error_{r}.txt").read_text() for r in (0, 1))
+    assert e0.startswith("rank 1 could not plan a micro-batch") and "\n" not in e0
+    assert "memory budget" in e1 and "\n" not in e1 and not (tmp_path / "plan_0.json").exists()

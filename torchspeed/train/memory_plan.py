@@ -280,6 +280,16 @@ def _largest_fit(predict: Callable[[int], float], usable: float, effective: int)
     return max(fits) if fits else None
 
 
+def _first_failed_rank(failed_here: bool) -> int | None:
+    """Under torchrun, the lowest rank whose plan failed (None: every rank planned), agreed by all ranks."""
+    if not ranks.active():
+        return None
+    world = dist.get_world_size()
+    t = torch.tensor([dist.get_rank() if failed_here else world], dtype=torch.int64, device=ranks.comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item()) if int(t.item()) < world else None
+
+
 def _agree_smallest(micro: int) -> int:
     """Under torchrun, the smallest micro-batch any rank planned (every rank's is a divisor of the effective
     batch, so the smallest is too)."""
@@ -320,37 +330,53 @@ def plan_batch(model: nn.Module, optimizer: torch.optim.Optimizer | None, exampl
     if checkpointing not in ("auto", True, False):
         raise ValueError(f"checkpointing must be 'auto', True or False, got {checkpointing!r}")
     dev = resolve_device(device)
-    capacity, called = device_capacity(dev)
-    if capacity is not None and budget_bytes > capacity:
-        raise ValueError(f"memory budget {format_bytes(budget_bytes)} is more than this {dev.type}'s {called} "
-                         f"({format_bytes(capacity)}): give at most {format_bytes(capacity)}")
-    fmt = BatchFormat.of(batch_format)
-    inputs, _ = fmt.split(example_batch)
-    n = batch_size(inputs)
-    effective = n if effective_batch is None else effective_batch
-    if not (type(effective) is int and effective >= 1):
-        raise ValueError(f"effective_batch = {effective_batch!r}: the samples of one optimizer step, a positive int")
-    if n < 2:
-        raise ValueError("the example batch has 1 sample: the planner needs at least 2 to see how memory grows "
-                         "with the batch; give a batch of the loader's size")
-    on = {p.device.type for p in model.parameters()}
-    if on and on != {dev.type}:
-        raise ValueError(f"the model is on {', '.join(sorted(on))} and the plan is for {dev}: move it first "
-                         f"(model.to({str(dev)!r}))")
-    usable = budget_bytes * (1 - margin)
-    parts = {"model": remembered.model_fingerprint(model), "batch": remembered.shapes_of(example_batch),
-             "optimizer": None if optimizer is None else type(optimizer).__qualname__, "budget": budget_bytes,
-             "margin": margin, "effective_batch": effective, "precision": precision, "device": dev.type,
-             "checkpointing": str(checkpointing), "world_size": ranks.env().world_size}
 
-    def measure_plan() -> MemoryPlanResult:
-        with trial_state_kept(model, optimizer):
-            prober = _Prober(model, optimizer, example_batch, fmt, loss_fn, dev, precision)
-            return _plan(prober, n, effective, budget_bytes, usable, margin, checkpointing, say)
+    def here() -> tuple[MemoryPlanResult, Any, int]:
+        """This rank's plan (what it checks and measures may differ from another rank's)."""
+        capacity, called = device_capacity(dev)
+        if capacity is not None and budget_bytes > capacity:
+            raise ValueError(f"memory budget {format_bytes(budget_bytes)} is more than this {dev.type}'s {called} "
+                             f"({format_bytes(capacity)}): give at most {format_bytes(capacity)}")
+        fmt = BatchFormat.of(batch_format)
+        inputs, _ = fmt.split(example_batch)
+        n = batch_size(inputs)
+        effective = n if effective_batch is None else effective_batch
+        if not (type(effective) is int and effective >= 1):
+            raise ValueError(f"effective_batch = {effective_batch!r}: the samples of one optimizer step, a positive int")
+        if n < 2:
+            raise ValueError("the example batch has 1 sample: the planner needs at least 2 to see how memory grows "
+                             "with the batch; give a batch of the loader's size")
+        on = {p.device.type for p in model.parameters()}
+        if on and on != {dev.type}:
+            raise ValueError(f"the model is on {', '.join(sorted(on))} and the plan is for {dev}: move it first "
+                             f"(model.to({str(dev)!r}))")
+        usable = budget_bytes * (1 - margin)
+        parts = {"model": remembered.model_fingerprint(model), "batch": remembered.shapes_of(example_batch),
+                 "optimizer": None if optimizer is None else type(optimizer).__qualname__, "budget": budget_bytes,
+                 "margin": margin, "effective_batch": effective, "precision": precision, "device": dev.type,
+                 "checkpointing": str(checkpointing), "world_size": ranks.env().world_size}
 
-    plan, memory = remembered.recall_or_measure(
-        "memory_plan", parts, measure_plan, decode=_decode, encode=lambda p: (p.to_dict(), p.describe()),
-        refresh=refresh, what=f"memory plan on {dev}", logger=log)
+        def measure_plan() -> MemoryPlanResult:
+            with trial_state_kept(model, optimizer):
+                prober = _Prober(model, optimizer, example_batch, fmt, loss_fn, dev, precision)
+                return _plan(prober, n, effective, budget_bytes, usable, margin, checkpointing, say)
+
+        plan, memory = remembered.recall_or_measure(
+            "memory_plan", parts, measure_plan, decode=_decode, encode=lambda p: (p.to_dict(), p.describe()),
+            refresh=refresh, what=f"memory plan on {dev}", logger=log)
+        return plan, memory, effective
+
+    failure: ValueError | None = None
+    try:
+        plan, memory, effective = here()
+    except ValueError as e:  # nothing fits here: every rank must hear it, or the others wait in the agreement
+        failure = e
+    failed = _first_failed_rank(failure is not None)
+    if failure is not None:
+        raise failure
+    if failed is not None:
+        raise ValueError(f"rank {failed} could not plan a micro-batch (its own error says why: e.g. a budget that "
+                         "fits nothing there), so no rank trains on a plan: fix that rank's budget or batch")
     if memory is not None:
         plan.remembered = memory.describe()
         say(f"memory plan: {memory.describe()}")
