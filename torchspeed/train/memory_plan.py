@@ -308,9 +308,9 @@ def plan_batch(model: nn.Module, optimizer: torch.optim.Optimizer | None, exampl
                refresh: bool = False, progress: bool | Callable[[str], Any] = False) -> MemoryPlanResult:
     """The micro-batch and gradient accumulation whose training step fits `budget` (bytes, or "8GiB",
     "500MB") less `margin` with `micro_batch * accumulation == effective_batch` exactly (default: the
-    example batch's size; per process under torchrun), predicted from at most 3 probe steps of the loop's
-    own step on slices of `example_batch` (see the module docstring); the model, optimizer and RNG are
-    left as found. `checkpointing`: "auto" (blocks checkpointed where one sample does not fit, and timed
+    example batch's size; per process under torchrun), predicted from 3 probe steps of the loop's own step
+    on slices of `example_batch` (see the module docstring; a 4th, every block checkpointed, where
+    checkpointing is weighed); the model, optimizer and RNG are left as found. `checkpointing`: "auto" (blocks checkpointed where one sample does not fit, and timed
     against accumulation where the model repeats blocks), True (always considered), False (never).
     `precision`: the autocast the step runs at (fp32 plans the most memory). `progress`: a line per probe.
 
