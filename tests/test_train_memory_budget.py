@@ -4,6 +4,7 @@ its own micro-batches; an out-of-memory error in training names its phase and th
 under torchrun (2 ranks, gloo) every rank takes the smallest micro-batch."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -235,3 +236,59 @@ def test_a_rank_whose_budget_fits_nothing_stops_every_rank_with_one_line(tmp_pat
     e0, e1 = ((tmp_path / f"error_{r}.txt").read_text() for r in (0, 1))
     assert e0.startswith("rank 1 could not plan a micro-batch") and "\n" not in e0
     assert "memory budget" in e1 and "\n" not in e1 and not (tmp_path / "plan_0.json").exists()
+
+
+SHARDED = r"""
+import os, sys
+import torch
+from torch import nn
+import torch.distributed as dist
+from torchspeed.train import plan_batch
+from torchspeed.train.memory_plan import NothingFits
+
+out, budget = sys.argv[1], int(sys.argv[2])
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+# 8 x 4 MiB of weights: with their gradients and AdamW's state about 134 MB a process, 67 MB sharded over 2
+model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())], nn.Linear(1024, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x, y = torch.randn(8, 1024), torch.randint(0, 4, (8,))
+before = {k: v.clone() for k, v in model.state_dict().items()}
+try:
+    plan_batch(model, opt, (x, y), budget=budget, effective_batch=8, device="cpu", checkpointing=False)
+    msg = "planned"
+except NothingFits as e:
+    msg = str(e)
+same = all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not opt.state
+with open(os.path.join(out, f"sharded_{rank}.txt"), "w") as f:
+    f.write(f"{msg}\n{same}\n")
+dist.destroy_process_group()
+"""
+
+
+def test_where_no_rank_fits_one_sample_sharding_is_measured(tmp_path):
+    """Under torchrun, when one sample fits no rank, the model sharded over the ranks (FSDP, on a copy) is
+    probed and timed: every rank's one line says which micro-batch fits sharded and at what measured speed,
+    and the caller's model and optimizer are left as found."""
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(tmp_path), str(100_000_000)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [(tmp_path / f"sharded_{r}.txt").read_text().splitlines() for r in (0, 1)]
+    fits = []
+    for msg, same in lines:
+        assert msg.startswith("memory budget 95.4 MiB") and "too small for even one sample" in msg, msg
+        found = re.search(r"measured instead: sharded over 2 ranks \(FSDP, strategy='fsdp'\) micro-batch (\d+) "
+                          r"fits: [\d.]+ MiB a rank predicted from probes at 2 and 4 samples .*, [\d.]+ ms a sample "
+                          r"measured$", msg)
+        assert found, msg
+        fits.append(int(found.group(1)))
+        assert same == "True"
+    assert fits[0] == fits[1] and 8 % fits[0] == 0  # every rank the same divisor of the effective batch

@@ -97,9 +97,10 @@ def _tensors(obj: Any, seen: set[int]) -> Iterator[torch.Tensor]:
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        yield obj
+        local = getattr(obj, "_local_tensor", None)  # a sharded (DTensor) parameter holds its local shard
+        yield local if isinstance(local, torch.Tensor) else obj
         if obj.is_leaf and obj.grad is not None:
-            yield obj.grad
+            yield from _tensors(obj.grad, seen)
     elif isinstance(obj, nn.Module):
         for t in (*obj.parameters(), *obj.buffers()):
             yield from _tensors(t, seen)

@@ -18,11 +18,17 @@ blocks are checkpointed (`checkpointing`): one more probe with every block check
 block saves per sample; the configurations that fit (a larger micro-batch with k blocks checkpointed, a
 smaller one with more accumulation) are timed per sample and the fastest kept, remembered like the other
 measured decisions (`remembered.recall_or_measure`). Where nothing fits on one process, sharding (FSDP)
-is named with its predicted share. Under torchrun every rank plans and all take the smallest micro-batch.
+is named with its predicted share; under torchrun, where nothing fits any rank, a sharded copy is probed
+and timed. Under torchrun every rank plans and all take the smallest micro-batch.
+
+One concept: a step's memory predicted and the batch planned from it; it stays whole because the probes,
+the line, the checkpointing and sharding alternatives and the ranks' agreement are one chain of decisions.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -42,11 +48,16 @@ from torchspeed.train.checkpointing import blocks_checkpointed, repeated_blocks
 from torchspeed.train.mixed_precision import autocast_for
 from torchspeed.train.step_call import StepCall
 from torchspeed.train.step_timer import trial_state_kept
+from torchspeed.train.strategy import fsdp_wrap
 
 __all__ = ["plan_batch", "MemoryPlanResult", "ProbeRow", "PlanRow", "LINEAR_TOLERANCE", "oom_message",
            "is_out_of_memory", "slice_batch"]
 
 log = logging.getLogger(__name__)
+
+class NothingFits(ValueError):
+    """No micro-batch fits the budget on this process (even with every repeated block checkpointed)."""
+
 
 LINEAR_TOLERANCE = 0.10  # the third probe's peak this far off the line: memory does not grow linearly
 
@@ -290,6 +301,59 @@ def _first_failed_rank(failed_here: bool) -> int | None:
     return int(t.item()) if int(t.item()) < world else None
 
 
+def _every_rank(flag: bool) -> bool:
+    """Under torchrun, whether `flag` holds on every rank (False without a process group)."""
+    if not ranks.active():
+        return False
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=ranks.comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _sharded_fit(model: nn.Module, optimizer: torch.optim.Optimizer | None, example_batch: Any,
+                 batch_format: BatchFormat | dict | None, loss_fn: Callable[..., torch.Tensor] | None,
+                 dev: torch.device, precision: str, usable: float, effective_batch: int | None,
+                 say: Callable[[str], Any]) -> str:
+    """Where no rank fits one sample alone: the model sharded over the ranks (FSDP2, a copy; the caller's
+    model is left alone) probed as the plan probes, the largest micro-batch every rank fits, and its step
+    timed: one line saying what fits at what measured speed, or that sharding does not fit either.
+    Every rank runs the same probes and steps (their collectives must match)."""
+    world = dist.get_world_size()
+    fmt = BatchFormat.of(batch_format)
+    n = batch_size(fmt.split(example_batch)[0])
+    effective = n if effective_batch is None else effective_batch
+    say(f"memory plan: nothing fits one rank; probing the model sharded over {world} ranks (FSDP)")
+    shard = fsdp_wrap(copy.deepcopy(model), precision)
+    opt = None if optimizer is None else _same_kind(optimizer, shard.parameters())
+    with trial_state_kept(shard, opt):
+        prober = _Prober(shard, opt, example_batch, fmt, loss_fn, dev, precision)
+        b1, b2 = max(1, n // 4), max(2, n // 2)  # as the plan's own probes
+        b1 = min(b1, b2 - 1)
+        p1, p2 = prober.probe(b1), prober.probe(b2)
+        if p1 is None or p2 is None:
+            return f"sharded over {world} ranks (FSDP) {b1 if p1 is None else b2} samples ran out of memory too"
+        fit = _lines(b1, p1, b2, p2)
+
+        def predict(micro: int) -> float:
+            return max(ln.at(micro) for phase, ln in fit.items() if phase != "step")
+
+        micro = _agree_smallest(_largest_fit(predict, usable, effective) or 0)
+        if micro < 1:
+            return (f"sharded over {world} ranks (FSDP) one sample needs {format_bytes(predict(1))} a rank "
+                    f"(measured, {prober.source}): more than the budget too")
+        c = measure.compare({"fsdp": prober.step(micro)}, warmup=1, repeats=3, device=dev)
+    per_sample = c["fsdp"].median_s / micro
+    return (f"sharded over {world} ranks (FSDP, strategy='fsdp') micro-batch {micro} fits: "
+            f"{format_bytes(predict(micro))} a rank predicted from probes at {b1} and {b2} samples ({prober.source}), "
+            f"{per_sample * 1e3:.1f} ms a sample measured")
+
+
+def _same_kind(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
+    """An optimizer of `optimizer`'s class and settings over `params` (the settings its constructor takes)."""
+    takes = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(params, **{k: v for k, v in optimizer.defaults.items() if k in takes})
+
+
 def _agree_smallest(micro: int) -> int:
     """Under torchrun, the smallest micro-batch any rank planned (every rank's is a divisor of the effective
     batch, so the smallest is too)."""
@@ -372,6 +436,10 @@ def plan_batch(model: nn.Module, optimizer: torch.optim.Optimizer | None, exampl
     except ValueError as e:  # nothing fits here: every rank must hear it, or the others wait in the agreement
         failure = e
     failed = _first_failed_rank(failure is not None)
+    if _every_rank(isinstance(failure, NothingFits)) and dist.get_world_size() > 1:
+        sharded = _sharded_fit(model, optimizer, example_batch, batch_format, loss_fn, dev, precision,
+                               budget_bytes * (1 - margin), effective_batch, say)
+        raise NothingFits(f"{failure}; measured instead: {sharded}") from None
     if failure is not None:
         raise failure
     if failed is not None:
@@ -461,7 +529,7 @@ def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, m
         _with_checkpointing(prober, plan, blocks, b2, p2, predict, usable, say)
     elif micro is None:
         plan.probes = prober.rows
-        raise ValueError(_nothing_fits(plan, prober, blocks, checkpointing))
+        raise NothingFits(_nothing_fits(plan, prober, blocks, checkpointing))
     plan.probes = prober.rows
     if plan.micro_batch < effective and not plan.checkpointed:
         plan.notes.append(f"micro-batch {plan.micro_batch} divides the effective batch {effective} "
@@ -511,7 +579,7 @@ def _with_checkpointing(prober: _Prober, plan: MemoryPlanResult, blocks: list[st
     probed = prober.probe(probe_at, k_all)
     if probed is None:
         plan.probes = prober.rows
-        raise ValueError(_nothing_fits(plan, prober, blocks, True))
+        raise NothingFits(_nothing_fits(plan, prober, blocks, True))
     saved = max(0.0, (plain[_FB] - probed[_FB]) / probe_at / k_all)  # bytes a checkpointed block saves a sample
     say(f"memory plan: every block checkpointed saves {format_bytes(saved * k_all)} per sample")
     effective = plan.effective_batch
@@ -522,7 +590,7 @@ def _with_checkpointing(prober: _Prober, plan: MemoryPlanResult, blocks: list[st
             configs[micro] = k
     if not configs:
         plan.probes = prober.rows
-        raise ValueError(_nothing_fits(plan, prober, blocks, True))
+        raise NothingFits(_nothing_fits(plan, prober, blocks, True))
     rows = [PlanRow(m, effective // m, k, int(predict(m, k * saved))) for m, k in sorted(configs.items())]
     if len(rows) > 1:
         _time_configs(prober, rows)
