@@ -310,18 +310,14 @@ def _every_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _sharded_fit(model: nn.Module, optimizer: torch.optim.Optimizer | None, example_batch: Any,
-                 batch_format: BatchFormat | dict | None, loss_fn: Callable[..., torch.Tensor] | None,
-                 dev: torch.device, precision: str, usable: float, effective_batch: int | None,
-                 say: Callable[[str], Any]) -> str:
+def _sharded_fit(model: nn.Module, optimizer: torch.optim.Optimizer | None, example_batch: Any, fmt: BatchFormat,
+                 n: int, effective: int, loss_fn: Callable[..., torch.Tensor] | None, dev: torch.device,
+                 precision: str, usable: float, say: Callable[[str], Any]) -> str:
     """Where no rank fits one sample alone: the model sharded over the ranks (FSDP2, a copy; the caller's
     model is left alone) probed as the plan probes, the largest micro-batch every rank fits, and its step
     timed: one line saying what fits at what measured speed, or that sharding does not fit either.
     Every rank runs the same probes and steps (their collectives must match)."""
     world = dist.get_world_size()
-    fmt = BatchFormat.of(batch_format)
-    n = batch_size(fmt.split(example_batch)[0])
-    effective = n if effective_batch is None else effective_batch
     say(f"memory plan: nothing fits one rank; probing the model sharded over {world} ranks (FSDP)")
     shard = fsdp_wrap(copy.deepcopy(model), precision)
     opt = None if optimizer is None else _same_kind(optimizer, shard.parameters())
@@ -394,17 +390,16 @@ def plan_batch(model: nn.Module, optimizer: torch.optim.Optimizer | None, exampl
     if checkpointing not in ("auto", True, False):
         raise ValueError(f"checkpointing must be 'auto', True or False, got {checkpointing!r}")
     dev = resolve_device(device)
+    fmt = BatchFormat.of(batch_format)
+    n = batch_size(fmt.split(example_batch)[0])
+    effective = n if effective_batch is None else effective_batch
 
-    def here() -> tuple[MemoryPlanResult, Any, int]:
+    def here() -> tuple[MemoryPlanResult, Any]:
         """This rank's plan (what it checks and measures may differ from another rank's)."""
         capacity, called = device_capacity(dev)
         if capacity is not None and budget_bytes > capacity:
             raise ValueError(f"memory budget {format_bytes(budget_bytes)} is more than this {dev.type}'s {called} "
                              f"({format_bytes(capacity)}): give at most {format_bytes(capacity)}")
-        fmt = BatchFormat.of(batch_format)
-        inputs, _ = fmt.split(example_batch)
-        n = batch_size(inputs)
-        effective = n if effective_batch is None else effective_batch
         if not (type(effective) is int and effective >= 1):
             raise ValueError(f"effective_batch = {effective_batch!r}: the samples of one optimizer step, a positive int")
         if n < 2:
@@ -428,17 +423,17 @@ def plan_batch(model: nn.Module, optimizer: torch.optim.Optimizer | None, exampl
         plan, memory = remembered.recall_or_measure(
             "memory_plan", parts, measure_plan, decode=_decode, encode=lambda p: (p.to_dict(), p.describe()),
             refresh=refresh, what=f"memory plan on {dev}", logger=log)
-        return plan, memory, effective
+        return plan, memory
 
     failure: ValueError | None = None
     try:
-        plan, memory, effective = here()
+        plan, memory = here()
     except ValueError as e:  # nothing fits here: every rank must hear it, or the others wait in the agreement
         failure = e
     failed = _first_failed_rank(failure is not None)
     if _every_rank(isinstance(failure, NothingFits)) and dist.get_world_size() > 1:
-        sharded = _sharded_fit(model, optimizer, example_batch, batch_format, loss_fn, dev, precision,
-                               budget_bytes * (1 - margin), effective_batch, say)
+        sharded = _sharded_fit(model, optimizer, example_batch, fmt, n, effective, loss_fn, dev, precision,
+                               budget_bytes * (1 - margin), say)
         raise NothingFits(f"{failure}; measured instead: {sharded}") from None
     if failure is not None:
         raise failure
