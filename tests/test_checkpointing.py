@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from torchspeed.bench.gpt_model import GPT, GPTConfig, random_tokens
-from torchspeed.memory import peak_of
+from torchspeed.memory import MemoryWatch, peak_of
 from torchspeed.train.checkpointing import (
+    SavedByBlock,
     blocks_checkpointed,
     checkpoint_blocks,
     checkpointed_blocks,
+    repeated_blocks,
     uncheckpoint_blocks,
 )
 
@@ -70,3 +72,44 @@ def test_bad_requests_are_one_clear_error():
         checkpoint_blocks(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="has 3 repeated blocks"):
         checkpoint_blocks(GPT(CFG), 5)
+
+
+def _backward_peak(model, x, y, k):
+    """The peak of a forward and backward with the first k blocks checkpointed, as the allocator saw it."""
+    with blocks_checkpointed(model, k):
+        watch = MemoryWatch("cpu", held=(model, x, y))
+        with watch:
+            model(x, y)[1].backward()
+    model.zero_grad(set_to_none=True)
+    return watch.reading.peak_bytes
+
+
+def test_what_checkpointing_frees_is_counted_in_an_ordinary_step():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = random_tokens(16, CFG)
+    blocks = repeated_blocks(model)
+    with SavedByBlock(model, blocks) as saved:
+        plain = model(x, y)[1]
+        plain.backward()
+    counted_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    assert all(saved.freed(k) < saved.freed(k + 1) for k in range(len(blocks)))
+    assert saved.freed(0) == 0
+    peaks = [_backward_peak(model, x, y, k) for k in range(len(blocks) + 1)]
+    last = len(blocks)
+    for k in range(1, last):  # the peak falls by what was counted, within 5%
+        assert abs((peaks[0] - peaks[k]) - saved.freed(k)) <= 0.05 * saved.freed(k), (k, peaks, saved.freed(k))
+    # the last block checkpointed runs again where the peak is (the backward's start): less is freed
+    assert saved.freed(last - 1) < peaks[0] - peaks[last] <= 1.05 * saved.freed(last)
+    for a, b in zip(counted_grads, _grads(model, x, y)):  # counting changed nothing computed
+        torch.testing.assert_close(a, b)
+
+
+def test_counting_leaves_the_model_without_hooks():
+    model = GPT(CFG)
+    x, y = random_tokens(2, CFG)
+    with SavedByBlock(model, repeated_blocks(model)):
+        model(x, y)[1].backward()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

@@ -10,6 +10,7 @@ from torch import nn
 from torchspeed.args import byte_size
 from torchspeed.bench.gpt_model import GPT, GPTConfig, random_tokens
 from torchspeed.memory import MemoryWatch, device_capacity
+from torchspeed.train.checkpointing import SavedByBlock, blocks_checkpointed
 from torchspeed.train.memory_plan import oom_message, plan_batch, slice_batch
 
 
@@ -117,17 +118,41 @@ def test_the_chosen_micro_batch_stays_under_the_budget_for_a_thousand_steps():
     assert plan.micro_batch * plan.accumulation == 64
 
 
+def _checkpointed_peak(model, optimizer, batch, micro, checkpointed):
+    with blocks_checkpointed(model, checkpointed):
+        return _measured_peak(model, optimizer, batch, micro, _xy_step)
+
+
 def test_checkpointing_is_measured_against_accumulation_and_remembered(caplog):
     model, opt, batch = _gpt()
     free = plan_batch(model, opt, batch, budget="1GiB", effective_batch=32, checkpointing=False)
     budget = int((free.fixed_bytes + free.per_sample_bytes * 10) / 0.9)
     plan = plan_batch(model, opt, batch, budget=budget, effective_batch=32, checkpointing=True, refresh=True)
+    assert len(plan.probes) <= 3 and plan.probes[-1].checkpointed == plan.checkpointed
     assert len(plan.table) >= 2 and sum(r.decision == "kept" for r in plan.table) == 1
     kept = next(r for r in plan.table if r.decision == "kept")
     assert (plan.micro_batch, plan.checkpointed) == (kept.micro_batch, kept.checkpointed)
     assert all(r.micro_batch * r.accumulation == 32 and r.sample_s > 0 for r in plan.table)
+    measured = _checkpointed_peak(model, opt, batch, plan.micro_batch, plan.checkpointed)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.1 * measured
+    assert measured <= budget
     again = plan_batch(model, opt, batch, budget=budget, effective_batch=32, checkpointing=True)
     assert again.remembered and not again.probes and again.micro_batch == plan.micro_batch
+
+
+def test_where_checkpointing_frees_less_than_counted_the_third_probe_corrects_the_plan(monkeypatch, caplog):
+    model, opt, batch = _gpt()
+    free = plan_batch(model, opt, batch, budget="1GiB", effective_batch=32, checkpointing=False)
+    budget = int((free.fixed_bytes + free.per_sample_bytes * 6) / 0.9)  # 4 fits plain, 8 only checkpointed
+    counted = SavedByBlock.freed
+    monkeypatch.setattr(SavedByBlock, "freed", lambda self, k: 3 * counted(self, k))  # counts three times too much
+    with caplog.at_level("WARNING", logger="torchspeed"):
+        plan = plan_batch(model, opt, batch, budget=budget, effective_batch=32, checkpointing=True, refresh=True)
+    assert len(plan.probes) == 3 and plan.probes[-1].checkpointed > 0
+    assert plan.probes[-1].peak_bytes > 1.1 * plan.probes[-1].predicted_bytes
+    assert any("checkpointing is taken to free" in n for n in plan.notes) and plan.linear
+    measured = _checkpointed_peak(model, opt, batch, plan.micro_batch, plan.checkpointed)
+    assert measured <= budget * 0.9 and plan.micro_batch * plan.accumulation == 32
 
 
 def test_a_budget_larger_than_the_device_is_one_line():

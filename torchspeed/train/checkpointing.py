@@ -10,10 +10,15 @@ state_dict keys unchanged; a deep copy checkpoints its own blocks), and `uncheck
 block runs as it did. Blocks are found as regional compilation finds them (`compiling.repeated_blocks`)
 and taken in module order (a CNN's first blocks hold its largest activations). A block with BatchNorm
 updates its running statistics again when its forward is re-run in the backward pass.
+
+What checkpointing would free is counted in an ordinary step (`SavedByBlock`), so the memory planner needs
+no probe step of its own to weigh it.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from torchspeed.train.compiling import repeated_blocks
 
 __all__ = ["checkpoint_blocks", "uncheckpoint_blocks", "checkpointed_blocks", "blocks_checkpointed",
-           "repeated_blocks"]
+           "repeated_blocks", "SavedByBlock"]
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -85,3 +90,76 @@ def blocks_checkpointed(model: nn.Module, count: int | None = None) -> Iterator[
         uncheckpoint_blocks(model)
         if before:
             checkpoint_blocks(model, names=before)
+
+
+def _storage(t: torch.Tensor) -> tuple[tuple[str, int], int] | None:
+    """((device, address), bytes) of a tensor's storage; None for one without (meta, some subclasses)."""
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None if s.device.type == "meta" or s.nbytes() == 0 else ((str(s.device), s.data_ptr()), s.nbytes())
+
+
+class SavedByBlock:
+    """What checkpointing the first k `blocks` would free, counted in one ordinary step run inside it
+    (`with SavedByBlock(model, blocks) as saved: step()`, then `saved.freed(k)`): every storage autograd
+    saves for backward (a `saved_tensors_hooks` pair whose pack returns the tensor detached, so nothing
+    computed changes) by the blocks whose forwards saved it, and each block's tensor inputs, which a
+    checkpointed block keeps for its rerun. The model's parameters and buffers are not activations.
+
+    A storage is freed by checkpointing blocks C when only blocks in C saved it and no block in C keeps it
+    as its input; an input nothing saved is held by the checkpoint where it would have been freed. Not
+    counted: a checkpointed block's rerun during backward, which holds that block's activations again for a
+    while; it reaches the step's peak where the block nearest the output is checkpointed (the backward
+    starts there), so the planner checks the sum with a probe step."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[str]):
+        self.model, self.blocks = model, list(blocks)
+        self.sizes: dict[tuple[str, int], int] = {}
+        self.savers: dict[tuple[str, int], set[int]] = {}  # storage -> blocks that saved it (-1: outside any)
+        self.inputs: list[set[tuple[str, int]]] = [set() for _ in self.blocks]
+        self._own: set[tuple[str, int]] = set()
+        self._running: list[int] = []
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> SavedByBlock:
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        self._own = {found[0] for found in map(_storage, tensors) if found is not None}
+        for i, name in enumerate(self.blocks):
+            block = self.model.get_submodule(name)
+            self._stack.callback(block.register_forward_pre_hook(functools.partial(self._enter_block, i),
+                                                                  with_kwargs=True).remove)
+            self._stack.callback(block.register_forward_hook(self._leave_block, always_call=True).remove)
+        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def _enter_block(self, index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._running.append(index)
+        for t in itertools.chain(args, kwargs.values()):
+            found = _storage(t) if isinstance(t, torch.Tensor) else None
+            if found is not None and found[0] not in self._own:
+                self.inputs[index].add(found[0])
+                self.sizes[found[0]] = found[1]
+
+    def _leave_block(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._running:
+            self._running.pop()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        found = _storage(t)
+        if found is not None and found[0] not in self._own:
+            self.sizes[found[0]] = found[1]
+            self.savers.setdefault(found[0], set()).add(self._running[-1] if self._running else -1)
+        return t.detach()
+
+    def freed(self, k: int) -> int:
+        """Bytes the counted step held for backward that it would not with the first `k` blocks checkpointed
+        (negative where the inputs kept outweigh what is freed)."""
+        chosen = set(range(k))
+        kept = set().union(*self.inputs[:k])
+        freed = sum(self.sizes[s] for s, by in self.savers.items() if by <= chosen and s not in kept)
+        return freed - sum(self.sizes[s] for s in kept if s not in self.savers)

@@ -14,12 +14,15 @@ is read from the allocator (`torchspeed.memory`: CUDA's, or the CPU's through th
 probe is undone (`trial_state_kept`).
 
 Where even one sample does not fit, or where the model repeats blocks and the plain plan needs accumulation,
-blocks are checkpointed (`checkpointing`): one more probe with every block checkpointed gives the bytes a
-block saves per sample; the configurations that fit (a larger micro-batch with k blocks checkpointed, a
-smaller one with more accumulation) are timed per sample and the fastest kept, remembered like the other
-measured decisions (`remembered.recall_or_measure`). Where nothing fits on one process, sharding (FSDP)
-is named with its predicted share; under torchrun, where nothing fits any rank, a sharded copy is probed
-and timed. Under torchrun every rank plans and all take the smallest micro-batch.
+blocks are checkpointed (`checkpointing`): the second probe also counts the bytes each block saves for
+backward (`SavedByBlock`), which gives what checkpointing the first k blocks frees per sample without a
+probe of its own; the configurations that fit (a larger micro-batch with k blocks checkpointed, a smaller
+one with more accumulation) are timed per sample, the fastest is kept, and the third probe runs that
+configuration and checks the prediction (where it measures otherwise, checkpointing is taken to free the
+share of the counted bytes it measured, and the choice is made again); the plan is remembered like the other measured
+decisions (`remembered.recall_or_measure`). Where nothing fits on one process, sharding (FSDP) is named
+with its predicted share; under torchrun, where nothing fits any rank, a sharded copy is probed and
+timed. Under torchrun every rank plans and all take the smallest micro-batch.
 
 One concept: a step's memory predicted and the batch planned from it; it stays whole because the probes,
 the line, the checkpointing and sharding alternatives and the ranks' agreement are one chain of decisions.
@@ -44,7 +47,7 @@ from torchspeed.args import byte_size, progress_fn
 from torchspeed.batches import BatchFormat, batch_size, map_tensors, to_device
 from torchspeed.memory import MemoryWatch, device_capacity, format_bytes, held_bytes
 from torchspeed.runtime import FLOAT_PRECISIONS, resolve_device
-from torchspeed.train.checkpointing import blocks_checkpointed, repeated_blocks
+from torchspeed.train.checkpointing import SavedByBlock, blocks_checkpointed, repeated_blocks
 from torchspeed.train.mixed_precision import autocast_for
 from torchspeed.train.step_call import StepCall
 from torchspeed.train.step_timer import trial_state_kept
@@ -231,17 +234,19 @@ class _Prober:
         run.inputs = (x, y)  # type: ignore[attr-defined]
         return run
 
-    def probe(self, micro: int, checkpointed: int = 0, predicted: float | None = None) -> dict[str, int] | None:
+    def probe(self, micro: int, checkpointed: int = 0, predicted: float | None = None,
+              counting: SavedByBlock | None = None) -> dict[str, int] | None:
         """The measured peak of each phase of one step at `micro` with the first `checkpointed` blocks
-        checkpointed (the step's peak is the highest of them); None when it ran out of memory (the planner
-        never asks for more than it predicts to fit)."""
+        checkpointed (the step's peak is the highest of them), the bytes each block saves for backward
+        counted in it by `counting`; None when it ran out of memory (the planner never asks for more than
+        it predicts to fit)."""
         phases: dict[str, int] | None
         state = self._state_bytes()
         try:
             with blocks_checkpointed(self.model, checkpointed):
                 run = self.step(micro)
                 watch = MemoryWatch(self.device, held=(self.model, self.optimizer, run.inputs))
-                with watch:
+                with watch, counting or contextlib.nullcontext():
                     run(watch)
                 del run
             assert watch.reading is not None
@@ -368,9 +373,9 @@ def plan_batch(model: nn.Module, optimizer: torch.optim.Optimizer | None, exampl
                refresh: bool = False, progress: bool | Callable[[str], Any] = False) -> MemoryPlanResult:
     """The micro-batch and gradient accumulation whose training step fits `budget` (bytes, or "8GiB",
     "500MB") less `margin` with `micro_batch * accumulation == effective_batch` exactly (default: the
-    example batch's size; per process under torchrun), predicted from 3 probe steps of the loop's own step
-    on slices of `example_batch` (see the module docstring; a 4th, every block checkpointed, where
-    checkpointing is weighed); the model, optimizer and RNG are left as found. `checkpointing`: "auto" (blocks checkpointed where one sample does not fit, and timed
+    example batch's size; per process under torchrun), predicted from at most 3 probe steps of the loop's
+    own step on slices of `example_batch` (see the module docstring); the model, optimizer and RNG are left
+    as found. `checkpointing`: "auto" (blocks checkpointed where one sample does not fit, and timed
     against accumulation where the model repeats blocks), True (always considered), False (never).
     `precision`: the autocast the step runs at (fp32 plans the most memory). `progress`: a line per probe.
 
@@ -475,61 +480,93 @@ def _lines(b1: int, p1: dict[str, int], b2: int, p2: dict[str, int]) -> dict[str
 
 def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, margin: float,
           checkpointing: bool | str, say: Callable[[str], Any]) -> MemoryPlanResult:
-    """Probe, fit a line per phase (a step's peak is the highest phase's), choose (see the module docstring)."""
+    """Probe, fit a line per phase (a step's peak is the highest phase's), choose, check the choice with the
+    third probe (see the module docstring)."""
     b1, b2 = max(1, n // 4), max(2, n // 2)
     if b2 <= b1:
         b1 = b2 - 1
+    blocks = repeated_blocks(prober.model) if checkpointing is not False else []
+    saved = SavedByBlock(prober.model, blocks) if blocks else None
     p1 = prober.probe(b1)
-    p2 = prober.probe(b2) if p1 is not None else None
-    blocks = repeated_blocks(prober.model)
+    p2 = prober.probe(b2, counting=saved) if p1 is not None else None
     if p1 is None or p2 is None:
         raise ValueError(f"the training step ran out of memory at micro-batch {b1 if p1 is None else b2} before any "
                          "plan: give a smaller example batch (the planner probes a quarter and half of it)")
     fits = [_lines(b1, p1, b2, p2)]
+    share = [1.0]  # of the bytes `saved` counted, the share checkpointing frees as the third probe measured it
 
-    def predict(micro: int, saved: float = 0.0) -> float:  # saved: activation bytes per sample not held
-        return max(ln.at(micro) - (saved * micro if phase == _FB else 0.0)
+    def predict(micro: int, checkpointed: int = 0) -> float:
+        freed = saved.freed(checkpointed) * share[0] * micro / b2 if saved is not None and checkpointed else 0.0
+        return max(ln.at(micro) - (freed if phase == _FB else 0.0)
                    for fit in fits for phase, ln in fit.items() if phase != "step")
 
     say(f"memory plan: probes {b1} -> {format_bytes(p1['step'])}, {b2} -> {format_bytes(p2['step'])} "
         f"({prober.source}); {format_bytes(fits[0][_FB].per_sample)} per sample")
-    notes: list[str] = []
     micro = _largest_fit(predict, usable, effective)
-    third = _third_probe(micro, b1, b2, predict, usable)
-    if third is not None:
-        expected = predict(third)
-        p3 = prober.probe(third, predicted=expected)
-        if p3 is None or abs(p3["step"] - expected) > LINEAR_TOLERANCE * expected:
-            measured = "out of memory" if p3 is None else format_bytes(p3["step"])
-            note = (f"memory does not grow linearly with the batch (shapes that change with it?): the probes "
-                    f"predicted {format_bytes(expected)} at micro-batch {third}, it measured {measured}; "
-                    "the plan follows the steepest line through the three probes")
-            log.warning("memory plan: %s", note)
-            notes.append(note)
-            if p3 is None:
-                fits.append({_FB: _Line(0.0, usable / third)})  # `third` does not fit: nothing at or above it does
-            else:
-                fits += [_lines(b1, p1, third, p3), _lines(b2, p2, third, p3)]
-            micro = _largest_fit(predict, usable, effective)
-    chosen = micro or 1
-    binding = max(fits[0].items(), key=lambda kv: -1.0 if kv[0] == "step" else kv[1].at(chosen))[1]
-    plan = MemoryPlanResult(micro_batch=chosen, accumulation=effective // chosen, effective_batch=effective,
-                            predicted_peak_bytes=int(predict(chosen)), budget_bytes=budget, margin=margin,
+    binding = max(fits[0].items(), key=lambda kv: -1.0 if kv[0] == "step" else kv[1].at(micro or 1))[1]
+    plan = MemoryPlanResult(micro_batch=micro or 1, accumulation=effective // (micro or 1), effective_batch=effective,
+                            predicted_peak_bytes=int(predict(micro or 1)), budget_bytes=budget, margin=margin,
                             device=str(prober.device), source=prober.source, fixed_bytes=int(binding.fixed),
-                            per_sample_bytes=int(round(binding.per_sample)), linear=not notes, notes=notes)
-    plan.fixed_bytes = int(predict(1) - plan.per_sample_bytes) if micro is None else plan.fixed_bytes
-    try_blocks = blocks and checkpointing is not False and (
-        micro is None or checkpointing is True or plan.accumulation > 1)
-    if try_blocks:
-        _with_checkpointing(prober, plan, blocks, b2, p2, predict, usable, say)
-    elif micro is None:
-        plan.probes = prober.rows
-        raise NothingFits(_nothing_fits(plan, prober, blocks, checkpointing))
+                            per_sample_bytes=int(round(binding.per_sample)))
+    weigh = saved is not None and (micro is None or checkpointing is True or plan.accumulation > 1)
+    if weigh:
+        assert saved is not None
+        say(f"memory plan: every block checkpointed frees {format_bytes(saved.freed(len(blocks)) / b2)} per sample "
+            "(counted in the second probe)")
+        plan.table = _configs(predict, usable, effective, len(blocks))
+        if len(plan.table) > 1:
+            _time_configs(prober, plan.table)
+        chosen = _choose(plan.table, predict, usable)
+        third, k3 = (chosen.micro_batch, chosen.checkpointed) if chosen is not None else (None, 0)
+    else:
+        third, k3 = _third_probe(micro, b1, b2, predict, usable), 0
+    if third is not None and (k3 or third not in (b1, b2)):
+        expected = predict(third, k3)
+        p3 = prober.probe(third, k3, predicted=expected)
+        if p3 is None or abs(p3["step"] - expected) > LINEAR_TOLERANCE * expected:
+            plan.notes.append(_corrected(p3, expected, third, k3, fits, share, predict, b1, p1, b2, p2, usable))
+            plan.linear = plan.linear and k3 > 0
+            log.warning("memory plan: %s", plan.notes[-1])
+    if weigh:
+        chosen = _choose(plan.table, predict, usable)
+        micro, k = (chosen.micro_batch, chosen.checkpointed) if chosen is not None else (None, 0)
+    else:
+        micro, k = _largest_fit(predict, usable, effective), 0
     plan.probes = prober.rows
-    if plan.micro_batch < effective and not plan.checkpointed:
-        plan.notes.append(f"micro-batch {plan.micro_batch} divides the effective batch {effective} "
+    if micro is None:
+        raise NothingFits(_nothing_fits(plan, prober, blocks, checkpointing))
+    plan.micro_batch, plan.accumulation, plan.checkpointed = micro, effective // micro, k
+    plan.predicted_peak_bytes, plan.checkpointed_names = int(predict(micro, k)), blocks[:k]
+    if k:
+        plan.notes.append(f"{k} of {len(blocks)} blocks checkpointed (checkpoint_blocks(model, {k})): micro-batch "
+                          f"{micro} x {plan.accumulation}")
+    elif micro < effective:
+        plan.notes.append(f"micro-batch {micro} divides the effective batch {effective} "
                           f"({plan.accumulation} accumulation steps)")
     return plan
+
+
+def _corrected(p3: dict[str, int] | None, expected: float, third: int, k3: int, fits: list[dict[str, _Line]],
+               share: list[float], predict: Callable[..., float], b1: int, p1: dict[str, int], b2: int,
+               p2: dict[str, int], usable: float) -> str:
+    """The third probe measured what the first two did not predict: the prediction is corrected to what it
+    measured (`fits`, `share` changed in place) and the line that says so returned. With blocks
+    checkpointed, the freed bytes counted are taken at the share measured; without, memory does not grow
+    linearly and the steepest line through the three probes is followed."""
+    measured = "out of memory" if p3 is None else format_bytes(p3["step"])
+    if k3:
+        plain = predict(third)
+        counted = plain - expected
+        share[0] = 0.0 if p3 is None or counted <= 0 else min(2.0, max(0.0, (plain - p3["step"]) / counted))
+        return (f"with {k3} blocks checkpointed at micro-batch {third} the step measured {measured}, predicted "
+                f"{format_bytes(expected)}: checkpointing is taken to free {share[0]:.0%} of the activations counted")
+    if p3 is None:
+        fits.append({_FB: _Line(0.0, usable / third)})  # `third` does not fit: nothing at or above it does
+    else:
+        fits += [_lines(b1, p1, third, p3), _lines(b2, p2, third, p3)]
+    return (f"memory does not grow linearly with the batch (shapes that change with it?): the probes predicted "
+            f"{format_bytes(expected)} at micro-batch {third}, it measured {measured}; the plan follows the steepest "
+            "line through the three probes")
 
 
 def _third_probe(micro: int | None, b1: int, b2: int, predict: Callable[[int], float], usable: float) -> int | None:
@@ -565,42 +602,31 @@ def _nothing_fits(plan: MemoryPlanResult, prober: _Prober, blocks: list[str], ch
             f"budget, or {shard}")
 
 
-def _with_checkpointing(prober: _Prober, plan: MemoryPlanResult, blocks: list[str], probe_at: int,
-                        plain: dict[str, int], predict: Callable[..., float], usable: float,
-                        say: Callable[[str], Any]) -> None:
-    """One probe with every block checkpointed gives what a block saves per sample; the configurations that
-    fit are timed per sample and the fastest kept (in `plan`). ValueError when none fits."""
-    k_all = len(blocks)
-    probed = prober.probe(probe_at, k_all)
-    if probed is None:
-        plan.probes = prober.rows
-        raise NothingFits(_nothing_fits(plan, prober, blocks, True))
-    saved = max(0.0, (plain[_FB] - probed[_FB]) / probe_at / k_all)  # bytes a checkpointed block saves a sample
-    say(f"memory plan: every block checkpointed saves {format_bytes(saved * k_all)} per sample")
-    effective = plan.effective_batch
+def _configs(predict: Callable[..., float], usable: float, effective: int, blocks: int) -> list[PlanRow]:
+    """The configurations that fit: for each count of blocks checkpointed, the largest micro-batch dividing the
+    effective batch predicted under `usable` (a count that fits no larger micro-batch than a smaller count
+    is left out)."""
     configs: dict[int, int] = {}  # micro-batch -> fewest blocks checkpointed for it
-    for k in range(k_all + 1):
-        micro = _largest_fit(lambda d, k=k: predict(d, k * saved), usable, effective)
+    for k in range(blocks + 1):
+        micro = _largest_fit(lambda d, k=k: predict(d, k), usable, effective)
         if micro is not None and micro not in configs:
             configs[micro] = k
-    if not configs:
-        plan.probes = prober.rows
-        raise NothingFits(_nothing_fits(plan, prober, blocks, True))
-    rows = [PlanRow(m, effective // m, k, int(predict(m, k * saved))) for m, k in sorted(configs.items())]
-    if len(rows) > 1:
-        _time_configs(prober, rows)
-        best = min(rows, key=lambda r: r.sample_s if r.sample_s is not None else math.inf)
-    else:
-        best = rows[0]
+    return [PlanRow(m, effective // m, k, int(predict(m, k))) for m, k in sorted(configs.items())]
+
+
+def _choose(rows: list[PlanRow], predict: Callable[..., float], usable: float) -> PlanRow | None:
+    """The fastest per sample of the configurations still predicted to fit (the largest micro-batch where
+    none was timed), each row's prediction and decision brought up to date; None where none fits."""
     for r in rows:
-        r.decision = "kept" if r is best else "slower per sample" if r.sample_s is not None else "only fit"
-    plan.table = rows
-    plan.micro_batch, plan.accumulation, plan.checkpointed = best.micro_batch, best.accumulation, best.checkpointed
-    plan.predicted_peak_bytes = best.predicted_peak_bytes
-    plan.checkpointed_names = blocks[:best.checkpointed]
-    if best.checkpointed:
-        plan.notes.append(f"{best.checkpointed} of {k_all} blocks checkpointed (checkpoint_blocks(model, "
-                          f"{best.checkpointed})): micro-batch {best.micro_batch} x {best.accumulation}")
+        r.predicted_peak_bytes = int(predict(r.micro_batch, r.checkpointed))
+    fitting = [r for r in rows if r.predicted_peak_bytes <= usable]
+    timed = [r for r in fitting if r.sample_s is not None]
+    best = (min(timed, key=lambda r: r.sample_s or math.inf) if timed
+            else max(fitting, key=lambda r: (r.micro_batch, -r.checkpointed), default=None))
+    for r in rows:
+        r.decision = ("kept" if r is best else "over the budget as measured" if r not in fitting
+                      else "slower per sample" if r.sample_s is not None else "only fit")
+    return best
 
 
 def _time_configs(prober: _Prober, rows: list[PlanRow]) -> None:
