@@ -155,6 +155,24 @@ def test_where_checkpointing_frees_less_than_counted_the_third_probe_corrects_th
     assert measured <= budget * 0.9 and plan.micro_batch * plan.accumulation == 32
 
 
+def test_where_one_sample_fits_only_checkpointed_the_plan_says_so_with_its_measured_speed():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=2, n_embd=64)  # activations outweigh weights
+    model, batch = GPT(cfg), random_tokens(16, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    free = plan_batch(model, opt, batch, budget="1GiB", effective_batch=16, checkpointing=False)
+    one = free.fixed_bytes + free.per_sample_bytes  # the plain step of one sample
+    with SavedByBlock(model, ["transformer.h.0", "transformer.h.1"]) as saved:
+        _xy_step(model, opt, slice_batch(batch, 8))
+    budget = int((one - saved.freed(1) / 8 / 4) / 0.9)  # one sample fits with blocks checkpointed only
+    with pytest.raises(ValueError, match="too small for even one sample"):
+        plan_batch(model, opt, batch, budget=budget, effective_batch=16, checkpointing=False, refresh=True)
+    plan = plan_batch(model, opt, batch, budget=budget, effective_batch=16, refresh=True)
+    assert plan.checkpointed > 0 and plan.micro_batch * plan.accumulation == 16 and len(plan.probes) <= 3
+    assert "ms a sample measured (without, not even one sample fits)" in plan.notes[-1]
+    assert _checkpointed_peak(model, opt, batch, plan.micro_batch, plan.checkpointed) <= budget
+
+
 def test_a_budget_larger_than_the_device_is_one_line():
     model, opt, batch = _gpt()
     total, _ = device_capacity("cpu")

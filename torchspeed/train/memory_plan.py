@@ -514,7 +514,7 @@ def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, m
         say(f"memory plan: every block checkpointed frees {format_bytes(saved.freed(len(blocks)) / b2)} per sample "
             "(counted in the second probe)")
         plan.table = _configs(predict, usable, effective, len(blocks))
-        if len(plan.table) > 1:
+        if len(plan.table) > 1 or any(r.checkpointed for r in plan.table):  # weighed, or its speed said
             _time_configs(prober, plan.table)
         chosen = _choose(plan.table, predict, usable)
         third, k3 = (chosen.micro_batch, chosen.checkpointed) if chosen is not None else (None, 0)
@@ -538,8 +538,11 @@ def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, m
     plan.micro_batch, plan.accumulation, plan.checkpointed = micro, effective // micro, k
     plan.predicted_peak_bytes, plan.checkpointed_names = int(predict(micro, k)), blocks[:k]
     if k:
+        speed = next((f", {r.sample_s * 1e3:.2f} ms a sample measured" for r in plan.table
+                      if (r.micro_batch, r.checkpointed) == (micro, k) and r.sample_s is not None), "")
+        plain = "" if _largest_fit(predict, usable, effective) else " (without, not even one sample fits)"
         plan.notes.append(f"{k} of {len(blocks)} blocks checkpointed (checkpoint_blocks(model, {k})): micro-batch "
-                          f"{micro} x {plan.accumulation}")
+                          f"{micro} x {plan.accumulation}{speed}{plain}")
     elif micro < effective:
         plan.notes.append(f"micro-batch {micro} divides the effective batch {effective} "
                           f"({plan.accumulation} accumulation steps)")
