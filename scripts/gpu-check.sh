@@ -2,7 +2,7 @@
 # The GPU check, `make gpu-check PYTHON=python3`: torchspeed run from this checkout by an interpreter that has
 # its own torch and reaches no package index (the lent GPU machine, a cluster node), its CUDA tests and
 # a quick report run there. Everything goes to one folder ($GPU_OUT, default gpu-check/): verdict.txt,
-# install.log, info.txt, pytest-gpu.log, bench.log and report/. The missing wheels come from .whl/
+# install.log, info.txt, pytest-gpu.log, plan-memory.md, bench.log and report/. The missing wheels come from .whl/
 # (`make gpu-wheels` on a machine with an index). Exit status: 0 when the tests passed and the report was written.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +55,12 @@ done
 timeout "$TEST_S" "$V" -X faulthandler -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/pytest-gpu.log" 2>&1
 tests=$?
 say "CUDA tests: $(grep -E 'passed|failed|error|cannot run' "$OUT/pytest-gpu.log" | tail -1) (exit $tests; pytest-gpu.log)"
+# The memory planner's prediction against CUDA's allocator (docs/train.md, "Memory"); it does not gate the verdict.
+if "$V" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    timeout 90 "$V" docs/examples/plan_memory.py --device cuda --resnet-budget 6GiB --gpt-budget 4GiB \
+        >"$OUT/plan-memory.md" 2>"$OUT/plan-memory.log"
+    say "memory plan on cuda: exit $? (plan-memory.md)"
+fi
 TORCHSPEED_BENCH_BUDGET_S=${TORCHSPEED_BENCH_BUDGET_S:-20} timeout "$BENCH_S" "$V" -m torchspeed bench --quick --out "$OUT/report" >"$OUT/bench.log" 2>&1
 bench=$?
 if [ -f "$OUT/report/report.md" ]; then say "quick report: $OUT/report/report.md"; else say "quick report: none (exit $bench; bench.log)"; fi
