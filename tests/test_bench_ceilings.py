@@ -45,6 +45,16 @@ def test_cache_round_trip_per_machine(cache):
     assert ceilings.load_cached(dict(MACHINE)) is None                     # damaged: measured again
 
 
+def test_a_gpu_cache_without_a_ceiling_rows_are_judged_against_is_measured_again(cache):
+    gpu = {name: {"value": 100.0, "unit": "GFLOP/s"} for name in ceilings.GPU_CEILING.values()}
+    c = _ceilings(**gpu)
+    ceilings.save(c)
+    assert ceilings.load_cached(dict(MACHINE)) == c
+    del c["items"]["gpu_int8"]  # a cache written before that ceiling was measured
+    ceilings.save(c)
+    assert ceilings.load_cached(dict(MACHINE)) is None
+
+
 def test_get_reads_the_cache_and_refresh_keeps_the_best(cache, monkeypatch):
     import torchspeed.runtime as rt
 

@@ -53,7 +53,8 @@ def cache_path(machine: dict[str, Any]) -> str:
 
 def load_cached(machine: dict[str, Any]) -> dict[str, Any] | None:
     """The cached ceilings of this machine, or None (none cached, another version, another machine, damaged,
-    or measured busy: never written so, but then measured again)."""
+    measured busy: never written so, or a GPU cache without a ceiling the rows are judged against; then
+    measured again)."""
     from torchspeed.runtime import machine_key
 
     path = cache_path(machine)
@@ -65,6 +66,8 @@ def load_cached(machine: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("items"), dict) \
             or machine_key(data.get("machine") or {}) != machine_key(machine) or data.get("busy_cores") is not None:
         return None
+    if "gpu_tf32" in data["items"] and not set(GPU_CEILING.values()) <= data["items"].keys():
+        return None  # written before a GPU ceiling it now judges against (gpu_int8) was measured: measured again
     return data
 
 

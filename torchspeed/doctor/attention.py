@@ -79,13 +79,15 @@ class AttentionSeen:
         if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
             return
         self._softmax_left -= 1
-        origin = _scores_origin(x.grad_fn)
         site = _site()
-        if origin is None or site is None:
+        if site is None:
             return
         key = f"{site['file']}:{site['line']}"
         if key in self.hand:
             self.hand[key]["calls"] += 1
+            return
+        origin = _scores_origin(x.grad_fn)
+        if origin is None:
             return
         matmul, mask = origin
         q = getattr(matmul, "_saved_self", None)
@@ -101,6 +103,9 @@ class AttentionSeen:
         if not self.sdpa and not self.hand:
             return None
         out: dict[str, Any] = {"sdpa": list(self.sdpa.values()), "hand": list(self.hand.values())}
+        for r in out["hand"]:
+            if isinstance(r["mask"], _MaskSeen):
+                r["mask"] = r["mask"].kind()
         if measure:
             for r in out["sdpa"]:
                 r["measured"] = _guarded(lambda r=r: measure_backends(r))
@@ -144,8 +149,8 @@ def _module_name(model: Any) -> dict[str, str] | None:
 
 
 def _scores_origin(fn: Any, depth: int = 10) -> tuple[Any, str | None] | None:
-    """(the bmm autograd node that made the scores, the mask seen on the way: "causal", "additive",
-    "masked" or None), walking back from the softmax input through scaling, masking and views."""
+    """(the bmm autograd node that made the scores, the mask seen on the way: a boolean one (`_MaskSeen`),
+    "additive" or None), walking back from the softmax input through scaling, masking and views."""
     mask = None
     stack = [(fn, 0)]
     while stack:
@@ -158,24 +163,32 @@ def _scores_origin(fn: Any, depth: int = 10) -> tuple[Any, str | None] | None:
         if not name.startswith(_PASS):
             continue
         if name.startswith("MaskedFill"):
-            mask = "causal" if _triangular(getattr(node, "_saved_mask", None), upper=True) else "masked"
+            mask = _MaskSeen(getattr(node, "_saved_mask", None), upper=True)
         elif name.startswith("Where"):
-            mask = "causal" if _triangular(getattr(node, "_saved_condition", None), upper=False) else "masked"
+            mask = _MaskSeen(getattr(node, "_saved_condition", None), upper=False)
         elif name.startswith("Add") and any(n is None for n, _ in node.next_functions) and mask is None:
             mask = "additive"
         stack.extend((n, d + 1) for n, _ in node.next_functions)
     return None
 
 
-def _triangular(m: Any, upper: bool) -> bool:
-    """Is the boolean mask (broadcast over leading dims) the causal one: True above the diagonal
-    (positions masked out) or, `upper` False, on and below it (positions kept)?"""
-    if not isinstance(m, torch.Tensor) or m.dim() < 2 or m.dtype != torch.bool:
-        return False
-    m2 = m.reshape(-1, *m.shape[-2:])[0]
-    ones = torch.ones(m2.shape, dtype=torch.bool, device=m2.device)
-    want = ones.triu(1) if upper else ones.tril()
-    return bool(torch.equal(m2, want))
+class _MaskSeen:
+    """A boolean mask met on the way to the scores, told "causal" or "masked" after the run (`kind`): reading
+    its values then costs the training loop no device sync. Holds the first matrix of the mask only."""
+
+    def __init__(self, m: Any, upper: bool):
+        ok = isinstance(m, torch.Tensor) and m.dim() >= 2 and m.dtype == torch.bool
+        self.matrix = m.reshape(-1, *m.shape[-2:])[0] if ok else None
+        self.upper = upper
+
+    def kind(self) -> str:
+        """"causal" where the mask is True above the diagonal (positions masked out) or, not `upper`, on and
+        below it (positions kept); else "masked"."""
+        m = self.matrix
+        if m is None:
+            return "masked"
+        ones = torch.ones(m.shape, dtype=torch.bool, device=m.device)
+        return "causal" if torch.equal(m, ones.triu(1) if self.upper else ones.tril()) else "masked"
 
 
 def _dtype(name: str) -> torch.dtype:
