@@ -89,23 +89,45 @@ def test_what_checkpointing_frees_is_counted_in_an_ordinary_step():
     model = GPT(CFG)
     x, y = random_tokens(16, CFG)
     blocks = repeated_blocks(model)
-    with SavedByBlock(model, blocks) as saved:
+    with SavedByBlock(model, blocks, held=(x, y)) as saved:
         plain = model(x, y)[1]
         plain.backward()
     counted_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    assert all(saved.freed(k) < saved.freed(k + 1) for k in range(len(blocks)))
-    assert saved.freed(0) == 0
-    peaks = [_backward_peak(model, x, y, k) for k in range(len(blocks) + 1)]
     last = len(blocks)
+    assert saved.freed(0) == 0 and all(saved.freed(k) < saved.freed(k + 1) for k in range(last - 1))
+    peaks = [_backward_peak(model, x, y, k) for k in range(last + 1)]
     for k in range(1, last):  # the peak falls by what was counted, within 5%
         assert abs((peaks[0] - peaks[k]) - saved.freed(k)) <= 0.05 * saved.freed(k), (k, peaks, saved.freed(k))
-    # the last block checkpointed runs again where the peak is (the backward's start): less is freed
-    assert saved.freed(last - 1) < peaks[0] - peaks[last] <= 1.05 * saved.freed(last)
+    # the last block checkpointed runs again where the peak is (the backward's start): not counted as freed
+    assert saved.freed(last) <= peaks[0] - peaks[last]
     for a, b in zip(counted_grads, _grads(model, x, y)):  # counting changed nothing computed
         torch.testing.assert_close(a, b)
 
 
+class _Doubling(torch.nn.Module):
+    """A block whose input nothing saves and whose output its own op does not save: a temporary's
+    address is freed and taken again by a later block's saved tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return torch.exp(x * 2.0) * 0.5
+
+
+def test_an_address_taken_again_is_another_storage_and_the_held_batch_is_not_charged():
+    model = torch.nn.Sequential(*[_Doubling() for _ in range(6)])
+    x = torch.randn(16, 1024)
+    blocks = repeated_blocks(model)
+    with SavedByBlock(model, blocks, held=x) as saved:
+        model(x.requires_grad_()).sum().backward()
+    # each block saves exp's output (64 KiB), freed by checkpointing it, and keeps its input (the one before's
+    # output) for the rerun; the batch, held anyway, costs nothing
+    one = 16 * 1024 * 4
+    assert [saved.freed(k) for k in range(1, 6)] == [one, one, one, one, one]
+    assert len(saved.sizes) == len(saved.savers) + 5  # 6 saved storages, 5 block inputs besides the batch
 def test_counting_leaves_the_model_without_hooks():
     model = GPT(CFG)
     x, y = random_tokens(2, CFG)

@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each loads on 
     from torchspeed.train.acceleration import accelerate
     from torchspeed.train.callbacks import Callback, Checkpoint, EarlyStopping
     from torchspeed.train.checkpoint import CheckpointError, last_checkpoint, load_file
-    from torchspeed.train.checkpointing import checkpoint_blocks, uncheckpoint_blocks
+    from torchspeed.train.checkpointing import SavedByBlock, checkpoint_blocks, uncheckpoint_blocks
     from torchspeed.train.choices import AccelerateOptions, AccelerateResult, TrialRow
     from torchspeed.train.compiling import compile_regions
     from torchspeed.train.loader_choice import (
@@ -47,6 +47,7 @@ _EXPORTS = {
     "MemoryPlanResult": "memory_plan",
     "checkpoint_blocks": "checkpointing",
     "uncheckpoint_blocks": "checkpointing",
+    "SavedByBlock": "checkpointing",
 }
 __all__ = list(_EXPORTS)
 

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import itertools
 import types
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -103,63 +104,101 @@ def _storage(t: torch.Tensor) -> tuple[tuple[str, int], int] | None:
 
 class SavedByBlock:
     """What checkpointing the first k `blocks` would free, counted in one ordinary step run inside it
-    (`with SavedByBlock(model, blocks) as saved: step()`, then `saved.freed(k)`): every storage autograd
-    saves for backward (a `saved_tensors_hooks` pair whose pack returns the tensor detached, so nothing
-    computed changes) by the blocks whose forwards saved it, and each block's tensor inputs, which a
-    checkpointed block keeps for its rerun. The model's parameters and buffers are not activations.
+    (`with SavedByBlock(model, blocks, held=batch) as saved: step()`, then `saved.freed(k)`): every
+    storage autograd saves for backward (a `saved_tensors_hooks` pair whose pack returns the tensor
+    detached: the same values, though autograd's check of a saved tensor changed in place is skipped while
+    it counts) by the blocks whose forwards saved it, and each block's tensor inputs, which a checkpointed
+    block keeps for its rerun. Not activations: the model's parameters and buffers, and `held` (the batch:
+    it lives through the step whatever is checkpointed). A storage is known by its address and a
+    generation: an address freed and taken again during the step is another storage.
 
     A storage is freed by checkpointing blocks C when only blocks in C saved it and no block in C keeps it
-    as its input; an input nothing saved is held by the checkpoint where it would have been freed. Not
-    counted: a checkpointed block's rerun during backward, which holds that block's activations again for a
-    while; it reaches the step's peak where the block nearest the output is checkpointed (the backward
-    starts there), so the planner checks the sum with a probe step."""
+    as its input; an input nothing saved is held by the checkpoint where it would have been freed. With
+    every block checkpointed, the block nearest the output runs its forward again right where the backward
+    starts, which is where a step's peak usually is: its own bytes are not counted as freed then. Elsewhere
+    the peak can move (into the backward, where weight gradients pile up), so the planner measures the
+    configurations it times."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[str]):
-        self.model, self.blocks = model, list(blocks)
-        self.sizes: dict[tuple[str, int], int] = {}
-        self.savers: dict[tuple[str, int], set[int]] = {}  # storage -> blocks that saved it (-1: outside any)
-        self.inputs: list[set[tuple[str, int]]] = [set() for _ in self.blocks]
+    def __init__(self, model: nn.Module, blocks: Sequence[str], held: Any = ()):
+        self.model, self.blocks, self.held = model, list(blocks), held
+        self.sizes: dict[tuple[tuple[str, int], int], int] = {}
+        self.savers: dict[tuple[tuple[str, int], int], set[int]] = {}  # storage -> blocks that saved it (-1: none)
+        self.inputs: list[set[tuple[tuple[str, int], int]]] = [set() for _ in self.blocks]
         self._own: set[tuple[str, int]] = set()
+        self._holders: dict[tuple[str, int], list[weakref.ref]] = {}  # address -> the tensors seen holding it
+        self._generation: dict[tuple[str, int], int] = {}
         self._running: list[int] = []
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> SavedByBlock:
-        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers(), _tensors_in(self.held))
         self._own = {found[0] for found in map(_storage, tensors) if found is not None}
-        for i, name in enumerate(self.blocks):
-            block = self.model.get_submodule(name)
-            self._stack.callback(block.register_forward_pre_hook(functools.partial(self._enter_block, i),
-                                                                  with_kwargs=True).remove)
-            self._stack.callback(block.register_forward_hook(self._leave_block, always_call=True).remove)
-        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        try:
+            for i, name in enumerate(self.blocks):
+                block = self.model.get_submodule(name)
+                self._stack.callback(block.register_forward_pre_hook(functools.partial(self._enter_block, i),
+                                                                      with_kwargs=True).remove)
+                self._stack.callback(block.register_forward_hook(self._leave_block, always_call=True).remove)
+            self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        except BaseException:
+            self._stack.close()
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
 
+    def _key(self, t: torch.Tensor, holder: torch.Tensor) -> tuple[tuple[tuple[str, int], int], int] | None:
+        """(storage key, bytes) of `t`, `holder` noted as holding it; None for the model's own or the held."""
+        found = _storage(t)
+        if found is None or found[0] in self._own:
+            return None
+        address, nbytes = found
+        holders = self._holders.get(address)
+        if not holders or all(ref() is None for ref in holders):  # the storage seen there before is gone
+            self._generation[address] = self._generation.get(address, -1) + 1
+            holders = self._holders[address] = []
+        holders.append(weakref.ref(holder))
+        key = (address, self._generation[address])
+        self.sizes[key] = nbytes
+        return key, nbytes
+
     def _enter_block(self, index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._running.append(index)
-        for t in itertools.chain(args, kwargs.values()):
-            found = _storage(t) if isinstance(t, torch.Tensor) else None
-            if found is not None and found[0] not in self._own:
+        for t in _tensors_in((args, kwargs)):
+            found = self._key(t, t)
+            if found is not None:
                 self.inputs[index].add(found[0])
-                self.sizes[found[0]] = found[1]
 
     def _leave_block(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._running:
             self._running.pop()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        found = _storage(t)
-        if found is not None and found[0] not in self._own:
-            self.sizes[found[0]] = found[1]
+        saved = t.detach()
+        found = self._key(t, saved)
+        if found is not None:
             self.savers.setdefault(found[0], set()).add(self._running[-1] if self._running else -1)
-        return t.detach()
+        return saved
 
     def freed(self, k: int) -> int:
         """Bytes the counted step held for backward that it would not with the first `k` blocks checkpointed
         (negative where the inputs kept outweigh what is freed)."""
         chosen = set(range(k))
+        if k and k == len(self.blocks):
+            chosen.discard(k - 1)  # checkpointed, but its rerun holds its bytes again where the backward starts
         kept = set().union(*self.inputs[:k])
         freed = sum(self.sizes[s] for s, by in self.savers.items() if by <= chosen and s not in kept)
         return freed - sum(self.sizes[s] for s in kept if s not in self.savers)
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a (nested) tuple, list or dict."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)

@@ -8,21 +8,23 @@ steps (forward, loss, backward, optimizer step, as the loop runs them: `step_cal
 example batch give the line; the third runs at the micro-batch chosen (the example tiled where it is
 larger) and checks it: a peak more than `LINEAR_TOLERANCE` off the line means memory does not grow
 linearly (shapes that change with the batch), said in one line, and the plan then takes the steepest line
-through the three. The micro-batch is the largest divisor of the effective batch whose predicted peak is
+through the three (as it does where the peak measured is over the budget less its margin). The micro-batch is the largest divisor of the effective batch whose predicted peak is
 under the budget less its margin, so micro_batch x accumulation is exactly the effective batch. Each peak
 is read from the allocator (`torchspeed.memory`: CUDA's, or the CPU's through the profiler), and every
 probe is undone (`trial_state_kept`).
 
 Where even one sample does not fit, or where the model repeats blocks and the plain plan needs accumulation,
-blocks are checkpointed (`checkpointing`): the second probe also counts the bytes each block saves for
-backward (`SavedByBlock`), which gives what checkpointing the first k blocks frees per sample without a
-probe of its own; the configurations that fit (a larger micro-batch with k blocks checkpointed, a smaller
-one with more accumulation) are timed per sample, the fastest is kept, and the third probe runs that
-configuration and checks the prediction (where it measures otherwise, checkpointing is taken to free the
-share of the counted bytes it measured, and the choice is made again); the plan is remembered like the other measured
-decisions (`remembered.recall_or_measure`). Where nothing fits on one process, sharding (FSDP) is named
-with its predicted share; under torchrun, where nothing fits any rank, a sharded copy is probed and
-timed. Under torchrun every rank plans and all take the smallest micro-batch.
+blocks are checkpointed (`checkpointing`): the two probes also count the bytes each block saves for
+backward (`SavedByBlock`), which gives what checkpointing the first k blocks frees, a line in the
+micro-batch like the peak's, without a probe of its own. The configurations predicted to fit (a larger
+micro-batch with k blocks checkpointed, a smaller one with more accumulation) are then run: each one's
+first step, the warm-up its timing needs anyway, is measured, those whose peak is under the budget less
+its margin are timed per sample, and the fastest is kept; a configuration measured over it is left out
+(the peak can move where the count does not see it: into the backward, where weight gradients pile
+up). The plan is remembered like the other measured decisions (`remembered.recall_or_measure`). Where
+nothing fits on one process, sharding (FSDP) is named with its predicted share; under torchrun, where
+nothing fits any rank, a sharded copy is probed and timed. Under torchrun every rank plans and all take
+the smallest micro-batch.
 
 One concept: a step's memory predicted and the batch planned from it; it stays whole because the probes,
 the line, the checkpointing and sharding alternatives and the ranks' agreement are one chain of decisions.
@@ -34,7 +36,7 @@ import copy
 import inspect
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -80,13 +82,15 @@ class ProbeRow:
 
 @dataclass
 class PlanRow:
-    """A configuration that fits the budget, timed: micro-batch, accumulation, blocks checkpointed,
-    predicted peak, measured seconds per sample, and whether it was kept."""
+    """A configuration predicted to fit the budget: micro-batch, accumulation, blocks checkpointed, predicted
+    peak; where configurations were weighed, its own step's measured peak and seconds per sample, and
+    whether it was kept."""
 
     micro_batch: int
     accumulation: int
     checkpointed: int
     predicted_peak_bytes: int
+    measured_peak_bytes: int | None = None  # its own step's, where it was timed
     sample_s: float | None = None
     decision: str = ""
 
@@ -125,7 +129,9 @@ class MemoryPlanResult:
             return f"nothing now: {self.remembered}"
         sizes = ", ".join(str(p.micro_batch) + (f" with {p.checkpointed} blocks checkpointed" if p.checkpointed else "")
                           for p in self.probes)
-        return f"{len(self.probes)} probe steps (micro-batches {sizes}) read from the {self.source}"
+        checked = sum(r.measured_peak_bytes is not None or r.decision.endswith("out of memory") for r in self.table)
+        return (f"{len(self.probes)} probe steps (micro-batches {sizes}) read from the {self.source}"
+                + (f"; {checked} configurations measured in the warm-up step of their timing" if checked else ""))
 
     def micro_batches(self, batch: Any) -> Iterator[Any]:
         """The micro-batches of one effective batch, in order (each `micro_batch` samples): for a loop that
@@ -151,8 +157,10 @@ class MemoryPlanResult:
                  f"  line: {format_bytes(self.fixed_bytes)} + {format_bytes(self.per_sample_bytes)} per sample"]
         lines += [f"  probe {p.micro_batch:5d} ({p.checkpointed} checkpointed): measured {format_bytes(p.peak_bytes)}"
                   + (f", predicted {format_bytes(p.predicted_bytes)}" if p.predicted_bytes else "") for p in self.probes]
-        lines += [f"  config {r.micro_batch} x {r.accumulation} ({r.checkpointed} checkpointed): "
-                  f"{'-' if r.sample_s is None else f'{r.sample_s * 1e3:.2f} ms/sample'} {r.decision}"
+        lines += [f"  config {r.micro_batch} x {r.accumulation} ({r.checkpointed} checkpointed): predicted "
+                  f"{format_bytes(r.predicted_peak_bytes)}"
+                  + (f", measured {format_bytes(r.measured_peak_bytes)}" if r.measured_peak_bytes is not None else "")
+                  + (f", {r.sample_s * 1e3:.2f} ms/sample" if r.sample_s is not None else "") + f": {r.decision}"
                   for r in self.table]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -211,6 +219,7 @@ class _Prober:
         self.device, self.precision = device, precision
         self.call = StepCall.of(model, batch, fmt, loss_fn)
         self.rows: list[ProbeRow] = []
+        self.saved: dict[int, SavedByBlock] = {}  # micro-batch -> what its probe counted for checkpointing
         self.source = ""
 
     def step(self, micro: int) -> Callable[[], None]:
@@ -235,20 +244,24 @@ class _Prober:
         return run
 
     def probe(self, micro: int, checkpointed: int = 0, predicted: float | None = None,
-              counting: SavedByBlock | None = None) -> dict[str, int] | None:
+              count: Sequence[str] = (), record: bool = True) -> dict[str, int] | None:
         """The measured peak of each phase of one step at `micro` with the first `checkpointed` blocks
-        checkpointed (the step's peak is the highest of them), the bytes each block saves for backward
-        counted in it by `counting`; None when it ran out of memory (the planner never asks for more than
-        it predicts to fit)."""
+        checkpointed (the step's peak is the highest of them), the bytes each of the blocks `count` saves for
+        backward counted in it (`self.saved[micro]`); None when it ran out of memory (the planner never asks
+        for more than it predicts to fit). `record`: a probe step of the plan (`rows`), not a check of a
+        configuration's own step."""
         phases: dict[str, int] | None
         state = self._state_bytes()
         try:
             with blocks_checkpointed(self.model, checkpointed):
                 run = self.step(micro)
                 watch = MemoryWatch(self.device, held=(self.model, self.optimizer, run.inputs))
-                with watch, counting or contextlib.nullcontext():
+                counting = SavedByBlock(self.model, count, held=run.inputs) if count else contextlib.nullcontext()
+                with watch, counting:
                     run(watch)
                 del run
+            if count:
+                self.saved[micro] = counting
             assert watch.reading is not None
             phases, self.source = dict(watch.reading.phases), watch.reading.source
             # the optimizer's state made by this first step is held through every later step's forward and
@@ -259,10 +272,10 @@ class _Prober:
             phases = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.rows.append(ProbeRow(micro, None if phases is None else phases["step"], checkpointed,
-                                  None if predicted is None else int(predicted)))
+        if record:
+            self.rows.append(ProbeRow(micro, None if phases is None else phases["step"], checkpointed,
+                                      None if predicted is None else int(predicted)))
         return phases
-
 
     def _state_bytes(self) -> int:
         return 0 if self.optimizer is None else held_bytes(list(self.optimizer.state.values()), device=self.device)
@@ -480,24 +493,25 @@ def _lines(b1: int, p1: dict[str, int], b2: int, p2: dict[str, int]) -> dict[str
 
 def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, margin: float,
           checkpointing: bool | str, say: Callable[[str], Any]) -> MemoryPlanResult:
-    """Probe, fit a line per phase (a step's peak is the highest phase's), choose, check the choice with the
-    third probe (see the module docstring)."""
+    """Probe, fit a line per phase (a step's peak is the highest phase's), choose, check the choice (see the
+    module docstring)."""
     b1, b2 = max(1, n // 4), max(2, n // 2)
     if b2 <= b1:
         b1 = b2 - 1
-    blocks = repeated_blocks(prober.model) if checkpointing is not False else []
-    saved = SavedByBlock(prober.model, blocks) if blocks else None
-    p1 = prober.probe(b1)
-    p2 = prober.probe(b2, counting=saved) if p1 is not None else None
+    blocks = repeated_blocks(prober.model)
+    count = blocks if checkpointing is not False else []
+    p1 = prober.probe(b1, count=count)
+    p2 = prober.probe(b2, count=count) if p1 is not None else None
     if p1 is None or p2 is None:
         raise ValueError(f"the training step ran out of memory at micro-batch {b1 if p1 is None else b2} before any "
                          "plan: give a smaller example batch (the planner probes a quarter and half of it)")
     fits = [_lines(b1, p1, b2, p2)]
-    share = [1.0]  # of the bytes `saved` counted, the share checkpointing frees as the third probe measured it
+    freed = {k: _Line.through((b1, prober.saved[b1].freed(k)), (b2, prober.saved[b2].freed(k)))
+             for k in range(1, len(count) + 1)}  # bytes checkpointing k blocks frees: a line in the micro-batch
 
     def predict(micro: int, checkpointed: int = 0) -> float:
-        freed = saved.freed(checkpointed) * share[0] * micro / b2 if saved is not None and checkpointed else 0.0
-        return max(ln.at(micro) - (freed if phase == _FB else 0.0)
+        off = freed[checkpointed].at(micro) if checkpointed else 0.0
+        return max(ln.at(micro) - (off if phase == _FB else 0.0)
                    for fit in fits for phase, ln in fit.items() if phase != "step")
 
     say(f"memory plan: probes {b1} -> {format_bytes(p1['step'])}, {b2} -> {format_bytes(p2['step'])} "
@@ -508,39 +522,39 @@ def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, m
                             predicted_peak_bytes=int(predict(micro or 1)), budget_bytes=budget, margin=margin,
                             device=str(prober.device), source=prober.source, fixed_bytes=int(binding.fixed),
                             per_sample_bytes=int(round(binding.per_sample)))
-    weigh = saved is not None and (micro is None or checkpointing is True or plan.accumulation > 1)
-    if weigh:
-        assert saved is not None
-        say(f"memory plan: every block checkpointed frees {format_bytes(saved.freed(len(blocks)) / b2)} per sample "
-            "(counted in the second probe)")
-        plan.table = _configs(predict, usable, effective, len(blocks))
+    chosen: PlanRow | None = None
+    if count and (micro is None or checkpointing is True or plan.accumulation > 1):
+        say(f"memory plan: every block checkpointed frees {format_bytes(freed[len(count)].per_sample)} per sample "
+            "(counted in the probes)")
+        plan.table = _configs(predict, usable, effective, len(count))
         if len(plan.table) > 1 or any(r.checkpointed for r in plan.table):  # weighed, or its speed said
-            _time_configs(prober, plan.table)
-        chosen = _choose(plan.table, predict, usable)
-        third, k3 = (chosen.micro_batch, chosen.checkpointed) if chosen is not None else (None, 0)
-    else:
-        third, k3 = _third_probe(micro, b1, b2, predict, usable), 0
-    if third is not None and (k3 or third not in (b1, b2)):
-        expected = predict(third, k3)
-        p3 = prober.probe(third, k3, predicted=expected)
-        if p3 is None or abs(p3["step"] - expected) > LINEAR_TOLERANCE * expected:
-            plan.notes.append(_corrected(p3, expected, third, k3, fits, share, predict, b1, p1, b2, p2, usable))
-            plan.linear = plan.linear and k3 > 0
-            log.warning("memory plan: %s", plan.notes[-1])
-    if weigh:
-        chosen = _choose(plan.table, predict, usable)
-        micro, k = (chosen.micro_batch, chosen.checkpointed) if chosen is not None else (None, 0)
-    else:
+            chosen = _measure_configs(prober, plan.table, usable)
+            if chosen is None and plan.table:
+                plan.notes.append("no configuration predicted to fit measured under the budget: "
+                                  + "; ".join(f"{r.micro_batch} x {r.accumulation} ({r.checkpointed} checkpointed) "
+                                              f"{_measured(r)}" for r in plan.table))
+        elif plan.table:  # one plain configuration: its line is checked below
+            plan.table[0].decision = "kept"
+    if chosen is None:
+        third = _third_probe(micro, b1, b2, predict, usable)
+        if third is not None and third not in (b1, b2):
+            expected = predict(third)
+            p3 = prober.probe(third, predicted=expected)
+            if p3 is None or abs(p3["step"] - expected) > LINEAR_TOLERANCE * expected or p3["step"] > usable:
+                plan.notes.append(_corrected(p3, expected, third, usable, fits, b1, p1, b2, p2))
+                plan.linear = plan.linear and p3 is not None and abs(p3["step"] - expected) <= LINEAR_TOLERANCE * expected
+                log.warning("memory plan: %s", plan.notes[-1])
         micro, k = _largest_fit(predict, usable, effective), 0
+    else:
+        micro, k = chosen.micro_batch, chosen.checkpointed
     plan.probes = prober.rows
     if micro is None:
         raise NothingFits(_nothing_fits(plan, prober, blocks, checkpointing))
     plan.micro_batch, plan.accumulation, plan.checkpointed = micro, effective // micro, k
     plan.predicted_peak_bytes, plan.checkpointed_names = int(predict(micro, k)), blocks[:k]
     if k:
-        speed = next((f", {r.sample_s * 1e3:.2f} ms a sample measured" for r in plan.table
-                      if (r.micro_batch, r.checkpointed) == (micro, k) and r.sample_s is not None), "")
-        plain = "" if _largest_fit(predict, usable, effective) else " (without, not even one sample fits)"
+        speed = f", {chosen.sample_s * 1e3:.2f} ms a sample measured" if chosen and chosen.sample_s else ""
+        plain = "" if any(r.checkpointed == 0 for r in plan.table) else " (without, not even one sample fits)"
         plan.notes.append(f"{k} of {len(blocks)} blocks checkpointed (checkpoint_blocks(model, {k})): micro-batch "
                           f"{micro} x {plan.accumulation}{speed}{plain}")
     elif micro < effective:
@@ -549,24 +563,19 @@ def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, m
     return plan
 
 
-def _corrected(p3: dict[str, int] | None, expected: float, third: int, k3: int, fits: list[dict[str, _Line]],
-               share: list[float], predict: Callable[..., float], b1: int, p1: dict[str, int], b2: int,
-               p2: dict[str, int], usable: float) -> str:
-    """The third probe measured what the first two did not predict: the prediction is corrected to what it
-    measured (`fits`, `share` changed in place) and the line that says so returned. With blocks
-    checkpointed, the freed bytes counted are taken at the share measured; without, memory does not grow
-    linearly and the steepest line through the three probes is followed."""
+def _corrected(p3: dict[str, int] | None, expected: float, third: int, usable: float,
+               fits: list[dict[str, _Line]], b1: int, p1: dict[str, int], b2: int, p2: dict[str, int]) -> str:
+    """The third probe measured what the first two did not predict, or more than the budget allows: the
+    plan follows the steepest line through the three probes from now on (`fits` grows in place); the line
+    that says so."""
     measured = "out of memory" if p3 is None else format_bytes(p3["step"])
-    if k3:
-        plain = predict(third)
-        counted = plain - expected
-        share[0] = 0.0 if p3 is None or counted <= 0 else min(2.0, max(0.0, (plain - p3["step"]) / counted))
-        return (f"with {k3} blocks checkpointed at micro-batch {third} the step measured {measured}, predicted "
-                f"{format_bytes(expected)}: checkpointing is taken to free {share[0]:.0%} of the activations counted")
     if p3 is None:
         fits.append({_FB: _Line(0.0, usable / third)})  # `third` does not fit: nothing at or above it does
     else:
         fits += [_lines(b1, p1, third, p3), _lines(b2, p2, third, p3)]
+    if p3 is not None and abs(p3["step"] - expected) <= LINEAR_TOLERANCE * expected:
+        return (f"micro-batch {third} measured {measured}, predicted {format_bytes(expected)}: over the budget less "
+                "its margin, so the plan follows the steepest line through the three probes")
     return (f"memory does not grow linearly with the batch (shapes that change with it?): the probes predicted "
             f"{format_bytes(expected)} at micro-batch {third}, it measured {measured}; the plan follows the steepest "
             "line through the three probes")
@@ -592,8 +601,9 @@ def _third_probe(micro: int | None, b1: int, b2: int, predict: Callable[[int], f
 def _nothing_fits(plan: MemoryPlanResult, prober: _Prober, blocks: list[str], checkpointing: bool | str) -> str:
     """The one line for a budget nothing fits in, naming what was tried and what is left (FSDP)."""
     one = plan.fixed_bytes + plan.per_sample_bytes
-    tried = (f" with all {len(blocks)} repeated blocks checkpointed" if blocks and checkpointing is not False
-             else " (no repeated blocks to checkpoint)" if not blocks else "")
+    tried = (" (no repeated blocks to checkpoint)" if not blocks
+             else f" (checkpointing=False: its {len(blocks)} repeated blocks were not checkpointed)"
+             if checkpointing is False else f" with all {len(blocks)} repeated blocks checkpointed")
     state = held_bytes(prober.model, prober.optimizer, device=prober.device)
     world = ranks.env().world_size
     shard = ("sharding (strategy='fsdp') splits the weights, gradients and optimizer state "
@@ -617,31 +627,32 @@ def _configs(predict: Callable[..., float], usable: float, effective: int, block
     return [PlanRow(m, effective // m, k, int(predict(m, k))) for m, k in sorted(configs.items())]
 
 
-def _choose(rows: list[PlanRow], predict: Callable[..., float], usable: float) -> PlanRow | None:
-    """The fastest per sample of the configurations still predicted to fit (the largest micro-batch where
-    none was timed), each row's prediction and decision brought up to date; None where none fits."""
-    for r in rows:
-        r.predicted_peak_bytes = int(predict(r.micro_batch, r.checkpointed))
-    fitting = [r for r in rows if r.predicted_peak_bytes <= usable]
-    timed = [r for r in fitting if r.sample_s is not None]
-    best = (min(timed, key=lambda r: r.sample_s or math.inf) if timed
-            else max(fitting, key=lambda r: (r.micro_batch, -r.checkpointed), default=None))
-    for r in rows:
-        r.decision = ("kept" if r is best else "over the budget as measured" if r not in fitting
-                      else "slower per sample" if r.sample_s is not None else "only fit")
-    return best
+def _measured(row: PlanRow) -> str:
+    return "out of memory" if row.measured_peak_bytes is None else f"measured {format_bytes(row.measured_peak_bytes)}"
 
 
-def _time_configs(prober: _Prober, rows: list[PlanRow]) -> None:
-    """Seconds per sample of each configuration's step, timed interleaved (measure.compare)."""
+def _measure_configs(prober: _Prober, rows: list[PlanRow], usable: float) -> PlanRow | None:
+    """Each configuration's own step measured (its peak read in its first, warm-up step), those under `usable`
+    timed per sample, interleaved (`measure.compare`): the fastest of them, or None where none fits as
+    measured. Each row's decision says why it was kept or not."""
+    for r in rows:
+        phases = prober.probe(r.micro_batch, r.checkpointed, record=False)
+        r.measured_peak_bytes = None if phases is None else phases["step"]
+    fitting = [r for r in rows if r.measured_peak_bytes is not None and r.measured_peak_bytes <= usable]
     steps: dict[str, Callable[[], None]] = {}
-    for r in rows:
+    for r in fitting:
         run = prober.step(r.micro_batch)
 
         def checkpointed_step(run: Callable[[], None] = run, k: int = r.checkpointed) -> None:
             with blocks_checkpointed(prober.model, k):
                 run()
         steps[f"{r.micro_batch}x{r.accumulation}/{r.checkpointed}"] = checkpointed_step
-    c = measure.compare(steps, warmup=1, repeats=3, device=prober.device)
-    for r, name in zip(rows, steps):
-        r.sample_s = c[name].median_s / r.micro_batch
+    if len(steps) > 0:
+        c = measure.compare(steps, warmup=0, repeats=3, device=prober.device)
+        for r, name in zip(fitting, steps):
+            r.sample_s = c[name].median_s / r.micro_batch
+    best = min(fitting, key=lambda r: r.sample_s or math.inf, default=None)
+    for r in rows:
+        r.decision = ("kept" if r is best else "slower per sample" if r in fitting
+                      else f"over the budget as {_measured(r)}")
+    return best
