@@ -103,7 +103,9 @@ SCRIPT = textwrap.dedent('''
         "testkind", {"k": 1}, lambda: calls.append(1) or rank, decode=lambda m: m.decision["x"],
         encode=lambda v: ({"x": v}, str(v)))
     again = ranks.broadcast_json({"from": rank, "list": [1, 2.5, None]})
-    print(json.dumps({"rank": rank, "value": value, "measured": len(calls), "again": again}), flush=True)
+    line = json.dumps({"rank": rank, "value": value, "measured": len(calls), "again": again}) + "\\n"
+    sys.stdout.write(line)  # one write, flushed at once: the ranks share the pipe, their lines must not interleave
+    sys.stdout.flush()
     dist.destroy_process_group()
 ''')
 
