@@ -413,3 +413,43 @@ def test_a_part_over_its_budget_is_named_under_the_summary():
     assert "Over their time budget: train 100 s of 40" in text and "data 30 s" not in text
     train = next(line for line in text.splitlines() if line.startswith("│ train"))
     assert "90 samples/s" in train and "2.20x" in train and "busy: 1.5 cores" in train
+
+
+def test_cut_share_keeps_the_quick_report_to_its_target():
+    assert budget.cut_share(300, fixed_s=100, spent_s=50, target_s=540) == 1.0  # time enough
+    assert budget.cut_share(300, fixed_s=100, spent_s=290, target_s=540) == 0.5  # 150 s left for 300 s of budgets
+    assert budget.cut_share(300, fixed_s=100, spent_s=200, target_s=540) == pytest.approx(0.8)
+    assert budget.cut_share(300, fixed_s=100, spent_s=500, target_s=540) == budget.QUICK_FLOOR  # never below it
+    assert budget.cut_share(0, fixed_s=100, spent_s=500, target_s=540) == 1.0
+
+
+def test_a_slow_first_run_cuts_the_suites_budgets_so_the_quick_report_ends_in_time(tmp_path, monkeypatch):
+    """Where preparing took so long that the suites' shares would end the report after its target, the
+    suites that take a budget are given a cut one (in a child process, through the variable that overrides
+    a budget), said once on the console; the others run as they are; with time enough nothing is cut."""
+    given = {}
+
+    def data_run(quick, progress, budget_s=None):
+        given["data"] = budget_s
+        return {"rows": []}
+
+    def infer_run(quick, progress):  # fixed work: takes no budget
+        given["infer"] = "ran"
+        return {"rows": []}
+
+    fakes = {"data": types.SimpleNamespace(TITLE="d", run=data_run),
+             "infer": types.SimpleNamespace(TITLE="i", run=infer_run),
+             "ceilings": types.SimpleNamespace(TITLE="c", run=lambda quick, progress: {"source": "cache", "items": {}})}
+    monkeypatch.setattr(suites, "load", lambda name: fakes[name])
+    monkeypatch.delenv(budget.ENV, raising=False)
+    con = _console(80)
+    orchestration.run_suites(["data", "infer"], quick=True, out=str(tmp_path / "a"), console=con)
+    assert given == {"data": None, "infer": "ran"} and "is cut to" not in con.export_text()
+    monkeypatch.setattr(budget, "QUICK_TARGET_S", 0.0)  # the preparation took all the time there was
+    con = _console(80)
+    results = orchestration.run_suites(["data", "infer"], quick=True, out=str(tmp_path / "b"), console=con)
+    text = " ".join(con.export_text().split())
+    assert given["data"] == budget.seconds_for("data", True) * budget.QUICK_FLOOR
+    assert results["data"]["budget_s"] == given["data"] and results["infer"]["budget_s"] == budget.seconds_for("infer", True)
+    assert text.count(f"each suite's budget is cut to {budget.QUICK_FLOOR:.0%}") == 1
+    assert orchestration._child_env(12.5)[budget.ENV] == "12.5" and budget.ENV not in orchestration._child_env()

@@ -10,7 +10,9 @@ seen (a 2-core AVX2 EPYC), its install (under a minute through uv) included. A m
 the demo photos and the demo model before the suites, outside their budgets (PREPARE_S, about what that
 takes there), and measures the ceilings (QUICK_S["ceilings"]; read from the cache after: CACHED_S).
 QUICK_S shares the rest among the parts, at most QUICK_LIMIT_S in all, a new suite's share included
-(tests/test_bench_ceilings.py holds them to it). Each share covers the suite's fixed work (the train
+(tests/test_bench_ceilings.py holds them to it). Where a slower machine's first run took so long to
+prepare that the suites' shares would end the report after QUICK_TARGET_S, the suites that size their
+windows by a budget get a cut share of it (`cut_share`, never under QUICK_FLOOR of it). Each share covers the suite's fixed work (the train
 suite's accelerate trials, infer's variants, compress's fine-tune, design's checks), so a share is at
 least what that took; the rest goes to measurement windows.
 """
@@ -22,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 QUICK_LIMIT_S = 325  # every part of `torchspeed bench --quick` together, the ceilings measured
+QUICK_TARGET_S = 540  # all of `torchspeed bench --quick`, a machine's first run included: with the install, 10 minutes
+QUICK_FLOOR = 0.5  # where the first run's preparation took longer, a suite's quick budget is cut to no less than this
 # one-off work before the suites on a machine's first run (cached after): about this long on the slowest machine
 PREPARE_S = {"demo photos": 60, "demo model": 105}
 # seconds per part of `torchspeed bench --quick` and of the full report (the orchestrator's plan and time-left
@@ -30,6 +34,16 @@ QUICK_S = {"ceilings": 20, "data": 45, "train": 75, "gpt": 60, "infer": 70, "com
 FULL_S = {"ceilings": 60, "data": 420, "train": 900, "gpt": 600, "infer": 900, "compress": 600, "design": 180}
 CACHED_S = {"ceilings": 5}
 ENV = "TORCHSPEED_BENCH_BUDGET_S"  # overrides a suite's budget (seconds), e.g. to try a suite quickly
+
+
+def cut_share(budgets_s: float, fixed_s: float, spent_s: float, target_s: float | None = None) -> float:
+    """The share of their budgets (`budgets_s` in all) the suites still to run get, so that the quick report
+    ends by `target_s` (QUICK_TARGET_S) after `spent_s` already spent (a slower machine's first run: the demo photos and
+    model) and `fixed_s` for the parts whose work is fixed: 1 where there is time, never under QUICK_FLOOR."""
+    if budgets_s <= 0:
+        return 1.0
+    target = QUICK_TARGET_S if target_s is None else target_s
+    return max(QUICK_FLOOR, min(1.0, (target - spent_s - fixed_s) / budgets_s))
 
 
 def seconds_for(name: str, quick: bool) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import shutil
@@ -39,7 +40,8 @@ from rich.text import Text
 
 from torchspeed.atomic import write_json
 from torchspeed.bench import suites
-from torchspeed.bench.budget import CACHED_S, PREPARE_S, seconds_for
+from torchspeed.bench import budget
+from torchspeed.bench.budget import CACHED_S, ENV, PREPARE_S, cut_share, seconds_for
 from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, annotate, busy_cores, ceiling_cell, ceiling_rows, load_cached
 from torchspeed.bench.report import (IN_SHORT, WHAT, console_summary, over_budget, over_budget_parts, suite_cells,
                                      write_report)
@@ -72,6 +74,7 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
     `refresh_ceilings`, measured again (keeping the best) otherwise. `verbose`: every suite's table on the
     console too, after the summary."""
     console = console or Console()
+    began = time.perf_counter()
     todo = list(names)
     if any(n in suites.UNDER_CEILINGS for n in todo):  # measured (or read from the cache) before the suites
         todo.insert(0, "ceilings")
@@ -96,10 +99,24 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
         prepared = prepare(preparations(todo, modules, measuring), quick, console)
         if prepared:
             results["prepared"] = prepared
+        budgeted = {n for n in todo if n != "ceilings" and _takes_a_budget(modules[n])}
+        cut_said = False
         for i, name in enumerate(todo, 1):
             mode = quick and not (name == "ceilings" and refresh_ceilings)  # the ceilings measure in full mode
+            budget_s, given = expected[name], None
+            if quick and name in budgeted and not os.environ.get(ENV):
+                share = cut_share(sum(expected[n] for n in todo[i - 1:] if n in budgeted),
+                                  sum(expected[n] for n in todo[i - 1:] if n not in budgeted),
+                                  time.perf_counter() - began)
+                if share < 1:
+                    budget_s = given = expected[name] * share
+                    if not cut_said:
+                        _line(console, f"      the first run took {time.perf_counter() - began:.0f} s to prepare: "
+                                       f"each suite's budget is cut to {share:.0%} so the report ends within about "
+                                       f"{budget.QUICK_TARGET_S / 60:.0f} min")
+                        cut_said = True
             results[name], title = _run_suite(name, modules[name], mode, console, f"[{i}/{len(todo)}]",
-                                              expected[name], sum(expected[n] for n in todo[i:]))
+                                              budget_s, sum(expected[n] for n in todo[i:]), given)
             if name == "ceilings":
                 _print_ceilings_line(results[name], console)
                 continue
@@ -197,10 +214,19 @@ def _phase(console: Console, label: str, budget_s: float, left_after: float) -> 
         yield lambda message: _line(console, f"      {time.perf_counter() - t0:4.0f} s  {message}")
 
 
+def _takes_a_budget(module: Any) -> bool:
+    """Whether a suite sizes its measurement windows by a budget it is given (its `run` takes `budget_s`)."""
+    try:
+        return "budget_s" in inspect.signature(module.run).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str, budget_s: float,
-               left_after: float) -> tuple[dict[str, Any], str]:
+               left_after: float, given_s: float | None = None) -> tuple[dict[str, Any], str]:
     """One suite (or the ceilings) with its phase lines: (its JSON, with its seconds and budget, and its title).
-    `step` is "[i/n]"; `left_after` the budget of the suites still to come, for the time-left estimate."""
+    `step` is "[i/n]"; `left_after` the budget of the suites still to come, for the time-left estimate;
+    `given_s`: a budget the suite is given in place of its own (`budget.cut_share`)."""
     title = getattr(module, "TITLE", name)
     _line(console, f"{step} {name} ({budget_s:.0f} s; about {(budget_s + left_after) / 60:.1f} min left): "
                    f"{IN_SHORT.get(name, title)}", style="bold")
@@ -210,9 +236,9 @@ def _run_suite(name: str, module: Any, quick: bool, console: Console, step: str,
     with _phase(console, f"{name}:", budget_s, left_after) as progress:
         if isinstance(module, ModuleType):
             result, title = run_in_child(name, module.__name__, quick, progress, console, title,
-                                         timeout_s=hang_timeout(budget_s))
+                                         timeout_s=hang_timeout(budget_s), budget_s=given_s)
         else:
-            result = _run_here(module, quick, progress)
+            result = _run_here(module, quick, progress, given_s)
     if "error" in result:
         console.print(Text(f"suite {name} failed: {result['error']}", style="red"))
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -254,9 +280,10 @@ def _print_ceilings_line(result: dict[str, Any], console: Console) -> None:
         console.print(Text(f"Ceilings {result['not_kept']['why']}.", style="yellow"))
 
 
-def _run_here(module: Any, quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
+def _run_here(module: Any, quick: bool, progress: Callable[[str], None], budget_s: float | None = None) -> dict[str, Any]:
     try:
-        return module.run(quick=quick, progress=progress)
+        given = {"budget_s": budget_s} if budget_s is not None else {}
+        return module.run(quick=quick, progress=progress, **given)
     except Exception as e:  # noqa: BLE001 - one suite's failure must not lose the others
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
@@ -275,11 +302,13 @@ def _death(status: int) -> str:
     return f"the suite's process exited with status {status} before it reported (its error output is above)"
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(budget_s: float | None = None) -> dict[str, str]:
     # torch.profiler's Kineto logs every start/stop (and, on a CUDA build without a GPU, an ERROR line) to
     # the console; the report has its own progress lines. Level 6, above USDT (5): Kineto prints nothing; a
     # user's own setting wins. PYTHONFAULTHANDLER: a native crash in the child prints where it happened.
-    return {"KINETO_LOG_LEVEL": "6", **os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1"}
+    # `budget_s`: the suite's budget, cut (`budget.cut_share`), through the variable that overrides it.
+    given = {ENV: f"{budget_s:.1f}"} if budget_s is not None else {}
+    return {"KINETO_LOG_LEVEL": "6", **os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1", **given}
 
 
 def hang_timeout(budget_s: float) -> float:
@@ -289,7 +318,8 @@ def hang_timeout(budget_s: float) -> float:
 
 
 def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[str], None], console: Console,
-                 title: str = "", timeout_s: float | None = None, entry: str = "run") -> tuple[dict[str, Any], str]:
+                 title: str = "", timeout_s: float | None = None, entry: str = "run",
+                 budget_s: float | None = None) -> tuple[dict[str, Any], str]:
     """Run `entry` (a suite's `run`) of the module `module_name` in a fresh Python process: (its JSON, its
     title). Its progress lines drive `progress`, its other output is passed on; a child that dies (a signal,
     an exit without a report) gives a result whose "error" says how; one still running after `timeout_s`
@@ -301,7 +331,7 @@ def run_in_child(name: str, module_name: str, quick: bool, progress: Callable[[s
             "from torchspeed.bench.orchestration import child_main; child_main()")
     argv = [sys.executable, "-c", code, module_name, name, result_path, "quick" if quick else "full", entry]
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=_child_env(),
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=_child_env(budget_s),
                                 start_new_session=True)
         timed_out = threading.Event()
 
