@@ -111,9 +111,8 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
                 if share < 1:
                     budget_s = given = expected[name] * share
                     if not cut_said:
-                        _line(console, f"      the first run took {time.perf_counter() - began:.0f} s to prepare: "
-                                       f"each suite's budget is cut to {share:.0%} so the report ends within about "
-                                       f"{budget.QUICK_TARGET_S / 60:.0f} min")
+                        _line(console, f"      budgets cut to {share:.0%}: {time.perf_counter() - began:.0f} s spent, "
+                                       f"the report ends by {budget.QUICK_TARGET_S / 60:.0f} min")
                         cut_said = True
             results[name], title = _run_suite(name, modules[name], mode, console, f"[{i}/{len(todo)}]",
                                               budget_s, sum(expected[n] for n in todo[i:]), given)
