@@ -148,7 +148,7 @@ def test_a_configuration_measured_over_the_budget_is_left_out(monkeypatch):
     monkeypatch.setattr(SavedByBlock, "freed", lambda self, k: 3 * counted(self, k))  # counts three times too much
     plan = plan_batch(model, opt, batch, budget=budget, effective_batch=32, checkpointing=True, refresh=True)
     assert len(plan.probes) <= 3
-    over = [r for r in plan.table if r.decision.startswith("over the budget as measured")]
+    over = [r for r in plan.table if r.decision.startswith("over the budget: measured")]
     assert over and all(r.measured_peak_bytes > budget * 0.9 >= r.predicted_peak_bytes for r in over)
     kept = next(r for r in plan.table if r.decision == "kept")
     assert kept.measured_peak_bytes <= budget * 0.9 and (plan.micro_batch, plan.checkpointed) == (
@@ -183,6 +183,22 @@ def test_where_one_sample_fits_only_checkpointed_the_plan_says_so_with_its_measu
     assert plan.checkpointed > 0 and plan.micro_batch * plan.accumulation == 16 and len(plan.probes) <= 3
     assert "ms a sample measured (without, not even one sample fits)" in plan.notes[-1]
     assert _checkpointed_peak(model, opt, batch, plan.micro_batch, plan.checkpointed) <= budget
+
+
+def test_where_the_count_overstates_what_checkpointing_frees_a_smaller_micro_batch_is_measured(monkeypatch):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=2, n_embd=64)
+    model, batch = GPT(cfg), random_tokens(16, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    free = plan_batch(model, opt, batch, budget="1GiB", effective_batch=16, checkpointing=False)
+    with SavedByBlock(model, ["transformer.h.0", "transformer.h.1"]) as saved:
+        _xy_step(model, opt, slice_batch(batch, 8))
+    budget = int((free.fixed_bytes + free.per_sample_bytes - saved.freed(1) / 8 / 4) / 0.9)
+    counted = SavedByBlock.freed
+    monkeypatch.setattr(SavedByBlock, "freed", lambda self, k: 3 * counted(self, k))
+    plan = plan_batch(model, opt, batch, budget=budget, effective_batch=16, refresh=True)
+    assert plan.micro_batch == 1 and plan.checkpointed >= 1 and "run to check" in " ".join(plan.notes)
+    assert _checkpointed_peak(model, opt, batch, 1, plan.checkpointed) <= budget * 0.9
 
 
 def test_a_budget_larger_than_the_device_is_one_line():

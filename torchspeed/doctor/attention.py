@@ -178,7 +178,7 @@ class _MaskSeen:
 
     def __init__(self, m: Any, upper: bool):
         ok = isinstance(m, torch.Tensor) and m.dim() >= 2 and m.dtype == torch.bool
-        self.matrix = m.reshape(-1, *m.shape[-2:])[0] if ok else None
+        self.matrix = m[(0,) * (m.dim() - 2)].clone() if ok else None  # a copy: not the whole mask kept alive
         self.upper = upper
 
     def kind(self) -> str:

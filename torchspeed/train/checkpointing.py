@@ -147,6 +147,8 @@ class SavedByBlock:
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
+        self.held = ()  # the batch is not kept alive by the counts (the holders are weak references)
+        self._holders.clear()
 
     def _key(self, t: torch.Tensor, holder: torch.Tensor) -> tuple[tuple[tuple[str, int], int], int] | None:
         """(storage key, bytes) of `t`, `holder` noted as holding it; None for the model's own or the held."""

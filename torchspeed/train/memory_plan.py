@@ -21,7 +21,8 @@ micro-batch with k blocks checkpointed, a smaller one with more accumulation) ar
 first step, the warm-up its timing needs anyway, is measured, those whose peak is under the budget less
 its margin are timed per sample, and the fastest is kept; a configuration measured over it is left out
 (the peak can move where the count does not see it: into the backward, where weight gradients pile
-up). The plan is remembered like the other measured decisions (`remembered.recall_or_measure`). Where
+up). Wherever a prediction missed, the choice made again is run too, and a smaller micro-batch while it
+is over (`_checked`, at most CHECKS steps): the configuration kept always had its own step measured. The plan is remembered like the other measured decisions (`remembered.recall_or_measure`). Where
 nothing fits on one process, sharding (FSDP) is named with its predicted share; under torchrun, where
 nothing fits any rank, a sharded copy is probed and timed. Under torchrun every rank plans and all take
 the smallest micro-batch.
@@ -64,6 +65,7 @@ class NothingFits(ValueError):
     """No micro-batch fits the budget on this process (even with every repeated block checkpointed)."""
 
 
+PLANNER = 2  # in the remembered plan's key: plans of an earlier planner (checkpointed rows never measured) are made again
 LINEAR_TOLERANCE = 0.10  # the third probe's peak this far off the line: memory does not grow linearly
 
 
@@ -220,6 +222,7 @@ class _Prober:
         self.call = StepCall.of(model, batch, fmt, loss_fn)
         self.rows: list[ProbeRow] = []
         self.saved: dict[int, SavedByBlock] = {}  # micro-batch -> what its probe counted for checkpointing
+        self.checked: dict[tuple[int, int], dict[str, int] | None] = {}  # (micro-batch, blocks) -> phases measured
         self.source = ""
 
     def step(self, micro: int) -> Callable[[], None]:
@@ -272,6 +275,7 @@ class _Prober:
             phases = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+        self.checked[(micro, checkpointed)] = phases
         if record:
             self.rows.append(ProbeRow(micro, None if phases is None else phases["step"], checkpointed,
                                       None if predicted is None else int(predicted)))
@@ -431,7 +435,7 @@ def plan_batch(model: nn.Module, optimizer: torch.optim.Optimizer | None, exampl
         parts = {"model": remembered.model_fingerprint(model), "batch": remembered.shapes_of(example_batch),
                  "optimizer": None if optimizer is None else type(optimizer).__qualname__, "budget": budget_bytes,
                  "margin": margin, "effective_batch": effective, "precision": precision, "device": dev.type,
-                 "checkpointing": str(checkpointing), "world_size": ranks.env().world_size}
+                 "checkpointing": str(checkpointing), "world_size": ranks.env().world_size, "planner": PLANNER}
 
         def measure_plan() -> MemoryPlanResult:
             with trial_state_kept(model, optimizer):
@@ -533,25 +537,37 @@ def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, m
                 plan.notes.append("no configuration predicted to fit measured under the budget: "
                                   + "; ".join(f"{r.micro_batch} x {r.accumulation} ({r.checkpointed} checkpointed) "
                                               f"{_measured(r)}" for r in plan.table))
-        elif plan.table:  # one plain configuration: its line is checked below
-            plan.table[0].decision = "kept"
     if chosen is None:
         third = _third_probe(micro, b1, b2, predict, usable)
         if third is not None and third not in (b1, b2):
             expected = predict(third)
-            p3 = prober.probe(third, predicted=expected)
+            seen = (third, 0) in prober.checked  # its step was measured as a configuration: not run again
+            p3 = prober.checked[(third, 0)] if seen else prober.probe(third, predicted=expected)
             if p3 is None or abs(p3["step"] - expected) > LINEAR_TOLERANCE * expected or p3["step"] > usable:
                 plan.notes.append(_corrected(p3, expected, third, usable, fits, b1, p1, b2, p2))
                 plan.linear = plan.linear and p3 is not None and abs(p3["step"] - expected) <= LINEAR_TOLERANCE * expected
                 log.warning("memory plan: %s", plan.notes[-1])
         micro, k = _largest_fit(predict, usable, effective), 0
+        if micro is None and plan.table:  # the plain line fits nothing: the most blocks checkpointed, smaller
+            k = max(r.checkpointed for r in plan.table)
+            micro = _largest_fit(lambda d: predict(d, k), usable, effective)
+        if micro is not None:
+            micro = _checked(prober, micro, k, usable, effective, plan.notes)
+            if micro is None:
+                plan.probes = prober.rows
+                raise NothingFits(f"memory budget {format_bytes(budget)} (less its {margin:.0%} margin): no "
+                                  f"micro-batch measured under it ({'; '.join(plan.notes)}); give a larger budget")
+        for r in plan.table:
+            r.decision = "kept" if (r.micro_batch, r.checkpointed) == (micro, k) else r.decision or "over the budget"
     else:
         micro, k = chosen.micro_batch, chosen.checkpointed
     plan.probes = prober.rows
     if micro is None:
         raise NothingFits(_nothing_fits(plan, prober, blocks, checkpointing))
     plan.micro_batch, plan.accumulation, plan.checkpointed = micro, effective // micro, k
-    plan.predicted_peak_bytes, plan.checkpointed_names = int(predict(micro, k)), blocks[:k]
+    measured = prober.checked.get((micro, k))  # where its step ran, the plan says no less than it measured
+    plan.predicted_peak_bytes = max(int(predict(micro, k)), measured["step"] if measured else 0)
+    plan.checkpointed_names = blocks[:k]
     if k:
         speed = f", {chosen.sample_s * 1e3:.2f} ms a sample measured" if chosen and chosen.sample_s else ""
         plain = "" if any(r.checkpointed == 0 for r in plan.table) else " (without, not even one sample fits)"
@@ -627,8 +643,40 @@ def _configs(predict: Callable[..., float], usable: float, effective: int, block
     return [PlanRow(m, effective // m, k, int(predict(m, k))) for m, k in sorted(configs.items())]
 
 
+CHECKS = 3  # steps run to find a micro-batch under the budget where a prediction missed
+
+
+def _checked(prober: _Prober, micro: int, k: int, usable: float, effective: int, notes: list[str]) -> int | None:
+    """`micro` with `k` blocks checkpointed, its step measured where none was (a choice made after a miss);
+    while over `usable`, a smaller divisor of `effective` (the largest the line through the last two steps
+    measured predicts under it, else the next smaller), at most CHECKS steps in all: the first measured
+    under it, or None. A line in `notes` for each step run here."""
+    points: list[tuple[int, int]] = []
+    d: int | None = micro
+    for _ in range(CHECKS):
+        assert d is not None
+        known = (d, k) in prober.checked
+        phases = prober.checked[(d, k)] if known else prober.probe(d, k, record=False)
+        peak = None if phases is None else phases["step"]
+        if not known:
+            notes.append(f"micro-batch {d}{f' with {k} blocks checkpointed' if k else ''} run to check: "
+                         + ("out of memory" if peak is None else f"measured {format_bytes(peak)}"))
+        if peak is not None and peak <= usable:
+            return d
+        smaller = [x for x in _divisors(effective) if x < d]
+        if not smaller:
+            return None
+        if peak is not None:
+            points.append((d, peak))
+        line = _Line.through(points[-2], points[-1]) if len(points) >= 2 else None
+        fit = [x for x in smaller if line is not None and line.at(x) <= usable]
+        d = max(fit) if fit else (min(smaller) if line is not None else max(smaller))
+    return None
+
+
 def _measured(row: PlanRow) -> str:
-    return "out of memory" if row.measured_peak_bytes is None else f"measured {format_bytes(row.measured_peak_bytes)}"
+    return ("out of memory in its first step" if row.measured_peak_bytes is None
+            else f"measured {format_bytes(row.measured_peak_bytes)}")
 
 
 def _measure_configs(prober: _Prober, rows: list[PlanRow], usable: float) -> PlanRow | None:
@@ -654,5 +702,5 @@ def _measure_configs(prober: _Prober, rows: list[PlanRow], usable: float) -> Pla
     best = min(fitting, key=lambda r: r.sample_s or math.inf, default=None)
     for r in rows:
         r.decision = ("kept" if r is best else "slower per sample" if r in fitting
-                      else f"over the budget as {_measured(r)}")
+                      else f"over the budget: {_measured(r)}")
     return best
