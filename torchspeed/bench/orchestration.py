@@ -103,7 +103,7 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
         cut_said = False
         for i, name in enumerate(todo, 1):
             mode = quick and not (name == "ceilings" and refresh_ceilings)  # the ceilings measure in full mode
-            budget_s, given = expected[name], None
+            budget_s, given, share = expected[name], None, 1.0
             if quick and name in budgeted and not os.environ.get(ENV):
                 share = cut_share(sum(expected[n] for n in todo[i - 1:] if n in budgeted),
                                   sum(expected[n] for n in todo[i - 1:] if n not in budgeted),
@@ -114,8 +114,9 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
                         _line(console, f"      budgets cut to {share:.0%}: {time.perf_counter() - began:.0f} s spent, "
                                        f"the report ends by {budget.QUICK_TARGET_S / 60:.0f} min")
                         cut_said = True
+            left_after = sum(expected[n] * (share if n in budgeted else 1.0) for n in todo[i:])
             results[name], title = _run_suite(name, modules[name], mode, console, f"[{i}/{len(todo)}]",
-                                              budget_s, sum(expected[n] for n in todo[i:]), given)
+                                              budget_s, left_after, given)
             if name == "ceilings":
                 _print_ceilings_line(results[name], console)
                 continue
