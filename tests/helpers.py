@@ -13,6 +13,9 @@ import threading
 import time
 import types
 from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 import torch
 from torch import nn
@@ -104,3 +107,20 @@ def fake_clock(monkeypatch, *modules: types.ModuleType, clock: FakeClock | None 
     for module in modules:
         monkeypatch.setattr(module, "time", clock)
     return clock
+
+
+def cpu_torchrun(code: str, folder: Path, *args: object, name: str = "script.py", nproc: int = 2,
+                 timeout: float = 240) -> subprocess.CompletedProcess:
+    """`code` written to `folder/name` and run by torchrun as `nproc` CPU ranks (gloo, one thread each, no GPU
+    seen) with `folder` and `args` as its arguments; a hang or a failing rank fails the test with its stderr."""
+    script = Path(folder) / name
+    script.write_text(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           str(folder), *map(str, args)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc

@@ -3,11 +3,9 @@ trial compiled is the one that trains (no second compile around the wrapper), an
 a trial compiles the inner model once. torchrun on the CPU (gloo, 2 ranks); torch.compile counted with a
 backend that records each graph it is handed."""
 import json
-import os
-import subprocess
-import sys
 
-import pytest
+from helpers import cpu_torchrun
+
 
 SCRIPT = r'''
 import json, os, sys
@@ -69,16 +67,7 @@ dist.destroy_process_group()
 
 
 def test_ddp_trains_the_graph_the_compile_trial_compiled(tmp_path):
-    script = tmp_path / "ddp_compile.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    cpu_torchrun(SCRIPT, tmp_path, name="ddp_compile.py")
     r0, r1 = (json.loads((tmp_path / f"compile_{r}.json").read_text()) for r in (0, 1))
     for ranked in (r0, r1):
         trial, given = ranked["trial"], ranked["given"]

@@ -170,18 +170,23 @@ def _loop(model, opt, loader, epochs=3):
     return run
 
 
-def test_doctor_measures_memory_in_its_own_step_left_out_of_the_time_figures():
-    model, loader = tiny_convnet(batchnorm=True), separable_loader(96, 16)
-    opt = torch.optim.Adam(model.parameters())
-    rec = Recorder(max_steps=6, memory=True)
+def _recorded(model, opt, loader, max_steps):
+    """What doctor's recorder (memory on) keeps of `_loop` stopped after `max_steps` steps."""
+    rec = Recorder(max_steps=max_steps, memory=True)
     rec.install()
     try:
         _loop(model, opt, loader)()
-    except SystemExit:
+    except SystemExit:  # the recorder ends the script after max_steps
         pass
     finally:
         rec.uninstall()
-    raw = json.loads(json.dumps(rec.results()))  # the record crosses to the parent as JSON
+    return rec.results()
+
+
+def test_doctor_measures_memory_in_its_own_step_left_out_of_the_time_figures():
+    model, loader = tiny_convnet(batchnorm=True), separable_loader(96, 16)
+    opt = torch.optim.Adam(model.parameters())
+    raw = json.loads(json.dumps(_recorded(model, opt, loader, 6)))  # the record crosses to the parent as JSON
     m = raw["memory"]
     assert m["step"] == 3 and m["source"] == CPU_ALLOCATOR  # CPU: the profiler runs from step 2
     assert sum(m["parts"].values()) == m["peak_bytes"] > 0
@@ -201,15 +206,7 @@ def test_doctor_measures_memory_in_its_own_step_left_out_of_the_time_figures():
 def test_a_script_shorter_than_the_memory_step_says_so():
     model, loader = tiny_convnet(), separable_loader(32, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = Recorder(max_steps=1, memory=True)
-    rec.install()
-    try:
-        _loop(model, opt, loader)()
-    except SystemExit:
-        pass
-    finally:
-        rec.uninstall()
-    raw = rec.results()
+    raw = _recorded(model, opt, loader, 1)
     assert "the script ran 1" in raw["memory"]["skipped"] and not any(w.get("memory") for w in raw["windows"])
     assert "not measured" in format_profile({**build_payload(raw, ["python", "t.py"], 0), "steps": 1})
 

@@ -3,11 +3,10 @@ only when it still decodes, a damaged entry is measured again, a busy or empty m
 kept, and under torchrun rank 0's memory is every rank's (ranks.broadcast_json)."""
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import cpu_torchrun
 
 from torchspeed import remembered
 from torchspeed.ranks import DistEnv, env, world
@@ -111,12 +110,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_under_torchrun_rank_0s_memory_is_every_ranks(tmp_path):
-    script = tmp_path / "recall.py"
-    script.write_text(SCRIPT)
-    env_vars = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=240, env=env_vars)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cpu_torchrun(SCRIPT, tmp_path, name="recall.py")
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(d["rank"] for d in lines) == [0, 1]
     for d in lines:  # rank 1 had no memory of its own: it took rank 0's and measured nothing

@@ -6,11 +6,10 @@ GPU is visible to it, device='cpu'), a bounded timeout. Device selection under t
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import cpu_torchrun
 from torch import nn
 
 from torchspeed.train import Trainer, distributed
@@ -118,16 +117,7 @@ def _data(n=64, batch=16):
 
 
 def test_torchrun_ddp_and_fsdp_on_cpu(tmp_path):
-    script = tmp_path / "dist_train.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo, whatever the machine
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    cpu_torchrun(SCRIPT, tmp_path, name="dist_train.py", timeout=300)  # CPU and gloo, whatever the machine
 
     # DDP with 2 x 8 per rank == one process with batch 16 (gradients averaged over the same 16 samples)
     model = _net()

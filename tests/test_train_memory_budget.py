@@ -3,14 +3,11 @@ the accumulation that keeps --batch-size per optimizer step; a short last group 
 its own micro-batches; an out-of-memory error in training names its phase and the planner's suggestion;
 under torchrun (2 ranks, gloo) every rank takes the smallest micro-batch."""
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import separable_loader, tiny_convnet
+from helpers import cpu_torchrun, separable_loader, tiny_convnet
 from torch import nn
 
 from torchspeed.cli import main
@@ -202,16 +199,7 @@ dist.destroy_process_group()
 
 def test_every_rank_takes_the_smallest_micro_batch_under_torchrun(tmp_path):
     roomy, tight = _budget_for(8.5, 8), _budget_for(3, 8)  # rank 0 fits 8 samples, rank 1 only 2 of the divisors
-    script = tmp_path / "plan_ranks.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path), str(roomy), str(tight)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    cpu_torchrun(SCRIPT, tmp_path, roomy, tight, name="plan_ranks.py")
     r0, r1 = (json.loads((tmp_path / f"plan_{r}.json").read_text()) for r in (0, 1))
     assert (r0["micro_batch"], r0["accumulation"]) == (r1["micro_batch"], r1["accumulation"]) == (2, 4)
     assert r0["effective_batch"] == r1["effective_batch"] == 8
@@ -223,16 +211,7 @@ def test_every_rank_takes_the_smallest_micro_batch_under_torchrun(tmp_path):
 def test_a_rank_whose_budget_fits_nothing_stops_every_rank_with_one_line(tmp_path):
     """Under torchrun a rank whose budget fits nothing raises its one line, and the ranks that did plan raise
     one naming it, instead of waiting for it in the agreement on the micro-batch."""
-    script = tmp_path / "plan_ranks.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path), str(_budget_for(8.5, 8)), "1000"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    cpu_torchrun(SCRIPT, tmp_path, _budget_for(8.5, 8), 1000, name="plan_ranks.py")
     e0, e1 = ((tmp_path / f"error_{r}.txt").read_text() for r in (0, 1))
     assert e0.startswith("rank 1 could not plan a micro-batch") and "\n" not in e0
     assert "memory budget" in e1 and "\n" not in e1 and not (tmp_path / "plan_0.json").exists()
@@ -271,16 +250,7 @@ def test_where_no_rank_fits_one_sample_sharding_is_measured(tmp_path):
     """Under torchrun, when one sample fits no rank, the model sharded over the ranks (FSDP, on a copy) is
     probed and timed: every rank's one line says which micro-batch fits sharded and at what measured speed,
     and the caller's model and optimizer are left as found."""
-    script = tmp_path / "sharded.py"
-    script.write_text(SHARDED)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path), str(100_000_000)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun hung (killed after {e.timeout} s): {e.stderr!r:.2000}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    cpu_torchrun(SHARDED, tmp_path, 100_000_000, name="sharded.py")
     lines = [(tmp_path / f"sharded_{r}.txt").read_text().splitlines() for r in (0, 1)]
     fits = []
     for msg, same in lines:
