@@ -15,7 +15,7 @@ import torch
 from helpers import two_stage_convnet
 
 from torchspeed.bench import ceilings
-from torchspeed.doctor.recorder import timeline_phases
+from torchspeed.doctor.recorder import step_on_timeline
 from torchspeed.infer import providers, runners
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -154,12 +154,26 @@ def test_phases_are_read_on_the_device_timeline():
     # marks: (time on the device, phase running from it); the forward's kernels ran 0.3 s after the host
     # had left forward, while the host waited in "other"
     marks = [(0.0, "data"), (0.1, "forward"), (0.5, "backward"), (0.7, None), (0.9, "optimizer"), (1.0, None)]
-    ph = timeline_phases(marks, lambda a, b: b - a, wall=1.05)
+    [ph] = step_on_timeline([(marks, 1.05)], lambda a, b: b - a)
     assert ph["data"] == pytest.approx(0.1) and ph["forward"] == pytest.approx(0.4)
     assert ph["backward"] == pytest.approx(0.2) and ph["optimizer"] == pytest.approx(0.1)
     assert ph["other"] == pytest.approx(0.25)  # the unmarked 0.2 s plus the host's 0.05 s after the device
-    squeezed = timeline_phases(marks, lambda a, b: b - a, wall=0.5)  # the device's clock read longer
+    [squeezed] = step_on_timeline([(marks, 0.5)], lambda a, b: b - a)  # the device's clock read longer
     assert sum(v for k, v in squeezed.items() if k != "other") == pytest.approx(0.5) and squeezed["other"] == 0
+
+
+def test_a_stall_queued_in_one_segment_is_charged_there_though_the_host_waits_in_the_next():
+    # forward queues 0.25 s of GPU work and returns; backward's segment ends after 0.03 s on the host; the
+    # optimizer's segment waits 0.25 s at the step's sync. Read segment by segment, forward would be cut to
+    # its segment's 0.03 s wall.
+    first = [(0.0, "data"), (0.01, "forward"), (0.26, "backward"), (0.27, None)]
+    second = [(0.27, "optimizer"), (0.28, None)]
+    a, b = step_on_timeline([(first, 0.03), (second, 0.26)], lambda x, y: y - x)
+    assert a["forward"] == pytest.approx(0.25) and a["backward"] == pytest.approx(0.01)
+    assert b["optimizer"] == pytest.approx(0.01)
+    total = sum(a.values()) + sum(b.values())
+    assert total == pytest.approx(0.29) and a["other"] + b["other"] == pytest.approx(0.01)
+    assert a["other"] == 0  # the host's wait was in the second segment
 
 
 def test_profile_busy_share_is_not_diluted_by_the_profilers_start_up(monkeypatch):

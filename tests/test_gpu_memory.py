@@ -1,5 +1,7 @@
 """Memory on a GPU (`pytest -m gpu`): the planner's predicted peak against the peak CUDA's caching allocator
 reads for a real step (plain and with blocks checkpointed), and doctor's breakdown read from that allocator."""
+import gc
+
 import pytest
 import torch
 import torchvision
@@ -26,6 +28,7 @@ def _step(model, optimizer, part):
 
 def _measured(model, optimizer, batch, micro, checkpointed=0):
     part = slice_batch(batch, micro)
+    gc.collect()  # as the planner does before its probes: the allocator's peak counts garbage too
     with blocks_checkpointed(model, checkpointed):
         _step(model, optimizer, part)  # the optimizer's state made
         watch = MemoryWatch("cuda", held=(model, optimizer))
@@ -59,7 +62,8 @@ def test_the_plan_predicts_the_cuda_allocators_peak_within_ten_percent(build):
     assert plan.source == CUDA_ALLOCATOR and len(plan.probes) <= 3
     assert plan.micro_batch * plan.accumulation == 256
     measured = _measured(model, opt, batch, plan.micro_batch)
-    assert abs(plan.predicted_peak_bytes - measured) <= 0.1 * measured and measured <= budget
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.1 * measured and measured <= budget, (
+        plan.predicted_peak_bytes, measured, budget, plan.probes)
 
 
 def test_a_checkpointed_plan_on_cuda_stays_under_its_budget():
@@ -68,7 +72,7 @@ def test_a_checkpointed_plan_on_cuda_stays_under_its_budget():
     budget = int((free.fixed_bytes + free.per_sample_bytes * 24) / 0.9)
     plan = plan_batch(model, opt, batch, budget=budget, effective_batch=256, device="cuda", checkpointing=True,
                       refresh=True)
-    assert len(plan.probes) <= 3 and sum(r.decision == "kept" for r in plan.table) == 1
+    assert len(plan.probes) <= 3 and sum(r.decision == "kept" for r in plan.table) == 1, (plan.probes, plan.notes)
     measured = _measured(model, opt, batch, plan.micro_batch, plan.checkpointed)
     assert abs(plan.predicted_peak_bytes - measured) <= 0.1 * measured and measured <= budget * 0.9
 

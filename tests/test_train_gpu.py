@@ -136,8 +136,11 @@ def test_fp16_fused_and_unfused_optimizers_agree(opt_cls):
                         tr.acc.scaler.get_scale()))
     (a, skipped_a, scale_a), (b, skipped_b, scale_b) = results
     assert skipped_a == skipped_b and scale_a == scale_b
+    # Adam divides by the gradient's running size, so a rounding difference in a near-zero gradient can move
+    # a weight by a fraction of the step: agreement within a tenth of one step (lr) there, tighter for SGD
+    atol = 1e-3 if opt_cls is torch.optim.AdamW else 1e-5
     for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=atol)
 
 
 def test_fp16_checkpoint_resume_is_bit_exact_with_the_same_scale(tmp_path, monkeypatch):

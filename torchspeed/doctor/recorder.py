@@ -8,7 +8,7 @@ an optimizer step (gradient accumulation is one step), or up to a backward in a 
 torch.optim optimizer (manual `p.data` updates); with a step limit the script is stopped after that
 many. On CUDA each phase change records an event on the loop's current stream (no host sync) and each
 step's end synchronises once (a backward that does not end the step waits for it: its segment's phases
-are read then); a step's phases are read on the GPU's timeline (`timeline_phases`), so queued GPU work is
+are read then); a step's phases are read on the GPU's timeline (`step_on_timeline`), so queued GPU work is
 charged to the phase that queued it. Nothing else reads a CUDA tensor's value while the loop runs: the
 first batches' fingerprints and statistics and the loss-input check are kept on the device and read
 after the run.
@@ -47,7 +47,7 @@ from torchspeed.doctor.phases import EXTRA_PHASES, PHASES, PhaseClock
 from torchspeed.measure import PeakMemory
 from torchspeed.runtime import FLOAT_PRECISIONS, default_precision, precision_dtype
 
-__all__ = ["KEEP_LOSSES", "TRACE_STEPS", "Recorder", "StopScript", "image_moments", "image_stats", "timeline_phases"]
+__all__ = ["KEEP_LOSSES", "TRACE_STEPS", "Recorder", "StopScript", "image_moments", "image_stats", "step_on_timeline"]
 
 KEEP_LOSSES = 5  # first losses (and batch fingerprints) kept for the numerics check
 TOKEN_BATCHES = 32  # token batches whose padding is read
@@ -433,9 +433,11 @@ class Recorder:
             raise StopScript()
 
     def _read_timelines(self) -> None:
-        """The phases of the segments whose marks the last sync reached, on the GPU's timeline."""
-        for seg, marks in self._unread:
-            seg["phases"] = timeline_phases(marks, lambda a, b: a.elapsed_time(b) / 1e3, seg["wall"])
+        """The phases of the segments whose marks the last sync reached (one step's), on the GPU's timeline."""
+        phases = step_on_timeline([(marks, seg["wall"]) for seg, marks in self._unread],
+                                  lambda a, b: a.elapsed_time(b) / 1e3)
+        for (seg, _), read in zip(self._unread, phases):
+            seg["phases"] = read
         self._unread.clear()
 
     def _memory_tick(self) -> None:
@@ -636,21 +638,31 @@ class _Phase:
         self.rec.exit()
 
 
-def timeline_phases(marks: list[tuple[Any, str | None]], seconds_between: Callable[[Any, Any], float],
-                    wall: float) -> dict[str, float]:
-    """A step's seconds per phase on the device's timeline: between consecutive marks (each a point
-    where the running phase changed, with the phase running from it; None: no phase), the time goes to
-    that phase; `other` is the rest of `wall`. Shares are kept and scaled to `wall` should the device's
-    clock read a little longer than the host's."""
-    out = dict.fromkeys(PHASES[:-1] + EXTRA_PHASES, 0.0)
-    for (a, phase), (b, _) in zip(marks, marks[1:]):
-        if phase is not None:
-            out[phase] = out.get(phase, 0.0) + max(0.0, seconds_between(a, b))
-    busy = sum(out.values())
-    if busy > wall > 0:
-        out = {k: v * wall / busy for k, v in out.items()}
-        busy = wall
-    out["other"] = max(0.0, wall - busy)
+def step_on_timeline(segments: list[tuple[list[tuple[Any, str | None]], float]],
+                     seconds_between: Callable[[Any, Any], float]) -> list[dict[str, float]]:
+    """Per segment of one step ((marks, host wall) each), its seconds per phase on the device's timeline:
+    between consecutive marks (each a point where the running phase changed, with the phase running from
+    it; None: no phase), the time goes to that phase. The step is read as a whole: work a segment queued
+    runs on while the host is in the next (a forward's kernels still running when the host waits at the
+    step's end), so the device's time is set against the step's wall, not each segment's. `other` is the
+    rest of the wall, shared by the segments where the host waited beyond its device time; shares are kept
+    and scaled to the wall should the device's clock read a little longer than the host's."""
+    out = []
+    for marks, _ in segments:
+        phases = dict.fromkeys(PHASES[:-1] + EXTRA_PHASES, 0.0)
+        for (a, phase), (b, _) in zip(marks, marks[1:]):
+            if phase is not None:
+                phases[phase] = phases.get(phase, 0.0) + max(0.0, seconds_between(a, b))
+        out.append(phases)
+    wall = sum(w for _, w in segments)
+    busy = sum(sum(p.values()) for p in out)
+    scale = wall / busy if busy > wall > 0 else 1.0
+    slack = [max(0.0, w - sum(p.values()) * scale) for (_, w), p in zip(segments, out)]
+    other = max(0.0, wall - busy) if scale == 1.0 else 0.0
+    for phases, waited in zip(out, slack):
+        for k in phases:
+            phases[k] *= scale
+        phases["other"] = other * (waited / sum(slack) if sum(slack) > 0 else 1 / len(out))
     return out
 
 

@@ -288,8 +288,9 @@ def skip_reason(variant: Variant, machine: Machine, model: ModelFacts, runtimes:
             return "runtime not requested"
         if precisions is not None and variant.precision_key not in precisions:
             return "precision not requested"
-        if machine.runtimes.get(variant.runtime_key):
-            return machine.runtimes[variant.runtime_key]
+        if machine.runtimes.get(variant.runtime_key):  # not installed, or unusable here; but a runtime that
+            # would not run anyway (a CPU runtime for a model on a GPU) says why, not how to install it
+            return variant.applicable(machine, model) or machine.runtimes[variant.runtime_key]
         if precisions is None:
             reason = _auto_precision_skip(variant.precision_key, machine, model)
             if reason:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import inspect
 import logging
 import math
@@ -254,6 +255,8 @@ class _Prober:
         for more than it predicts to fit). `record`: a probe step of the plan (`rows`), not a check of a
         configuration's own step."""
         phases: dict[str, int] | None
+        if self.device.type == "cuda":  # the allocator's peak counts all the process holds: garbage (an earlier
+            gc.collect()                # model's cycles) freed between two probes would tilt the line
         state = self._state_bytes()
         try:
             with blocks_checkpointed(self.model, checkpointed):
