@@ -279,3 +279,30 @@ def test_the_train_goal_judges_a_bf16_step_against_the_bf16_ceiling():
     assert lim["measured"] == "bf16: 160 of 200 GFLOP/s (80%)" and lim["met"] is True  # 160% of fp32's: not the question
     assert "(bf16)" in lim["goal"]
     assert _train_limit(160.0, 1e9, {"fp32": 100.0}, None, None, "bf16")["met"] is None
+
+
+def test_the_train_suite_on_a_gpu_is_judged_against_the_gpus_ceilings():
+    from torchspeed.bench.suites.train import _train_limit, precision_ceilings
+
+    items = {"fp32": {"value": 1385.0}, "bf16": {"value": 4245.0}, "gpu_tf32": {"value": 396985.0},
+             "gpu_bf16": {"value": 768744.0}, "gpu_fp16": {"value": 745182.0}}
+    names, values = precision_ceilings("cuda", items)
+    assert values == {"fp32": 396985.0, "bf16": 768744.0, "fp16": 745182.0}  # never the CPU's 1385
+    lim = _train_limit(4072.0, 3.476e9, values, None, None, "fp32", names)
+    assert lim["measured"] == "gpu_tf32: 14154 of 396985 GFLOP/s (4%)" and lim["met"] is False
+    assert "(gpu_tf32)" in lim["goal"]
+    assert precision_ceilings("cpu", items) == ({"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"},
+                                                {"fp32": 1385.0, "bf16": 4245.0, "fp16": None})
+
+
+def test_a_cpu_suite_says_so_where_a_gpu_is_present(monkeypatch):
+    import torch
+
+    from torchspeed.bench.suite_kit import cpu_suite_notes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cpu_suite_notes() == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    [note] = cpu_suite_notes()
+    assert note.startswith("measured on the CPU") and "NVIDIA H200" in note and "not used" in note

@@ -86,3 +86,15 @@ def test_doctor_reads_where_a_steps_memory_goes_from_the_cuda_allocator():
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert m["source"] == CUDA_ALLOCATOR and sum(m["parts"].values()) == m["peak_bytes"]
     assert m["parts"]["parameters"] == params and m["parts"]["optimizer_state"] >= 2 * params
+
+
+def test_trial_steps_keep_their_copy_of_the_state_off_the_gpu():
+    from torchspeed.train.step_timer import trial_state_kept
+
+    model, opt, _ = _resnet()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    before = torch.cuda.memory_allocated()
+    with trial_state_kept(model, opt):
+        inside = torch.cuda.memory_allocated()  # a copy on the GPU would count in every probe measured here
+    assert inside - before < weights / 10
+    assert next(model.parameters()).is_cuda

@@ -443,3 +443,30 @@ def test_step_reports_a_step_the_grad_scaler_skipped(fused):
     assert acc.scaler.get_scale() == 8.0 and all(p.grad is None for p in model.parameters())
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)
+
+
+def test_trial_steps_leave_weights_statistics_momentum_and_rng_as_they_were():
+    from torchspeed.train.step_timer import trial_state_kept
+
+    torch.manual_seed(0)
+    model = tiny_convnet(classes=4, width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()  # momentum to keep
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    with trial_state_kept(model, opt):
+        assert model.training
+        for _ in range(2):
+            nn.functional.cross_entropy(model(torch.randn(8, 3, 16, 16)), y).backward()
+            opt.step()
+        assert not torch.equal(next(model.parameters()), before[next(iter(before))])
+    assert not model.training and all(p.grad is None for p in model.parameters())
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momentum))
+    assert torch.equal(torch.get_rng_state(), rng)

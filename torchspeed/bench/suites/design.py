@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchspeed.bench.rows import Row, to_json
+from torchspeed.bench.suite_kit import cpu_suite_notes
 
 TITLE = "Design rules (ShuffleNet V2 G1-G4): measured time at equal FLOPs"
 
@@ -121,7 +122,8 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
             "settings": {"batch": batch, "spatial": hw, "blocks": 10, "dtype": "float32", "mode": "inference",
                          "threads": torch.get_num_threads(), "repeats": reps, "quick": quick},
             "notes": [f"{k.upper()} ({v['guideline']}): paper says {v['paper']}; "
-                      f"{'holds' if v['holds'] else 'does NOT hold'} on this machine" for k, v in experiments.items()],
+                      f"{'holds' if v['holds'] else 'does NOT hold'} on this machine" for k, v in experiments.items()]
+            + cpu_suite_notes(),
         }
     finally:
         torch.set_num_threads(threads)

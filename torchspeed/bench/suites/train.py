@@ -359,6 +359,15 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False, budget_s: fl
     return suite.finish()
 
 
+def precision_ceilings(device_type: str, items: dict[str, Any]) -> tuple[dict[str, str], dict[str, float | None]]:
+    """Per precision, the ceiling a step on `device_type` is judged against (a GPU's own there, never the
+    CPU's) and its GFLOP/s from the cached `items` (None: not measured)."""
+    from torchspeed.bench.ceilings import gpu_ceiling
+
+    names = {p: gpu_ceiling(p) if device_type == "cuda" else p for p in FLOAT_PRECISIONS}
+    return names, {p: (items.get(name) or {}).get("value") for p, name in names.items()}
+
+
 def _mixed_precision(device: Any, items: dict[str, Any], fp32_ceiling: float | None) -> tuple[str, bool, str]:
     """(the mixed precision to try, whether this machine only emulates it, why it is not run if so)."""
     from torchspeed.bench.ceilings import PRECISION_CEILING
@@ -413,7 +422,7 @@ class _TrainSuite:
         # the suite measures the CPU path here; CUDA runs use the same code
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         items = (ceil.load_cached(describe()) or {}).get("items", {})
-        self.ceilings = {p: (items.get(p) or {}).get("value") for p in FLOAT_PRECISIONS}  # GFLOP/s per precision
+        self.ceiling_names, self.ceilings = precision_ceilings(self.device.type, items)
         self.fp32_ceiling = self.ceilings["fp32"]
         self.mixed, self.emulated, self.emulated_why = _mixed_precision(self.device, items, self.fp32_ceiling)
         self.rows: list[Row] = []
@@ -707,7 +716,7 @@ class _TrainSuite:
             self.results["step_profile"] = dict(step_profile(m, o, x0, self.batches[0][1], self.per_op,
                                                              self.fp32_ceiling), layout=layout)
             if not self.quick or self.budget.allows(6 * step_s):
-                self.say("timing each convolution of the step alone (the bound oneDNN sets at these shapes)")
+                self.say("timing each convolution of the step alone (the bound its library sets at these shapes)")
                 self.results["step_profile"]["conv_bound"] = conv_bound(m, x0, self.fp32_ceiling,
                                                                         repeats=1 if self.quick else 3)
         self.windows.finish("profile")
@@ -813,27 +822,30 @@ class _TrainSuite:
                      "budget")
         notes.append(f"FLOPs per training sample (forward + backward, torch.utils.flop_counter): {self.flops / 1e9:.2f} G")
         results["limits"] = [_train_limit(auto, self.flops, self.ceilings, results.get("step_profile"), self.rep,
-                                          self.auto_prec)]
+                                          self.auto_prec, self.ceiling_names)]
         results["notes"] = notes
         return results
 
 
 def _train_limit(auto: float, flops: float, ceilings: dict[str, float | None], profile: dict[str, Any] | None,
-                 rep: Any, precision: str) -> dict[str, Any]:
+                 rep: Any, precision: str, names: dict[str, str] | None = None) -> dict[str, Any]:
     """The train goal (the chosen step at >= 75% of the GEMM ceiling of the precision it runs) and, from
-    the profile of an fp32 step, why not."""
+    the profile of an fp32 step, why not. `names`: the ceiling each precision is judged against (a GPU's
+    own: gpu_tf32 for fp32); `ceilings` holds their values."""
+    names = names or {}
     achieved = auto * flops / 1e9
     ceiling, fp32_ceiling = ceilings.get(precision), ceilings.get("fp32")
-    lim: dict[str, Any] = {"goal": f"ResNet-18 training step >= 75% of the GEMM ceiling of its precision ({precision})",
-                           "measured": (f"{precision}: {achieved:.0f} of {ceiling:.0f} GFLOP/s "
+    name, fp32_name = names.get(precision, precision), names.get("fp32", "fp32")
+    lim: dict[str, Any] = {"goal": f"ResNet-18 training step >= 75% of the GEMM ceiling of its precision ({name})",
+                           "measured": (f"{name}: {achieved:.0f} of {ceiling:.0f} GFLOP/s "
                                         f"({100 * achieved / ceiling:.0f}%)" if ceiling
-                                        else f"{achieved:.1f} GFLOP/s (no {precision} ceiling measured)"),
+                                        else f"{achieved:.1f} GFLOP/s (no {name} ceiling measured)"),
                            "met": (achieved >= 0.75 * ceiling) if ceiling else None}
     if not profile:
         lim["why"] = "no step profile in this run (budget)"
         return lim
     cats = profile["categories"]
-    conv = [f"{c} {v['gflops']:.0f} GFLOP/s" + (f" ({v['pct_of_fp32_ceiling']:.0f}% of the fp32 ceiling)"
+    conv = [f"{c} {v['gflops']:.0f} GFLOP/s" + (f" ({v['pct_of_fp32_ceiling']:.0f}% of the {fp32_name} ceiling)"
                                                   if "pct_of_fp32_ceiling" in v else "")
             for c, v in cats.items() if "gflops" in v]
     rest = sum(v["seconds"] for c, v in cats.items() if not c.startswith("convolution"))
@@ -849,7 +861,7 @@ def _train_limit(auto: float, flops: float, ceilings: dict[str, float | None], p
         bound = profile.get("conv_bound") or {}
         alone = bound.get("gflops") or 0.0
         lim["bound_pct"] = 100 * max(in_step, alone) / fp32_ceiling
-        lim["why"] += (f". The convolutions together run at {100 * in_step / fp32_ceiling:.0f}% of the fp32 ceiling in the step"
+        lim["why"] += (f". The convolutions together run at {100 * in_step / fp32_ceiling:.0f}% of the {fp32_name} ceiling in the step"
                        + (f" ({100 * alone / fp32_ceiling:.0f}% with each of the {bound['convolutions']} timed alone at "
                           "its shapes, forward + backward)" if alone else "")
                        + f", so even if every other op cost nothing a step would reach about {lim['bound_pct']:.0f}%")
