@@ -154,6 +154,11 @@ def test_on_cuda_fp16_competes_and_cpu_runtimes_step_aside():
     for name in ("onnxruntime-cuda fp32", "onnxruntime-cuda fp16", "onnxruntime-tensorrt fp16"):
         assert variants.skip_reason(_variant(name), cuda, FACTS) is None, name
         assert variants.skip_reason(_variant(name), cpu, FACTS)  # a CPU model is not moved to the GPU
+    # a CPU runtime not installed says it does not apply to a model on the GPU, not how to install it
+    missing = {**dict.fromkeys(runners.RUNTIMES), "openvino": "openvino needs openvino: pip install ..."}
+    on_gpu, on_cpu = (variants.Machine(missing, native_bf16=True, device=d) for d in ("cuda:0", "cpu"))
+    assert "the model is on cuda:0" in variants.skip_reason(_variant("openvino fp32"), on_gpu, FACTS)
+    assert "pip install" in variants.skip_reason(_variant("openvino fp32"), on_cpu, FACTS)
     no_bf16 = variants.Machine(dict.fromkeys(runners.RUNTIMES), native_bf16=False, device="cuda:0")
     assert "no native bf16 on this GPU" in variants.skip_reason(_variant("bf16 + channels_last"), no_bf16, FACTS)
 
