@@ -91,10 +91,15 @@ def test_doctor_reads_where_a_steps_memory_goes_from_the_cuda_allocator():
 def test_trial_steps_keep_their_copy_of_the_state_off_the_gpu():
     from torchspeed.train.step_timer import trial_state_kept
 
-    model, opt, _ = _resnet()
+    model, opt, batch = _resnet()
+    _step(model, opt, batch)  # momentum to keep
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     before = torch.cuda.memory_allocated()
     with trial_state_kept(model, opt):
         inside = torch.cuda.memory_allocated()  # a copy on the GPU would count in every probe measured here
+        _step(model, opt, batch)
     assert inside - before < weights / 10
-    assert next(model.parameters()).is_cuda
+    for p, m in zip(model.parameters(), momentum):
+        assert p.is_cuda and opt.state[p]["momentum_buffer"].is_cuda
+        assert torch.equal(opt.state[p]["momentum_buffer"], m)

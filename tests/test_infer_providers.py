@@ -159,6 +159,8 @@ def test_on_cuda_fp16_competes_and_cpu_runtimes_step_aside():
     on_gpu, on_cpu = (variants.Machine(missing, native_bf16=True, device=d) for d in ("cuda:0", "cpu"))
     assert "the model is on cuda:0" in variants.skip_reason(_variant("openvino fp32"), on_gpu, FACTS)
     assert "pip install" in variants.skip_reason(_variant("openvino fp32"), on_cpu, FACTS)
+    uncalibrated = variants.ModelFacts(linear_heavy=False, calibrated=False, calibration="minmax")
+    assert "pip install" in variants.skip_reason(_variant("openvino int8"), on_cpu, uncalibrated)  # first things first
     no_bf16 = variants.Machine(dict.fromkeys(runners.RUNTIMES), native_bf16=False, device="cuda:0")
     assert "no native bf16 on this GPU" in variants.skip_reason(_variant("bf16 + channels_last"), no_bf16, FACTS)
 

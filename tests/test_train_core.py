@@ -470,3 +470,16 @@ def test_trial_steps_leave_weights_statistics_momentum_and_rng_as_they_were():
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momentum))
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_trial_snapshot_keeps_the_kind_of_dict_and_a_modules_metadata():
+    import collections
+
+    from torchspeed.train.step_timer import _host_copy
+
+    state = collections.defaultdict(dict, {0: {"momentum_buffer": torch.ones(2)}})
+    copied = _host_copy(state)
+    assert type(copied) is collections.defaultdict and torch.equal(copied[0]["momentum_buffer"], torch.ones(2))
+    assert copied[0]["momentum_buffer"].data_ptr() != state[0]["momentum_buffer"].data_ptr()
+    sd = nn.BatchNorm2d(3).state_dict()
+    assert _host_copy(sd)._metadata == sd._metadata and _host_copy(sd)._metadata is not sd._metadata

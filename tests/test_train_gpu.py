@@ -339,5 +339,14 @@ def test_more_processes_than_gpus_is_a_clear_error_on_every_rank(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # every process sees every GPU
     proc = _torchrun(tmp_path, n, env, timeout=180)  # a hang fails the test
     assert proc.returncode != 0
-    # each rank raises it; torchrun stops the others at the first failure, so one may be all that gets said
+    # torchrun stops the other ranks at the first failure, so one message may be all that gets said there
     assert "processes would share a GPU" in proc.stderr, proc.stderr[-4000:]
+    # so each rank is started alone with the environment torchrun gives it: each refuses before the
+    # process group (waiting for the others there would hang it)
+    script = tmp_path / "nccl_train.py"
+    for rank in range(n):
+        alone = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
+                 "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
+        one = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                             timeout=120, env=alone)
+        assert one.returncode != 0 and "processes would share a GPU" in one.stderr, (rank, one.stderr[-2000:])

@@ -172,6 +172,7 @@ class Variant:
     build: Callable[[BuildContext], Runner]
     applicable: Callable[[Machine, ModelFacts], str | None] = _always
     baseline: bool = False
+    device: str | None = None  # "cpu": a CPU runtime; "cuda": ONNX Runtime's GPU providers; None: the model's
 
     @property
     def runtime_key(self) -> str:
@@ -218,25 +219,18 @@ def _nncf_calibration(machine: Machine, model: ModelFacts) -> str | None:
     return None
 
 
-def _on_cpu(applicable: Callable[[Machine, ModelFacts], str | None] = _always) -> Callable[[Machine, ModelFacts], str | None]:
-    """A CPU runtime: left out for a model on a GPU (candidates run on the model's device)."""
-    def check(machine: Machine, model: ModelFacts) -> str | None:
-        if machine.cuda:
-            return f"runs on the CPU; the model is on {machine.device} (candidates run on the model's device)"
-        return applicable(machine, model)
-    return check
-
-
-def _on_gpu(machine: Machine, model: ModelFacts) -> str | None:
-    """ONNX Runtime's GPU providers: for a model on a GPU (their availability is checked as a runtime)."""
-    if not machine.cuda:
+def _wrong_device(variant: Variant, machine: Machine) -> str | None:
+    """Why a variant bound to one kind of device does not run for a model on the other (candidates run
+    on the model's device), or None."""
+    if variant.device == "cpu" and machine.cuda:
+        return f"runs on the CPU; the model is on {machine.device} (candidates run on the model's device)"
+    if variant.device == "cuda" and not machine.cuda:
         return "the model is on the CPU; a model on a CUDA device (or device='cuda') tries ONNX Runtime's GPU providers"
     return None
 
 
 def _fp16_onnx(machine: Machine, model: ModelFacts) -> str | None:
-    return _on_gpu(machine, model) or (None if fp16_converter() is not None else
-                                       "no fp16 ONNX converter: pip install onnxconverter-common")
+    return None if fp16_converter() is not None else "no fp16 ONNX converter: pip install onnxconverter-common"
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -251,25 +245,25 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("torch.compile fp32", "torch.compile", "fp32", "inductor, freezing, fused fp32",
             lambda c: c.torch({"fuse": True, "compile": True}), _compile_precision("fp32")),
     Variant("onnxruntime fp32", "onnxruntime", "fp32", "ONNX, ONNX Runtime CPU, fp32",
-            lambda c: c.onnxruntime("fp32"), _on_cpu()),
+            lambda c: c.onnxruntime("fp32"), device="cpu"),
     Variant("onnxruntime int8", "onnxruntime", "int8", "ONNX Runtime quantize_static, QDQ per-channel U8S8",
-            lambda c: c.onnxruntime("int8"), _on_cpu(_needs_calibration)),
+            lambda c: c.onnxruntime("int8"), _needs_calibration, device="cpu"),
     Variant("onnxruntime int8 dynamic", "onnxruntime", "int8-dynamic", "ONNX Runtime quantize_dynamic (MatMul/Gemm)",
-            lambda c: c.onnxruntime("int8-dynamic"), _on_cpu(_needs_linear_heavy)),
+            lambda c: c.onnxruntime("int8-dynamic"), _needs_linear_heavy, device="cpu"),
     Variant("openvino fp32", "openvino", "fp32", "OpenVINO CPU, inference precision f32",
-            lambda c: c.openvino("fp32"), _on_cpu()),
+            lambda c: c.openvino("fp32"), device="cpu"),
     Variant("openvino bf16", "openvino", "bf16", "OpenVINO CPU, inference precision bf16",
-            lambda c: c.openvino("bf16"), _on_cpu()),
+            lambda c: c.openvino("bf16"), device="cpu"),
     Variant("openvino int8", "openvino", "int8", "NNCF nncf.quantize (PTQ), OpenVINO CPU",
-            lambda c: c.openvino("int8"), _on_cpu(_nncf_calibration)),
+            lambda c: c.openvino("int8"), _nncf_calibration, device="cpu"),
     Variant("onnxruntime-cuda fp32", "onnxruntime-cuda", "fp32", "ONNX Runtime CUDA provider, fp32, IO binding",
-            lambda c: c.onnxruntime("fp32", "cuda"), _on_gpu),
+            lambda c: c.onnxruntime("fp32", "cuda"), device="cuda"),
     Variant("onnxruntime-cuda fp16", "onnxruntime-cuda", "fp16",
             "ONNX converted to fp16 (float32 inputs/outputs), ONNX Runtime CUDA provider, IO binding",
-            lambda c: c.onnxruntime("fp16", "cuda"), _fp16_onnx),
+            lambda c: c.onnxruntime("fp16", "cuda"), _fp16_onnx, device="cuda"),
     Variant("onnxruntime-tensorrt fp16", "onnxruntime-tensorrt", "fp16",
             "ONNX Runtime TensorRT provider, trt_fp16_enable, engine cache, IO binding",
-            lambda c: c.onnxruntime("fp16", "tensorrt"), _on_gpu),
+            lambda c: c.onnxruntime("fp16", "tensorrt"), device="cuda"),
 )
 
 
@@ -288,14 +282,16 @@ def skip_reason(variant: Variant, machine: Machine, model: ModelFacts, runtimes:
             return "runtime not requested"
         if precisions is not None and variant.precision_key not in precisions:
             return "precision not requested"
-        if machine.runtimes.get(variant.runtime_key):  # not installed, or unusable here; but a runtime that
-            # would not run anyway (a CPU runtime for a model on a GPU) says why, not how to install it
-            return variant.applicable(machine, model) or machine.runtimes[variant.runtime_key]
+        wrong = _wrong_device(variant, machine)  # before how to install a runtime that would not run anyway
+        if wrong:
+            return wrong
+        if machine.runtimes.get(variant.runtime_key):
+            return machine.runtimes[variant.runtime_key]
         if precisions is None:
             reason = _auto_precision_skip(variant.precision_key, machine, model)
             if reason:
                 return reason
-    return variant.applicable(machine, model)
+    return _wrong_device(variant, machine) or variant.applicable(machine, model)
 
 
 def _auto_precision_skip(precision: str, machine: Machine, model: ModelFacts) -> str | None:

@@ -73,7 +73,7 @@ def trial_state_kept(model: nn.Module, optimizer: torch.optim.Optimizer | None =
     train/eval mode are put back and the gradients cleared, so timing steps changes nothing. The copy is
     kept in host memory: on a GPU it would take the memory the steps inside are measured in."""
     saved = (_host_copy(model.state_dict()),
-             _host_copy(optimizer.state_dict()) if optimizer is not None else None,
+             _optimizer_copy(optimizer.state_dict()) if optimizer is not None else None,
              copy.deepcopy(scaler.state_dict()) if scaler is not None else None, rng_state(), model.training)
     model.train()
     try:
@@ -97,13 +97,21 @@ def _host_copy(state: Any) -> Any:
     if type(state) in (torch.Tensor, nn.Parameter) and state.device.type != "cpu":
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        out = type(state)((k, _host_copy(v)) for k, v in state.items())
+        out = copy.copy(state)  # the same kind of dict (an OrderedDict, a defaultdict)
+        for k, v in state.items():
+            out[k] = _host_copy(v)
         if hasattr(state, "_metadata"):  # a module's state dict: the versions load_state_dict reads
             out._metadata = copy.deepcopy(state._metadata)
         return out
     if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
         return type(state)(_host_copy(v) for v in state)
     return copy.deepcopy(state)
+
+
+def _optimizer_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's state dict with its per-parameter state in host memory; the param groups deep-copied
+    where they are (load_state_dict takes them back as saved: a tensor lr on the GPU stays there)."""
+    return {k: _host_copy(v) if k == "state" else copy.deepcopy(v) for k, v in state.items()}
 
 
 class StepTimer:

@@ -423,6 +423,7 @@ class _TrainSuite:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         items = (ceil.load_cached(describe()) or {}).get("items", {})
         self.ceiling_names, self.ceilings = precision_ceilings(self.device.type, items)
+        self.no_profile = "no step profile in this run (budget)"  # why the train goal has no "why"
         self.fp32_ceiling = self.ceilings["fp32"]
         self.mixed, self.emulated, self.emulated_why = _mixed_precision(self.device, items, self.fp32_ceiling)
         self.rows: list[Row] = []
@@ -707,7 +708,9 @@ class _TrainSuite:
 
         rep = self.rep
         step_s = max(r.first_call_s or 0.0 for r in self.rows) / self.k  # about one step (the slowest first call)
-        if not self.quick or self.budget.allows(2 * step_s):
+        if self.device.type != "cpu":  # the profile reads each op's CPU time: on a GPU, that of launching it
+            self.no_profile = "no step profile on a GPU (it reads each op's CPU time, not the GPU's)"
+        elif not self.quick or self.budget.allows(2 * step_s):
             layout = "NHWC" if rep.channels_last else "NCHW"
             self.say(f"profiling one training step (per-op self time, fp32 {layout})")
             m, o = self.fresh(channels_last=rep.channels_last)
@@ -822,13 +825,14 @@ class _TrainSuite:
                      "budget")
         notes.append(f"FLOPs per training sample (forward + backward, torch.utils.flop_counter): {self.flops / 1e9:.2f} G")
         results["limits"] = [_train_limit(auto, self.flops, self.ceilings, results.get("step_profile"), self.rep,
-                                          self.auto_prec, self.ceiling_names)]
+                                          self.auto_prec, self.ceiling_names, self.no_profile)]
         results["notes"] = notes
         return results
 
 
 def _train_limit(auto: float, flops: float, ceilings: dict[str, float | None], profile: dict[str, Any] | None,
-                 rep: Any, precision: str, names: dict[str, str] | None = None) -> dict[str, Any]:
+                 rep: Any, precision: str, names: dict[str, str] | None = None,
+                 no_profile: str = "no step profile in this run (budget)") -> dict[str, Any]:
     """The train goal (the chosen step at >= 75% of the GEMM ceiling of the precision it runs) and, from
     the profile of an fp32 step, why not. `names`: the ceiling each precision is judged against (a GPU's
     own: gpu_tf32 for fp32); `ceilings` holds their values."""
@@ -842,7 +846,7 @@ def _train_limit(auto: float, flops: float, ceilings: dict[str, float | None], p
                                         else f"{achieved:.1f} GFLOP/s (no {name} ceiling measured)"),
                            "met": (achieved >= 0.75 * ceiling) if ceiling else None}
     if not profile:
-        lim["why"] = "no step profile in this run (budget)"
+        lim["why"] = no_profile
         return lim
     cats = profile["categories"]
     conv = [f"{c} {v['gflops']:.0f} GFLOP/s" + (f" ({v['pct_of_fp32_ceiling']:.0f}% of the {fp32_name} ceiling)"
