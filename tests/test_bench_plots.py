@@ -117,6 +117,17 @@ def test_colours_that_mean_a_precision_have_a_legend(rendered):
         assert len(colours) == len(precisions), fname  # one colour per precision, as the legend says
 
 
+def test_every_ceiling_a_row_is_judged_against_has_a_colour_apart_from_the_others_in_its_plot():
+    from torchspeed.bench.ceilings import GPU_CEILING, PRECISION_CEILING
+    from torchspeed.bench.report import PRECISION_COLOURS
+
+    cpu = set(PRECISION_CEILING.values()) | {"decode"}
+    gpu = {GPU_CEILING[p] for p in ("fp32", "bf16", "fp16", "int8")}
+    assert cpu | gpu | {"nvjpeg"} <= PRECISION_COLOURS.keys()
+    for group in (cpu, gpu, {"decode", "nvjpeg"}):  # the ceilings one suite's plot can show together
+        assert len({PRECISION_COLOURS[c] for c in group}) == len(group), group
+
+
 def test_batch_sizes_apart_and_the_allowed_drop_drawn(rendered):
     _, figures, _ = rendered
     latency = figures["infer_latency.png"].axes

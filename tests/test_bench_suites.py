@@ -96,3 +96,29 @@ def test_infer_suite_runs_every_stage_on_a_tiny_demo_model(monkeypatch):
     assert [r["technique"] for r in rows if r.get("headline")] == ["resnet18 b8: torchspeed best"]
     assert any(r.get("peer") for r in rows) and result["best_variant"] and result["ratio"] > 0
     assert "resnet18_guard_32px" in result["models"] and result["models"]["resnet18"]["candidates"]
+
+
+def test_infer_rows_of_a_model_on_a_gpu_show_fp16_and_the_gpu_providers():
+    from types import SimpleNamespace
+
+    from torchspeed.bench.suites import infer
+
+    def ran(ms, precision):
+        return SimpleNamespace(name=precision, status="ok", reason="", passed=True, metric_drop=0.0,
+                               latency_ms={1: {"p50_ms": ms, "min_ms": ms, "max_ms": ms, "p90_ms": ms}},
+                               rel_l2_error=0.0, precision=precision, p50_ms=lambda b: ms)
+
+    class Result(dict):
+        def fastest_at(self, b):
+            return self["fp16 + channels_last"]
+
+    res = Result({"eager fp32": ran(2.0, "fp32"), "fused fp32": ran(1.5, "fp32"),
+                  "fp16 + channels_last": ran(1.0, "fp16"),
+                  "onnxruntime-cuda fp32": SimpleNamespace(status="skipped", reason="no CUDAExecutionProvider",
+                                                           latency_ms={})})
+    gpu_table = infer.ROWS[:3] + infer.GPU_ROWS + infer.ROWS[3:]
+    on_gpu = [r.technique for r in infer._variant_rows("m", res, 1, 1e9, gpu_table)]
+    assert on_gpu == ["m b1: eager fp32", "m b1: fused", "m b1: fp16 + channels_last", "m b1: ONNX Runtime CUDA fp32",
+                      "m b1: torchspeed best"]
+    on_cpu = [r.technique for r in infer._variant_rows("m", res, 1, 1e9)]
+    assert on_cpu == ["m b1: eager fp32", "m b1: fused", "m b1: torchspeed best"]  # fp16 is not a CPU's row

@@ -242,6 +242,10 @@ def limits_section(results: dict[str, Any]) -> list[str]:
 # colour = the ceiling (precision) a row is judged against; no red, which reads as "bad"
 PRECISION_COLOURS = {"decode": "#4C72B0", "fp32": "#55A868", "bf16": "#DD8452", "fp16": "#CCB974",
                      "int8": "#8172B2"}
+# a GPU's ceilings: its precision's colour (a suite's rows run on one device), nvjpeg apart from the CPU decode
+PRECISION_COLOURS |= {gpu: PRECISION_COLOURS[cpu] for cpu, gpu in
+                      {"fp32": "gpu_tf32", "bf16": "gpu_bf16", "fp16": "gpu_fp16", "int8": "gpu_int8"}.items()}
+PRECISION_COLOURS |= {"nvjpeg": "#DA8BC3", "mem_bw": "#8C8C8C", "gpu_mem_bw": "#8C8C8C"}
 OTHER_COLOUR = "#937860"
 BAR_COLOUR = "#4C72B0"
 ALLOWED_DROP = 0.01  # the infer suite's accuracy guard (top-1), when its JSON does not name one

@@ -38,6 +38,13 @@ ROWS = (
     ("OpenVINO bf16", "openvino bf16", "OpenVINO CPU, INFERENCE_PRECISION_HINT=bf16"),
     ("OpenVINO INT8", "openvino int8", "NNCF nncf.quantize (PTQ), OpenVINO CPU"),
 )
+# rows of a model on a GPU only (on a CPU, fp16 is emulated and these providers do not apply)
+GPU_ROWS = (
+    ("fp16 + channels_last", "fp16 + channels_last", "fused, fp16 autocast, channels_last"),
+    ("ONNX Runtime CUDA fp32", "onnxruntime-cuda fp32", "ONNX Runtime CUDA provider, fp32, IO binding"),
+    ("ONNX Runtime CUDA fp16", "onnxruntime-cuda fp16", "ONNX converted to fp16, ONNX Runtime CUDA provider"),
+    ("TensorRT fp16", "onnxruntime-tensorrt fp16", "ONNX Runtime TensorRT provider, fp16, engine cache"),
+)
 
 
 MAX_METRIC_DROP = 0.01  # the accuracy guard: top-1 lost vs eager fp32 on the held-out split
@@ -143,7 +150,8 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
     calib = [torch.nn.functional.interpolate(x, size=(SIZE, SIZE), mode="bilinear", align_corners=False)
              for x, _ in calib_small]
     n_eval = 500 if quick else 1000
-    runtimes = ["torch", "onnxruntime", "openvino", "tensorrt"] + ([] if quick else ["torch.compile"])
+    runtimes = (["torch", "onnxruntime", "openvino", "tensorrt"] + ([] if quick else ["torch.compile"])
+                + (["onnxruntime-cuda"] if device.type == "cuda" else []))
     rows: list[Row] = []
     results: dict[str, Any] = {}
     notes = [f"{usable_cores()} threads for every runtime; p50 of "
@@ -162,8 +170,9 @@ def run(quick: bool, progress: bool | Callable[[str], Any] = False) -> dict[str,
         flops = flops_per_image(model, SIZE)
         res = _optimized(name, model, demo if make is None else None, calib, calib_small, n_eval, runtimes, quick,
                          say, results, device)
+        table = ROWS[:3] + GPU_ROWS + ROWS[3:] if device.type == "cuda" else ROWS
         for b in (1, 8):
-            rows += _variant_rows(name, res, b, flops)
+            rows += _variant_rows(name, res, b, flops, table)
             best = res.fastest_at(b)
             if b == 1 and best is not None:
                 any_fast = res.fastest_at(1, passed_only=False)
@@ -209,12 +218,13 @@ def _optimized(name: str, model: Any, demo: Any, calib: list[Any], calib_small: 
     return res
 
 
-def _variant_rows(name: str, res: Any, b: int, flops: float) -> list[Row]:
-    """The table's variants at batch `b` in the order of ROWS (a skipped or failed one says why), then
-    the one torchspeed chooses; the headline is ResNet-18's at batch 8."""
+def _variant_rows(name: str, res: Any, b: int, flops: float, table: tuple = ROWS) -> list[Row]:
+    """The table's variants at batch `b` in the order of `table` (ROWS, with GPU_ROWS for a model on a GPU;
+    a skipped or failed one says why), then the one torchspeed chooses; the headline is ResNet-18's at
+    batch 8."""
     rows: list[Row] = []
     base = res["eager fp32"].p50_ms(b)
-    for label, variant, what in ROWS:
+    for label, variant, what in table:
         try:
             c = res[variant]
         except KeyError:

@@ -865,7 +865,8 @@ def _train_limit(auto: float, flops: float, ceilings: dict[str, float | None], p
         bound = profile.get("conv_bound") or {}
         alone = bound.get("gflops") or 0.0
         lim["bound_pct"] = 100 * max(in_step, alone) / fp32_ceiling
-        lim["why"] += (f". The convolutions together run at {100 * in_step / fp32_ceiling:.0f}% of the {fp32_name} ceiling in the step"
+        lim["why"] += (f". The convolutions together run at {100 * in_step / fp32_ceiling:.0f}% of the {fp32_name} "
+                       "ceiling in the step"
                        + (f" ({100 * alone / fp32_ceiling:.0f}% with each of the {bound['convolutions']} timed alone at "
                           "its shapes, forward + backward)" if alone else "")
                        + f", so even if every other op cost nothing a step would reach about {lim['bound_pct']:.0f}%")
