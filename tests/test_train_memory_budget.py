@@ -250,11 +250,13 @@ def test_where_no_rank_fits_one_sample_sharding_is_measured(tmp_path):
     """Under torchrun, when one sample fits no rank, the model sharded over the ranks (FSDP, on a copy) is
     probed and timed: every rank's one line says which micro-batch fits sharded and at what measured speed,
     and the caller's model and optimizer are left as found."""
-    cpu_torchrun(SHARDED, tmp_path, 100_000_000, name="sharded.py")
+    # one sample needs about 136 MiB unsharded, 84-88 MiB a rank sharded (FSDP's overlapped gathers peak a
+    # few MiB higher on a busy machine): the budget's usable 94.4 MiB is between the two, with room for that
+    cpu_torchrun(SHARDED, tmp_path, 110_000_000, name="sharded.py")
     lines = [(tmp_path / f"sharded_{r}.txt").read_text().splitlines() for r in (0, 1)]
     fits = []
     for msg, same in lines:
-        assert msg.startswith("memory budget 95.4 MiB") and "too small for even one sample" in msg, msg
+        assert msg.startswith("memory budget 104.9 MiB") and "too small for even one sample" in msg, msg
         found = re.search(r"measured instead: sharded over 2 ranks \(FSDP, strategy='fsdp'\) micro-batch (\d+) "
                           r"fits: [\d.]+ MiB a rank predicted from probes at 2 and 4 samples .*, [\d.]+ ms a sample "
                           r"measured$", msg)
