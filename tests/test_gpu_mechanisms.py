@@ -174,6 +174,8 @@ def test_a_stall_queued_in_one_segment_is_charged_there_though_the_host_waits_in
     total = sum(a.values()) + sum(b.values())
     assert total == pytest.approx(0.29) and a["other"] + b["other"] == pytest.approx(0.01)
     assert a["other"] == 0  # the host's wait was in the second segment
+    [none] = step_on_timeline([(first, 0.0)], lambda x, y: y - x)  # a wall read as 0: no time to share out
+    assert sum(none.values()) == 0
 
 
 def test_profile_busy_share_is_not_diluted_by_the_profilers_start_up(monkeypatch):

@@ -656,7 +656,7 @@ def step_on_timeline(segments: list[tuple[list[tuple[Any, str | None]], float]],
         out.append(phases)
     wall = sum(w for _, w in segments)
     busy = sum(sum(p.values()) for p in out)
-    scale = wall / busy if busy > wall > 0 else 1.0
+    scale = wall / busy if busy > wall else 1.0  # never more than the wall, even a wall read as 0
     slack = [max(0.0, w - sum(p.values()) * scale) for (_, w), p in zip(segments, out)]
     other = max(0.0, wall - busy) if scale == 1.0 else 0.0
     for phases, waited in zip(out, slack):
