@@ -10,11 +10,11 @@ seen (a 2-core AVX2 EPYC), its install (under a minute through uv) included. A m
 the demo photos and the demo model before the suites, outside their budgets (PREPARE_S, about what that
 takes there), and measures the ceilings (QUICK_S["ceilings"]; read from the cache after: CACHED_S).
 QUICK_S shares the rest among the parts, at most QUICK_LIMIT_S in all, a new suite's share included
-(tests/test_bench_ceilings.py holds them to it). Where a slower machine's first run took so long to
-prepare that the suites' shares would end the report after QUICK_TARGET_S, the suites that size their
-windows by a budget get a cut share of it (`cut_share`, never under QUICK_FLOOR of it). Each share covers the suite's fixed work (the train
-suite's accelerate trials, infer's variants, compress's fine-tune, design's checks), so a share is at
-least what that took; the rest goes to measurement windows.
+(tests/test_bench_ceilings.py holds them to it). Where a slower machine's first run took so long to prepare
+that the suites' shares would end the report after QUICK_TARGET_S, the suites that size their windows by a
+budget get a cut share of it (`cut_share`, never under QUICK_FLOOR of it). Each share covers the suite's fixed
+work (the train suite's accelerate trials, infer's variants, compress's fine-tune, design's checks), so a
+share is at least what that took; the rest goes to measurement windows.
 """
 from __future__ import annotations
 

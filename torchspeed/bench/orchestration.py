@@ -40,8 +40,7 @@ from rich.text import Text
 
 from torchspeed.atomic import write_json
 from torchspeed.bench import suites
-from torchspeed.bench import budget
-from torchspeed.bench.budget import CACHED_S, ENV, PREPARE_S, cut_share, seconds_for
+from torchspeed.bench.budget import CACHED_S, ENV, PREPARE_S, QUICK_TARGET_S, cut_share, seconds_for
 from torchspeed.bench.ceilings import ABOVE_CEILING_NOTE, annotate, busy_cores, ceiling_cell, ceiling_rows, load_cached
 from torchspeed.bench.report import (IN_SHORT, WHAT, console_summary, over_budget, over_budget_parts, suite_cells,
                                      write_report)
@@ -112,7 +111,7 @@ def run_suites(names: Sequence[str], quick: bool = False, out: str = "torchspeed
                     budget_s = given = expected[name] * share
                     if not cut_said:
                         _line(console, f"      budgets cut to {share:.0%}: {time.perf_counter() - began:.0f} s spent, "
-                                       f"the report ends by {budget.QUICK_TARGET_S / 60:.0f} min")
+                                       f"the report ends by {QUICK_TARGET_S / 60:.0f} min")
                         cut_said = True
             left_after = sum(expected[n] * (share if n in budgeted else 1.0) for n in todo[i:])
             results[name], title = _run_suite(name, modules[name], mode, console, f"[{i}/{len(todo)}]",

@@ -277,21 +277,20 @@ def skip_reason(variant: Variant, machine: Machine, model: ModelFacts, runtimes:
     known = variant.runtime_key in RUNTIMES
     if model.onnx_file and known and not variant.onnx_based:
         return "the model is an ONNX file: PyTorch variants need the nn.Module"
-    if known:
-        if runtimes is not None and variant.runtime_key not in runtimes:
-            return "runtime not requested"
-        if precisions is not None and variant.precision_key not in precisions:
-            return "precision not requested"
-        wrong = _wrong_device(variant, machine)  # before how to install a runtime that would not run anyway
-        if wrong:
-            return wrong
-        if machine.runtimes.get(variant.runtime_key):
-            return machine.runtimes[variant.runtime_key]
-        if precisions is None:
-            reason = _auto_precision_skip(variant.precision_key, machine, model)
-            if reason:
-                return reason
-    return _wrong_device(variant, machine) or variant.applicable(machine, model)
+    if known and runtimes is not None and variant.runtime_key not in runtimes:
+        return "runtime not requested"
+    if known and precisions is not None and variant.precision_key not in precisions:
+        return "precision not requested"
+    wrong = _wrong_device(variant, machine)  # before how to install a runtime that would not run anyway
+    if wrong:
+        return wrong
+    if known and machine.runtimes.get(variant.runtime_key):
+        return machine.runtimes[variant.runtime_key]
+    if known and precisions is None:
+        reason = _auto_precision_skip(variant.precision_key, machine, model)
+        if reason:
+            return reason
+    return variant.applicable(machine, model)
 
 
 def _auto_precision_skip(precision: str, machine: Machine, model: ModelFacts) -> str | None:

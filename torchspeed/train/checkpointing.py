@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from torchspeed.train.compiling import repeated_blocks
@@ -194,13 +195,6 @@ class SavedByBlock:
         return freed - sum(self.sizes[s] for s in kept if s not in self.savers)
 
 
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+def _tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors in a (nested) tuple, list or dict."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors_in(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors_in(v)
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]

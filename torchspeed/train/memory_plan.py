@@ -5,27 +5,27 @@ instead of found by running out of memory.
 For fixed shapes a step's peak grows linearly with the micro-batch: peak(b) = fixed + per_sample x b, the
 fixed part being the weights, gradients and optimizer state, the rest activations and the batch. Two probe
 steps (forward, loss, backward, optimizer step, as the loop runs them: `step_call`) at small slices of the
-example batch give the line; the third runs at the micro-batch chosen (the example tiled where it is
-larger) and checks it: a peak more than `LINEAR_TOLERANCE` off the line means memory does not grow
-linearly (shapes that change with the batch), said in one line, and the plan then takes the steepest line
-through the three (as it does where the peak measured is over the budget less its margin). The micro-batch is the largest divisor of the effective batch whose predicted peak is
-under the budget less its margin, so micro_batch x accumulation is exactly the effective batch. Each peak
-is read from the allocator (`torchspeed.memory`: CUDA's, or the CPU's through the profiler), and every
-probe is undone (`trial_state_kept`).
+example batch give the line; the third runs at the micro-batch chosen (the example tiled where it is larger)
+and checks it: a peak more than `LINEAR_TOLERANCE` off the line means memory does not grow linearly (shapes
+that change with the batch), said in one line, and the plan then takes the steepest line through the three (as
+it does where the peak measured is over the budget less its margin). The micro-batch is the largest divisor of
+the effective batch whose predicted peak is under the budget less its margin, so micro_batch x accumulation is
+exactly the effective batch. Each peak is read from the allocator (`torchspeed.memory`: CUDA's, or the CPU's
+through the profiler), and every probe is undone (`trial_state_kept`).
 
 Where even one sample does not fit, or where the model repeats blocks and the plain plan needs accumulation,
-blocks are checkpointed (`checkpointing`): the two probes also count the bytes each block saves for
-backward (`SavedByBlock`), which gives what checkpointing the first k blocks frees, a line in the
-micro-batch like the peak's, without a probe of its own. The configurations predicted to fit (a larger
-micro-batch with k blocks checkpointed, a smaller one with more accumulation) are then run: each one's
-first step, the warm-up its timing needs anyway, is measured, those whose peak is under the budget less
-its margin are timed per sample, and the fastest is kept; a configuration measured over it is left out
-(the peak can move where the count does not see it: into the backward, where weight gradients pile
-up). Wherever a prediction missed, the choice made again is run too, and a smaller micro-batch while it
-is over (`_checked`, at most CHECKS steps): the configuration kept always had its own step measured. The plan is remembered like the other measured decisions (`remembered.recall_or_measure`). Where
-nothing fits on one process, sharding (FSDP) is named with its predicted share; under torchrun, where
-nothing fits any rank, a sharded copy is probed and timed. Under torchrun every rank plans and all take
-the smallest micro-batch.
+blocks are checkpointed (`checkpointing`): the two probes also count the bytes each block saves for backward
+(`SavedByBlock`), which gives what checkpointing the first k blocks frees, a line in the micro-batch like the
+peak's, without a probe of its own. The configurations predicted to fit (a larger micro-batch with k blocks
+checkpointed, a smaller one with more accumulation) are then run: each one's first step, the warm-up its
+timing needs anyway, is measured, those whose peak is under the budget less its margin are timed per sample,
+and the fastest is kept; a configuration measured over it is left out (the peak can move where the count does
+not see it: into the backward, where weight gradients pile up). Wherever a prediction missed, the choice made
+again is run too, and a smaller micro-batch while it is over (`_checked`, at most CHECKS steps): the
+configuration kept always had its own step measured. The plan is remembered like the other measured decisions
+(`remembered.recall_or_measure`). Where nothing fits on one process, sharding (FSDP) is named with its
+predicted share; under torchrun, where nothing fits any rank, a sharded copy is probed and timed. Under
+torchrun every rank plans and all take the smallest micro-batch.
 
 One concept: a step's memory predicted and the batch planned from it; it stays whole because the probes,
 the line, the checkpointing and sharding alternatives and the ranks' agreement are one chain of decisions.
@@ -546,9 +546,10 @@ def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, m
             expected = predict(third)
             seen = (third, 0) in prober.checked  # its step was measured as a configuration: not run again
             p3 = prober.checked[(third, 0)] if seen else prober.probe(third, predicted=expected)
-            if p3 is None or abs(p3["step"] - expected) > LINEAR_TOLERANCE * expected or p3["step"] > usable:
-                plan.notes.append(_corrected(p3, expected, third, usable, fits, b1, p1, b2, p2))
-                plan.linear = plan.linear and p3 is not None and abs(p3["step"] - expected) <= LINEAR_TOLERANCE * expected
+            linear = p3 is not None and abs(p3["step"] - expected) <= LINEAR_TOLERANCE * expected
+            if not linear or p3["step"] > usable:
+                plan.notes.append(_corrected(p3, expected, third, usable, fits, b1, p1, b2, p2, linear))
+                plan.linear = plan.linear and linear
                 log.warning("memory plan: %s", plan.notes[-1])
         micro, k = _largest_fit(predict, usable, effective), 0
         if micro is None and plan.table:  # the plain line fits nothing: the most blocks checkpointed, smaller
@@ -583,16 +584,17 @@ def _plan(prober: _Prober, n: int, effective: int, budget: int, usable: float, m
 
 
 def _corrected(p3: dict[str, int] | None, expected: float, third: int, usable: float,
-               fits: list[dict[str, _Line]], b1: int, p1: dict[str, int], b2: int, p2: dict[str, int]) -> str:
+               fits: list[dict[str, _Line]], b1: int, p1: dict[str, int], b2: int, p2: dict[str, int],
+               linear: bool) -> str:
     """The third probe measured what the first two did not predict, or more than the budget allows: the
     plan follows the steepest line through the three probes from now on (`fits` grows in place); the line
-    that says so."""
+    that says so. `linear`: the third probe was on the line, only over the budget."""
     measured = "out of memory" if p3 is None else format_bytes(p3["step"])
     if p3 is None:
         fits.append({_FB: _Line(0.0, usable / third)})  # `third` does not fit: nothing at or above it does
     else:
         fits += [_lines(b1, p1, third, p3), _lines(b2, p2, third, p3)]
-    if p3 is not None and abs(p3["step"] - expected) <= LINEAR_TOLERANCE * expected:
+    if linear:
         return (f"micro-batch {third} measured {measured}, predicted {format_bytes(expected)}: over the budget less "
                 "its margin, so the plan follows the steepest line through the three probes")
     return (f"memory does not grow linearly with the batch (shapes that change with it?): the probes predicted "
@@ -698,7 +700,7 @@ def _measure_configs(prober: _Prober, rows: list[PlanRow], usable: float) -> Pla
             with blocks_checkpointed(prober.model, k):
                 run()
         steps[f"{r.micro_batch}x{r.accumulation}/{r.checkpointed}"] = checkpointed_step
-    if len(steps) > 0:
+    if steps:
         c = measure.compare(steps, warmup=0, repeats=3, device=prober.device)
         for r, name in zip(fitting, steps):
             r.sample_s = c[name].median_s / r.micro_batch
