@@ -162,3 +162,30 @@ def test_a_fork_waits_for_helper_work_and_the_child_gate_is_free():
         os.waitpid(pid, 0)
     assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child's gate was held"
     assert left and forked_at >= left[0], "the fork landed inside a helper's work"
+
+
+def test_an_isa_cap_is_named_and_keeps_its_measurements_apart(monkeypatch):
+    """A process started under ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY measures what that cap allows: its
+    description says so and its machine key (the cache of ceilings and decisions) is not the uncapped one."""
+    for name in runtime.ISA_CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    plain = runtime.describe()
+    assert plain["isa_caps"] == {} and "capped" not in runtime.describe_line(plain)
+    assert plain["torch_cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", " avx2 ")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    capped = runtime.describe()
+    assert capped["isa_caps"] == {"ATEN_CPU_CAPABILITY": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert "capped: ATEN_CPU_CAPABILITY=AVX2, ONEDNN_MAX_CPU_ISA=AVX2" in runtime.describe_line(capped)
+    assert runtime.machine_key(capped) != runtime.machine_key(plain)
+    # no cap, no change: the keys of caches written before caps were recorded still match
+    legacy = {k: plain[k] for k in ("cpu", "arch", "cores", "isa", "gpus", "torch")}
+    assert runtime.machine_key(plain) == runtime.machine_key(legacy)
+
+
+def test_the_old_onednn_cap_name_is_honoured_too(monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    choice = runtime.default_precision("cpu")
+    assert choice.name == "fp32" and "DNNL_MAX_CPU_ISA=AVX2" in choice.reason

@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "free_memory",
+    "isa_caps",
     "machine_key",
     "FLOAT_PRECISIONS",
     "PRECISIONS",
@@ -47,6 +48,9 @@ __all__ = [
 ]
 
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+# Caps on the instructions torch's kernels (ATen) and oneDNN's may use, set in the environment before torch
+# starts (to reproduce an older CPU, or by a site's policy): what a process measures holds for its cap only.
+ISA_CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
 @lru_cache(maxsize=1)
@@ -73,6 +77,11 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def isa_caps() -> dict[str, str]:
+    """The instruction-set caps this process runs under (`ISA_CAP_VARIABLES` set, upper-cased); {} for none."""
+    return {name: os.environ[name].strip().upper() for name in ISA_CAP_VARIABLES if os.environ.get(name, "").strip()}
+
+
 def usable_cores() -> int:
     """Cores this process may run on (respects taskset / cgroup affinity)."""
     try:
@@ -89,6 +98,8 @@ def describe() -> dict[str, Any]:
         "arch": platform.machine(),
         "cores": usable_cores(),
         "isa": {name: name in flags for name in _ISA_FLAGS},
+        "isa_caps": isa_caps(),
+        "torch_cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # the widest ATen dispatches to here
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -107,16 +118,23 @@ def describe() -> dict[str, Any]:
 
 def machine_key(info: dict[str, Any] | None = None) -> str:
     """A short stable key of what decides this machine's speed: CPU, cores, ISA, GPUs, torch version
-    (the ceilings and remembered decisions are kept under it)."""
+    (the ceilings and remembered decisions are kept under it), and the instruction-set caps where any are set
+    (a process capped at AVX2 measures another machine's ceilings)."""
     info = info if info is not None else describe()
     keep = {k: info.get(k) for k in ("cpu", "arch", "cores", "isa", "gpus", "torch")}
+    if info.get("isa_caps"):
+        keep["isa_caps"] = info["isa_caps"]
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def describe_line(info: dict[str, Any] | None = None) -> str:
-    """One line for reports: 'CPU (N cores; avx512_bf16, amx_bf16), GPU ..., torch X'."""
+    """One line for reports: 'CPU (N cores; avx512_bf16, amx_bf16), GPU ..., torch X', with the instruction-set
+    caps the process ran under where any were set ('...; capped: ONEDNN_MAX_CPU_ISA=AVX2')."""
     info = info or describe()
     isa = ", ".join(k for k, v in info["isa"].items() if v) or "no AVX"
+    caps = info.get("isa_caps") or {}
+    if caps:
+        isa += "; capped: " + ", ".join(f"{k}={v}" for k, v in caps.items())
     gpus = "; ".join(f"{g['name']} (sm {g['capability']})" for g in info["gpus"]) or "no GPU"
     return f"{info['cpu']} ({info['cores']} cores; {isa}); {gpus}; torch {info['torch']}"
 
@@ -255,9 +273,10 @@ def default_precision(device: str | torch.device = "auto") -> PrecisionChoice:
     if dev.type == "cpu":
         flags = cpu_flags()
         native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-        capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+        caps = isa_caps()
+        name, capped = next(((k, v) for k, v in caps.items() if k != "ATEN_CPU_CAPABILITY"), ("", ""))
         if native and capped in ONEDNN_ISAS_WITHOUT_BF16:
-            return PrecisionChoice("fp32", f"ONEDNN_MAX_CPU_ISA={capped} keeps oneDNN from the CPU's bf16 instructions "
+            return PrecisionChoice("fp32", f"{name}={capped} keeps oneDNN from the CPU's bf16 instructions "
                                            f"({', '.join(native)}), so bf16 would be emulated")
         if native:
             return PrecisionChoice("bf16", f"the CPU has native bf16 instructions ({', '.join(native)})")

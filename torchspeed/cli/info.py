@@ -56,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
     info["decoders"] = available_decoders()
     info["runtimes"] = available_runtimes()
     shown = {k: v for k, v in info.items()
-             if k not in ("isa", "gpus", "default_precision", "libraries", "decoders", "runtimes")}
+             if k not in ("isa", "isa_caps", "gpus", "default_precision", "libraries", "decoders", "runtimes")}
     rows = [(k, "none" if v is None else v) for k, v in shown.items()]
     rows.append(("isa", ", ".join(k for k, v in info["isa"].items() if v) or "-"))
+    rows.append(("isa caps", ", ".join(f"{k}={v}" for k, v in info["isa_caps"].items()) or "none"))
     rows.append(("gpus", "; ".join(f"{g['name']} (sm {g['capability']})" for g in info["gpus"]) or "none"))
     rows.append(("default precision", f"{info['default_precision']['name']}: {info['default_precision']['reason']}"))
     rows += [("JPEG decoders (data)", _usable(info["decoders"])), ("inference runtimes", _usable(info["runtimes"]))]
