@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-slow test-busy test-gpu test-install install lock clean
+.PHONY: demo test test-slow test-busy test-gpu test-install install lock clean gpu-wheels gpu-check
 
 # constraints.txt pins every package of this repository's own environment (reproducible tests and
 # figures, and pip has nothing to resolve); the package itself asks only for ranges, so
@@ -31,8 +31,8 @@ demo: $(STAMP)
 
 # -X faulthandler: a native crash prints every thread's Python stack, even if a library replaced
 # pytest's own handler. One pytest worker a core (at most 4), each taking whole test files: much
-# of the suite waits on the processes it starts (torchrun launches, fresh interpreters), so on 2 cores
-# the suite took 7.1 minutes where one process took 10.1.
+# of the suite waits on the processes it starts (torchrun launches, fresh interpreters), so on a quiet
+# 2-core AMD EPYC (2026-11-28) the suite took 6.3-7.1 minutes where one process took 10.1.
 PARALLEL := -n auto --maxprocesses=4 --dist loadfile
 test: $(STAMP)
 	$(PY) -X faulthandler -m pytest -q $(PARALLEL)
