@@ -216,3 +216,27 @@ def test_each_rank_finds_its_generators_in_the_one_copy_a_checkpoint_keeps():
     for rank in range(3):
         own = own_rng(end, DistEnv(world_size=3, rank=rank, local_rank=rank))
         assert torch.equal(own["rng"]["torch"], r0["rng"]["torch"]) and own["epoch_start"] is None
+
+
+AT_EXIT = r'''
+import atexit, os, sys
+import torch
+import torch.distributed as dist
+from torchspeed.train import distributed
+
+out = sys.argv[1]
+# registered before setup's handler, so it runs after it (atexit runs last-in, first-out): what the
+# interpreter's finalisation will find
+atexit.register(lambda: open(os.path.join(out, f"at_exit_{os.environ['RANK']}"), "w").write(str(dist.is_initialized())))
+distributed.setup(torch.device("cpu"))
+t = torch.ones(2)
+dist.all_reduce(t)
+assert t.tolist() == [2.0, 2.0]
+'''
+
+
+def test_the_process_group_setup_formed_is_destroyed_before_the_interpreter_finalises(tmp_path):
+    """gloo's worker threads left to the interpreter's finalisation can abort a rank that finished its work
+    (SIGABRT), which torchrun counts as a failure: the group `distributed.setup` formed is destroyed at exit."""
+    cpu_torchrun(AT_EXIT, tmp_path, name="at_exit.py", timeout=120)
+    assert [(tmp_path / f"at_exit_{r}").read_text() for r in (0, 1)] == ["False", "False"]

@@ -7,6 +7,8 @@ this process sits is read through `torchspeed.ranks`; which samples each rank re
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import io
 import logging
 import os
@@ -139,7 +141,18 @@ def setup(device: torch.device) -> tuple[ranks.DistEnv, torch.device]:
         where = dict(store=store, rank=e.rank, world_size=e.world_size) if store is not None else {}
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=wait,
                                 device_id=device if device.type == "cuda" else None, **where)
+        atexit.register(_destroy_at_exit)
     return e, device
+
+
+def _destroy_at_exit() -> None:
+    """The process group `setup` formed, destroyed while the interpreter is still whole. Left to the
+    interpreter's finalisation, gloo's worker threads can still hold work whose tensors need the GIL, and a
+    rank that finished its training aborts (SIGABRT: "terminate called without an active exception"), which
+    torchrun counts as a failed rank. A group the script destroyed itself is left alone."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # at exit, nothing left to tell: the peers may be gone already
+            dist.destroy_process_group()
 
 
 def all_reduce_sums(values: list[float]) -> list[float]:
