@@ -29,13 +29,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/torchspeed bench --quick
 
-# -X faulthandler: a native crash prints every thread's Python stack, even if a library replaced
-# pytest's own handler. One pytest worker a core (at most 4), each taking whole test files: much
-# of the suite waits on the processes it starts (torchrun launches, fresh interpreters), so on a quiet
-# 2-core AMD EPYC (2026-11-28) the suite took 6.3-7.1 minutes where one process took 10.1.
-PARALLEL := -n auto --maxprocesses=4 --dist loadfile
+# PYTHONFAULTHANDLER: a native crash prints every thread's Python stack, in the pytest workers and the
+# processes they start too, even if a library replaced pytest's own handler. One pytest worker a core this
+# process may use (nproc: affinity and CPU sets; at most 4), each taking whole test files: much of the suite
+# waits on the processes it starts (torchrun launches, fresh interpreters), so on a quiet 2-core AMD EPYC
+# (2026-11-28) the suite took 6.3-7.1 minutes where one process took 10.1. `make test PARALLEL=`: one process.
+WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
+PARALLEL := -n $(WORKERS) --dist loadfile
 test: $(STAMP)
-	$(PY) -X faulthandler -m pytest -q $(PARALLEL)
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q $(PARALLEL)
 
 # The slow tests, then the whole suite again on a busy machine (test-busy).
 test-slow: $(STAMP)
@@ -49,7 +51,7 @@ test-slow: $(STAMP)
 test-busy: $(STAMP)
 	@$(PY) -c 'while True: pass' & a=$$!; $(PY) -c 'while True: pass' & b=$$!; \
 	trap 'kill $$a $$b' EXIT; echo "two CPU-bound processes spinning beside the suite (pids $$a $$b)"; \
-	$(PY) -X faulthandler -m pytest -q $(PARALLEL)
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q $(PARALLEL)
 
 # The CUDA suite. It fails (one line naming why) where no CUDA device can run a kernel, instead of passing
 # with every test skipped; it prints the driver, CUDA, cuDNN, ONNX Runtime and TensorRT versions it runs on.

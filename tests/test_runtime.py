@@ -172,7 +172,10 @@ def test_an_isa_cap_is_named_and_keeps_its_measurements_apart(monkeypatch):
     plain = runtime.describe()
     assert plain["isa_caps"] == {} and "capped" not in runtime.describe_line(plain)
     assert plain["torch_cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", " avx2 ")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", " avx2 ")  # oneDNN ignores a value with spaces
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")  # ATen reads lower case only
+    assert runtime.isa_caps() == {}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     capped = runtime.describe()
     assert capped["isa_caps"] == {"ATEN_CPU_CAPABILITY": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

@@ -240,3 +240,21 @@ def test_the_process_group_setup_formed_is_destroyed_before_the_interpreter_fina
     (SIGABRT), which torchrun counts as a failure: the group `distributed.setup` formed is destroyed at exit."""
     cpu_torchrun(AT_EXIT, tmp_path, name="at_exit.py", timeout=120)
     assert [(tmp_path / f"at_exit_{r}").read_text() for r in (0, 1)] == ["False", "False"]
+
+
+def test_a_rank_ending_on_an_error_keeps_its_group_at_exit(monkeypatch):
+    """An unhandled error (the interpreter sets sys.last_value before the exit handlers run): no graceful
+    shutdown that could wait on peers still in a collective."""
+    import sys
+
+    import torch.distributed as dist
+
+    destroyed = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: destroyed.append(True))
+    monkeypatch.setattr(sys, "last_value", RuntimeError("a rank's error"), raising=False)
+    distributed._destroy_at_exit()
+    assert destroyed == []
+    monkeypatch.delattr(sys, "last_value")
+    distributed._destroy_at_exit()
+    assert destroyed == [True]

@@ -51,6 +51,12 @@ _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_
 # Caps on the instructions torch's kernels (ATen) and oneDNN's may use, set in the environment before torch
 # starts (to reproduce an older CPU, or by a site's policy): what a process measures holds for its cap only.
 ISA_CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+# The values each takes: ATen compares exactly (lower case; anything else it ignores with a warning), oneDNN
+# ignores case but not spaces, and its ALL is no cap.
+_ATEN_CAPS = frozenset({"default", "avx2", "avx512", "vsx", "zvector", "sve256"})
+_ONEDNN_CAPS = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+                          "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+                          "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2"})
 
 
 @lru_cache(maxsize=1)
@@ -78,8 +84,23 @@ def _cpu_model() -> str:
 
 
 def isa_caps() -> dict[str, str]:
-    """The instruction-set caps this process runs under (`ISA_CAP_VARIABLES` set, upper-cased); {} for none."""
-    return {name: os.environ[name].strip().upper() for name in ISA_CAP_VARIABLES if os.environ.get(name, "").strip()}
+    """The instruction-set caps this process runs under (upper-cased), as the libraries read them: a value they
+    ignore (a misspelling, spaces, ATen's in upper case) caps nothing and is left out; {} for none."""
+    caps = {}
+    for name in ISA_CAP_VARIABLES:
+        value = os.environ.get(name, "")
+        known = _ATEN_CAPS if name == "ATEN_CPU_CAPABILITY" else _ONEDNN_CAPS
+        if (value if name == "ATEN_CPU_CAPABILITY" else value.upper()) in known:
+            caps[name] = value.upper()
+    return caps
+
+
+def _torch_cpu_kernels() -> str:
+    """The widest instructions ATen dispatches to here (its warning for an ignored ATEN_CPU_CAPABILITY is
+    torch's to give, once, when a kernel first runs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.backends.cpu.get_cpu_capability()
 
 
 def usable_cores() -> int:
@@ -99,7 +120,7 @@ def describe() -> dict[str, Any]:
         "cores": usable_cores(),
         "isa": {name: name in flags for name in _ISA_FLAGS},
         "isa_caps": isa_caps(),
-        "torch_cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # the widest ATen dispatches to here
+        "torch_cpu_kernels": _torch_cpu_kernels(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import secrets
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -149,8 +150,10 @@ def _destroy_at_exit() -> None:
     """The process group `setup` formed, destroyed while the interpreter is still whole. Left to the
     interpreter's finalisation, gloo's worker threads can still hold work whose tensors need the GIL, and a
     rank that finished its training aborts (SIGABRT: "terminate called without an active exception"), which
-    torchrun counts as a failed rank. A group the script destroyed itself is left alone."""
-    if dist.is_initialized():
+    torchrun counts as a failed rank. A group the script destroyed itself is left alone, and so is the group
+    of a rank ending on an error (an NCCL shutdown could wait on peers still in a collective: the rank fails
+    either way, and torchrun's restart should not wait)."""
+    if dist.is_initialized() and getattr(sys, "last_value", None) is None:
         with contextlib.suppress(Exception):  # at exit, nothing left to tell: the peers may be gone already
             dist.destroy_process_group()
 
