@@ -165,8 +165,8 @@ def _forward_pre(rec: Recorder) -> Callable[..., Any]:
 
 
 def _forward_post(rec: Recorder) -> Callable[..., Any]:
-    def post(module, args, output):
-        return rec.forward_end(module, output) if rec.enabled else None
+    def post(module, args, kwargs, output):  # with_kwargs: a model called as model(**batch) shows its batch here
+        return rec.forward_end(module, output, kwargs) if rec.enabled else None
     return post
 
 
@@ -295,7 +295,8 @@ PATCHES: tuple[AttrPatch | HookPatch, ...] = (
     AttrPatch("torch.utils.data.dataloader:_BaseDataLoaderIter", "__next__", _dataloader_next),
     AttrPatch("torchspeed.data:FastLoader", "__iter__", _fast_loader_iter),
     HookPatch("torch.nn.modules.module:register_module_forward_pre_hook", _forward_pre),
-    HookPatch("torch.nn.modules.module:register_module_forward_hook", _forward_post, (("always_call", True),)),
+    HookPatch("torch.nn.modules.module:register_module_forward_hook", _forward_post,
+              (("always_call", True), ("with_kwargs", True))),
     AttrPatch("torch.autograd", "backward", _backward),
     HookPatch("torch.optim.optimizer:register_optimizer_step_pre_hook", _optimizer_pre),
     HookPatch("torch.optim.optimizer:register_optimizer_step_post_hook", _optimizer_post),

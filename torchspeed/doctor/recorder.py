@@ -87,6 +87,7 @@ class Recorder:
         self.fix: Any = None  # doctor --try: the fixes.FixState this run injects
         self.non_blocking = False  # --try pin_memory: pinned copies to CUDA made non_blocking
         self._fwd_stack: list[bool] = []
+        self._input_at_end = False  # the loop's forward had no positional tensor: read its input from its keywords
         self._pending_eval_grad = False
         self._bn_cache: dict[int, bool] = {}
         self._last_loader: int | None = None
@@ -221,10 +222,14 @@ class Recorder:
             return self.fix.forward_pre(self, module, args, training and not is_loss)
         return None
 
-    def forward_end(self, module: Any, output: Any) -> Any:
-        """A module's forward ended (torch's global hook): the output a --try fix replaces, or None."""
+    def forward_end(self, module: Any, output: Any, kwargs: dict[str, Any] | None = None) -> Any:
+        """A module's forward ended (torch's global hook, with the call's keyword arguments): the output a --try
+        fix replaces, or None."""
         if not self._fwd_stack or not self._fwd_stack.pop():
             return None
+        if self._input_at_end:  # model(**batch): its batch is in the keywords (still under the same autocast)
+            self._input_at_end = False
+            self._observe_input(_first_tensor((kwargs or {}).values()), torch.is_grad_enabled())
         new = self.fix.forward_post(module, output) if self.fix is not None else None
         self.exit()
         return new
@@ -541,7 +546,21 @@ class Recorder:
         return self._bn_cache[key]
 
     def _observe_model(self, module: Any, args: tuple, training: bool) -> None:
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        """The loop's model, once, and its input: the first positional tensor, else (a model called with
+        keywords only) the first tensor among its keywords, read when its forward ends."""
+        if training and self.s["model"] is None:
+            self.model = module
+            self.s["model"] = model_settings(module)
+            self.s["parallel"] = self.s["model"]["parallel"]
+        x = _first_tensor(args)
+        if x is None and not args:
+            self._input_at_end = True
+            return
+        self._observe_input(x, training)
+
+    def _observe_input(self, x: torch.Tensor | None, training: bool) -> None:
+        """A forward's input: the GPU seen, and in training the samples of the step, the autocast it runs
+        under (on its device) and, once, its shape."""
         if x is not None and x.is_cuda:
             self._cuda_on()
         if not training:
@@ -552,14 +571,10 @@ class Recorder:
         if torch.is_autocast_enabled(dev):
             self.s["autocast"] = True
             self.s["autocast_precision"] = _precision_name(torch.get_autocast_dtype(dev))
-        if self.s["model"] is None:
-            self.model = module
-            self.s["model"] = model_settings(module)
-            self.s["parallel"] = self.s["model"]["parallel"]
-            if x is not None:
-                self.s["input"] = {"shape": list(x.shape), "dtype": str(x.dtype), "device": str(x.device),
-                                   "channels_last": x.dim() == 4 and not x.is_contiguous()
-                                   and x.is_contiguous(memory_format=torch.channels_last)}
+        if x is not None and self.s["input"] is None:
+            self.s["input"] = {"shape": list(x.shape), "dtype": str(x.dtype), "device": str(x.device),
+                               "channels_last": x.dim() == 4 and not x.is_contiguous()
+                               and x.is_contiguous(memory_format=torch.channels_last)}
 
     # ---------------------------------------------------------------- results
     def results(self) -> dict[str, Any]:
@@ -708,6 +723,18 @@ def image_stats(batch: Any) -> dict[str, Any] | None:
 
 def _items(batch: Any) -> Any:
     return batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]
+
+
+def _first_tensor(values: Any) -> torch.Tensor | None:
+    """The first tensor among a call's arguments, looking one level into a dict, list or tuple (a batch)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v
+        inner = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ()
+        for w in inner:
+            if isinstance(w, torch.Tensor):
+                return w
+    return None
 
 
 def _precision_name(dtype: Any) -> str:
