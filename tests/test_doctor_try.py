@@ -146,6 +146,26 @@ def test_numerics_tolerances_by_kind():
     assert fx.numerics("threads", base, {"losses": []})["ok"] is None  # no loss seen: not judged
 
 
+def test_compile_numerics_are_not_judged_where_dropout_draws_other_random_numbers():
+    """Compiled, dropout draws its masks from inductor's generator, not eager's: the losses differ with the
+    maths unchanged (a Hugging Face model's default dropout 0.1), so compile's numerics are not judged there."""
+    base = {"losses": [2.0, 1.8], "settings": {"model": {"dropout": 0.1}}}
+    num = fx.numerics("compile", base, {"losses": [2.01, 1.79]})
+    assert num["ok"] is None and "dropout (p=0.1)" in num["tolerance"] and "fallback_random" in num["tolerance"]
+    base["settings"]["model"]["dropout"] = 0.0
+    assert fx.numerics("compile", base, {"losses": [2.01, 1.79]})["ok"] is False  # no dropout: judged
+    assert fx.numerics("channels_last", {**base, "settings": {"model": {"dropout": 0.1}}},
+                       {"losses": [2.01, 1.79]})["ok"] is False  # eager fixes draw eager's numbers: judged
+
+
+def test_the_model_settings_name_its_largest_dropout():
+    from torchspeed.doctor.loop_setup import model_settings
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Dropout2d(0.25), nn.Linear(4, 2))
+    assert model_settings(model)["dropout"] == 0.25
+    assert model_settings(nn.Linear(4, 2))["dropout"] == 0.0
+
+
 def test_compile_steps_exclude_the_compiling_step():
     raw = {"windows": [{"wall": 1.0}, {"wall": 30.0}, {"wall": 0.5}, {"wall": 0.5}], "compile_window": 0}
     assert step_times(raw) == [0.5, 0.5]

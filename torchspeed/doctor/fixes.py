@@ -360,6 +360,11 @@ def numerics(name: str, base: dict[str, Any], fixed: dict[str, Any]) -> dict[str
     if kind == "order":
         return {"kind": kind, "steps_compared": 0, "max_rel_diff": None, "ok": None,
                 "tolerance": "not judged: the same samples in other batches (grouped by length) give other losses"}
+    dropout = ((base.get("settings") or {}).get("model") or {}).get("dropout") or 0.0
+    if name == "compile" and dropout > 0:
+        return {"kind": kind, "steps_compared": 0, "max_rel_diff": None, "ok": None,
+                "tolerance": f"not judged: the model's dropout (p={dropout:g}) draws other random numbers when "
+                             "compiled (torch._inductor.config.fallback_random = True draws eager's, to compare)"}
     lb, lf = base.get("losses") or [], fixed.get("losses") or []
     k = min(NUMERICS_STEPS, len(lb), len(lf))
     diff = max((abs(a - b) / max(abs(a), 1e-8) for a, b in zip(lb[:k], lf[:k])), default=None)

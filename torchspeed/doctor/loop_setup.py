@@ -51,6 +51,8 @@ def model_settings(model: nn.Module) -> dict[str, Any]:
             "dtype": str(p.dtype) if p is not None else None, "device": str(p.device) if p is not None else "cpu",
             "convs": sum(isinstance(m, nn.modules.conv._ConvNd) for m in mods),
             "bn_or_dropout": any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout)) for m in mods),
+            # the largest dropout probability of its dropout modules (a Hugging Face config's 0.1 by default)
+            "dropout": max((float(m.p) for m in mods if isinstance(m, nn.modules.dropout._DropoutNd)), default=0.0),
             "parallel": parallel, "repeated_blocks": repeated_blocks(model)}
 
 
