@@ -222,3 +222,16 @@ def test_profile_runs_a_hugging_face_style_model_on_dict_batches():
                     torch.optim.SGD(two.parameters(), lr=0.1), nn.functional.cross_entropy, steps=2, warmup=1,
                     batch_format=BatchFormat(inputs=(0, 1), target=2, logits=lambda o: o.logits))
     assert named.steps == 2
+
+
+def test_a_loader_without_workers_is_a_finding_only_where_the_loop_waits_for_it():
+    ld = {"name": "DataLoader #1", "num_workers": 0, "batch_size": 8, "batches": 10, "training": True}
+    waits = {x.rule: x for x in loop_findings(facts(loaders=[ld]))}["loader-no-workers"]  # 10% of the step
+    assert waits.expected_gain == pytest.approx(0.1)
+    assert "fast_loader" not in waits.fix  # token or tensor data: no JPEG decoding to make cheaper
+    quiet = facts(loaders=[ld])
+    quiet["phases"]["data"], quiet["phases"]["forward"] = 0.1, 4.9  # 1% of the step
+    assert "loader-no-workers" not in [x.rule for x in loop_findings(quiet)]
+    images = {**ld, "images": {"supported": True, "train": True, "dataset": "ImageFolder", "samples": 24, "crop": 32}}
+    on_images = {x.rule: x for x in loop_findings(facts(loaders=[images]))}["loader-no-workers"]
+    assert "ts.data.fast_loader" in on_images.fix and "--try fast_loader,workers" in on_images.command

@@ -96,6 +96,19 @@ def test_try_interleaves_the_baseline_and_keeps_only_gains_beyond_the_spread():
     assert f["no-channels-last"]["estimated_gain"] == 0.08 and "measured by doctor --try" in f["no-channels-last"]["gain_basis"]
 
 
+def test_fixes_measured_without_a_gain_keep_the_order_of_their_estimates():
+    """Measured within the spread, both fall to a gain of 0: the one estimated larger still comes first, not
+    the one whose name sorts first."""
+    payload = {"findings": [{"rule": "loader-no-workers", "severity": "speed", "expected_gain": 0.0, "gain_basis": "a"},
+                            {"rule": "no-channels-last", "severity": "speed", "expected_gain": 0.2, "gain_basis": "b"}]}
+    row = {"name": "", "speedup": 1.02, "step_s": 0.98, "baseline_step_s": 1.0, "spread": 0.05, "kept": False,
+           "verdict": "within the spread"}
+    tried = [{**row, "name": "workers", "fix": "workers=2"}, {**row, "name": "channels_last", "fix": "channels_last"}]
+    apply_measured(payload, tried, ["python", "t.py"])
+    assert [f["rule"] for f in payload["findings"]] == ["no-channels-last", "loader-no-workers"]
+    assert all(f["expected_gain"] == 0.0 for f in payload["findings"])
+
+
 def test_a_kept_fix_that_does_not_hold_on_its_second_run_is_dropped():
     """One quiet minute during a fix's run is not a gain: the second (fix, baseline) pair must agree."""
     fix_runs = iter([0.5, 1.0])

@@ -45,9 +45,8 @@ class Fix:
 FIXES: dict[str, Fix] = {
     # loop / settings rules (doctor, profile)
     "loader-no-workers": Fix(
-        "load batches in worker processes so decoding overlaps the step: DataLoader(num_workers=N, "
-        "persistent_workers=True); or decode for less: ts.data.fast_loader(data, batch_size) (DCT-scaled JPEG "
-        "decoding, crops on uint8, in threads), which --try fast_loader measures where the loader reads image files",
+        "load batches in worker processes so loading overlaps the step: DataLoader(num_workers=N, "
+        "persistent_workers=True)",
         "torchspeed doctor --try workers -- python your_train.py"),
     "loader-not-persistent": Fix(
         "keep workers alive across epochs: DataLoader(..., persistent_workers=True) (fast_loader does)",

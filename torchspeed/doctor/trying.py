@@ -305,11 +305,13 @@ def apply_measured(payload: dict[str, Any], tried: list[dict[str, Any]], command
     payload["findings"] = sorted(payload.get("findings") or [], key=_measured_rank)
 
 
-def _measured_rank(f: dict[str, Any]) -> tuple[int, int, float, str]:
+def _measured_rank(f: dict[str, Any]) -> tuple[int, int, float, float, str]:
     """Bugs first; then fixes --try measured as gains, fixes not measured (estimates), fixes measured
-    without a gain (within the spread, slower, changed results), each by expected gain; info last."""
+    without a gain (within the spread, slower, changed results), each by expected gain, then by what was
+    estimated before measuring; info last."""
     tier = 1 if "measured" not in f else 0 if f["measured"] == "kept" else 2
-    return SEVERITY_ORDER.get(f["severity"], 3), tier, -f["expected_gain"], f["rule"]
+    return (SEVERITY_ORDER.get(f["severity"], 3), tier, -f["expected_gain"], -(f.get("estimated_gain") or 0.0),
+            f["rule"])
 
 
 def _fmt(x: float | None, spec: str) -> str:
