@@ -183,3 +183,15 @@ def test_doctor_parent_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_busy_machine_is_named_beside_the_step_times_of_a_plain_run(script, tmp_path, monkeypatch):
+    from torchspeed.measure import OthersLoad
+
+    monkeypatch.setattr(OthersLoad, "cores", lambda self: 1.5)  # other processes held 1.5 cores meanwhile
+    assert main(["doctor", "--steps", "3", "--no-memory", "--json", str(tmp_path / "d.json"), "--",
+                 sys.executable, script, "forever"]) == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["others_cores"] == 1.5
+    assert any(e.startswith("the machine was busy: other processes used 1.5") for e in d["evidence"])

@@ -31,7 +31,7 @@ from torchspeed.doctor.output import markdown, print_profile
 from torchspeed.doctor.phases import PHASES, verdict
 from torchspeed.doctor.rules import loop_findings
 from torchspeed.doctor.transformer_rules import transformer_findings
-from torchspeed.measure import OthersLoad, wait_for_quiet_machine
+from torchspeed.measure import OthersLoad, busy_warning, wait_for_quiet_machine
 from torchspeed.outputs import check_output_file, claim_output_dir
 
 __all__ = ["QUIET_WAIT_S", "REPORT_FILES", "TRY_STEPS", "build_payload", "check_interpreter", "child_command", "run_doctor"]
@@ -335,11 +335,14 @@ def run_doctor(command: list[str], steps: int | None = None, out: str | None = N
     env = _child_env(steps, cprofile, trace, out, seeded=measure_fixes, memory=memory)
     check_interpreter(argv, env)
     quiet = wait_for_quiet_machine(max_s=QUIET_WAIT_S) if measure_fixes else None  # before the first timed run
-    load = OthersLoad() if measure_fixes else None  # other processes' load over the baseline and every fix run
+    load = OthersLoad()  # other processes' load over the run (and, under --try, every fix run after it)
     status, raw, ranks, timed_out, interrupted = _run_child(argv, env, timeout)
-    if load is not None:
-        raw["others_cores"] = load.cores()
+    raw["others_cores"] = load.cores()
     payload = build_payload(raw, command, status)
+    busy = busy_warning(raw["others_cores"])
+    if busy and payload["verdict"] is not None:  # named beside the step times it inflated
+        payload["evidence"].append(busy)
+    payload["others_cores"] = raw["others_cores"]
     _note_how_it_ended(payload, raw, status, ranks, timeout if timed_out else None, interrupted)
     con = None if console is False else console or Console()
     if measure_fixes:
