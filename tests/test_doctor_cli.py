@@ -9,12 +9,18 @@ from torchspeed.cli import main
 from torchspeed.doctor.launch import build_payload, child_command
 
 SCRIPT = textwrap.dedent("""
-    import sys, torch
+    import sys, time, torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
     torch.set_num_threads(1)
     mode = sys.argv[1]
-    loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8, num_workers=0)
+
+    class Slow(TensorDataset):       # a millisecond a sample: the loop waits for its loader
+        def __getitem__(self, i):
+            time.sleep(0.001)
+            return super().__getitem__(i)
+
+    loader = DataLoader(Slow(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8, num_workers=0)
     model = nn.Linear(8, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = 0
