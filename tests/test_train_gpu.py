@@ -350,3 +350,37 @@ def test_more_processes_than_gpus_is_a_clear_error_on_every_rank(tmp_path):
         one = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
                              timeout=120, env=alone)
         assert one.returncode != 0 and "processes would share a GPU" in one.stderr, (rank, one.stderr[-2000:])
+
+
+AT_EXIT_SCRIPT = r'''
+import atexit, os, sys
+import torch
+import torch.distributed as dist
+from torchspeed.train import distributed
+
+out, mode = sys.argv[1], sys.argv[2]
+# registered before setup's own exit handler, so it runs after it: what the interpreter's finalisation finds
+atexit.register(lambda: open(os.path.join(out, f"at_exit_{mode}"), "w").write(str(dist.is_initialized())))
+distributed.setup(torch.device("cuda"))
+t = torch.ones(2, device="cuda")
+dist.all_reduce(t)
+torch.cuda.synchronize()
+if mode == "raise":
+    raise RuntimeError("a rank's error after its collectives")
+'''
+
+
+def test_an_nccl_group_is_destroyed_at_a_clean_exit_and_kept_on_an_error(tmp_path):
+    """The exit handler of `distributed.setup` on NCCL: a finished rank destroys its group and exits 0; a rank
+    ending on an error leaves it (no graceful shutdown that could wait on peers) and still exits, unhung."""
+    script = tmp_path / "at_exit.py"
+    script.write_text(AT_EXIT_SCRIPT)
+    for mode, ok, left in (("return", True, "False"), ("raise", False, "True")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script),
+               str(tmp_path), mode]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"torchrun hung at exit ({mode}; killed after {e.timeout} s)")
+        assert (proc.returncode == 0) == ok, (mode, proc.stderr[-3000:])
+        assert (tmp_path / f"at_exit_{mode}").read_text() == left, mode
