@@ -73,7 +73,7 @@ def print_profile(d: dict[str, Any], console: Any = None) -> None:
     if d.get("throughput"):
         extra.append(f"throughput {d['throughput']:,.1f} samples/s")
     if d.get("peak_memory_bytes"):
-        extra.append(f"peak memory {_mb(d['peak_memory_bytes'])}")
+        extra.append(f"peak memory of the run {_mb(d['peak_memory_bytes'])}")  # beside one step's, below
     if extra:
         con.print(", ".join(extra))
     con.print(f"[bold]Verdict: {d.get('verdict')}[/]")
