@@ -301,3 +301,12 @@ def test_torchrun_command_starts_every_worker_through_the_bootstrap(tmp_path):
     assert same[same.index("--no-python") + 1] == sys.executable
     with pytest.raises(ValueError, match="torchrun"):
         child_command(["torchrun", "--nproc-per-node", "2", "-m", "pkg.train"])
+
+
+def test_the_input_is_read_from_a_batch_dict_but_not_from_a_list_of_images():
+    from torchspeed.doctor.recorder import _first_tensor
+
+    x = torch.zeros(4, 6)
+    assert _first_tensor(({"pixel_values": x, "labels": torch.zeros(4)},)) is x  # model(batch)
+    assert _first_tensor(({"pixel_values": x}.values())) is x  # model(**batch): the keywords' values
+    assert _first_tensor(([torch.zeros(3, 8, 8), torch.zeros(3, 8, 8)],)) is None  # a detection model's images

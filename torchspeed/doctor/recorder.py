@@ -726,12 +726,10 @@ def _items(batch: Any) -> Any:
 
 
 def _first_tensor(values: Any) -> torch.Tensor | None:
-    """The first tensor among a call's arguments, looking one level into a dict, list or tuple (a batch)."""
+    """The first tensor among a call's arguments, or among the values of a dict passed whole (a batch dict).
+    A list is not looked into: a detection model's list holds one image a sample, not a batch."""
     for v in values:
-        if isinstance(v, torch.Tensor):
-            return v
-        inner = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ()
-        for w in inner:
+        for w in (v.values() if isinstance(v, dict) else (v,)):
             if isinstance(w, torch.Tensor):
                 return w
     return None
