@@ -96,7 +96,9 @@ def test_what_checkpointing_frees_is_counted_in_an_ordinary_step():
     model.zero_grad(set_to_none=True)
     last = len(blocks)
     assert saved.freed(0) == 0 and all(saved.freed(k) < saved.freed(k + 1) for k in range(last - 1))
-    peaks = [min(_backward_peak(model, x, y, k) for _ in range(2)) for k in range(last + 1)]  # one-offs aside
+    # the least of 3: one-offs aside, and a tensor another thread of the process allocates meanwhile (a
+    # loader thread an earlier test left in the same pytest worker: the CPU allocator counts the process)
+    peaks = [min(_backward_peak(model, x, y, k) for _ in range(3)) for k in range(last + 1)]
     for k in range(1, last):  # the peak falls by what was counted, within 5%
         assert abs((peaks[0] - peaks[k]) - saved.freed(k)) <= 0.05 * saved.freed(k), (k, peaks, saved.freed(k))
     # the last block checkpointed runs again where the peak is (the backward's start): not counted as freed
