@@ -33,7 +33,7 @@ demo: $(STAMP)
 # processes they start too, even if a library replaced pytest's own handler. One pytest worker a core this
 # process may use (nproc: affinity and CPU sets; at most 4), each taking whole test files: much of the suite
 # waits on the processes it starts (torchrun launches, fresh interpreters), so on a quiet 2-core AMD EPYC
-# (2026-11-28) the suite took 6.3-7.1 minutes where one process took 10.1. `make test PARALLEL=`: one process.
+# (2026-11-28) the suite took 6.3-7.6 minutes where one process took 10.1. `make test PARALLEL=`: one process.
 WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
 PARALLEL := -n $(WORKERS) --dist loadfile
 test: $(STAMP)
